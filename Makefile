@@ -1,0 +1,38 @@
+# polyshard: `make demo` runs the main job, `make test` runs the test suite.
+# Both set up .venv first. For a CUDA build of torch: make setup TORCH="torch==2.13.0 --index-url ..."
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+PACKAGES := packages/mesh packages/collectives apps/cli
+STAMP := $(VENV)/.polyshard-setup
+
+.PHONY: setup test demo lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES))
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+demo: setup
+	$(BIN)/polyshard bench comm --nproc 4
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""polyshard.cli: the `polyshard` command."""

@@ -1,0 +1,48 @@
+"""The ``polyshard`` command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from polyshard.cli.launch import run_local
+
+app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("comm")
+def bench_comm(
+    nproc: int = typer.Option(4, "--nproc", min=1, help="Number of local processes."),
+    ops: str = typer.Option(
+        "all_reduce,all_gather,reduce_scatter,all_to_all,broadcast", "--ops", help="Comma-separated collectives."
+    ),
+    sizes: str = typer.Option("4K,64K,1M,4M", "--sizes", help="Comma-separated buffer sizes (K/M/G suffixes)."),
+    iters: int = typer.Option(10, "--iters", min=1, help="Timed iterations per size."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+) -> None:
+    """Time each collective over a range of sizes: time, algbw and busbw (nccl-tests definitions)."""
+    from polyshard.collectives.bench import OPS, parse_size
+
+    unknown = [o for o in ops.split(",") if o.strip() and o.strip() not in OPS]
+    if unknown:
+        raise typer.BadParameter(f"unknown ops {unknown}; choose from {list(OPS)}", param_hint="--ops")
+    for s in sizes.split(","):
+        try:
+            parse_size(s)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--sizes") from err
+    args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters)]
+    if json_path is not None:
+        args += ["--json", str(json_path.resolve())]
+    raise typer.Exit(run_local(nproc, "polyshard.collectives.bench", args))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""polyshard.collectives: autograd-aware collectives, p2p helpers and a byte ledger."""
+
+from polyshard.collectives.autograd import (
+    all_gather,
+    all_to_all,
+    copy_to,
+    gather_from,
+    reduce_from,
+    reduce_scatter,
+    scatter_to,
+)
+from polyshard.collectives.errors import CollectiveError
+from polyshard.collectives.ledger import CommLedger
+from polyshard.collectives.p2p import exchange, recv, recv_with_meta, send, send_with_meta
+
+__all__ = [
+    "CollectiveError",
+    "CommLedger",
+    "all_gather",
+    "all_to_all",
+    "copy_to",
+    "exchange",
+    "gather_from",
+    "recv",
+    "recv_with_meta",
+    "reduce_from",
+    "reduce_scatter",
+    "scatter_to",
+    "send",
+    "send_with_meta",
+]

@@ -1,0 +1,150 @@
+"""Plain (non-autograd) collectives along a tensor dim, each reported to the ledger.
+
+These are the only places polyshard calls ``torch.distributed`` collectives,
+so the byte ledger sees all traffic. ``group=None`` means the whole world.
+Gloo and NCCL both run everything here; list-form ``all_to_all`` is avoided
+because gloo cannot exchange tensors of different sizes with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives.errors import CollectiveError
+from polyshard.collectives.ledger import record
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def rank_in(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+):
+    """In-place all-reduce; returns the work handle when ``async_op``."""
+    record("all_reduce", group, _nbytes(tensor))
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False):
+    """In-place broadcast from global rank ``src``."""
+    record("broadcast", group, _nbytes(tensor))
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def check_divisible(size: int, n: int, what: str) -> None:
+    if size % n:
+        raise CollectiveError(
+            f"{what} has size {size}, which does not split evenly over {n} ranks; pad it to a multiple of {n}"
+        )
+
+
+def all_gather(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    record("all_gather", group, _nbytes(out))
+    dist.all_gather_single(out, tensor, group=group)
+    if dim % tensor.dim() == 0:
+        return out
+    return torch.cat(out.chunk(n, dim=0), dim=dim)
+
+
+def all_gather_flat(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+):
+    """All-gather equal 1-D shards into ``out`` (n x shard numel); for flat ZeRO buffers."""
+    record("all_gather", group, _nbytes(out))
+    return dist.all_gather_single(out, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    dim: int = 0,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> torch.Tensor:
+    """Sum ``tensor`` over the group and keep this rank's piece along ``dim``."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    check_divisible(tensor.shape[dim], n, f"reduce_scatter input dim {dim}")
+    dim = dim % tensor.dim()
+    # Lay the n pieces one after another along dim 0, the layout the collective splits.
+    stacked = tensor.contiguous() if dim == 0 else torch.cat(tensor.chunk(n, dim=dim), dim=0)
+    out_shape = list(tensor.shape)
+    out_shape[dim] //= n
+    out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
+    record("reduce_scatter", group, _nbytes(tensor))
+    dist.reduce_scatter_single(out, stacked, op=op, group=group)
+    return out
+
+
+def reduce_scatter_flat(
+    out: torch.Tensor,
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = False,
+):
+    """Reduce-scatter a flat buffer of n equal pieces into ``out``; for flat ZeRO buffers."""
+    record("reduce_scatter", group, _nbytes(tensor))
+    return dist.reduce_scatter_single(out, tensor, op=op, group=group, async_op=async_op)
+
+
+def split(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """This rank's equal piece of ``tensor`` along ``dim`` (no communication)."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    check_divisible(tensor.shape[dim], n, f"split input dim {dim}")
+    return tensor.chunk(n, dim=dim)[rank_in(group)].contiguous()
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Exchange rows of ``tensor`` (dim 0): ``input_split_sizes[j]`` rows go to rank j.
+
+    Returns ``sum(output_split_sizes)`` rows, ``output_split_sizes[j]`` from rank j.
+    """
+    n = world_size(group)
+    if len(output_split_sizes) != n or len(input_split_sizes) != n:
+        raise CollectiveError(
+            f"all_to_all needs {n} split sizes per direction, got {len(input_split_sizes)} and {len(output_split_sizes)}"
+        )
+    if sum(input_split_sizes) != tensor.shape[0]:
+        raise CollectiveError(
+            f"input_split_sizes sum to {sum(input_split_sizes)} but the tensor has {tensor.shape[0]} rows"
+        )
+    tensor = tensor.contiguous()
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    out = torch.empty((sum(output_split_sizes),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    me = rank_in(group)
+    sent_to_others = sum(s for j, s in enumerate(input_split_sizes) if j != me) * row_bytes
+    record("all_to_all", group, _nbytes(tensor), wire_bytes=sent_to_others)
+    dist.all_to_all_single(
+        out, tensor, output_split_sizes=list(output_split_sizes), input_split_sizes=list(input_split_sizes), group=group
+    )
+    return out

@@ -1,0 +1,101 @@
+"""Point-to-point helpers for pipelines.
+
+Peers are *global* ranks (as ``torch.distributed`` expects); ``group`` only
+selects the communicator.
+
+* :func:`send` / :func:`recv`: a tensor whose shape and dtype both sides know.
+* :func:`send_with_meta` / :func:`recv_with_meta`: the sender first sends a
+  small header (dtype and shape) so the receiver can allocate the buffer.
+* :func:`exchange`: any mix of sends and receives posted together with
+  ``batch_isend_irecv``. Two neighbours that each send to and receive from
+  the other at once cannot deadlock, because no operation waits before all
+  are posted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives.errors import CollectiveError
+from polyshard.collectives.ledger import record
+
+_MAX_DIMS = 8
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    record("send", group, _nbytes(tensor))
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv(buffer: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Receive into ``buffer`` (whose shape and dtype the sender agreed to) and return it."""
+    record("recv", group, _nbytes(buffer), wire_bytes=0.0)
+    dist.recv(buffer, src=src, group=group)
+    return buffer
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dim() > _MAX_DIMS:
+        raise CollectiveError(f"send_with_meta supports up to {_MAX_DIMS} dims, got {tensor.dim()}")
+    if tensor.dtype not in _DTYPES:
+        raise CollectiveError(f"send_with_meta cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    header[0] = _DTYPES.index(tensor.dtype)
+    header[1] = tensor.dim()
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header.to(tensor.device)
+
+
+def send_with_meta(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send dtype and shape, then the tensor; pair with :func:`recv_with_meta`."""
+    send(_header(tensor), dst, group)
+    send(tensor, dst, group)
+
+
+def recv_with_meta(
+    src: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Receive a tensor sent with :func:`send_with_meta`, allocating it from the header."""
+    header = recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device), src, group).tolist()
+    dtype, ndim = _DTYPES[header[0]], header[1]
+    return recv(torch.empty(header[2 : 2 + ndim], dtype=dtype, device=device), src, group)
+
+
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Post every ``(tensor, dst)`` send and ``(buffer, src)`` receive together, then wait.
+
+    Receives fill their buffers in place.
+    """
+    ops = []
+    for tensor, dst in sends:
+        record("send", group, _nbytes(tensor))
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), dst, group))
+    for buffer, src in recvs:
+        record("recv", group, _nbytes(buffer), wire_bytes=0.0)
+        ops.append(dist.P2POp(dist.irecv, buffer, src, group))
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

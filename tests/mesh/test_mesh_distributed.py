@@ -1,0 +1,111 @@
+"""Mesh on live processes: groups really contain the ranks the layout says."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from polyshard.mesh import DistributedInitError, Mesh, MeshError, init_distributed
+
+
+def _group_sums(axes):
+    """For every axis subset, all-reduce the rank over mesh.group(subset)."""
+    mesh = Mesh(axes)
+    out = {}
+    for subset in mesh.layout.axis_subsets():
+        t = torch.tensor([float(mesh.rank)])
+        dist.all_reduce(t, group=mesh.group(subset))
+        out[subset] = (t.item(), sum(mesh.ranks_in_group(subset)), mesh.group_rank(subset))
+    return out
+
+
+def test_quintnet_groups_on_eight_ranks(distributed):
+    # 8 ranks, [dp, tp, pp] = 2x2x2: every group's all-reduce sums exactly its listed ranks.
+    results = distributed.run(8, _group_sums, {"dp": 2, "tp": 2, "pp": 2})
+    for rank, per_subset in enumerate(results):
+        for subset, (got, expected, _) in per_subset.items():
+            assert got == expected, (rank, subset)
+    assert results[0][("dp",)][1] == 0 + 4 and results[0][("pp",)][1] == 0 + 1 and results[0][("tp",)][1] == 0 + 2
+
+
+@pytest.mark.parametrize(
+    "world, axes",
+    [
+        (1, {"dp": 1}),
+        (3, {"pp": 1, "dp": 3, "tp": 1}),
+        (6, {"dp": 3, "tp": 2}),
+        (4, {"dp": 1, "ep": 2, "tp": 2, "pp": 1}),
+    ],
+)
+def test_meshes_of_many_sizes(distributed, world, axes):
+    results = distributed.run(world, _group_sums, axes)
+    for per_subset in results:
+        for got, expected, _ in per_subset.values():
+            assert got == expected
+
+
+def _submesh_and_coords():
+    mesh = Mesh({"dp": 2, "ep": 2})
+    sub = mesh.submesh(("ep",))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub.group("ep"))
+    return mesh.coords(), sub.rank, sub.size(), t.item(), mesh.coord("dp"), sub.ranks_in_group("ep")
+
+
+def test_submesh(distributed):
+    results = distributed.run(4, _submesh_and_coords)
+    assert [r[0] for r in results] == [{"dp": 0, "ep": 0}, {"dp": 0, "ep": 1}, {"dp": 1, "ep": 0}, {"dp": 1, "ep": 1}]
+    assert [r[1] for r in results] == [0, 1, 0, 1]  # submesh rank = ep coordinate
+    assert all(r[2] == 2 and r[3] == 2.0 for r in results)
+    assert [r[5] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def _torch_device_mesh():
+    mesh = Mesh({"dp": 2, "tp": 2})
+    device_mesh = mesh.to_torch_device_mesh()
+    tp_ranks = dist.get_process_group_ranks(device_mesh.get_group("tp"))
+    return device_mesh.mesh.tolist(), list(device_mesh.mesh_dim_names), tp_ranks, mesh.ranks_in_group("tp")
+
+
+def test_to_torch_device_mesh(distributed):
+    for mesh_ranks, names, tp_ranks, ours in distributed.run(4, _torch_device_mesh):
+        assert mesh_ranks == [[0, 1], [2, 3]] and names == ["dp", "tp"]
+        assert tp_ranks == ours
+
+
+def _wrong_world_size():
+    with pytest.raises(MeshError, match="has 8 ranks but the job has 2 processes"):
+        Mesh({"dp": 4, "tp": 2})
+    with pytest.raises(MeshError, match="unknown mesh axis 'ep'"):
+        Mesh({"dp": 2}).group("ep")
+    # Already initialised: asking again as the same rank is a no-op, as another rank an error.
+    ctx = init_distributed(rank=dist.get_rank(), world_size=2)
+    assert ctx.world_size == 2 and ctx.backend == "gloo"
+    with pytest.raises(DistributedInitError, match="already running as rank"):
+        init_distributed(rank=dist.get_rank(), world_size=3)
+    return True
+
+
+def test_errors_inside_a_job(distributed):
+    assert distributed.run(2, _wrong_world_size) == [True, True]
+
+
+def test_init_errors_before_any_group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(DistributedInitError, match="launch with torchrun"):
+        init_distributed()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(MeshError, match=r"has 6 ranks but the job has 4 processes"):
+        init_distributed(mesh_axes={"dp": 3, "tp": 2})
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(DistributedInitError, match="not an integer"):
+        init_distributed()
+    assert not dist.is_initialized() and "MASTER_PORT" not in os.environ
+
+
+def test_mesh_without_processes_is_an_error():
+    with pytest.raises(MeshError, match="call polyshard.mesh.init_distributed"):
+        Mesh({"dp": 2})
