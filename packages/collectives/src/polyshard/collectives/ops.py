@@ -132,7 +132,8 @@ def all_to_all(
     n = world_size(group)
     if len(output_split_sizes) != n or len(input_split_sizes) != n:
         raise CollectiveError(
-            f"all_to_all needs {n} split sizes per direction, got {len(input_split_sizes)} and {len(output_split_sizes)}"
+            f"all_to_all needs {n} split sizes per direction (one per rank), "
+            f"got {len(input_split_sizes)} input and {len(output_split_sizes)} output sizes"
         )
     if sum(input_split_sizes) != tensor.shape[0]:
         raise CollectiveError(

@@ -138,6 +138,7 @@ class WorkerPool:
         errors: dict[int, str] = {}
         pending = set(range(self.world_size))
         deadline = time.monotonic() + timeout_s
+        first_error = 0.0
         while pending:
             limit = deadline if not errors else min(deadline, first_error + _FAILURE_GRACE_S)
             ready = wait([self._conns[r] for r in pending], timeout=max(0.0, limit - time.monotonic()))

@@ -1,0 +1,1 @@
+"""polyshard.ep: Expert parallelism: mixture-of-experts with all-to-all dispatch."""

@@ -1,0 +1,1 @@
+"""polyshard.pp: Pipeline parallelism: partitioning, schedules as data, one executor, a simulator."""

@@ -1,0 +1,1 @@
+"""polyshard.tp: Tensor and sequence parallelism."""
