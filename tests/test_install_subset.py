@@ -34,7 +34,7 @@ def test_mesh_and_collectives_install_alone(tmp_path):
         "import importlib.util as u, polyshard.collectives, polyshard.mesh;"
         "from polyshard.collectives import copy_to; from polyshard.mesh import MeshLayout;"
         "print(u.find_spec('polyshard.tp') is None, u.find_spec('polyshard.trainer') is None,"
-        " polyshard.mesh.__file__.startswith(%r))" % str(site)
+        f" polyshard.mesh.__file__.startswith({str(site)!r}))"
     )
     out = subprocess.check_output([py, "-c", probe], text=True, cwd=tmp_path).split()
     assert out == ["True", "True", "True"]

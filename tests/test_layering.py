@@ -6,8 +6,9 @@ and fails when one points sideways or up.
 
 import ast
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from polyshard.collectives import CommLedger, exchange, recv, recv_with_meta, send, send_with_meta
-from polyshard.collectives import ops
+from polyshard.collectives import CommLedger, exchange, ops, recv, recv_with_meta, send, send_with_meta
 from polyshard.mesh import Mesh
 
 
