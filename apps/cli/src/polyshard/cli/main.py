@@ -12,6 +12,8 @@ app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.",
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 app.add_typer(bench_app, name="bench")
 
+BENCHMARKED_PACKAGES: tuple[str, ...] = ()
+
 
 @bench_app.command("comm")
 def bench_comm(
@@ -38,6 +40,28 @@ def bench_comm(
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.collectives.bench", args))
+
+
+def _bench_with_peer(package: str):
+    """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
+
+    The module's ``main(argv)`` accepts ``--json FILE`` and prints ours vs the PyTorch peer.
+    """
+
+    def command(
+        nproc: int = typer.Option(2, "--nproc", min=1, help="Number of local processes."),
+        json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+    ) -> None:
+        args = ["--json", str(json_path.resolve())] if json_path is not None else []
+        raise typer.Exit(run_local(nproc, f"polyshard.{package}.bench", args))
+
+    command.__doc__ = f"polyshard.{package} against PyTorch's own implementation: median step times and ratios."
+    return command
+
+
+# Each parallelism package that ships a ``bench`` module gets a ``polyshard bench <name>`` command.
+for _package in BENCHMARKED_PACKAGES:
+    bench_app.command(_package)(_bench_with_peer(_package))
 
 
 def main() -> None:
