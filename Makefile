@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := packages/mesh packages/collectives packages/tp packages/pp packages/dp packages/ep apps/cli
+PACKAGES := packages/mesh packages/collectives packages/tp packages/pp packages/dp packages/ep packages/trainer apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
 .PHONY: setup test demo lint format clean

@@ -1,0 +1,1 @@
+"""polyshard.trainer: config, models, data and the training loop."""

@@ -1,0 +1,335 @@
+"""Training configuration: TOML files parsed into frozen dataclasses.
+
+One dataclass per section (``model``, ``parallel``, ``training``, ``data``,
+``checkpoint``, ``logging``); each field is documented by the line under it.
+Parsing is strict: an unknown key is an error that names it and suggests the
+nearest known one. ``--set section.key=value`` overrides any field.
+
+Constraints *between* fields (mesh size vs processes, heads vs tp, layers vs
+pipeline stages, ...) are checked by :func:`validate` before any process
+starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from polyshard.trainer.errors import ConfigError
+
+# "moe-gpt" (the GPT with polyshard.ep's MoE layer) joins once the trainer composes expert parallelism.
+MODEL_KINDS = ("gpt", "vit")
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 64, "num_layers": 4, "num_heads": 4, "context_length": 64},
+    "small": {"hidden": 256, "num_layers": 6, "num_heads": 8, "context_length": 256},
+    "gpt2-124m": {"hidden": 768, "num_layers": 12, "num_heads": 12, "context_length": 1024, "vocab_size": 50257},
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    kind: str = "gpt"
+    """gpt (decoder-only language model) or vit (image classifier)."""
+    preset: str | None = None
+    """tiny, small or gpt2-124m: sets hidden, num_layers, num_heads, context_length (keys given here win)."""
+    vocab_size: int = 256
+    """Tokens in the vocabulary; 256 for the byte-level tokenizer."""
+    context_length: int = 64
+    """Tokens per sequence (gpt) — the packing length."""
+    hidden: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Query heads per attention layer."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means num_heads."""
+    mlp_ratio: int = 4
+    """MLP hidden width = mlp_ratio x hidden."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout probability on attention and MLP outputs."""
+    num_experts: int = 4
+    """Experts per MoE layer (moe-gpt)."""
+    top_k: int = 2
+    """Experts each token is routed to (moe-gpt)."""
+    capacity_factor: float | None = None
+    """None for dropless routing; otherwise tokens beyond capacity are dropped (moe-gpt)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss (moe-gpt)."""
+    image_size: int = 8
+    """Side of the square input image (vit)."""
+    patch_size: int = 2
+    """Side of a square patch (vit)."""
+    channels: int = 1
+    """Input channels (vit)."""
+    num_classes: int = 10
+    """Output classes (vit)."""
+
+    def __post_init__(self):
+        _check_choice("model.kind", self.kind, MODEL_KINDS)
+        if self.preset is not None:
+            _check_choice("model.preset", self.preset, list(PRESETS))
+        for name in ("vocab_size", "context_length", "hidden", "num_layers", "num_heads", "mlp_ratio"):
+            _check_positive(f"model.{name}", getattr(self, name))
+        if self.hidden % self.num_heads:
+            raise ConfigError(
+                f"model.hidden={self.hidden} is not a multiple of model.num_heads={self.num_heads}; "
+                f"choose num_heads in {_divisors(self.hidden)}"
+            )
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
+                f"choose one of {_divisors(self.num_heads)}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.kind == "moe-gpt" and not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}")
+        if self.kind == "vit" and self.image_size % self.patch_size:
+            raise ConfigError(
+                f"model.image_size={self.image_size} is not a multiple of model.patch_size={self.patch_size}; "
+                f"choose patch_size in {_divisors(self.image_size)}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens per example the transformer sees (patches + class token for the ViT)."""
+        if self.kind == "vit":
+            return (self.image_size // self.patch_size) ** 2 + 1
+        return self.context_length
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    """Data-parallel replicas (or ZeRO shards)."""
+    tp: int = 1
+    """Tensor-parallel ranks (neighbouring ranks; the fastest mesh axis)."""
+    pp: int = 1
+    """Pipeline stages."""
+    ep: int = 1
+    """Expert-parallel ranks; they also split the batch, so non-expert gradients reduce over dp x ep."""
+    sequence_parallel: bool = False
+    """Keep activations between tensor-parallel regions sharded along the sequence."""
+    zero_stage: int = 0
+    """0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    microbatches: int = 1
+    """Microbatches per step (pipeline microbatches and gradient accumulation)."""
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+            _check_positive(f"parallel.{name}", getattr(self, name))
+        _check_choice("parallel.schedule", self.schedule, SCHEDULES)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(
+                f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
+                f"(got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.ep * self.pp * self.tp
+
+    @property
+    def mesh_axes(self) -> dict[str, int]:
+        """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours."""
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    global_batch_size: int = 16
+    """Sequences (or images) per optimizer step, over all data ranks and microbatches."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only; not norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    seed: int = 0
+    """Seeds the weights, the data order and dropout."""
+    precision: str = "fp32"
+    """fp32, or bf16 autocast compute with fp32 master weights."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass."""
+    eval_every: int = 50
+    """Evaluate on the validation split every N steps (0 disables)."""
+    eval_batches: int = 4
+    """Batches per evaluation."""
+    sample_tokens: int = 200
+    """Tokens of text to sample from the GPT at the end (0 disables)."""
+
+    def __post_init__(self):
+        for name in ("steps", "global_batch_size"):
+            _check_positive(f"training.{name}", getattr(self, name))
+        _check_choice("training.precision", self.precision, PRECISIONS)
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= training.min_lr ({self.min_lr}) <= training.lr ({self.lr}) and lr > 0")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ConfigError("training.warmup_steps and training.grad_clip must be >= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    source: str = "shakespeare"
+    """'shakespeare' (built in), 'digits' (built in, for the ViT), a local text file or folder, or a dataset name."""
+    val_fraction: float = 0.1
+    """Share of the data held out for validation."""
+    shuffle: bool = True
+    """Shuffle training examples (seeded by training.seed)."""
+
+    def __post_init__(self):
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0: only at the end)."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+
+    def __post_init__(self):
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingConfig:
+    every: int = 1
+    """Write a metrics line every N steps."""
+    progress_bar: bool = True
+    """Show a progress bar with loss, tokens/s and ETA on rank 0."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per process for MFU (`polyshard bench matmul` measures it)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+# -- helpers -------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}; choose one of {list(choices)}")
+
+
+def _unknown(kind: str, key: str, known: Sequence[str]) -> ConfigError:
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f"; known: {sorted(known)}"
+    return ConfigError(f"unknown {kind} {key!r}{hint}")
+
+
+# -- parsing -------------------------------------------------------------------
+def _parse_value(text: str) -> Any:
+    """A TOML value (3e-4, true, "x", [1, 2]) or, failing that, the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings to a raw config dict (a new dict is returned)."""
+    out = {section: dict(values) for section, values in raw.items()}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.lr=3e-4")
+        path, value = item.split("=", 1)
+        if path.count(".") != 1:
+            raise ConfigError(f"override {path!r} must name section.key, e.g. training.lr")
+        section, key = path.split(".")
+        out.setdefault(section, {})[key] = _parse_value(value.strip())
+    return out
+
+
+def from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build a :class:`Config`; unknown sections or keys are errors with a suggestion."""
+    sections = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise _unknown("config section", section, list(SECTIONS))
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{section}] must be a table of key = value pairs")
+        cls = SECTIONS[section]
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in known:
+                raise _unknown(f"key in [{section}]", key, known)
+        if section == "model" and values.get("preset") in PRESETS:
+            values = {**PRESETS[values["preset"]], **values}  # explicit keys override the preset
+        try:
+            sections[section] = cls(**values)
+        except TypeError as err:  # pragma: no cover - fields are checked above
+            raise ConfigError(f"[{section}]: {err}") from err
+    return Config(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a TOML file (or the defaults when ``path`` is None) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML: {err}") from err
+    return from_dict(apply_overrides(raw, overrides))

@@ -1,0 +1,91 @@
+"""Checks between config fields, run before any process starts.
+
+Each check raises :class:`ConfigError` saying what is wrong and what would
+work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
+[1, 2, 3, 6]``.
+"""
+
+from __future__ import annotations
+
+from polyshard.trainer.config import Config
+from polyshard.trainer.errors import ConfigError
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` for the first constraint ``config`` breaks."""
+    model, par, train = config.model, config.parallel, config.training
+    if world_size is not None and par.world_size != world_size:
+        raise ConfigError(
+            f"the mesh dp={par.dp} x ep={par.ep} x pp={par.pp} x tp={par.tp} has {par.world_size} ranks "
+            f"but {world_size} processes were asked for; use --nproc {par.world_size} or change the mesh"
+        )
+    _check_tensor_parallel(config)
+    _check_pipeline(config)
+    _check_experts(config)
+    data_ranks = par.dp * par.ep
+    per_step = data_ranks * par.microbatches
+    if train.global_batch_size % per_step:
+        raise ConfigError(
+            f"training.global_batch_size={train.global_batch_size} does not split over "
+            f"dp x ep = {data_ranks} data ranks x {par.microbatches} microbatches; "
+            f"use a multiple of {per_step}"
+        )
+    if model.kind == "vit" and config.data.source not in ("digits",):
+        raise ConfigError(f"model.kind='vit' trains on images; set data.source='digits' (got {config.data.source!r})")
+    if model.kind != "vit" and config.data.source == "digits":
+        raise ConfigError("data.source='digits' is an image dataset; it needs model.kind='vit'")
+
+
+def _check_tensor_parallel(config: Config) -> None:
+    model, tp = config.model, config.parallel.tp
+    for name, value in (("model.num_heads", model.num_heads), ("model.num_kv_heads", model.kv_heads)):
+        if value % tp:
+            valid = _divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
+            raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; choose tp in {valid}")
+    if (model.mlp_ratio * model.hidden) % tp:
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the MLP width {model.mlp_ratio * model.hidden}; "
+            f"choose tp in {_divisors(model.mlp_ratio * model.hidden)}"
+        )
+    if config.parallel.sequence_parallel and model.sequence_length % tp:
+        raise ConfigError(
+            f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
+            f"choose tp in {_divisors(model.sequence_length)} or turn parallel.sequence_parallel off"
+        )
+
+
+def _check_pipeline(config: Config) -> None:
+    model, par = config.model, config.parallel
+    chunks = par.pp * par.virtual_stages
+    # The embedding and the head are pipeline layers too: num_layers blocks + 2.
+    layers = model.num_layers + 2
+    if chunks > layers:
+        raise ConfigError(
+            f"pp={par.pp} x virtual_stages={par.virtual_stages} = {chunks} pipeline chunks but the model has only "
+            f"{layers} layers (embedding, {model.num_layers} blocks, head); use at most {layers} chunks"
+        )
+    if par.schedule == "interleaved" and par.microbatches % par.pp:
+        raise ConfigError(
+            f"the interleaved schedule needs parallel.microbatches ({par.microbatches}) to be a multiple of "
+            f"parallel.pp ({par.pp}); try microbatches={par.pp * max(1, par.microbatches // par.pp)}"
+        )
+    if par.pp > 1 and model.tie_embeddings:
+        raise ConfigError(
+            "model.tie_embeddings with parallel.pp > 1 would share a weight between the first and last stage; "
+            "set tie_embeddings=false or pp=1"
+        )
+
+
+def _check_experts(config: Config) -> None:
+    model, par = config.model, config.parallel
+    if par.ep > 1 and model.kind != "moe-gpt":
+        raise ConfigError(f"parallel.ep={par.ep} needs experts; set model.kind='moe-gpt' or ep=1")
+    if model.kind == "moe-gpt" and model.num_experts % par.ep:
+        raise ConfigError(
+            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
+            f"choose ep in {_divisors(model.num_experts)}"
+        )

@@ -1,0 +1,83 @@
+"""A decoder-only GPT as plain PyTorch, exposing its ordered layers for pipelining.
+
+``model.layers`` is ``[Embedding, Block x num_layers, LMHead]``; each maps one
+tensor to the next (tokens (B, S) -> (B, S, H) -> ... -> logits (B, S, V)),
+so a pipeline can cut the list anywhere. ``forward`` simply runs them in
+order; the loss is computed outside the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polyshard.trainer.models.transformer import Block, init_weights
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: (B, S) int -> (B, S, H)."""
+
+    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, hidden)
+        self.pos = nn.Embedding(context_length, hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.tok(tokens) + self.pos(positions))
+
+
+class LMHead(nn.Module):
+    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
+
+    def __init__(self, hidden: int, vocab_size: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        context_length: int,
+        hidden: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        mlp_ratio: int = 4,
+        tie_embeddings: bool = False,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.context_length = context_length
+        blocks = [
+            Block(hidden, num_heads, num_kv_heads or num_heads, mlp_ratio, causal=True, dropout=dropout)
+            for _ in range(num_layers)
+        ]
+        self.layers = nn.ModuleList([Embedding(vocab_size, context_length, hidden, dropout), *blocks])
+        self.layers.append(LMHead(hidden, vocab_size))
+        init_weights(self, num_layers)
+        if tie_embeddings:
+            self.layers[-1].proj.weight = self.layers[0].tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 1.0, generator=None):
+        """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens)."""
+        tokens = prompt
+        for _ in range(new_tokens):
+            logits = self(tokens[:, -self.context_length :])[:, -1, :] / max(temperature, 1e-5)
+            probs = torch.softmax(logits.float(), dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return tokens

@@ -1,0 +1,80 @@
+"""The transformer block shared by the GPT and the ViT: pre-norm attention + MLP.
+
+Shapes: B batch, S sequence, H hidden, D head dim, N query heads, K key/value heads.
+
+Attention reshapes with ``-1`` heads, so a tensor-parallel rank whose q/k/v
+projections hold N/tp and K/tp heads runs the same code unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, causal: bool, dropout: float = 0.0):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = hidden // num_heads
+        self.causal, self.dropout = causal, dropout
+        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # (B, S, H) -> (B, N, S, D); N is whatever this rank holds.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=self.causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, mlp_hidden: int):
+        super().__init__()
+        self.fc_in = nn.Linear(hidden, mlp_hidden)
+        self.fc_out = nn.Linear(mlp_hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, mlp_ratio: int, *, causal: bool, dropout=0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden)
+        self.attn = Attention(hidden, num_heads, num_kv_heads, causal=causal, dropout=dropout)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden, mlp_ratio * hidden)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def init_weights(module: nn.Module, num_layers: int) -> None:
+    """GPT-2 initialisation: N(0, 0.02), output projections scaled by 1/sqrt(2 x layers)."""
+    for name, p in module.named_parameters():
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif "norm" in name:
+            nn.init.ones_(p)
+        elif name.endswith(("o_proj.weight", "fc_out.weight")):
+            nn.init.normal_(p, std=0.02 / (2 * num_layers) ** 0.5)
+        else:
+            nn.init.normal_(p, std=0.02)

@@ -1,0 +1,71 @@
+"""A Vision Transformer for small images, exposing its ordered layers for pipelining.
+
+``model.layers`` is ``[PatchEmbedding, Block x depth, ClassifierHead]``:
+images (B, C, I, I) -> (B, P + 1, H) -> ... -> logits (B, classes), where
+P = (I / patch)^2 patches plus one class token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polyshard.trainer.models.transformer import Block, init_weights
+
+
+class PatchEmbedding(nn.Module):
+    def __init__(self, image_size: int, patch_size: int, channels: int, hidden: int):
+        super().__init__()
+        self.patch_size = patch_size
+        num_patches = (image_size // patch_size) ** 2
+        self.proj = nn.Linear(channels * patch_size * patch_size, hidden)
+        self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
+        self.pos = nn.Parameter(torch.zeros(1, num_patches + 1, hidden))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        b, c, _, _ = images.shape
+        p = self.patch_size
+        # (B, C, I, I) -> (B, I/p, I/p, C*p*p) -> (B, P, C*p*p)
+        patches = images.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, -1, c * p * p)
+        x = self.proj(patches)
+        return torch.cat([self.cls.expand(b, -1, -1), x], dim=1) + self.pos
+
+
+class ClassifierHead(nn.Module):
+    def __init__(self, hidden: int, num_classes: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.proj = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x[:, 0]))  # the class token
+
+
+class ViT(nn.Module):
+    def __init__(
+        self,
+        *,
+        image_size: int,
+        patch_size: int,
+        channels: int,
+        num_classes: int,
+        hidden: int,
+        num_layers: int,
+        num_heads: int,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        blocks = [
+            Block(hidden, num_heads, num_heads, mlp_ratio, causal=False, dropout=dropout) for _ in range(num_layers)
+        ]
+        self.layers = nn.ModuleList(
+            [PatchEmbedding(image_size, patch_size, channels, hidden), *blocks, ClassifierHead(hidden, num_classes)]
+        )
+        init_weights(self, num_layers)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images
+        for layer in self.layers:
+            x = layer(x)
+        return x

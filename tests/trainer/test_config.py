@@ -1,0 +1,86 @@
+"""Config parsing is strict and every cross-field constraint has a typed error."""
+
+import pytest
+
+from polyshard.trainer.config import Config, apply_overrides, from_dict, load_config
+from polyshard.trainer.constraints import validate
+from polyshard.trainer.errors import ConfigError
+
+
+def _cfg(**sections):
+    return from_dict(sections)
+
+
+def test_toml_file_with_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "tiny"\nnum_layers = 2\n[parallel]\ndp = 2\ntp = 2\n[training]\nlr = 1e-3\n')
+    config = load_config(path, ["training.lr=3e-4", "parallel.sequence_parallel=true", "data.source=shakespeare"])
+    assert config.model.hidden == 64 and config.model.num_layers == 2  # preset, then the explicit key
+    assert config.training.lr == 3e-4 and config.parallel.sequence_parallel is True
+    assert config.data.source == "shakespeare" and config.parallel.world_size == 4
+    validate(config, world_size=4)
+
+
+def test_defaults_are_valid():
+    validate(Config(), world_size=1)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"trainig": {}}, "unknown config section 'trainig'; did you mean 'training'?"),
+        ({"training": {"learning_rate": 1}}, "unknown key in \\[training\\] 'learning_rate'"),
+        ({"model": {"num_head": 4}}, "did you mean 'num_heads'"),
+        ({"model": {"kind": "rnn"}}, "model.kind='rnn'; choose one of"),
+        ({"model": {"preset": "huge"}}, "model.preset='huge'; choose one of"),
+        ({"model": {"hidden": 30, "num_heads": 4}}, "choose num_heads in \\[1, 2, 3, 5, 6, 10, 15, 30\\]"),
+        ({"model": {"num_kv_heads": 3}}, "must divide model.num_heads=4"),
+        ({"parallel": {"tp": 0}}, "parallel.tp=0 must be an integer >= 1"),
+        ({"parallel": {"zero_stage": 4}}, "choose 0, 1, 2 or 3"),
+        ({"parallel": {"virtual_stages": 2}}, "needs parallel.schedule='interleaved'"),
+        ({"training": {"precision": "fp8"}}, "choose one of \\['fp32', 'bf16'\\]"),
+        ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),
+        ({"data": {"val_fraction": 1.5}}, "strictly between 0 and 1"),
+    ],
+)
+def test_bad_fields(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, world, message",
+    [
+        ({"parallel": {"dp": 2, "tp": 2}}, 2, "has 4 ranks but 2 processes were asked for; use --nproc 4"),
+        ({"model": {"num_heads": 6, "hidden": 48}, "parallel": {"tp": 4}}, 4, "choose tp in \\[1, 2, 3, 6\\]"),
+        ({"model": {"num_kv_heads": 2}, "parallel": {"tp": 4}}, 4, "model.num_kv_heads=2; choose tp in \\[1, 2\\]"),
+        ({"model": {"context_length": 30}, "parallel": {"tp": 4, "sequence_parallel": True}}, 4, "sequence parallel"),
+        ({"model": {"num_layers": 2}, "parallel": {"pp": 8}}, 8, "use at most 4 chunks"),
+        (
+            {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}},
+            2,
+            "multiple of parallel.pp",
+        ),
+        ({"model": {"tie_embeddings": True}, "parallel": {"pp": 2}}, 2, "tie_embeddings"),
+        ({"parallel": {"ep": 2}}, 2, "needs experts"),
+        ({"parallel": {"dp": 2, "microbatches": 3}, "training": {"global_batch_size": 16}}, 2, "multiple of 6"),
+        ({"model": {"kind": "vit"}}, 1, "set data.source='digits'"),
+        ({"data": {"source": "digits"}}, 1, "needs model.kind='vit'"),
+    ],
+)
+def test_cross_field_constraints(raw, world, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(from_dict(raw), world_size=world)
+
+
+def test_override_syntax_errors(tmp_path):
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        apply_overrides({}, ["training.lr"])
+    with pytest.raises(ConfigError, match="must name section.key"):
+        apply_overrides({}, ["lr=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    (tmp_path / "bad.toml").write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml")
+    assert _cfg(training={"steps": 5}).training.steps == 5

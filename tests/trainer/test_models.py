@@ -1,0 +1,56 @@
+"""The models are plain PyTorch whose ordered layers compose to the forward pass."""
+
+import torch
+import torch.nn.functional as F
+
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.models import GPT, ViT, build_model
+
+
+def test_gpt_layers_compose_to_forward_and_are_causal():
+    torch.manual_seed(0)
+    model = build_model(from_dict({"model": {"preset": "tiny", "num_layers": 2}}).model)
+    assert isinstance(model, GPT) and len(model.layers) == 4  # embedding, 2 blocks, head
+    tokens = torch.randint(0, 256, (2, 16))
+    x = tokens
+    for layer in model.layers:
+        x = layer(x)
+    logits = model(tokens)
+    torch.testing.assert_close(x, logits, rtol=0, atol=0)  # the same modules in the same order
+    assert logits.shape == (2, 16, 256)
+    # Changing a later token leaves earlier positions' logits untouched (causal attention).
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    torch.testing.assert_close(model(changed)[:, :10], logits[:, :10], rtol=0, atol=0)
+    assert not torch.equal(model(changed)[:, 10:], logits[:, 10:])
+
+
+def test_gpt_tied_embeddings_and_gqa_train():
+    torch.manual_seed(0)
+    model = GPT(
+        vocab_size=32, context_length=8, hidden=32, num_layers=1, num_heads=4, num_kv_heads=2, tie_embeddings=True
+    )
+    assert model.layers[-1].proj.weight is model.layers[0].tok.weight
+    assert model.layers[1].attn.k_proj.out_features == 16  # 2 kv heads x head dim 8
+    tokens = torch.randint(0, 32, (4, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(20):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]  # memorising 4 short sequences is easy
+    out = model.generate(tokens[:1, :3], 5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 8) and torch.equal(out[:, :3], tokens[:1, :3])
+
+
+def test_vit_shapes():
+    torch.manual_seed(0)
+    config = from_dict({"model": {"kind": "vit", "hidden": 32, "num_layers": 2, "num_heads": 4}}).model
+    model = build_model(config)
+    assert isinstance(model, ViT) and config.sequence_length == 17  # 16 patches + class token
+    images = torch.randn(3, 1, 8, 8)
+    assert model.layers[0](images).shape == (3, 17, 32)
+    assert model(images).shape == (3, 10)
