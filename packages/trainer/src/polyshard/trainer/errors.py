@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field and says what would work."""
+
+
+class DataError(ValueError):
+    """Data that cannot be loaded or split as asked; the message says what to use instead."""

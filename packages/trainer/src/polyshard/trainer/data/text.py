@@ -1,0 +1,65 @@
+"""Text data: bytes as tokens, packed into fixed-length sequences, through ``datasets``.
+
+Sources: ``"shakespeare"`` (built in), a local ``.txt`` file or a folder of
+them, or any dataset name ``datasets.load_dataset`` knows (when online; it
+must have a ``text`` column). The byte-level tokenizer maps each UTF-8 byte to
+a token in [0, 256). The token stream is cut into examples of
+``context_length + 1`` tokens (inputs and shifted targets); the last
+``val_fraction`` of the examples is the validation split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from polyshard.trainer.data.corpus import shakespeare_files
+from polyshard.trainer.errors import DataError
+
+VOCAB_SIZE = 256
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _raw_text(source: str) -> datasets.Dataset:
+    if source == "shakespeare":
+        files = [str(p) for p in shakespeare_files()]
+    elif Path(source).exists():
+        path = Path(source)
+        files = [str(p) for p in sorted(path.glob("*.txt"))] if path.is_dir() else [str(path)]
+        if not files:
+            raise DataError(f"{source} is a folder with no .txt files")
+    else:
+        try:
+            ds = datasets.load_dataset(source, split="train")
+        except Exception as err:  # the library raises many kinds; the message says what to do
+            raise DataError(
+                f"data.source={source!r} is neither 'shakespeare', a local file or folder, nor a dataset that "
+                f"could be loaded ({type(err).__name__}: {err})"
+            ) from err
+        if "text" not in ds.column_names:
+            raise DataError(f"dataset {source!r} has no 'text' column (it has {ds.column_names})")
+        return ds.select_columns(["text"])
+    return datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
+
+
+def packed_splits(source: str, context_length: int, val_fraction: float) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, validation) datasets of ``tokens`` rows, each ``context_length + 1`` long."""
+    raw = _raw_text(source)
+    stream = np.frombuffer("\n".join(raw["text"]).encode("utf-8"), dtype=np.uint8)
+    width = context_length + 1
+    count = len(stream) // width
+    if count < 2:
+        raise DataError(f"{source!r} has {len(stream)} tokens, too few for two examples of {width}")
+    rows = stream[: count * width].reshape(count, width).astype(np.int64)
+    num_val = max(1, int(round(count * val_fraction)))
+    table = datasets.Dataset.from_dict({"tokens": rows})
+    return table.select(range(count - num_val)), table.select(range(count - num_val, count))
