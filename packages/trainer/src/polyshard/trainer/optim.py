@@ -1,0 +1,79 @@
+"""AdamW parameter groups, the warmup + cosine schedule and the global gradient-norm clip."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.mesh import Replicate, Shard, get_placement
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; leave biases, norms and embeddings undecayed (as GPT-2 and nanoGPT do)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``total_steps``.
+
+    ``step`` counts from 0 (the first optimizer step uses ``lr_at(0)``).
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if total_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _copies(p: torch.Tensor, axis_sizes: dict[str, int]) -> int:
+    """How many ranks hold an identical copy of ``p``'s gradient.
+
+    Axes the record shards over hold different pieces (sum them); replicated
+    axes hold copies (count once). Pipeline stages hold different layers, so
+    ``pp`` never makes copies. A tensor without a record is replicated on every
+    axis but pp.
+    """
+    record = get_placement(p)
+    copies = 1
+    for axis, size in axis_sizes.items():
+        if axis == "pp":
+            continue
+        placement = record.placement(axis) if record is not None else Replicate()
+        if not isinstance(placement, Shard):
+            copies *= size
+    return copies
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, axis_sizes: dict[str, int]) -> float:
+    """Clip every gradient by one global norm, computed once over all ranks.
+
+    Each rank sums its local squared norms, each divided by the number of
+    ranks holding an identical copy (read from the placement records), and a
+    single all-reduce over the world adds them: every element of the global
+    model counts exactly once. Returns the norm before clipping.
+    """
+    params = [p for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        local += p.grad.detach().double().pow(2).sum() / _copies(p, axis_sizes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ops.all_reduce(local)
+    total = float(local.sqrt())
+    if max_norm > 0 and total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return total
