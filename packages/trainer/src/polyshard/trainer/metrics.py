@@ -1,0 +1,91 @@
+"""What a run writes next to its checkpoints: metrics.jsonl, loss.png, and the progress line.
+
+Rank 0 alone writes; every line of ``metrics.jsonl`` is one JSON object
+(step, loss, grad_norm, lr, tokens_per_s, mfu, peak memory per rank, and
+val_loss/accuracy when evaluated).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 L H S for attention (PaLM appendix B)."""
+    return 6 * num_params + 12 * num_layers * hidden * seq_len
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this process: the CUDA allocator's peak, or the process's max RSS on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, *, enabled: bool, append: bool = False):
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not append:
+                self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A one-line progress bar on rank 0: step, loss, tokens/s and ETA."""
+
+    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0):
+        self.total, self.enabled, self.start_step = total_steps, enabled, start_step
+        self.started = time.perf_counter()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1 - self.start_step
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / max(done, 1) * (self.total - step - 1)
+        width = 24
+        filled = int(width * (step + 1) / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        print(
+            f"\r[{bar}] step {step + 1}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta:5.0f}s",
+            end="\n" if step + 1 == self.total else "",
+            flush=True,
+        )
+
+
+def plot_losses(records: list[dict], path: Path) -> None:
+    """Training (and validation) loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    steps = [r["step"] for r in records if "loss" in r]
+    ax.plot(steps, [r["loss"] for r in records if "loss" in r], label="train loss")
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

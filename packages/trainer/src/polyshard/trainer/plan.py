@@ -1,0 +1,84 @@
+"""What a run would do, without starting it: the mesh, every group, memory per rank.
+
+Used by ``polyshard train --dry-run``. The parameter count is exact (the
+model is built on the meta device, which allocates nothing); the memory
+figures are the usual estimates:
+
+* model states per parameter (ZeRO paper, Rajbhandari et al. 1910.02054):
+  fp32 training keeps 4 B weight + 4 B grad + 8 B Adam moments = 16 B; bf16
+  mixed precision keeps 2 + 2 + 12 (fp32 master, m, v) = 16 B. ZeRO-1 shards
+  the optimizer part over dp, ZeRO-2 also the grads, ZeRO-3 everything.
+* activations per transformer layer per microbatch (Korthikanti et al.
+  2205.05198, eq. 2): s·b·h·(34 + 5·a·s/h) bytes in 16-bit, divided by tp with
+  sequence parallelism (by tp for the 24 bytes inside the TP regions
+  otherwise). Doubled for fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyshard.mesh import MeshLayout
+from polyshard.trainer.config import Config
+from polyshard.trainer.models import build_model
+
+
+def parameter_count(config: Config) -> int:
+    with torch.device("meta"):
+        model = build_model(config.model)
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_state_bytes_per_rank(config: Config, num_params: int) -> float:
+    par = config.parallel
+    local = num_params / (par.tp * par.pp)
+    weight, grad, optim = (2, 2, 12) if config.training.precision == "bf16" else (4, 4, 8)
+    n = par.dp * par.ep  # ZeRO shards over every data rank
+    if par.zero_stage >= 1:
+        optim /= n
+    if par.zero_stage >= 2:
+        grad /= n
+    if par.zero_stage >= 3:
+        weight /= n
+    return local * (weight + grad + optim)
+
+
+def activation_bytes_per_rank(config: Config) -> float:
+    model, par, train = config.model, config.parallel, config.training
+    s, h, a = model.sequence_length, model.hidden, model.num_heads
+    b = train.global_batch_size // (par.dp * par.ep * par.microbatches)
+    per_layer = s * b * h * (10 + 24 / par.tp + 5 * a * s / (h * par.tp))
+    if par.sequence_parallel:
+        per_layer = s * b * h * (34 + 5 * a * s / h) / par.tp
+    if train.precision == "fp32":
+        per_layer *= 2
+    if train.activation_checkpointing:
+        per_layer = 2 * s * b * h * (1 if train.precision == "bf16" else 2)  # only each block's input is kept
+    layers_per_stage = model.num_layers / par.pp
+    # 1F1B keeps up to pp microbatches in flight on the first stage; GPipe keeps all of them.
+    in_flight = par.microbatches if par.schedule == "gpipe" else min(par.pp, par.microbatches)
+    return per_layer * layers_per_stage * in_flight
+
+
+def describe(config: Config) -> str:
+    """A printable plan: mesh, groups and memory per rank."""
+    par = config.parallel
+    layout = MeshLayout(par.mesh_axes)
+    lines = [f"mesh: {layout} ({layout.world_size} processes; the last axis varies fastest)"]
+    for rank in range(layout.world_size):
+        coords = " ".join(f"{a}={c}" for a, c in layout.coords(rank).items())
+        lines.append(f"  rank {rank}: {coords}")
+    lines.append("groups:")
+    for subset in layout.axis_subsets():
+        if layout.size(subset) > 1:
+            lines.append(f"  {' x '.join(subset):<16} {layout.groups(subset)}")
+    num_params = parameter_count(config)
+    states = model_state_bytes_per_rank(config, num_params)
+    acts = activation_bytes_per_rank(config)
+    lines += [
+        f"model: {config.model.kind}, {num_params:,} parameters",
+        f"memory per rank (estimate): model states {states / 2**20:,.1f} MiB "
+        f"(ZeRO-{par.zero_stage}, {config.training.precision}), activations {acts / 2**20:,.1f} MiB, "
+        f"total {(states + acts) / 2**20:,.1f} MiB",
+    ]
+    return "\n".join(lines)
