@@ -1,1 +1,56 @@
-"""polyshard.tp: Tensor and sequence parallelism."""
+"""polyshard.tp: tensor and sequence parallelism on torch.distributed.
+
+Layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
+:class:`VocabParallelEmbedding`, and :func:`vocab_parallel_cross_entropy`.
+Models: :func:`parallelize` with a plan of styles, :func:`gather_full_state`
+to rebuild the unsharded weights, :func:`sync_sequence_parallel_grads` after
+backward when sequence parallelism is on.
+"""
+
+from polyshard.tp.errors import PlanError, TPError, TPShapeError
+from polyshard.tp.heads import heads_per_rank, valid_tp_sizes
+from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
+from polyshard.tp.plan import name_placements, parallelize
+from polyshard.tp.regions import enter_region, leave_region, split_sequence, sync_sequence_parallel_grads
+from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequence_parallel, padded_size
+from polyshard.tp.styles import (
+    ColumnParallel,
+    RowParallel,
+    SequenceParallel,
+    ShardHeads,
+    SplitSequence,
+    Style,
+    TPEntry,
+    VocabParallel,
+)
+from polyshard.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+__all__ = [
+    "ColumnParallel",
+    "ColumnParallelLinear",
+    "PlanError",
+    "RowParallel",
+    "RowParallelLinear",
+    "SequenceParallel",
+    "ShardHeads",
+    "SplitSequence",
+    "Style",
+    "TPEntry",
+    "TPError",
+    "TPShapeError",
+    "VocabParallel",
+    "VocabParallelEmbedding",
+    "enter_region",
+    "gather_full_state",
+    "gather_full_tensor",
+    "heads_per_rank",
+    "is_sequence_parallel",
+    "leave_region",
+    "name_placements",
+    "padded_size",
+    "parallelize",
+    "split_sequence",
+    "sync_sequence_parallel_grads",
+    "valid_tp_sizes",
+    "vocab_parallel_cross_entropy",
+]

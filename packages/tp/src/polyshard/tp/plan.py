@@ -1,0 +1,98 @@
+"""``parallelize(model, *, tp_group, plan)``: make a plain PyTorch model tensor parallel.
+
+The plan maps module-name patterns (``fnmatch``: ``blocks.*.attn.q_proj``) to
+styles. Converting styles replace matching ``nn.Linear``/``nn.Embedding``
+modules in place, slicing their existing full weights, so the model and its
+tp version start from identical numbers; the other styles add hooks, flag
+parameters or adjust head counts. A pattern maps to one style or a list of
+them. A pre-norm transformer block, Megatron style, with sequence parallelism (drop ``sequence_parallel=True``
+and the ``SequenceParallel()`` lines for plain tensor parallelism)::
+
+    sp = dict(sequence_parallel=True)
+    plan = {
+        "blocks.*.ln_*": SequenceParallel(),                    # norms run on a sequence shard
+        "blocks.*.attn": [TPEntry(**sp), ShardHeads()],         # one entry for q, k and v
+        "blocks.*.attn.[qkv]_proj": ColumnParallel(input_entered=True),
+        "blocks.*.attn.o_proj": RowParallel(**sp),
+        "blocks.*.mlp.fc1": ColumnParallel(**sp),
+        "blocks.*.mlp.fc2": RowParallel(**sp),
+    }
+    parallelize(model, tp_group=mesh.group("tp"), plan=plan)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.mesh import get_placement, set_placement
+from polyshard.tp.errors import PlanError
+from polyshard.tp.shard import record_replicate, tp_size
+from polyshard.tp.styles import Style
+
+_MAX_LISTED = 30
+
+
+def _resolve(model: nn.Module, plan: Mapping) -> list[tuple[str, nn.Module, Style]]:
+    """(module name, module, style) for every match, in plan order; unmatched patterns are errors."""
+    modules = dict(model.named_modules())
+    modules.pop("", None)
+    work, claimed = [], {}
+    for pattern, styles in plan.items():
+        styles = list(styles) if isinstance(styles, (list, tuple)) else [styles]
+        for style in styles:
+            if not isinstance(style, Style):
+                raise PlanError(f"plan[{pattern!r}] holds {style!r}, which is not a tp style such as ColumnParallel()")
+            names = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+            if not names:
+                candidates = [n for n, m in modules.items() if style.accepts(m)] or list(modules)
+                shown = ", ".join(candidates[:_MAX_LISTED]) + (" ..." if len(candidates) > _MAX_LISTED else "")
+                raise PlanError(f"plan pattern {pattern!r} ({style}) matches no module; candidates: {shown}")
+            for name in names:
+                if style.replaces and name in claimed:
+                    raise PlanError(f"module {name!r} is converted by two patterns: {claimed[name]!r} and {pattern!r}")
+                if style.replaces:
+                    claimed[name] = pattern
+                work.append((name, modules[name], style))
+    return work
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def name_placements(model: nn.Module, axis: str = "tp") -> None:
+    """Give every parameter a record under its full name: converted ones keep their Shard,
+    all others are recorded as replicated over ``axis``."""
+    for name, param in model.named_parameters():
+        record = get_placement(param)
+        if record is None or dict(record.placements).get(axis) is None:
+            record_replicate(param, name, axis)
+            record = get_placement(param)
+        set_placement(param, dataclasses.replace(record, name=name))
+
+
+def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None, plan: Mapping, axis: str = "tp") -> nn.Module:
+    """Apply ``plan`` to ``model`` in place over ``tp_group`` and return it.
+
+    Every style is checked against every match before anything changes, so a
+    bad plan leaves the model untouched. Afterwards every parameter carries a
+    placement record (Shard over ``axis`` or Replicate) named by its full name.
+    Call on every rank of the group with the same (same-seed) model.
+    """
+    tp = tp_size(tp_group)
+    work = _resolve(model, plan)
+    for name, module, style in work:
+        style.check(module, name, tp)
+    for name, module, style in work:
+        new = style.apply(module, name, tp_group, axis)
+        if new is not module:
+            _replace(model, name, new)
+    name_placements(model, axis)
+    return model

@@ -1,0 +1,214 @@
+"""Styles: what :func:`polyshard.tp.parallelize` does to the modules a pattern matches.
+
+Each style checks a module first (``check``, so a bad plan changes nothing)
+and then applies itself (``apply``), returning the module that takes the
+matched one's place (a new layer, or the same module with hooks/flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from polyshard.tp.errors import PlanError
+from polyshard.tp.heads import heads_per_rank
+from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
+from polyshard.tp.regions import enter_region, split_sequence
+from polyshard.tp.shard import check_divides, mark_sequence_parallel, record_replicate, tp_size
+from polyshard.tp.vocab import VocabParallelEmbedding
+
+
+class Style:
+    replaces = False  # True when apply() returns a new module
+
+    def accepts(self, module: nn.Module) -> bool:
+        return True
+
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
+        if not self.accepts(module):
+            raise PlanError(f"{self} cannot apply to {name!r}, a {type(module).__name__}")
+
+    def apply(self, module: nn.Module, name: str, tp_group, axis: str) -> nn.Module:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ColumnParallel(Style):
+    """``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split)."""
+
+    gather_output: bool = False
+    sequence_parallel: bool = False
+    input_entered: bool = False
+    replaces = True
+
+    def accepts(self, module):
+        return isinstance(module, nn.Linear)
+
+    def check(self, module, name, tp):
+        super().check(module, name, tp)
+        check_divides(module.out_features, tp, f"out_features of {name}")
+
+    def apply(self, module, name, tp_group, axis):
+        return ColumnParallelLinear(
+            module.in_features,
+            module.out_features,
+            tp_group=tp_group,
+            gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel,
+            input_entered=self.input_entered,
+            axis=axis,
+            source=module,
+        )
+
+
+@dataclass(frozen=True)
+class RowParallel(Style):
+    """``nn.Linear`` -> :class:`RowParallelLinear` (input features split)."""
+
+    input_is_parallel: bool = True
+    sequence_parallel: bool = False
+    replaces = True
+
+    def accepts(self, module):
+        return isinstance(module, nn.Linear)
+
+    def check(self, module, name, tp):
+        super().check(module, name, tp)
+        check_divides(module.in_features, tp, f"in_features of {name}")
+
+    def apply(self, module, name, tp_group, axis):
+        return RowParallelLinear(
+            module.in_features,
+            module.out_features,
+            tp_group=tp_group,
+            input_is_parallel=self.input_is_parallel,
+            sequence_parallel=self.sequence_parallel,
+            axis=axis,
+            source=module,
+        )
+
+
+@dataclass(frozen=True)
+class VocabParallel(Style):
+    """Split a vocabulary, padded to a multiple of tp.
+
+    ``nn.Embedding`` -> :class:`VocabParallelEmbedding`; ``nn.Linear`` (the
+    output head) -> column parallel with padded outputs, whose logit shards
+    feed :func:`vocab_parallel_cross_entropy` (pass ``vocab_size``).
+    ``sequence_parallel`` on an embedding reduce-scatters its output along the
+    sequence; on a head it all-gathers its sequence-sharded input.
+    """
+
+    sequence_parallel: bool = False
+    gather_output: bool = False
+    replaces = True
+
+    def accepts(self, module):
+        return isinstance(module, (nn.Embedding, nn.Linear))
+
+    def apply(self, module, name, tp_group, axis):
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding(
+                module.num_embeddings,
+                module.embedding_dim,
+                tp_group=tp_group,
+                sequence_parallel=self.sequence_parallel,
+                axis=axis,
+                source=module,
+            )
+        return ColumnParallelLinear(
+            module.in_features,
+            module.out_features,
+            tp_group=tp_group,
+            gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel,
+            pad_output=True,
+            axis=axis,
+            source=module,
+        )
+
+
+@dataclass(frozen=True)
+class SequenceParallel(Style):
+    """A module (LayerNorm, RMSNorm, ...) that runs on a sequence shard with replicated weights.
+
+    Its parameters are flagged so :func:`sync_sequence_parallel_grads` sums
+    their gradients over the tp group; the module itself is unchanged.
+    """
+
+    def apply(self, module, name, tp_group, axis):
+        for param_name, param in module.named_parameters():
+            record_replicate(param, f"{name}.{param_name}", axis)
+            mark_sequence_parallel(param)
+        return module
+
+
+@dataclass(frozen=True)
+class TPEntry(Style):
+    """Enter the tp region once at a module's first input, for the column-parallel
+    layers inside it that read it (built with ``input_entered=True``).
+
+    forward: identity (all-gather along ``sequence_dim`` with SP) /
+    backward: all-reduce (reduce-scatter with SP).
+    """
+
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
+
+    def apply(self, module, name, tp_group, axis):
+        def hook(_module, args):
+            return (enter_region(args[0], tp_group, self.sequence_parallel, self.sequence_dim), *args[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+@dataclass(frozen=True)
+class SplitSequence(Style):
+    """Split a module's first input along the sequence (entering the sequence-parallel part
+    where the activations are replicated, e.g. the first block after token + position embeddings).
+
+    forward: keep this rank's piece / backward: all-gather.
+    """
+
+    sequence_dim: int = 1
+
+    def apply(self, module, name, tp_group, axis):
+        def hook(_module, args):
+            return (split_sequence(args[0], tp_group, self.sequence_dim), *args[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+HEAD_ATTRS = ("num_heads", "num_kv_heads", "n_head", "n_heads", "n_kv_heads", "num_key_value_heads")
+
+
+@dataclass(frozen=True)
+class ShardHeads(Style):
+    """Divide the head counts an attention module reads (``num_heads``, ``num_kv_heads``, ...) by tp.
+
+    Use with column-parallel q/k/v and a row-parallel output projection, so
+    each rank runs num_heads/tp query heads and num_kv_heads/tp kv heads.
+    """
+
+    attrs: tuple[str, ...] = HEAD_ATTRS
+
+    def _present(self, module):
+        return [a for a in self.attrs if isinstance(getattr(module, a, None), int)]
+
+    def check(self, module, name, tp):
+        present = self._present(module)
+        if not present:
+            ints = [k for k, v in vars(module).items() if isinstance(v, int) and not k.startswith("_")]
+            raise PlanError(f"{name!r} has none of the head-count attributes {self.attrs}; its int attributes: {ints}")
+        query = getattr(module, present[0])
+        for attr in present[1:]:
+            heads_per_rank(query, getattr(module, attr), tp, where=name)
+        heads_per_rank(query, None, tp, where=name)
+
+    def apply(self, module, name, tp_group, axis):
+        for attr in self._present(module):
+            setattr(module, attr, getattr(module, attr) // tp_size(tp_group))
+        return module

@@ -1,0 +1,120 @@
+"""Each tp layer, built directly from a seed, against the unsharded torch layer from the same seed.
+
+Forward outputs, input gradients and every parameter gradient must match for
+tp in {1, 2, 3, 4}. Shapes are multiples of 12 so every tp divides them; the
+vocabulary (10) needs padding on tp=3 (12) and tp=4 (12).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.mesh import Mesh
+from polyshard.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, gather_full_state
+from tests.tp.models import assert_dicts_close, full_grads
+
+# float32 with partial products summed in a different order per tp size:
+# differences are a few ulps (~1e-7 relative); a missing or doubled term would be O(1).
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+IN, OUT, VOCAB, B, S = 12, 24, 10, 2, 3
+
+
+def _inputs(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _column(gather_output):
+    group = Mesh({"tp": dist.get_world_size()}).group("tp")
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(IN, OUT, tp_group=group, gather_output=gather_output)
+    torch.manual_seed(0)
+    ref = nn.Linear(IN, OUT)  # same seed -> the same global weights
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+
+    x = _inputs((B, S, IN), seed=1)
+    x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    grad_out = _inputs(out_ref.shape, seed=2)
+    (out_ref * grad_out).sum().backward()
+    out = layer(x_tp)
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if not gather_output:  # each rank holds OUT/tp features
+        out_ref, grad_out = out_ref.chunk(n, -1)[r], grad_out.chunk(n, -1)[r]
+    torch.testing.assert_close(out, out_ref, **TOL)
+    (out * grad_out).sum().backward()
+    torch.testing.assert_close(x_tp.grad, x_ref.grad, **TOL)
+    assert_dicts_close(full_grads(layer, group), full_grads(ref, group), **TOL)
+    return True
+
+
+def _row(input_is_parallel):
+    group = Mesh({"tp": dist.get_world_size()}).group("tp")
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(0)
+    layer = RowParallelLinear(OUT, IN, tp_group=group, input_is_parallel=input_is_parallel)
+    torch.manual_seed(0)
+    ref = nn.Linear(OUT, IN)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+
+    x = _inputs((B, S, OUT), seed=1)
+    x_ref = x.clone().requires_grad_()
+    x_tp = (x.chunk(n, -1)[r] if input_is_parallel else x).clone().requires_grad_()
+    out_ref = ref(x_ref)
+    grad_out = _inputs(out_ref.shape, seed=2)
+    (out_ref * grad_out).sum().backward()
+    out = layer(x_tp)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    (out * grad_out).sum().backward()
+    want_x_grad = x_ref.grad.chunk(n, -1)[r] if input_is_parallel else x_ref.grad
+    torch.testing.assert_close(x_tp.grad, want_x_grad, **TOL)
+    assert_dicts_close(full_grads(layer, group), full_grads(ref, group), **TOL)
+    return True
+
+
+def _embedding(sequence_parallel):
+    group = Mesh({"tp": dist.get_world_size()}).group("tp")
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(0)
+    layer = VocabParallelEmbedding(VOCAB, IN, tp_group=group, sequence_parallel=sequence_parallel)
+    torch.manual_seed(0)
+    ref = nn.Embedding(VOCAB, IN)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    # Padding rows exist only past the real vocabulary and start at zero.
+    assert layer.padded_num_embeddings == -(-VOCAB // n) * n
+    if r == n - 1 and layer.padded_num_embeddings > VOCAB:
+        assert torch.count_nonzero(layer.weight[VOCAB - layer.vocab_start :]) == 0
+
+    ids = torch.randint(0, VOCAB, (B, 12), generator=torch.Generator().manual_seed(3))  # 12: every tp splits S
+    out_ref = ref(ids)
+    grad_out = _inputs(out_ref.shape, seed=2)
+    (out_ref * grad_out).sum().backward()
+    out = layer(ids)
+    if sequence_parallel:  # output stays split along the sequence
+        out_ref, grad_out = out_ref.chunk(n, 1)[r], grad_out.chunk(n, 1)[r]
+    # A lookup and a sum with zeros: exact.
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    (out * grad_out).sum().backward()
+    assert_dicts_close(full_grads(layer, group), full_grads(ref, group), **TOL)
+    return True
+
+
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_column_parallel_linear(distributed, world, gather_output):
+    assert distributed.run(world, _column, gather_output) == [True] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("input_is_parallel", [True, False])
+def test_row_parallel_linear(distributed, world, input_is_parallel):
+    assert distributed.run(world, _row, input_is_parallel) == [True] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_vocab_parallel_embedding(distributed, world, sequence_parallel):
+    assert distributed.run(world, _embedding, sequence_parallel) == [True] * world
