@@ -1,1 +1,44 @@
-"""polyshard.pp: Pipeline parallelism: partitioning, schedules as data, one executor, a simulator."""
+"""polyshard.pp: pipeline parallelism - partitioning, schedules as data, a simulator and one executor.
+
+stages = build_stages(layer_builders, num_stages=p, stages=[rank])   # only this rank's layers
+schedule = make_schedule("1f1b", p, num_microbatches=8)
+print(simulate(schedule).bubble_fraction)                          # 3/10 for p=4, m=8... before any tensor moves
+result = PipelineExecutor(stages, schedule, loss_fn, pp_group).step(inputs, targets)
+"""
+
+from polyshard.pp.actions import Action, Exchange, Schedule
+from polyshard.pp.errors import DeadlockError, PartitionError, ScheduleError, StageShapeError
+from polyshard.pp.executor import PipelineExecutor, StepResult
+from polyshard.pp.lowering import format_program, lower
+from polyshard.pp.partition import balanced_partition, build_stages, parameter_counts
+from polyshard.pp.schedules import SCHEDULES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
+from polyshard.pp.simulator import DEFAULT_COSTS, SimResult, simulate
+from polyshard.pp.timeline import Span, Timeline
+
+__all__ = [
+    "DEFAULT_COSTS",
+    "SCHEDULES",
+    "Action",
+    "DeadlockError",
+    "Exchange",
+    "PartitionError",
+    "PipelineExecutor",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "Span",
+    "StageShapeError",
+    "StepResult",
+    "Timeline",
+    "balanced_partition",
+    "build_stages",
+    "format_program",
+    "gpipe",
+    "interleaved_1f1b",
+    "lower",
+    "make_schedule",
+    "one_f_one_b",
+    "parameter_counts",
+    "simulate",
+    "zb_h1",
+]

@@ -1,0 +1,174 @@
+"""One executor that runs any lowered schedule on real stages.
+
+forward: microbatch k enters stage 0, each F sends its output on; the last
+stage computes ``loss_fn(output, target_k) / m``, so with a mean-reducing
+loss and equal microbatches the summed gradient equals the full-batch mean
+gradient. backward: B receives the gradient of its output, backpropagates
+and sends the gradient of its input; when the schedule has a W for the same
+(stage, microbatch), B computes only the input gradient and W later the
+weight gradients (zero-bubble split). Gradients accumulate in ``.grad``;
+zero them between steps as usual.
+
+``backward_context`` (optional) is a factory of context managers entered
+around every action that accumulates weight gradients except the last one
+of the step on this rank - e.g. a data-parallel wrapper's ``no_sync``, so
+its reduction runs once, overlapped with the last backward. pp knows
+nothing about dp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.pp.actions import Action, Exchange, Schedule
+from polyshard.pp.comm import post_exchange
+from polyshard.pp.errors import ScheduleError, StageShapeError
+from polyshard.pp.lowering import lower
+from polyshard.pp.shapes import infer_shapes
+from polyshard.pp.simulator import simulate
+from polyshard.pp.timeline import Span, Timeline
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor | None  # full-batch mean loss on the rank holding the last stage, else None
+    timeline: Timeline  # this rank's spans, seconds since the step started
+    peak_activations: int  # most (stage, microbatch) activations stored at once (F done, B not yet)
+
+
+class PipelineExecutor:
+    """Runs ``schedule`` on this rank's ``stages`` ({stage index: module}) over ``group``."""
+
+    def __init__(
+        self,
+        stages: Mapping[int, nn.Module],
+        schedule: Schedule,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        *,
+        backward_context: Callable[[], AbstractContextManager] | None = None,
+    ):
+        self.rank, size = dist.get_rank(group), dist.get_world_size(group)
+        if size != schedule.num_ranks:
+            raise ScheduleError(f"schedule is for {schedule.num_ranks} ranks but the pp group has {size}")
+        if sorted(stages) != schedule.stages_of(self.rank):
+            raise ScheduleError(
+                f"rank {self.rank} holds stages {sorted(stages)} but the schedule puts "
+                f"{schedule.stages_of(self.rank)} on it"
+            )
+        simulate(schedule)  # raises DeadlockError (naming rank and action) before any tensor moves
+        self.stages, self.schedule, self.loss_fn, self.group = dict(stages), schedule, loss_fn, group
+        self.backward_context = backward_context
+        self.steps = lower(schedule)[self.rank]
+        self.peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
+        self.shapes: dict[int, tuple] | None = None
+        weight_steps = [i for i, s in enumerate(self.steps) if isinstance(s, Action) and self._touches_weights(s)]
+        self.last_weight_step = weight_steps[-1] if weight_steps else -1
+
+    def _touches_weights(self, action: Action) -> bool:
+        split = (action.stage, action.microbatch) in self.schedule.split_backward
+        return action.kind == "W" or (action.kind == "B" and not split)
+
+    def _split(self, tensor: torch.Tensor | None, what: str) -> list[torch.Tensor] | None:
+        m = self.schedule.num_microbatches
+        if tensor is None:
+            return None
+        if tensor.shape[0] % m:
+            raise StageShapeError(f"{what} has batch size {tensor.shape[0]}, not divisible by m={m} microbatches")
+        return list(tensor.chunk(m))
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepResult:
+        """One training step. ``inputs`` are needed on stage 0's rank, ``targets`` on the last stage's."""
+        last = self.schedule.num_stages - 1
+        if 0 in self.stages and inputs is None or last in self.stages and targets is None:
+            raise StageShapeError(f"rank {self.rank} holds stage 0 or {last}: pass inputs / targets to step()")
+        self.microbatches, self.targets = self._split(inputs, "inputs"), self._split(targets, "targets")
+        if self.shapes is None:
+            first = self.microbatches[0] if self.microbatches else None
+            self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers)
+        self.mail: dict[tuple, torch.Tensor] = {}  # message key -> tensor, for local hand-offs and receives
+        self.stored: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output or loss)
+        self.awaiting_w: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (output, output grad) for W
+        self.loss, self.peak, self.pending_sends, spans = None, 0, [], []
+        origin = time.perf_counter()
+        for index, step in enumerate(self.steps):
+            start = time.perf_counter() - origin
+            if isinstance(step, Exchange):
+                self._exchange(step)
+            else:
+                self._compute(step, index)
+            kind = "X" if isinstance(step, Exchange) else step.kind
+            spans.append(Span(self.rank, str(step), kind, start, time.perf_counter() - origin))
+        for work, _ in self.pending_sends:
+            work.wait()
+        timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual > 1)
+        return StepResult(self.loss, timeline, self.peak)
+
+    def _exchange(self, step: Exchange) -> None:
+        sends, recvs = [], []
+        for op in step.ops:
+            key = op.message_key()  # (kind, sending stage, mb)
+            if op.kind.startswith("S"):
+                receiver = key[1] + 1 if key[0] == "F" else key[1] - 1
+                sends.append((self.mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(receiver)]))
+            else:
+                peer = self.peers[self.schedule.rank_of(key[1])]
+                # a received activation has the sender's output shape; a gradient has this stage's output shape
+                shape, dtype = self.shapes[op.stage][0 if op.kind == "RF" else 1]
+                self.mail[key] = torch.empty(shape, dtype=dtype)
+                recvs.append((self.mail[key], peer))
+        self.pending_sends += post_exchange(sends, recvs, self.group)
+
+    def _compute(self, action: Action, index: int) -> None:
+        if action.kind == "F":
+            self._forward(action.stage, action.microbatch)
+            return
+        hook = self.backward_context
+        inside = hook is not None and self._touches_weights(action) and index != self.last_weight_step
+        with hook() if inside else contextlib.nullcontext():
+            if action.kind == "B":
+                self._backward(action.stage, action.microbatch)
+            else:
+                self._weight_grad(action.stage, action.microbatch)
+
+    def _forward(self, stage: int, k: int) -> None:
+        if stage == 0:
+            x = self.microbatches[k]
+        else:
+            x = self.mail.pop(("F", stage - 1, k)).detach().requires_grad_()
+        y = self.stages[stage](x)
+        if stage == self.schedule.num_stages - 1:
+            y = self.loss_fn(y, self.targets[k]) / self.schedule.num_microbatches
+            self.loss = y.detach() if self.loss is None else self.loss + y.detach()
+        else:
+            self.mail[("F", stage, k)] = y.detach()
+        self.stored[(stage, k)] = (x, y)
+        self.peak = max(self.peak, len(self.stored))
+
+    def _backward(self, stage: int, k: int) -> None:
+        x, y = self.stored.pop((stage, k))
+        grad = None if stage == self.schedule.num_stages - 1 else self.mail.pop(("B", stage + 1, k))
+        if (stage, k) in self.schedule.split_backward:
+            # input gradient only; keep the graph for W
+            if x.requires_grad:
+                (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
+            self.awaiting_w[(stage, k)] = (y, grad)
+        else:
+            torch.autograd.backward(y, grad)
+        if stage > 0:
+            self.mail[("B", stage, k)] = x.grad
+
+    def _weight_grad(self, stage: int, k: int) -> None:
+        y, grad = self.awaiting_w.pop((stage, k))
+        params = [p for p in self.stages[stage].parameters() if p.requires_grad]
+        for param, g in zip(params, torch.autograd.grad(y, params, grad, allow_unused=True)):
+            if g is not None:
+                param.grad = g if param.grad is None else param.grad + g

@@ -1,0 +1,158 @@
+"""Pipeline schedules as pure functions: (p ranks, m microbatches, ...) -> per-rank actions.
+
+Worked example, p=2, m=4 (F=forward, B=backward of microbatch k)::
+
+    gpipe        rank 0: F0 F1 F2 F3 B0 B1 B2 B3
+                 rank 1: F0 F1 F2 F3 B0 B1 B2 B3
+    1f1b         rank 0: F0 F1 B0 F2 B1 F3 B2 B3
+                 rank 1: F0 B0 F1 B1 F2 B2 F3 B3
+
+GPipe (Huang et al. 1811.06965) keeps all m microbatches' activations; 1F1B
+(PipeDream-Flush, Narayanan et al. 2006.09668) starts backwards as soon as
+possible so stage s holds at most p-s. Interleaved 1F1B (Megatron-LM
+2104.04473) gives every rank v model chunks to shrink the bubble by v.
+ZB-H1 (Qi et al. 2401.10241) splits backward into B (input gradient) and
+W (weight gradient) and runs the W's in what would be bubbles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from polyshard.pp.actions import Action, Schedule
+from polyshard.pp.errors import ScheduleError
+
+
+def _check(num_ranks: int, num_microbatches: int, virtual: int = 1) -> None:
+    for name, value in (("num_stages", num_ranks), ("num_microbatches", num_microbatches), ("virtual", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _make(name: str, p: int, m: int, v: int, per_rank: list[list[Action]]) -> Schedule:
+    return Schedule(name, p, m, v, tuple(tuple(actions) for actions in per_rank))
+
+
+def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """All forwards, then all backwards (in the same microbatch order)."""
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    per_rank = [[Action("F", r, k) for k in range(m)] + [Action("B", r, k) for k in range(m)] for r in range(p)]
+    return _make("gpipe", p, m, 1, per_rank)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Warm up with p-r-1 forwards, then alternate one forward and one backward, then drain."""
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    per_rank = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        actions = [Action("F", r, k) for k in range(warmup)]
+        for i in range(m - warmup):
+            actions += [Action("F", r, warmup + i), Action("B", r, i)]
+        actions += [Action("B", r, k) for k in range(m - warmup, m)]
+        per_rank.append(actions)
+    return _make("1f1b", p, m, 1, per_rank)
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B: rank r runs stages r, r+p, ..., r+(v-1)p.
+
+    Microbatches go through the chunks in groups of p: forward slot k is chunk
+    (k // p) % v of microbatch (k // (p*v))*p + k % p; backward slots visit the
+    chunks in reverse. Rank r warms up with 2(p-r-1) + (v-1)p forwards.
+    """
+    _check(num_ranks, num_microbatches, virtual)
+    p, m, v = num_ranks, num_microbatches, virtual
+    if m % p:
+        choices = ", ".join(str(p * i) for i in range(1, 4))
+        raise ScheduleError(
+            f"interleaved 1F1B needs num_microbatches to be a multiple of num_stages={p}, got {m}; "
+            f"choose num_microbatches in {{{choices}, ...}}"
+        )
+    total = m * v
+
+    def slot(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+
+    per_rank = []
+    for r in range(p):
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        fwd = [Action("F", c * p + r, k) for c, k in (slot(i, True) for i in range(total))]
+        bwd = [Action("B", c * p + r, k) for c, k in (slot(i, False) for i in range(total))]
+        actions = fwd[:warmup]
+        for i in range(total - warmup):
+            actions += [fwd[warmup + i], bwd[i]]
+        actions += bwd[total - warmup :]
+        per_rank.append(actions)
+    return _make("interleaved", p, m, v, per_rank)
+
+
+def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1: 1F1B's order and memory, backward split into B and W, W's fill the bubbles.
+
+    Built by a list scheduler on unit costs (F = B = W = 1): at each tick an idle
+    rank runs a ready B first (it unblocks the rank before), else a forward if
+    fewer than min(p-r, m) microbatches are in flight (1F1B's memory bound),
+    else its oldest deferred W. A rank never idles while it has a W, so W
+    lands exactly in the bubbles.
+    """
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish tick
+    next_f, next_b, next_w = [0] * p, [0] * p, [0] * p
+    per_rank: list[list[Action]] = [[] for _ in range(p)]
+
+    def ready(key: tuple[str, int, int], tick: int) -> bool:
+        return key in done and done[key] <= tick
+
+    tick = 0
+    while any(n < m for n in next_w):
+        for r in range(p):
+            if per_rank[r] and done[_key(per_rank[r][-1])] > tick:
+                continue  # still busy
+            b_dep = ("F", r, next_b[r]) if r == p - 1 else ("B", r + 1, next_b[r])
+            if next_b[r] < m and ready(b_dep, tick) and ready(("F", r, next_b[r]), tick):
+                action = Action("B", r, next_b[r])
+                next_b[r] += 1
+            elif (
+                next_f[r] < m
+                and next_f[r] - next_b[r] < min(p - r, m)
+                and (r == 0 or ready(("F", r - 1, next_f[r]), tick))
+            ):
+                action = Action("F", r, next_f[r])
+                next_f[r] += 1
+            elif next_w[r] < next_b[r]:
+                action = Action("W", r, next_w[r])
+                next_w[r] += 1
+            else:
+                continue
+            per_rank[r].append(action)
+            done[_key(action)] = tick + 1
+        tick += 1
+    return _make("zb-h1", p, m, 1, per_rank)
+
+
+def _key(action: Action) -> tuple[str, int, int]:
+    return (action.kind, action.stage, action.microbatch)
+
+
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
+}
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
+    """Look a schedule up by name; ``virtual`` is used by ``interleaved`` only (and must be 1 otherwise)."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if name == "interleaved":
+        return interleaved_1f1b(num_ranks, num_microbatches, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"schedule {name!r} has one stage per rank; virtual={virtual} needs 'interleaved'")
+    return SCHEDULES[name](num_ranks, num_microbatches)

@@ -1,0 +1,94 @@
+"""Shape inference before the first step: which tensor shapes travel between stages.
+
+Receivers need buffers of the right shape. Stage 0 runs on a real microbatch,
+then each stage tells the next one the shape and dtype of its output (a small
+int64 header); the next stage runs itself on zeros of that shape to learn its
+own output shape. A stage that cannot take its neighbour's output is reported
+to every rank (an all-reduce of the failing stage), so all ranks raise
+:class:`StageShapeError` instead of some waiting forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops, p2p
+from polyshard.pp.actions import Schedule
+from polyshard.pp.errors import StageShapeError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+MAX_DIMS = 8
+Meta = tuple[tuple[int, ...], torch.dtype]
+
+
+def _header(meta: Meta | None) -> torch.Tensor:
+    header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)  # [ok, dtype, ndim, dims...]
+    if meta is not None:
+        shape, dtype = meta
+        header[0], header[1], header[2] = 1, DTYPES.index(dtype), len(shape)
+        header[3 : 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return header
+
+
+def _meta(header: torch.Tensor) -> Meta | None:
+    values = header.tolist()
+    if not values[0]:
+        return None
+    return tuple(values[3 : 3 + values[2]]), DTYPES[values[1]]
+
+
+def infer_shapes(
+    stages: Mapping[int, nn.Module],
+    schedule: Schedule,
+    first_microbatch: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    peers: list[int],
+) -> dict[int, tuple[Meta, Meta]]:
+    """(input meta, output meta) for each of this rank's stages, in stage order along the chain."""
+    rank, found, failure = dist.get_rank(group), {}, ""
+    upstream: Meta | None = None
+    for stage in range(schedule.num_stages):
+        owner = schedule.rank_of(stage)
+        prev_owner = schedule.rank_of(stage - 1) if stage > 0 else owner
+        if owner != rank:
+            continue
+        if stage == 0:
+            x = first_microbatch
+            upstream = (tuple(x.shape), x.dtype)
+        elif prev_owner != rank:
+            upstream = _meta(p2p.recv(_header(None), peers[prev_owner], group))
+        out_meta = None
+        if upstream is not None:
+            try:
+                x = first_microbatch if stage == 0 else torch.zeros(upstream[0], dtype=upstream[1])
+                with torch.no_grad():
+                    y = stages[stage](x)
+                out_meta = (tuple(y.shape), y.dtype)
+                found[stage] = (upstream, out_meta)
+            except (RuntimeError, ValueError, TypeError) as err:
+                failure = (
+                    f"rank {rank}, action {stage}F0: stage {stage} cannot take the output of stage {stage - 1} "
+                    f"(shape {upstream[0]}, {upstream[1]}): {err}. Make stage {stage}'s first layer accept "
+                    f"shape {upstream[0]} or change stage {stage - 1}'s last layer to produce what it expects"
+                )
+        next_owner = schedule.rank_of(stage + 1) if stage + 1 < schedule.num_stages else rank
+        if next_owner != rank:
+            p2p.send(_header(out_meta), peers[next_owner], group)
+        upstream = out_meta
+    _raise_if_any_failed(failure, group)
+    return found
+
+
+def _raise_if_any_failed(failure: str, group: dist.ProcessGroup | None) -> None:
+    flag = torch.tensor([dist.get_rank(group) + 1 if failure else 0], dtype=torch.int64)
+    ops.all_reduce(flag, group, op=dist.ReduceOp.MAX)
+    if failure:
+        raise StageShapeError(failure)
+    if flag.item():
+        raise StageShapeError(
+            f"rank {int(flag.item()) - 1} found that a stage cannot take its neighbour's output; see its error"
+        )

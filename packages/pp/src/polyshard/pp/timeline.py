@@ -1,0 +1,108 @@
+"""Timelines: when every action started and ended on every rank, as text or SVG.
+
+The simulator and the executor both produce a :class:`Timeline`; the same
+renderers draw either. Compute spans are F/B/W; exchange spans (kind "X")
+are time spent posting and waiting on sends/receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from xml.sax.saxutils import escape
+
+COLORS = {"F": "#4c78a8", "B": "#54a24b", "W": "#f58518", "X": "#bab0ac"}
+FILL = {"F": "f", "B": "b", "W": "w", "X": "~"}
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    label: str
+    kind: str  # "F", "B", "W" (compute) or "X" (exchange)
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    num_ranks: int
+    spans: tuple[Span, ...]
+    with_stage: bool = False  # keep the stage prefix in labels ("1F3") - for interleaved schedules
+
+    @property
+    def start(self) -> float:
+        return min((s.start for s in self.spans), default=0.0)
+
+    @property
+    def total_time(self) -> float:
+        return max((s.end for s in self.spans), default=0.0) - self.start
+
+    def busy(self, rank: int) -> float:
+        """Time rank spends computing (F/B/W); communication waits count as bubble."""
+        return sum(s.end - s.start for s in self.spans if s.rank == rank and s.kind != "X")
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of ranks x total time: 1 - sum of compute time / (p * step time)."""
+        total = self.total_time
+        if total <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy(r) for r in range(self.num_ranks)) / (self.num_ranks * total)
+
+    def label(self, span: Span) -> str:
+        if self.with_stage or span.kind == "X":
+            return span.label
+        return span.label.lstrip("0123456789")
+
+    def render_text(self, width: int = 100) -> str:
+        """One row per rank; each span is its label then fill (f/b/w for compute, ~ for exchanges), '.' idle."""
+        total, origin = self.total_time or 1.0, self.start
+        rows = []
+        for rank in range(self.num_ranks):
+            row = ["."] * width
+            for span in (s for s in self.spans if s.rank == rank):
+                c0 = int(round((span.start - origin) / total * width))
+                c1 = max(c0 + 1, int(round((span.end - origin) / total * width)))
+                text = self.label(span) if span.kind != "X" else ""
+                for i in range(c0, min(c1, width)):
+                    j = i - c0
+                    row[i] = text[j] if j < len(text) and j < c1 - c0 - 1 else FILL[span.kind]
+            rows.append(f"rank {rank:<3}|{''.join(row)}|")
+        return "\n".join(rows)
+
+    def to_svg(self, title: str = "", width: int = 900, row_height: int = 28) -> str:
+        """A hand-written SVG: one row per rank, one coloured box per span, title on top."""
+        total, origin = self.total_time or 1.0, self.start
+        left, top = 60, 40
+        height = top + row_height * self.num_ranks + 30
+        scale = (width - left - 10) / total
+        parts = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace">',
+            f'<rect width="{width}" height="{height}" fill="white"/>',
+            f'<text x="10" y="22" font-size="14">{escape(title)}</text>',
+        ]
+        for rank in range(self.num_ranks):
+            y = top + rank * row_height
+            parts.append(f'<text x="8" y="{y + row_height * 0.65:.1f}" font-size="12">rank {rank}</text>')
+        for span in self.spans:
+            x = left + (span.start - origin) * scale
+            w = max((span.end - span.start) * scale, 0.5)
+            y = top + span.rank * row_height
+            parts.append(
+                f'<rect x="{x:.2f}" y="{y + 2}" width="{w:.2f}" height="{row_height - 4}" '
+                f'fill="{COLORS[span.kind]}" stroke="white" stroke-width="0.5">'
+                f"<title>{escape(span.label)}</title></rect>"
+            )
+            label = self.label(span) if span.kind != "X" else ""
+            if label and w >= 7 * len(label):
+                parts.append(
+                    f'<text x="{x + w / 2:.2f}" y="{y + row_height * 0.65:.1f}" font-size="11" fill="white" '
+                    f'text-anchor="middle">{escape(label)}</text>'
+                )
+        legend_y = top + row_height * self.num_ranks + 20
+        for i, (kind, name) in enumerate((("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("X", "p2p"))):
+            x = left + i * 130
+            parts.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{COLORS[kind]}"/>')
+            parts.append(f'<text x="{x + 16}" y="{legend_y}" font-size="12">{name}</text>')
+        parts.append("</svg>")
+        return "\n".join(parts)
