@@ -1,1 +1,50 @@
-"""polyshard.ep: Expert parallelism: mixture-of-experts with all-to-all dispatch."""
+"""polyshard.ep: mixture-of-experts with expert parallelism over all-to-all dispatch."""
+
+from polyshard.ep.config import MoEConfig
+from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
+from polyshard.ep.errors import ExpertParallelError, MoEConfigError, check_ep_size
+from polyshard.ep.experts import GroupedExperts
+from polyshard.ep.layer import MoELayer, MoEMetrics
+from polyshard.ep.parallel import (
+    apply_expert_parallel,
+    average_replicated_gradients,
+    expert_parameters,
+    is_expert_parameter,
+    replicated_parameters,
+    scale_expert_gradients,
+    sync_gradients,
+)
+from polyshard.ep.router import (
+    Router,
+    Routing,
+    capacity_keep_mask,
+    expert_capacity,
+    load_balancing_loss,
+    z_loss,
+)
+
+__all__ = [
+    "DispatchMeta",
+    "ExpertParallelError",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoEConfigError",
+    "MoELayer",
+    "MoEMetrics",
+    "Router",
+    "Routing",
+    "apply_expert_parallel",
+    "average_replicated_gradients",
+    "capacity_keep_mask",
+    "check_ep_size",
+    "combine",
+    "dispatch",
+    "expert_capacity",
+    "expert_parameters",
+    "is_expert_parameter",
+    "load_balancing_loss",
+    "replicated_parameters",
+    "scale_expert_gradients",
+    "sync_gradients",
+    "z_loss",
+]

@@ -1,0 +1,54 @@
+"""Configuration of one mixture-of-experts layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyshard.ep.errors import MoEConfigError
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    """What an :class:`polyshard.ep.MoELayer` computes; validated on construction."""
+
+    hidden: int
+    """Model width H: size of each token's vector in and out."""
+    ffn_hidden: int
+    """Width F of each expert's MLP."""
+    num_experts: int
+    """Total number of experts E (over all ranks)."""
+    top_k: int = 2
+    """How many experts each token goes to."""
+    renormalize: bool = True
+    """Rescale the chosen top-k probabilities to sum to 1 (Mixtral); False keeps the raw softmax values (Switch)."""
+    activation: str = "swiglu"
+    """Expert MLP: 'swiglu' (silu(x W1) * (x W3)) W2, or 'gelu' gelu(x W1) W2."""
+    capacity_factor: float | None = None
+    """None: dropless. Otherwise each expert takes at most ceil(factor * T * top_k / E) of a rank's T tokens."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss in the returned auxiliary loss."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE, 2202.08906); 0 turns it off."""
+
+    def __post_init__(self):
+        for name in ("hidden", "ffn_hidden", "num_experts", "top_k"):
+            if getattr(self, name) < 1:
+                raise MoEConfigError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise MoEConfigError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}: a token cannot visit more "
+                f"experts than exist; choose top_k in 1..{self.num_experts}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise MoEConfigError(f"activation={self.activation!r} is unknown; choose one of {ACTIVATIONS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise MoEConfigError(
+                f"capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or None for dropless routing"
+            )
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise MoEConfigError(
+                f"loss coefficients must be >= 0, got aux_loss_coef={self.aux_loss_coef}, "
+                f"z_loss_coef={self.z_loss_coef}; use 0 to turn a loss off"
+            )

@@ -1,0 +1,24 @@
+"""Typed errors of polyshard.ep. Each message says what was wrong and what would work."""
+
+
+class MoEConfigError(ValueError):
+    """A mixture-of-experts configuration that cannot work (expert count, top-k, capacity...)."""
+
+
+class ExpertParallelError(ValueError):
+    """Expert parallelism asked for on a group or module it cannot shard."""
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending (for 'choose ep in {...}' messages)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep_size(num_experts: int, ep: int) -> None:
+    """Raise :class:`ExpertParallelError` unless ``ep`` ranks can own equal slices of ``num_experts``."""
+    if ep < 1 or num_experts % ep:
+        choices = ", ".join(str(d) for d in divisors(num_experts))
+        raise ExpertParallelError(
+            f"ep={ep} does not divide num_experts={num_experts}; each rank must own the same number "
+            f"of experts, so choose ep in {{{choices}}} (or change num_experts to a multiple of {ep})"
+        )

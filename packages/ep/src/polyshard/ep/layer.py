@@ -1,0 +1,96 @@
+"""The mixture-of-experts layer: route, dispatch, run local experts, combine.
+
+Shapes: B batch, S sequence, H hidden, T = B*S tokens on this rank, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.ep.config import MoEConfig
+from polyshard.ep.dispatch import combine, dispatch
+from polyshard.ep.experts import GroupedExperts
+from polyshard.ep.router import (
+    Router,
+    capacity_keep_mask,
+    expert_capacity,
+    load_balancing_loss,
+    tokens_per_expert,
+    z_loss,
+)
+
+
+@dataclass(frozen=True)
+class MoEMetrics:
+    """What one forward did, for logging (plain numbers, no graph)."""
+
+    tokens_per_expert: tuple[int, ...]
+    """Assignments this rank's router sent to each of the E experts (before capacity drops)."""
+    tokens_per_local_expert: tuple[int, ...]
+    """Rows each expert on this rank processed, from every ep rank (after drops)."""
+    dropped_assignments: int
+    """(token, expert) assignments dropped by the capacity rule on this rank."""
+    dropped_tokens: int
+    """Tokens of this rank that lost every one of their experts (the layer output is zero for them)."""
+    load_balancing_loss: float
+    z_loss: float
+    aux_loss: float
+    """aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss."""
+
+
+class MoELayer(nn.Module):
+    """A token-choice top-k mixture of experts (Shazeer et al. 1701.06538; Switch 2101.03961).
+
+    ``forward(x)`` returns ``(y, aux_loss)``: add ``aux_loss`` to the training
+    loss. Without expert parallelism the layer holds all E experts; after
+    :func:`polyshard.ep.apply_expert_parallel` it holds E/P of them and
+    exchanges tokens with the other ranks of its ep group. Each rank routes,
+    applies capacity and computes the auxiliary losses on its own tokens only.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = Router(config.hidden, config.num_experts, config.top_k, config.renormalize)
+        self.experts = GroupedExperts(config.num_experts, config.hidden, config.ffn_hidden, config.activation)
+        self.ep_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
+        self.last_metrics: MoEMetrics | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., H) -> ((..., H), scalar aux loss)."""
+        cfg = self.config
+        tokens = x.reshape(-1, cfg.hidden)  # (T, H)
+        routing = self.router(tokens)
+        keep = None
+        if cfg.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+            keep = capacity_keep_mask(routing.experts, cfg.num_experts, capacity)  # (T, k)
+
+        expert_input, meta = dispatch(tokens, routing.experts, cfg.num_experts, self.ep_group, keep)  # (N, H)
+        expert_output = self.experts(expert_input, meta.tokens_per_local_expert)  # (N, H)
+        y = combine(expert_output, routing.weights, meta)  # (T, H)
+
+        balance = load_balancing_loss(routing, cfg.num_experts)
+        aux = cfg.aux_loss_coef * balance
+        router_z = z_loss(routing) if cfg.z_loss_coef > 0 else torch.zeros((), device=x.device)
+        aux = aux + cfg.z_loss_coef * router_z
+        self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, balance, router_z, aux)
+        return y.view(x.shape), aux
+
+
+def _metrics(experts, keep, num_experts, meta, balance, router_z, aux) -> MoEMetrics:
+    dropped = 0 if keep is None else int((~keep).sum())
+    dropped_tokens = 0 if keep is None else int((~keep.any(dim=1)).sum())
+    return MoEMetrics(
+        tokens_per_expert=tuple(tokens_per_expert(experts, num_experts).tolist()),
+        tokens_per_local_expert=meta.tokens_per_local_expert,
+        dropped_assignments=dropped,
+        dropped_tokens=dropped_tokens,
+        load_balancing_loss=float(balance.detach()),
+        z_loss=float(router_z.detach()),
+        aux_loss=float(aux.detach()),
+    )

@@ -1,0 +1,105 @@
+"""Expert parallelism: shard every MoE layer's experts over an ep group, and fix up gradients.
+
+Rank i of a group of size P keeps experts [i*E/P, (i+1)*E/P) of each layer;
+the router (and everything else) stays replicated. Every expert parameter gets
+a placement record ``Shard(0)`` over the ep axis, the router ``Replicate()``.
+
+Gradients after ``loss.backward()``, with each rank's loss the mean over its own tokens:
+
+* an expert's gradient already sums the contributions of every rank's tokens
+  (the backward all-to-all brought them), i.e. the gradient of sum_r loss_r;
+  the single-process loss on the union of tokens is (1/P) sum_r loss_r, so it
+  is divided by P;
+* a replicated parameter's gradient holds only this rank's tokens; averaging
+  over the group gives the same (1/P) sum_r.
+
+:func:`sync_gradients` does both; call it after every backward and before
+``optimizer.step()``. With data parallelism on top, let dp reduce instead:
+scale the expert grads here (:func:`scale_expert_gradients`) and hand dp the
+expert parameters with the dp group and the rest with the dp x ep group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.ep.errors import ExpertParallelError, check_ep_size
+from polyshard.ep.layer import MoELayer
+from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement, set_placement
+
+
+def apply_expert_parallel(model: nn.Module, *, group: dist.ProcessGroup, axis: str = "ep") -> nn.Module:
+    """Keep only this rank's experts in every :class:`MoELayer` of ``model`` (in place) and return it.
+
+    Every rank must hold the same full model before the call (e.g. built from one seed).
+    """
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no experts to shard")
+    for name, layer in layers:
+        _shard_layer(layer, name, group, axis)
+    return model
+
+
+def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str) -> None:
+    if layer.ep_group is not None:
+        raise ExpertParallelError(f"MoE layer {name!r} is already expert-parallel; apply_expert_parallel once")
+    ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    num_experts = layer.config.num_experts
+    check_ep_size(num_experts, ep_size)
+    local = num_experts // ep_size
+    prefix = f"{name}." if name else ""
+    for weight_name, param in list(layer.experts.named_parameters()):
+        shard = nn.Parameter(param.detach()[ep_rank * local : (ep_rank + 1) * local].clone())  # (E/P, ...)
+        record = TensorPlacement(f"{prefix}experts.{weight_name}", tuple(param.shape), ((axis, Shard(0)),))
+        setattr(layer.experts, weight_name, set_placement(shard, record))
+    router = layer.router.weight
+    set_placement(router, TensorPlacement(f"{prefix}router.weight", tuple(router.shape), ((axis, Replicate()),)))
+    layer.ep_group = group
+
+
+def is_expert_parameter(param: torch.Tensor, axis: str = "ep") -> bool:
+    """True for a tensor sharded over ``axis`` by :func:`apply_expert_parallel`."""
+    record = get_placement(param)
+    return record is not None and isinstance(record.placement(axis), Shard)
+
+
+def expert_parameters(model: nn.Module, axis: str = "ep") -> list[nn.Parameter]:
+    return [p for p in model.parameters() if is_expert_parameter(p, axis)]
+
+
+def replicated_parameters(model: nn.Module, axis: str = "ep") -> list[nn.Parameter]:
+    """Every parameter not sharded over ``axis``: router, attention, embeddings..."""
+    return [p for p in model.parameters() if not is_expert_parameter(p, axis)]
+
+
+def scale_expert_gradients(model: nn.Module, ep_size: int, axis: str = "ep") -> None:
+    """Divide expert gradients by P: they hold the sum over every rank's tokens (see module docstring)."""
+    for param in expert_parameters(model, axis):
+        if param.grad is not None:
+            param.grad.div_(ep_size)
+
+
+def average_replicated_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep") -> None:
+    """Average non-expert gradients over ``group`` with one all-reduce of a flat buffer."""
+    grads = [p.grad for p in replicated_parameters(model, axis) if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ops.all_reduce(flat, group)
+    flat.div_(dist.get_world_size(group))
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(piece.view_as(grad))
+
+
+def sync_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep") -> None:
+    """Make this rank's gradients those of the single-process loss on all ranks' tokens.
+
+    Call after ``loss.backward()`` and before ``optimizer.step()`` when ep is the
+    only data-splitting axis (no dp wrapper reducing the replicated parameters).
+    """
+    scale_expert_gradients(model, dist.get_world_size(group), axis)
+    average_replicated_gradients(model, group, axis)
