@@ -1,1 +1,22 @@
-"""polyshard.dp: Data parallelism: bucketed overlapped reducer, ZeRO-1/2/3, mixed precision."""
+"""polyshard.dp: bucketed overlapped data parallelism, ZeRO-1/2/3 and mixed precision."""
+
+from polyshard.dp.data_parallel import DataParallel, ParamSet
+from polyshard.dp.errors import DataParallelError, GradSyncError, ParameterMismatchError, UnownedParameterError
+from polyshard.dp.fully_sharded import FullyShardedDataParallel
+from polyshard.dp.memory import MemoryReport, bytes_held
+from polyshard.dp.mixed_precision import MixedPrecision
+from polyshard.dp.optimizer import ZeroOptimizer
+
+__all__ = [
+    "DataParallel",
+    "DataParallelError",
+    "FullyShardedDataParallel",
+    "GradSyncError",
+    "MemoryReport",
+    "MixedPrecision",
+    "ParamSet",
+    "ParameterMismatchError",
+    "UnownedParameterError",
+    "ZeroOptimizer",
+    "bytes_held",
+]

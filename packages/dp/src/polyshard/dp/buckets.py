@@ -1,0 +1,110 @@
+"""Gradient buckets: parameters whose gradients travel together in one collective.
+
+Buckets follow *reverse registration order*: backward produces the last
+layer's gradients first, so the first bucket fills (and its reduction starts)
+while the rest of backward still runs (Li et al., "PyTorch Distributed",
+2006.15704, section 3.2.3). Buckets of one group are launched strictly in
+index order, so every rank issues the same collectives in the same order even
+when some parameter got no gradient on some rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.dp.layout import FlatLayout
+
+
+def assign_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` grouped into buckets of at most ``cap_bytes`` (a larger param gets its own).
+
+    Walks the list backwards: ``assign_buckets([a, b, c], cap)`` puts ``c`` in bucket 0.
+    """
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for index in reversed(range(len(params))):
+        nbytes = params[index].numel() * params[index].element_size()
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+class Bucket:
+    """One bucket's gradients: packed into a flat buffer, reduced asynchronously, then read back.
+
+    ``stage`` 0 all-reduces the whole buffer (every rank keeps every gradient);
+    stages 1 and 2 reduce-scatter it, so each rank gets the sum of its own
+    rows (see :mod:`polyshard.dp.layout`). Stage 1 keeps the full buffer
+    between steps (ZeRO-1 holds full gradients); stage 2 drops it after the
+    reduction and keeps only the shard.
+    """
+
+    def __init__(self, params, names, *, group, stage: int, reduce_dtype: torch.dtype, divide_by: int):
+        self.params, self.names = list(params), list(names)
+        self.group, self.stage, self.divide_by = group, stage, divide_by
+        self.reduce_dtype = reduce_dtype
+        self.rank = dist.get_rank(group)
+        n = 1 if stage == 0 else dist.get_world_size(group)
+        self.layout = FlatLayout([tuple(p.shape) for p in self.params], n)
+        self.ready: set[int] = set()  # indices whose gradient is final for this step
+        self.buffer: torch.Tensor | None = None  # (layout.numel,) all gradients, reduce dtype
+        self.shard: torch.Tensor | None = None  # (layout.shard_numel,) this rank's reduced rows
+        self.work = None
+        self.launched = False
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def launch(self) -> None:
+        """Pack the gradients (missing ones count as zeros) and start the reduction."""
+        device = self.params[0].device
+        if self.buffer is None:
+            self.buffer = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=device)
+        self.layout.pack([p.grad for p in self.params], self.buffer)
+        for p in self.params:
+            p.grad = None  # the buffer holds them now; drop autograd's copies
+        if self.stage == 0:
+            self.work = ops.all_reduce(self.buffer, self.group, async_op=True)
+        else:
+            self.shard = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=device)
+            self.work = ops.reduce_scatter_flat(self.shard, self.buffer, self.group, async_op=True)
+        self.launched = True
+
+    def wait(self) -> None:
+        """Finish the reduction and turn the sum into the average."""
+        self.work.wait()
+        self.work = None
+        if self.stage == 0:
+            self.buffer.div_(self.divide_by)
+            for index, p in enumerate(self.params):
+                if p.dtype == self.reduce_dtype:  # gradient as a view of the bucket, as DDP does
+                    p.grad = self.layout.unpack(self.buffer, index)
+            return
+        self.shard.div_(self.divide_by)
+        if self.stage == 1:
+            # Keep only the full buffer: this rank's rows of it become the reduced shard.
+            mine = self.buffer.view(self.layout.n, self.layout.shard_numel)[self.rank]
+            mine.copy_(self.shard)
+            self.shard = mine
+        else:
+            self.buffer = None
+
+    def grad_shard(self, index: int) -> torch.Tensor | None:
+        """This rank's reduced, averaged rows of parameter ``index`` (the whole gradient at stage 0)."""
+        if self.stage == 0:
+            return None if self.buffer is None else self.layout.unpack(self.buffer, index)
+        return None if self.shard is None else self.layout.shard_view(self.shard, index)
+
+    def drop_grads(self) -> None:
+        """After the optimizer step: stage 2 frees its shard (stages 0/1 reuse the buffer next step)."""
+        if self.stage == 2:
+            self.shard = None

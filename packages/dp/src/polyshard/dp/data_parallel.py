@@ -1,0 +1,258 @@
+"""`DataParallel`: replicated model, gradients averaged by bucketed, overlapped reductions.
+
+One step on N ranks, each with its own slice of the batch::
+
+    model = DataParallel(net, group=mesh.group("dp"))   # broadcast from the group's first rank
+    loss_fn(model(x_local), y_local).backward()         # buckets reduce while backward runs
+    model.finish_grad_sync()                             # wait; every p.grad is the group average
+    optimizer.step()
+
+``zero_stage=1|2`` turns the all-reduce into a reduce-scatter (each rank
+receives the averaged gradient rows it will update) for use with
+:class:`polyshard.dp.ZeroOptimizer`; stage 2 also keeps only those rows.
+Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
+experts over the expert-data-parallel group and the rest over dp x ep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.dp.buckets import Bucket, assign_buckets
+from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
+from polyshard.dp.errors import DataParallelError
+from polyshard.dp.layout import ShardSpec, shard_record
+from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
+from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
+
+
+@dataclass(frozen=True)
+class ParamSet:
+    """Parameters that reduce over their own ``group`` (default: the wrapper's group).
+
+    ``divide_by`` is what the summed gradient is divided by (default: the
+    group's size). For experts reduced over the expert-dp group while the loss
+    is a mean over the whole dp x ep batch, pass the dp x ep size.
+    """
+
+    params: Sequence[nn.Parameter]
+    group: dist.ProcessGroup
+    divide_by: int | None = None
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data parallelism over ``group`` (see module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup,
+        bucket_cap_mb: float = 25,
+        zero_stage: int = 0,
+        mixed_precision: MixedPrecision | None = None,
+        param_sets: Sequence[ParamSet] = (),
+        axis: str = "dp",
+    ):
+        super().__init__()
+        if zero_stage not in (0, 1, 2):
+            raise DataParallelError(
+                f"DataParallel supports zero_stage 0, 1 or 2, not {zero_stage}; "
+                "for stage 3 wrap the model in FullyShardedDataParallel"
+            )
+        if not bucket_cap_mb > 0:
+            raise DataParallelError(f"bucket_cap_mb={bucket_cap_mb} must be positive (25 is a good default)")
+        self.module, self.group, self.zero_stage, self.axis = module, group, zero_stage, axis
+        self.mixed_precision = mixed_precision
+        self._sync_enabled = True
+        self._grads_pending = False
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones stay local
+        sets = self._resolve_sets(named, param_sets)
+        for set_params, set_group, _ in sets:
+            check_same_on_all_ranks(set_params, set_group)
+            broadcast_from_first([p for _, p in set_params], set_group)
+        broadcast_from_first(list(module.buffers()), group)
+        self._master_init = self._stash_masters(sets)
+        self.queues = [self._build_buckets(*s, int(bucket_cap_mb * 2**20)) for s in sets]
+        self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
+        for queue in self.queues:
+            for bucket in queue:
+                for p in bucket.params:
+                    p.register_post_accumulate_grad_hook(self._make_hook(queue))
+
+    # -- construction ---------------------------------------------------------
+    def _resolve_sets(self, named, param_sets):
+        """[(named params, group, divide_by)]: the explicit sets, then everything else on ``self.group``."""
+        claimed: dict[int, str] = {}
+        by_id = {id(p): n for n, p in named}
+        sets = []
+        for ps in param_sets:
+            members = []
+            for p in ps.params:
+                if id(p) not in by_id:
+                    raise DataParallelError("a ParamSet holds a tensor that is not a trainable parameter of the module")
+                if id(p) in claimed:
+                    raise DataParallelError(f"{by_id[id(p)]!r} is listed in two ParamSets; give each parameter one")
+                claimed[id(p)] = by_id[id(p)]
+                members.append((by_id[id(p)], p))
+            sets.append((members, ps.group, ps.divide_by or dist.get_world_size(ps.group)))
+        rest = [(n, p) for n, p in named if id(p) not in claimed]
+        sets.append((rest, self.group, dist.get_world_size(self.group)))
+        return [s for s in sets if s[0]]
+
+    def _stash_masters(self, sets) -> dict[int, torch.Tensor]:
+        """fp32 copies of this rank's rows, taken before the cast to the compute dtype."""
+        if self.mixed_precision is None:
+            return {}
+        stash = {}
+        for set_params, set_group, _ in sets:
+            n = 1 if self.zero_stage == 0 else dist.get_world_size(set_group)
+            rank = dist.get_rank(set_group)
+            for _, p in set_params:
+                stash[id(p)] = ShardSpec(tuple(p.shape), n).shard_of(p.detach().float(), rank)
+                p.data = p.data.to(compute_dtype(p, self.mixed_precision))
+        return stash
+
+    def _build_buckets(self, set_params, set_group, divide_by, cap_bytes) -> list[Bucket]:
+        params = [p for _, p in set_params]
+        buckets = []
+        for indices in assign_buckets(params, cap_bytes):
+            names = [set_params[i][0] for i in indices]
+            members = [params[i] for i in indices]
+            for name, p in zip(names, members):
+                base = get_placement(p) or TensorPlacement(name, tuple(p.shape))
+                set_placement(p, base.with_axis(self.axis, Replicate()))
+            buckets.append(
+                Bucket(
+                    members,
+                    names,
+                    group=set_group,
+                    stage=self.zero_stage,
+                    reduce_dtype=reduce_dtype(members[0], self.mixed_precision),
+                    divide_by=divide_by,
+                )
+            )
+        return buckets
+
+    # -- the step ---------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.mixed_precision is not None:
+            args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
+        return self.module(*args, **kwargs)
+
+    def _make_hook(self, queue: list[Bucket]):
+        def hook(param: nn.Parameter) -> None:
+            self._grads_pending = True
+            if not self._sync_enabled:
+                return  # no_sync: let the gradient accumulate in param.grad
+            bucket, index = self._where[id(param)]
+            bucket.ready.add(index)
+            self._launch_in_order(queue, only_complete=True)
+
+        return hook
+
+    @staticmethod
+    def _launch_in_order(queue: list[Bucket], *, only_complete: bool) -> None:
+        """Launch buckets in index order; stop at the first incomplete one unless told otherwise."""
+        for bucket in queue:
+            if bucket.launched:
+                continue
+            if only_complete and not bucket.complete:
+                return
+            bucket.launch()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next one outside reduces the sum."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every reduction; call before the optimizer step.
+
+        Buckets not yet launched (a parameter got no gradient on this rank this
+        step) are launched now with zeros for the missing gradients, in the
+        same order on every rank, so no rank waits on a collective another
+        skipped. A parameter with no gradient anywhere gets a zero gradient.
+        """
+        if not self._grads_pending:
+            return
+        for queue in self.queues:
+            self._launch_in_order(queue, only_complete=False)
+        for queue in self.queues:
+            for bucket in queue:
+                bucket.wait()
+                bucket.ready.clear()
+                bucket.launched = False
+        self._grads_pending = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for bucket in self.buckets():
+            bucket.drop_grads()
+
+    # -- what ZeroOptimizer needs ---------------------------------------------------
+    def buckets(self) -> list[Bucket]:
+        return [b for q in self.queues for b in q]
+
+    def owned_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for b in self.buckets() for n, p in zip(b.names, b.params)]
+
+    def shard_spec(self, param: nn.Parameter) -> ShardSpec:
+        bucket, index = self._where[id(param)]
+        return bucket.layout.specs[index]
+
+    def master_init(self, param: nn.Parameter) -> torch.Tensor:
+        """fp32 values of this rank's rows of ``param`` (all of it at stage 0)."""
+        if id(param) in self._master_init:
+            return self._master_init.pop(id(param))
+        bucket, index = self._where[id(param)]
+        rank = dist.get_rank(bucket.group) if self.zero_stage else 0
+        return self.shard_spec(param).shard_of(param.detach().float(), rank)
+
+    def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
+        if self.zero_stage == 0:
+            return get_placement(param)
+        return shard_record(param, name, self.shard_spec(param), self.axis)
+
+    def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
+        bucket, index = self._where[id(param)]
+        return bucket.grad_shard(index)
+
+    def write_params(self, values: dict[int, torch.Tensor]) -> None:
+        """Set parameters from updated rows (keyed by ``id(param)``); stages 1/2 all-gather them."""
+        with torch.no_grad():
+            if self.zero_stage == 0:
+                for p in (p for b in self.buckets() for p in b.params):
+                    p.copy_(values[id(p)])
+                return
+            pending = [self._gather_bucket(b, values) for b in self.buckets()]
+            for bucket, full, work in pending:
+                work.wait()
+                for index, p in enumerate(bucket.params):
+                    p.copy_(bucket.layout.unpack(full, index))
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds for parameters and gradients (for :func:`polyshard.dp.bytes_held`)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [t for b in self.buckets() for t in (b.buffer, b.shard) if t is not None]
+        return {"params": list(self.module.parameters()), "grads": grads}
+
+    @staticmethod
+    def _gather_bucket(bucket: Bucket, values):
+        dtype, device = bucket.params[0].dtype, bucket.params[0].device
+        shard = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=device)
+        for index, p in enumerate(bucket.params):
+            bucket.layout.shard_view(shard, index).copy_(values[id(p)])
+        full = torch.empty(bucket.layout.numel, dtype=dtype, device=device)
+        return bucket, full, ops.all_gather_flat(full, shard, bucket.group, async_op=True)

@@ -1,0 +1,223 @@
+"""`FullyShardedDataParallel`: ZeRO-3, parameters sharded over the dp group too.
+
+Rajbhandari et al., "ZeRO", 1910.02054, stage P_os+g+p. Each block of the
+model is a :class:`~polyshard.dp.units.Unit`. One step on N ranks::
+
+    forward   block i:  gather(i) [prefetched]  start gather(i+1)  compute  free(i)
+    backward  block i:  gather(i) [prefetched]  start gather(i-1)  compute
+                        all grads of i ready -> reduce-scatter(i) (async), free(i)
+    end of backward:    wait every reduce-scatter, add into the gradient shards
+
+Parameters not in any block (e.g. embedding and head) form the root unit: it
+is gathered when the forward starts and freed at the end of backward. Per
+step that is two all-gathers and one reduce-scatter of every block's
+parameters (3 x parameter volume), one all-gather less for the root.
+Gradient accumulation: every backward reduce-scatters and the shards add up,
+so the full gradients are never kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
+from polyshard.dp.layout import ShardSpec, shard_record
+from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
+from polyshard.dp.units import Unit
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s trainable parameters over ``group`` block by block.
+
+    ``blocks`` are submodules in execution order (default: the module's
+    children, right for ``nn.Sequential``-like models). Frozen parameters stay
+    whole on every rank.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup,
+        blocks: Sequence[nn.Module] | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        prefetch: bool = True,
+        axis: str = "dp",
+    ):
+        super().__init__()
+        self.module, self.group, self.mixed_precision, self.prefetch = module, group, mixed_precision, prefetch
+        self.axis = axis
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        check_same_on_all_ranks(named, group)
+        broadcast_from_first(list(module.parameters()), group)
+        broadcast_from_first(list(module.buffers()), group)
+        blocks = list(module.children()) if blocks is None else list(blocks)
+        self.block_units = self._make_units(named, blocks, axis)
+        claimed = {id(p) for u in self.block_units for p in u.params}
+        rest = [(n, p) for n, p in named if id(p) not in claimed]
+        self.root = self._unit(rest, axis) if rest else None
+        for p in module.parameters():
+            if not p.requires_grad and mixed_precision is not None:
+                p.data = p.data.to(mixed_precision.param_dtype)
+        # Backward reduces the last block first; the root comes last.
+        self.reduce_order = list(reversed(self.block_units)) + ([self.root] if self.root else [])
+        self._where = {id(p): (u, i) for u in self.reduce_order for i, p in enumerate(u.params)}
+        for unit in self.reduce_order:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._callback_queued = False
+
+    def _unit(self, named, axis) -> Unit:
+        p = named[0][1]
+        return Unit(
+            named,
+            group=self.group,
+            dtype=compute_dtype(p, self.mixed_precision),
+            reduce_dtype=reduce_dtype(p, self.mixed_precision),
+            axis=axis,
+        )
+
+    def _make_units(self, named, blocks, axis) -> list[Unit]:
+        name_of = {id(p): n for n, p in named}
+        units, seen = [], set()
+        for block in blocks:
+            members = [(name_of[id(p)], p) for p in block.parameters() if id(p) in name_of and id(p) not in seen]
+            if not members:
+                continue
+            seen.update(id(p) for _, p in members)
+            position = len(units)
+            units.append(self._unit(members, axis))
+            block.register_forward_pre_hook(lambda mod, args, i=position: self._pre_forward(i))
+            block.register_forward_hook(lambda mod, args, out, i=position: self._post_forward(i, out))
+        return units
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.mixed_precision is not None:
+            args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
+        if self.root is not None:
+            self.root.gather()
+        return self.module(*args, **kwargs)
+
+    def _pre_forward(self, i: int) -> None:
+        self.block_units[i].gather()
+        if self.prefetch and i + 1 < len(self.block_units):
+            self.block_units[i + 1].start_gather()
+
+    def _post_forward(self, i: int, output) -> None:
+        self.block_units[i].free()
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        fired = []
+
+        def pre_backward(grad):
+            if not fired:  # once per backward even when the block has several outputs
+                fired.append(True)
+                self._pre_backward(i)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_backward)
+
+    # -- backward -----------------------------------------------------------------------
+    def _pre_backward(self, i: int) -> None:
+        self._queue_finish()
+        self.block_units[i].gather()
+        if self.prefetch and i > 0:
+            self.block_units[i - 1].start_gather()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self._queue_finish()
+        unit, index = self._where[id(param)]
+        unit.ready.add(index)
+        self._launch_in_order(only_complete=True)
+
+    def _launch_in_order(self, *, only_complete: bool) -> None:
+        # Same order on every rank, so reduce-scatters always pair up.
+        for unit in self.reduce_order:
+            if unit.launched:
+                continue
+            if only_complete and not unit.complete:
+                return
+            unit.launch_reduce()
+
+    def _queue_finish(self) -> None:
+        """Run :meth:`_finish_backward` when the autograd engine finishes this backward."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._launch_in_order(only_complete=False)  # blocks that got no gradient count as zeros
+        for unit in self.reduce_order:
+            unit.wait_reduce()
+        self._callback_queued = False
+
+    def finish_grad_sync(self) -> None:
+        """Nothing left to wait for: each backward finishes its own reductions (kept for symmetry)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for unit in self.reduce_order:
+            unit.grad_shard = None
+
+    # -- what ZeroOptimizer needs ------------------------------------------------------
+    def owned_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for u in self.reduce_order for n, p in zip(u.names, u.params)]
+
+    def shard_spec(self, param: nn.Parameter) -> ShardSpec:
+        unit, index = self._where[id(param)]
+        return unit.layout.specs[index]
+
+    def master_init(self, param: nn.Parameter) -> torch.Tensor:
+        unit, _ = self._where[id(param)]
+        return unit.master_init.pop(id(param))
+
+    def shard_placement(self, param: nn.Parameter, name: str):
+        return shard_record(param, name, self.shard_spec(param), self.axis)
+
+    def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
+        unit, index = self._where[id(param)]
+        return None if unit.grad_shard is None else unit.layout.shard_view(unit.grad_shard, index)
+
+    def write_params(self, values: dict[int, torch.Tensor]) -> None:
+        for unit in self.reduce_order:
+            unit.write_local(values)
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every sharded parameter's full value (copies; all-gathers each block once). Call on all ranks."""
+        out = {}
+        for unit in self.reduce_order:
+            was_gathered = unit.gathered
+            unit.gather()
+            out.update({n: p.detach().clone() for n, p in zip(unit.names, unit.params)})
+            if not was_gathered:
+                unit.free()
+        return out
+
+    def local_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of every sharded parameter (views with placement records), for checkpoints."""
+        return {n: v for u in self.reduce_order for n, v in zip(u.names, u.local_views)}
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds for parameters and gradients (for :func:`polyshard.dp.bytes_held`)."""
+        params = list(self.module.parameters()) + [u.local for u in self.reduce_order]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [u.grad_shard for u in self.reduce_order if u.grad_shard is not None]
+        return {"params": params, "grads": grads}
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []

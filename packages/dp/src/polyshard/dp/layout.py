@@ -1,0 +1,129 @@
+"""Rank-major flat layout: how a list of parameters is sharded over N ranks along dim 0.
+
+Every parameter is padded on dim 0 to a multiple of N and cut into N equal row
+blocks; rank r holds block r of every parameter. A *flat* buffer of the whole
+list is laid out rank-major, so one collective serves all of them::
+
+    params p (5, 2) and q (3,) over N = 2 ranks
+    p padded to (6, 2): rank 0 holds rows 0:3, rank 1 rows 3:6 (row 5 is padding)
+    q padded to (4,):   rank 0 holds 0:2,      rank 1 holds 2:4  (element 3 is padding)
+    flat buffer (N * 8): [p rows 0:3 | q 0:2 | p rows 3:6 | q 2:4]
+                          ---- rank 0 (8) --  ---- rank 1 (8) ---
+
+``reduce_scatter`` of the flat buffer leaves each rank its own 8 elements;
+``all_gather`` of the 8-element shards rebuilds the flat buffer. The same
+per-parameter sharding is what the placement records describe
+(``Shard(0)`` with ``padded_shape``), so checkpoints can reshard it. With
+N = 1 the layout is plain concatenation (used by the all-reduce buckets).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from polyshard.mesh import Shard, TensorPlacement, get_placement
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One parameter's dim-0 sharding over ``n`` ranks (0-dim tensors count as shape (1,))."""
+
+    shape: tuple[int, ...]
+    n: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def rest(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def rows_per_rank(self) -> int:
+        return math.ceil(self.rows / self.n)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_rank, *self.rest)
+
+    @property
+    def shard_numel(self) -> int:
+        return math.prod(self.shard_shape)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_rank * self.n, *self.rest)
+
+    def padded(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (any shape == self.shape) as (n, shard_numel), padding rows with zeros."""
+        rows = full.reshape(self.rows, *self.rest)
+        pad = self.rows_per_rank * self.n - self.rows
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, *self.rest)])
+        return rows.reshape(self.n, self.shard_numel)
+
+    def shard_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s row block of ``full``, shape ``shard_shape`` (a copy)."""
+        return self.padded(full)[rank].reshape(self.shard_shape).clone()
+
+
+class FlatLayout:
+    """Offsets of several parameters inside one rank-major flat buffer (see module doc)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], n: int):
+        self.n = n
+        self.specs = [ShardSpec(tuple(s), n) for s in shapes]
+        self.offsets = []
+        offset = 0
+        for spec in self.specs:
+            self.offsets.append(offset)
+            offset += spec.shard_numel
+        self.shard_numel = offset  # elements each rank holds
+        self.numel = offset * n  # elements of the full flat buffer, padding included
+
+    @property
+    def padding_numel(self) -> int:
+        return self.numel - sum(math.prod(s.shape) for s in self.specs)
+
+    def pack(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """Write full tensors (None = zeros) into ``out`` (numel,) in rank-major order."""
+        grid = out.view(self.n, self.shard_numel)
+        for spec, offset, t in zip(self.specs, self.offsets, tensors):
+            piece = grid[:, offset : offset + spec.shard_numel]
+            if t is None:
+                piece.zero_()
+            else:
+                piece.copy_(spec.padded(t))
+        return out
+
+    def unpack(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index`` rebuilt from a full flat buffer (a view when n == 1)."""
+        spec, offset = self.specs[index], self.offsets[index]
+        piece = flat.view(self.n, self.shard_numel)[:, offset : offset + spec.shard_numel]
+        rows = piece.reshape(spec.n * spec.rows_per_rank, *spec.rest)[: spec.rows]
+        return rows.reshape(spec.shape)
+
+    def shard_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s rows inside this rank's shard (shard_numel,), as a view."""
+        spec, offset = self.specs[index], self.offsets[index]
+        return shard[offset : offset + spec.shard_numel].view(spec.shard_shape)
+
+
+def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str) -> TensorPlacement:
+    """Placement of a dim-0 shard over ``axis``, on top of any placement ``param`` already has.
+
+    A parameter that tp/pp/ep already sharded keeps its record and gains
+    ``axis -> Shard(0)`` appended (dp splits each existing piece, the inner
+    split). ``padded_shape`` is recorded only when dp alone pads dim 0.
+    """
+    base = get_placement(param)
+    global_shape = spec.shape if spec.shape else (1,)
+    if base is None:
+        padded = spec.padded_shape if spec.padded_shape != global_shape else None
+        return TensorPlacement(name, global_shape, ((axis, Shard(0)),), padded_shape=padded)
+    return base.with_axis(axis, Shard(0))

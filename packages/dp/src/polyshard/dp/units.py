@@ -1,0 +1,108 @@
+"""A ZeRO-3 unit: one block's parameters, sharded at rest and gathered around its use.
+
+At rest each rank holds only ``local`` (its rows of every parameter, see
+:mod:`polyshard.dp.layout`) and the parameters' storages are resized to zero
+bytes. ``gather`` all-gathers the rows and refills the storages in place, so
+tensors that autograd saved in forward see the values again in backward.
+``launch_reduce`` reduce-scatters the block's gradients and frees it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops
+from polyshard.dp.layout import FlatLayout, shard_record
+from polyshard.mesh import set_placement
+
+
+class Unit:
+    """Parameters of one block (or the root's leftovers) on one dp group."""
+
+    def __init__(self, named_params, *, group, dtype: torch.dtype, reduce_dtype: torch.dtype, axis: str):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group, self.reduce_dtype = group, reduce_dtype
+        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.layout = FlatLayout([tuple(p.shape) for p in self.params], self.n)
+        self.local = torch.empty(self.layout.shard_numel, dtype=dtype, device=self.params[0].device)
+        self.master_init: dict[int, torch.Tensor] = {}
+        self.local_views = []  # this rank's rows of each parameter, with placement records
+        for index, (name, p) in enumerate(named_params):
+            spec = self.layout.specs[index]
+            full = p.detach()
+            self.master_init[id(p)] = spec.shard_of(full.float(), self.rank)
+            view = self.layout.shard_view(self.local, index)
+            view.copy_(spec.shard_of(full, self.rank))
+            self.local_views.append(set_placement(view, shard_record(p, name, spec, axis)))
+            p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below
+        self.gathered = True
+        self.free()
+        self._gather = None  # (work, buffer) of an in-flight all-gather
+        self._reduce = None  # (work, input, output) of an in-flight reduce-scatter
+        self.ready: set[int] = set()
+        self.launched = False
+        self.grad_shard: torch.Tensor | None = None  # (shard_numel,) averaged, summed over backwards
+
+    # -- parameters ---------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Begin the all-gather (used to prefetch the next block while this one computes)."""
+        if self.gathered or self._gather is not None:
+            return
+        buffer = torch.empty(self.layout.numel, dtype=self.local.dtype, device=self.local.device)
+        self._gather = (ops.all_gather_flat(buffer, self.local, self.group, async_op=True), buffer)
+
+    def gather(self) -> None:
+        """Make every parameter hold its full value (waits for a prefetch if one is in flight)."""
+        if self.gathered:
+            return
+        self.start_gather()
+        work, buffer = self._gather
+        work.wait()
+        self._gather = None
+        with torch.no_grad():
+            for index, p in enumerate(self.params):
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+                p.data.copy_(self.layout.unpack(buffer, index))
+        self.gathered = True
+
+    def free(self) -> None:
+        """Release the full parameters; only ``local`` stays."""
+        if not self.gathered:
+            return
+        for p in self.params:
+            p.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def write_local(self, values: dict[int, torch.Tensor]) -> None:
+        """Set this rank's rows from optimizer results (keyed by ``id(param)``); no communication."""
+        with torch.no_grad():
+            for view, p in zip(self.local_views, self.params):
+                view.copy_(values[id(p)])
+
+    # -- gradients ------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def launch_reduce(self) -> None:
+        """Reduce-scatter this backward's gradients (missing ones are zeros), then free the block."""
+        buffer = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.local.device)
+        self.layout.pack([p.grad for p in self.params], buffer)
+        for p in self.params:
+            p.grad = None
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.local.device)
+        self._reduce = (ops.reduce_scatter_flat(out, buffer, self.group, async_op=True), buffer, out)
+        self.launched = True
+        self.free()
+
+    def wait_reduce(self) -> None:
+        """Finish the reduce-scatter and add the average into ``grad_shard`` (gradient accumulation)."""
+        work, _, out = self._reduce
+        work.wait()
+        self._reduce = None
+        out.div_(self.n)
+        self.grad_shard = out if self.grad_shard is None else self.grad_shard.add_(out)
+        self.ready.clear()
+        self.launched = False
