@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.collectives import ops
 from polyshard.pp.actions import Action, Exchange, Schedule
 from polyshard.pp.comm import post_exchange
 from polyshard.pp.errors import ScheduleError, StageShapeError
@@ -40,7 +41,7 @@ from polyshard.pp.timeline import Span, Timeline
 @dataclass
 class StepResult:
     loss: torch.Tensor | None  # full-batch mean loss on the rank holding the last stage, else None
-    timeline: Timeline  # this rank's spans, seconds since the step started
+    timeline: Timeline  # this rank's spans (perf_counter seconds; see gather_timeline for all ranks)
     peak_activations: int  # most (stage, microbatch) activations stored at once (F done, B not yet)
 
 
@@ -98,15 +99,14 @@ class PipelineExecutor:
         self.stored: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output or loss)
         self.awaiting_w: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (output, output grad) for W
         self.loss, self.peak, self.pending_sends, spans = None, 0, [], []
-        origin = time.perf_counter()
         for index, step in enumerate(self.steps):
-            start = time.perf_counter() - origin
+            start = time.perf_counter()
             if isinstance(step, Exchange):
                 self._exchange(step)
             else:
                 self._compute(step, index)
             kind = "X" if isinstance(step, Exchange) else step.kind
-            spans.append(Span(self.rank, str(step), kind, start, time.perf_counter() - origin))
+            spans.append(Span(self.rank, str(step), kind, start, time.perf_counter()))
         for work, _ in self.pending_sends:
             work.wait()
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual > 1)
@@ -172,3 +172,23 @@ class PipelineExecutor:
         for param, g in zip(params, torch.autograd.grad(y, params, grad, allow_unused=True)):
             if g is not None:
                 param.grad = g if param.grad is None else param.grad + g
+
+
+def gather_timeline(local: Timeline, schedule: Schedule, group: dist.ProcessGroup | None = None) -> Timeline:
+    """Every rank's spans of one step, on every rank (for rendering the whole pipeline).
+
+    Spans follow each rank's lowered steps in order, so only (start, end) pairs
+    travel; labels are rebuilt from the schedule. Times are ``perf_counter``
+    readings, which share one clock between processes on the same host.
+    """
+    program = lower(schedule)
+    longest = max(len(steps) for steps in program)
+    times = torch.full((1, longest, 2), float("nan"), dtype=torch.float64)
+    times[0, : len(local.spans)] = torch.tensor([[s.start, s.end] for s in local.spans], dtype=torch.float64)
+    every = ops.all_gather(times, 0, group)  # (p, longest, 2)
+    spans = []
+    for rank, steps in enumerate(program):
+        for step, (start, end) in zip(steps, every[rank].tolist()):
+            kind = "X" if isinstance(step, Exchange) else step.kind
+            spans.append(Span(rank, str(step), kind, start, end))
+    return Timeline(schedule.num_ranks, tuple(spans), with_stage=schedule.virtual > 1)
