@@ -114,7 +114,7 @@ class DataParallel(nn.Module):
         stash = {}
         for set_params, set_group, _ in sets:
             n = 1 if self.zero_stage == 0 else dist.get_world_size(set_group)
-            rank = dist.get_rank(set_group)
+            rank = dist.get_rank(set_group) if self.zero_stage else 0
             for _, p in set_params:
                 stash[id(p)] = ShardSpec(tuple(p.shape), n).shard_of(p.detach().float(), rank)
                 p.data = p.data.to(compute_dtype(p, self.mixed_precision))

@@ -1,0 +1,122 @@
+"""The reducer's behaviour beyond parity: overlap with backward, unused parameters, frozen ones,
+and parameter sets that reduce over their own groups (experts over dp, the rest over dp x ep)."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.dp import DataParallel, ParamSet
+from polyshard.mesh import Mesh, Replicate, get_placement
+
+from ._helpers import batch, local_rows, make_model
+
+EXACT_ENOUGH = {"rtol": 1e-5, "atol": 1e-6}  # float32 sums in another order (a few ulps), as in test_parity
+
+
+def _overlap():
+    model = DataParallel(make_model(), group=dist.group.WORLD, bucket_cap_mb=0.001)
+    buckets = model.buckets()
+    first_layer_weight = model.module[0][0].weight  # its gradient is the last one backward produces
+    seen = {}
+
+    def at_last_grad(_):
+        # Still inside backward: how many buckets have already started reducing?
+        seen["launched"] = sum(b.launched for b in buckets)
+        seen["in_flight"] = sum(b.work is not None for b in buckets)
+
+    first_layer_weight.register_post_accumulate_grad_hook(at_last_grad)
+    x, y = (local_rows(t, dist.get_rank(), dist.get_world_size()) for t in batch(0))
+    nn.functional.mse_loss(model(x), y).backward()
+    model.finish_grad_sync()
+    return len(buckets), seen
+
+
+def test_bucket_reduction_starts_before_backward_ends(distributed):
+    for num_buckets, seen in distributed.run(2, _overlap):
+        assert num_buckets >= 3
+        # The buckets holding later layers were launched while the first layer's
+        # gradient was still being computed, i.e. before backward ended.
+        assert seen["launched"] >= 1
+        assert seen["in_flight"] >= 1
+
+
+class _TwoHeads(nn.Module):
+    """``head_b`` is used only on rank 1, ``spare`` on no rank, ``frozen`` never trains."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        # Registration order sets the bucket order (reversed): head_b's bucket comes
+        # first, so rank 1 launches buckets during backward while rank 0 launches
+        # them all in finish_grad_sync; both must still pair up.
+        self.spare = nn.Linear(6, 2)
+        self.trunk = nn.Linear(6, 6)
+        self.head_a = nn.Linear(6, 2)
+        self.head_b = nn.Linear(6, 2)
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+
+    def forward(self, x, use_b: bool):
+        h = torch.tanh(self.trunk(self.frozen(x)))
+        return self.head_a(h) + (self.head_b(h) if use_b else 0)
+
+
+def _unused_params():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(7))
+    ref = _TwoHeads()
+    for r in range(n):  # reference: sum of every rank's mean loss / n
+        (ref(local_rows(x, r, n), use_b=r == 1).square().mean() / n).backward()
+    model = DataParallel(_TwoHeads(), group=dist.group.WORLD, bucket_cap_mb=0.0001)
+    model(local_rows(x, rank, n), use_b=rank == 1).square().mean().backward()
+    model.finish_grad_sync()  # must not hang although buckets of head_b/spare never completed on rank 0
+    assert model.module.frozen.weight.grad is None and get_placement(model.module.frozen.weight) is None
+    for (name, p), (_, p_ref) in zip(model.module.named_parameters(), ref.named_parameters()):
+        if not p.requires_grad:
+            continue
+        expected = p_ref.grad if p_ref.grad is not None else torch.zeros_like(p)  # unused everywhere: zeros
+        torch.testing.assert_close(p.grad, expected, **EXACT_ENOUGH, msg=name)
+        assert get_placement(p).placement("dp") == Replicate()
+    return True
+
+
+def test_unused_and_frozen_parameters(distributed):
+    assert distributed.run(2, _unused_params) == [True, True]
+
+
+class _Moe(nn.Module):
+    """A shared layer and one expert per ep coordinate (this rank's data goes to its own expert)."""
+
+    def __init__(self, expert_seed: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(5, 5)
+        torch.manual_seed(100 + expert_seed)
+        self.expert = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.expert(torch.relu(self.shared(x)))
+
+
+def _param_sets():
+    mesh = Mesh({"dp": 2, "ep": 2})
+    ep, world = mesh.coord("ep"), dist.get_world_size()
+    x = torch.randn(16, 5, generator=torch.Generator().manual_seed(1))
+    # Reference: one process holds the shared layer and both experts; the global
+    # loss is the mean over all 16 rows, rows of rank r going to expert ep(r).
+    refs = [_Moe(e) for e in range(2)]
+    refs[1].shared = refs[0].shared
+    for r in range(world):
+        (refs[mesh.layout.coords(r)["ep"]](local_rows(x, r, world)).square().mean() / world).backward()
+    model = _Moe(ep)
+    sets = [ParamSet(list(model.expert.parameters()), mesh.group("dp"), divide_by=world)]
+    model = DataParallel(model, group=mesh.group(("dp", "ep")), param_sets=sets)
+    model(local_rows(x, dist.get_rank(), world)).square().mean().backward()
+    model.finish_grad_sync()
+    for name, p in model.module.named_parameters():
+        expected = dict(refs[ep].named_parameters())[name].grad
+        torch.testing.assert_close(p.grad, expected, **EXACT_ENOUGH, msg=name)
+    return True
+
+
+def test_expert_params_reduce_over_their_own_group(distributed):
+    assert distributed.run(4, _param_sets) == [True] * 4
