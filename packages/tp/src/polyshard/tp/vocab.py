@@ -98,7 +98,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]  # logits: (N, Vp/tp), target: (N,)
         ctx.input_dtype = logits.dtype
         columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        logits = logits.float().masked_fill(columns >= vocab_size, float("-inf"))  # padding: no mass
+        # At least float32 for the softmax (bf16/fp16 logits are upcast; float64 stays float64).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).masked_fill(
+            columns >= vocab_size, float("-inf")
+        )  # padding: no mass
         row_max = logits.max(dim=-1).values  # -inf on a rank holding only padding
         ops.all_reduce(row_max, tp_group, op=dist.ReduceOp.MAX)
         exp = (logits - row_max.unsqueeze(-1)).exp_()  # (N, Vp/tp); padding columns are 0
