@@ -61,10 +61,12 @@ def _parity(top_k, activation, capacity_factor, skewed):
     xs = rank_tokens(world, TOKENS, 16)
     if skewed:
         _skew(reference, xs)
+    xs = [x.requires_grad_() for x in xs]  # the input gradient is checked too
     targets = rank_targets(world, TOKENS, 16)
     parallel = parallel_copy(reference, mesh)
+    x_parallel = xs[rank].detach().clone().requires_grad_()
 
-    y_parallel = run_parallel(parallel, xs[rank], targets[rank], mesh)
+    y_parallel = run_parallel(parallel, x_parallel, targets[rank], mesh)
     reference_metrics = []
     y_reference = []
     for x, target in zip(xs, targets):  # one rank's batch at a time, to keep each rank's metrics
@@ -75,6 +77,8 @@ def _parity(top_k, activation, capacity_factor, skewed):
         p.grad.div_(world)
 
     torch.testing.assert_close(y_parallel, y_reference[rank], **TOL)
+    # Each rank's input gradient is that of its own loss (activation grads are never averaged).
+    torch.testing.assert_close(x_parallel.grad, xs[rank].grad, **TOL)
     mine, theirs = parallel.last_metrics, reference_metrics[rank]
     assert mine.tokens_per_expert == theirs.tokens_per_expert
     assert mine.dropped_assignments == theirs.dropped_assignments
