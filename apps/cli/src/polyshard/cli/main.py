@@ -7,12 +7,14 @@ from pathlib import Path
 import typer
 
 from polyshard.cli.launch import run_local
+from polyshard.cli.schedule import schedule_command
 
 app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 app.add_typer(bench_app, name="bench")
+app.command("schedule")(schedule_command)
 
-BENCHMARKED_PACKAGES: tuple[str, ...] = ()
+BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp",)
 
 
 @bench_app.command("comm")

@@ -1,0 +1,116 @@
+"""Benchmark (not a test): our schedules against torch.distributed.pipelining on the same model.
+
+    polyshard bench pp --nproc 2 --json pp.json
+
+For GPipe, 1F1B and interleaved 1F1B (v=2) it builds one MLP, gives each rank
+its stages, and times one training step (forward + backward over all
+microbatches) of ours and of PyTorch's ScheduleGPipe / Schedule1F1B /
+ScheduleInterleaved1F1B, interleaved in one process. Each record carries
+the ratio ours/peer, whether losses and gradients match, and our measured
+bubble beside the simulator's prediction. PyTorch's pipelining appears only
+here, as the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.mesh import init_distributed
+from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.pp.executor import PipelineExecutor, gather_timeline
+from polyshard.pp.partition import build_stages
+from polyshard.pp.schedules import make_schedule
+from polyshard.pp.simulator import simulate
+
+# float32 with the same microbatches; only the order of the gradient sums differs
+MATCH_TOL = {"rtol": 1e-4, "atol": 1e-6}
+PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def _layer(index: int, hidden: int) -> nn.Module:
+    torch.manual_seed(index)
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+
+
+def _peer_schedule(name, modules: dict[int, nn.Module], num_stages: int, m: int):
+    from torch.distributed import pipelining
+
+    stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
+    cls = getattr(pipelining, PEERS[name])
+    return cls(stages if name == "interleaved" else stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+
+
+def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
+    p, rank = dist.get_world_size(), dist.get_rank()
+    virtual = 2 if name == "interleaved" else 1
+    schedule = make_schedule(name, p, args.microbatches, virtual)
+    builders = [lambda i=i: _layer(i, args.hidden) for i in range(args.layers)]
+    ours = build_stages(builders, schedule.num_stages, schedule.stages_of(rank))
+    theirs = copy.deepcopy(ours)
+    executor = PipelineExecutor(ours, schedule, F.mse_loss)
+    peer = _peer_schedule(name, theirs, schedule.num_stages, args.microbatches)
+    first, last = 0 in ours, schedule.num_stages - 1 in ours
+    state = {}
+
+    def run_ours():
+        for mod in ours.values():
+            mod.zero_grad()
+        state["ours"] = executor.step(x if first else None, y if last else None)
+
+    def run_peer():
+        for mod in theirs.values():
+            mod.zero_grad()
+        losses = []
+        peer.step(*([x] if first else []), target=y if last else None, losses=losses)
+        state["peer_loss"] = torch.stack(losses).mean() if losses else None
+
+    ours_s, peer_s = time_interleaved(run_ours, run_peer, iters=args.iters, warmup=2)
+    match = _matches(state, ours, theirs, last)
+    measured = gather_timeline(state["ours"].timeline, schedule).bubble_fraction
+    theory = simulate(schedule).bubble_fraction
+    case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual}" if virtual > 1 else "")
+    return comparison_record(case, ours_s, peer_s, match, bubble_measured=measured, bubble_theory=theory)
+
+
+def _matches(state, ours, theirs, last) -> bool:
+    ok = True
+    if last:
+        ok = torch.allclose(state["ours"].loss, state["peer_loss"], **MATCH_TOL)
+    for s in ours:
+        for a, b in zip(ours[s].parameters(), theirs[s].parameters()):
+            ok = ok and torch.allclose(a.grad, b.grad, **MATCH_TOL)
+    flag = torch.tensor([1.0 if ok else 0.0])
+    ops.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank agrees on the verdict
+    return bool(flag.item())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    args = parser.parse_args(argv)
+    init_distributed()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, args.hidden, generator=g)
+    records = [_case(name, args, x, y) for name in args.schedules.split(",")]
+    if dist.get_rank() == 0:
+        write_records(records, args.json)
+        for r in records:
+            print(f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  theory {r['bubble_theory']:.3f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
