@@ -1,0 +1,136 @@
+"""Benchmark (not a test): the expert-parallel MoE layer against the same layer on one process.
+
+    polyshard bench ep --nproc 2 --json ep.json
+
+The peer (the issue's choice) is the same :class:`MoELayer` without expert
+parallelism: one process holds all E experts and loops over them on the
+tokens of every rank. Ours spreads the experts over the P ranks and exchanges
+tokens with all-to-all. Each timed call is one forward + backward (+ gradient
+sync for ours) over the union of P x T tokens, so both columns process the
+same work and ``tokens_per_s`` compares directly. ``all_to_all_fraction`` is
+the share of our step spent inside the all-to-all calls (waiting for slower
+ranks included), measured by timing ``polyshard.collectives.ops.all_to_all``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops
+from polyshard.ep.config import MoEConfig
+from polyshard.ep.layer import MoELayer
+from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
+from polyshard.mesh import init_distributed
+from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+
+# float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
+MATCH_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@contextlib.contextmanager
+def timed_all_to_all(totals: list[float]):
+    """Time every ``ops.all_to_all`` call (the autograd all-to-all and the counts exchange use it)."""
+    original = ops.all_to_all
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        totals.append(time.perf_counter() - start)
+        return out
+
+    ops.all_to_all = timed
+    try:
+        yield
+    finally:
+        ops.all_to_all = original
+
+
+def _step(layer, x, target, group=None):
+    layer.zero_grad(set_to_none=True)
+    y, aux = layer(x)
+    ((y * target).sum(dim=-1).mean() + aux).backward()
+    if group is not None:
+        sync_gradients(layer, group)
+    return y.detach()
+
+
+def _case(args, top_k: int) -> dict:
+    p, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    config = MoEConfig(hidden=args.hidden, ffn_hidden=args.ffn, num_experts=args.experts, top_k=top_k)
+    peer_layer = MoELayer(config)
+    ours_layer = apply_expert_parallel(copy.deepcopy(peer_layer), group=group)
+    g = torch.Generator().manual_seed(1)
+    xs = torch.randn(p, args.tokens, args.hidden, generator=g)  # every rank's tokens, (P, T, H)
+    targets = torch.randn(p, args.tokens, args.hidden, generator=g)
+    union_x, union_target = xs.reshape(-1, args.hidden), targets.reshape(-1, args.hidden)
+
+    ours_s, peer_s = time_interleaved(
+        lambda: _step(ours_layer, xs[rank], targets[rank], group),
+        lambda: _step(peer_layer, union_x, union_target),
+        iters=args.iters,
+        warmup=2,
+    )
+    fraction = _all_to_all_fraction(ours_layer, xs[rank], targets[rank], group, args.iters)
+    y_ours = _step(ours_layer, xs[rank], targets[rank], group)
+    y_peer = _step(peer_layer, union_x, union_target).view(p, args.tokens, -1)[rank]
+    match = torch.tensor([int(torch.allclose(y_ours, y_peer, **MATCH_TOL))])
+    ops.all_reduce(match, group, op=dist.ReduceOp.MIN)  # every rank's outputs must match
+    tokens = p * args.tokens
+    return comparison_record(
+        f"moe E={args.experts} top{top_k} ep={p} T={args.tokens}/rank",
+        ours_s,
+        peer_s,
+        bool(match),
+        ours_tokens_per_s=tokens / ours_s,
+        peer_tokens_per_s=tokens / peer_s,
+        all_to_all_fraction=fraction,
+    )
+
+
+def _all_to_all_fraction(layer, x, target, group, iters: int) -> float:
+    fractions = []
+    for _ in range(iters):
+        totals: list[float] = []
+        dist.barrier()
+        start = time.perf_counter()
+        with timed_all_to_all(totals):
+            _step(layer, x, target, group)
+        fractions.append(sum(totals) / (time.perf_counter() - start))
+    result = torch.tensor([statistics.median(fractions)])
+    ops.all_reduce(result, group, op=dist.ReduceOp.MAX)  # report the rank that waited most
+    return float(result)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    init_distributed()
+    records = [_case(args, top_k) for top_k in (1, 2)]
+    if dist.get_rank() == 0:
+        write_records(records, args.json)
+        for r in records:
+            print(
+                f"{r['case']}: ours {r['ours_tokens_per_s']:.0f} tok/s, peer {r['peer_tokens_per_s']:.0f} tok/s, "
+                f"all-to-all {100 * r['all_to_all_fraction']:.1f}% of our step",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
