@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from polyshard.tp.errors import TPShapeError
-from polyshard.tp.shard import divisors
+from polyshard.tp.shard import choices, divisors
 
 
 def valid_tp_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:
@@ -29,6 +29,6 @@ def heads_per_rank(num_heads: int, num_kv_heads: int | None, tp: int, where: str
         if count % tp:
             raise TPShapeError(
                 f"tp={tp} does not divide {what}={count}{where}; "
-                f"choose tp in {set(valid_tp_sizes(num_heads, num_kv_heads))}"
+                f"choose tp in {choices(valid_tp_sizes(num_heads, num_kv_heads))}"
             )
     return num_heads // tp, num_kv_heads // tp

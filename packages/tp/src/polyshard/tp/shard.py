@@ -35,10 +35,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def choices(sizes: list[int]) -> str:
+    """Sorted set notation for an error message: [1, 2, 3, 6] -> '{1, 2, 3, 6}'."""
+    return "{" + ", ".join(str(s) for s in sorted(sizes)) + "}"
+
+
 def check_divides(size: int, tp: int, what: str) -> None:
     """Raise a :class:`TPShapeError` listing the tp sizes that would work."""
     if size % tp:
-        raise TPShapeError(f"tp={tp} does not divide {what}={size}; choose tp in {set(divisors(size))}")
+        raise TPShapeError(f"tp={tp} does not divide {what}={size}; choose tp in {choices(divisors(size))}")
 
 
 def padded_size(size: int, tp: int) -> int:
