@@ -1,0 +1,137 @@
+"""Benchmark: polyshard.tp against PyTorch's DTensor tensor parallel on the same modules.
+
+Both start from one plain module (same seed): ours converted by
+:func:`polyshard.tp.parallelize`, the peer by
+``torch.distributed.tensor.parallel.parallelize_module`` with
+``ColwiseParallel``/``RowwiseParallel`` on a 1-D ``DeviceMesh``. One step is
+forward + backward of (B, S, H) activations; the two are timed interleaved and
+the outputs and input gradients are compared. Run it with::
+
+    polyshard bench tp --nproc 2 --json /tmp/tp_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from polyshard.mesh import Mesh, init_distributed
+from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.tp.plan import parallelize
+from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, TPEntry
+
+B, S, H, HEADS = 4, 128, 256, 8
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden // num_heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, num_heads: int):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(hidden), Attention(hidden, num_heads)
+        self.ln_2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _ours(model: nn.Module, tp_group, prefix: str) -> nn.Module:
+    plan = {f"{prefix}fc1": ColumnParallel(), f"{prefix}fc2": RowParallel()}
+    if prefix:
+        plan |= {
+            "attn": [TPEntry(), ShardHeads()],
+            "attn.[qkv]_proj": ColumnParallel(input_entered=True),
+            "attn.o_proj": RowParallel(),
+        }
+    return parallelize(model, tp_group=tp_group, plan=plan)
+
+
+def _peer(model: nn.Module, device_mesh, prefix: str) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {f"{prefix}fc1": ColwiseParallel(), f"{prefix}fc2": RowwiseParallel()}
+    if prefix:
+        plan |= {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"attn.o_proj": RowwiseParallel()}
+        model.attn.num_heads //= device_mesh.size()  # as torchtitan does: local heads
+    return parallelize_module(model, device_mesh, plan)
+
+
+def _step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+    """One forward + backward; returns the output and the input gradient."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out = model(x)
+    out.backward(grad_out)
+    return out.detach(), x.grad
+
+
+def run_case(name: str, make, prefix: str, tp_group, device_mesh, iters: int) -> dict:
+    torch.manual_seed(0)
+    plain = make()
+    ours, peer = _ours(copy.deepcopy(plain), tp_group, prefix), _peer(copy.deepcopy(plain), device_mesh, prefix)
+    g = torch.Generator().manual_seed(1)
+    x, grad_out = torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+    (out_a, gx_a), (out_b, gx_b) = _step(ours, x, grad_out), _step(peer, x, grad_out)
+    # Same maths with sums in a different order: float32 round-off only.
+    match = torch.allclose(out_a, out_b, rtol=1e-4, atol=1e-5) and torch.allclose(gx_a, gx_b, rtol=1e-4, atol=1e-5)
+    ours_s, peer_s = time_interleaved(lambda: _step(ours, x, grad_out), lambda: _step(peer, x, grad_out), iters=iters)
+    n = dist.get_world_size(tp_group)
+    return comparison_record(f"{name} tp={n} B={B} S={S} H={H}", ours_s, peer_s, match)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
+    parser.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
+    args = parser.parse_args(argv)
+    ctx = init_distributed()
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        n = dist.get_world_size()
+        mesh = Mesh({"tp": n})
+        device_mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+        records = [
+            run_case("mlp fwd+bwd", lambda: MLP(H), "", mesh.group("tp"), device_mesh, args.iters),
+            run_case("block fwd+bwd", lambda: Block(H, HEADS), "mlp.", mesh.group("tp"), device_mesh, args.iters),
+        ]
+        if ctx.rank == 0:
+            write_records(records, args.json)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
