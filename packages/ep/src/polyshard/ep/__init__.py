@@ -4,7 +4,7 @@ from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.errors import ExpertParallelError, MoEConfigError, check_ep_size
 from polyshard.ep.experts import GroupedExperts
-from polyshard.ep.layer import MoELayer, MoEMetrics
+from polyshard.ep.layer import MoELayer, MoEMetrics, moe_metrics
 from polyshard.ep.parallel import (
     apply_expert_parallel,
     average_replicated_gradients,
@@ -43,6 +43,7 @@ __all__ = [
     "expert_parameters",
     "is_expert_parameter",
     "load_balancing_loss",
+    "moe_metrics",
     "replicated_parameters",
     "scale_expert_gradients",
     "sync_gradients",

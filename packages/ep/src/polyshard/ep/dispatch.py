@@ -72,11 +72,7 @@ def dispatch(
     ep_size = ep_size_of(group)
     local_experts = num_experts // ep_size
     flat_experts = experts.reshape(-1)  # (T*k,) token-major: token t's choices at t*k .. t*k+k-1
-    assignment_index = torch.arange(flat_experts.numel(), device=x.device)
-    if keep is not None:
-        assignment_index = assignment_index[keep.reshape(-1)]
-    # Expert-major: a stable sort keeps token order within each expert (deterministic).
-    assignment_index = assignment_index[torch.argsort(flat_experts[assignment_index], stable=True)]
+    assignment_index = _expert_major(flat_experts, keep)  # (A,)
     token_index = assignment_index // top_k
     send_counts = torch.bincount(flat_experts[assignment_index], minlength=num_experts)  # (E,)
 
@@ -85,10 +81,7 @@ def dispatch(
     recv_splits = tuple(recv_counts.sum(dim=1).tolist())
     received = _exchange_rows(x[token_index], recv_splits, send_splits, group)  # (A, H) -> (N, H)
 
-    # Received rows are ordered (source rank, local expert); the experts want (local expert, source rank).
-    row_expert = torch.arange(local_experts, device=x.device).repeat(ep_size)  # (P*E_local,)
-    row_expert = row_expert.repeat_interleave(recv_counts.reshape(-1).to(x.device))  # (N,)
-    regroup_order = torch.argsort(row_expert, stable=True)
+    regroup_order = _regroup_order(recv_counts.to(x.device))  # (N,)
     meta = DispatchMeta(
         num_tokens=num_tokens,
         token_index=token_index,
@@ -115,6 +108,25 @@ def combine(expert_output: torch.Tensor, weights: torch.Tensor, meta: DispatchMe
     row_weights = weights.reshape(-1)[meta.assignment_index].to(returned.dtype).unsqueeze(-1)  # (A, 1)
     out = returned.new_zeros(meta.num_tokens, returned.shape[-1])
     return out.index_add(0, meta.token_index, returned * row_weights)  # sum over each token's experts
+
+
+def _expert_major(flat_experts: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """(A,) indices of the kept assignments sorted by expert; stable, so token order holds within an expert."""
+    assignment_index = torch.arange(flat_experts.numel(), device=flat_experts.device)
+    if keep is not None:
+        assignment_index = assignment_index[keep.reshape(-1)]
+    return assignment_index[torch.argsort(flat_experts[assignment_index], stable=True)]
+
+
+def _regroup_order(recv_counts: torch.Tensor) -> torch.Tensor:
+    """(N,) order turning received rows (source rank, local expert) into (local expert, source rank).
+
+    recv_counts: (P, E_local), rows from rank j for local expert l at [j, l].
+    """
+    ep_size, local_experts = recv_counts.shape
+    row_expert = torch.arange(local_experts, device=recv_counts.device).repeat(ep_size)  # (P*E_local,)
+    row_expert = row_expert.repeat_interleave(recv_counts.reshape(-1))  # (N,) local expert of each received row
+    return torch.argsort(row_expert, stable=True)
 
 
 def _exchange_counts(send_counts: torch.Tensor, local_experts: int, group) -> torch.Tensor:

@@ -94,3 +94,8 @@ def _metrics(experts, keep, num_experts, meta, balance, router_z, aux) -> MoEMet
         z_loss=float(router_z.detach()),
         aux_loss=float(aux.detach()),
     )
+
+
+def moe_metrics(model: nn.Module) -> dict[str, MoEMetrics]:
+    """The last forward's metrics of every MoE layer in ``model``, by module name (for a trainer's log)."""
+    return {name: m.last_metrics for name, m in model.named_modules() if isinstance(m, MoELayer) and m.last_metrics}
