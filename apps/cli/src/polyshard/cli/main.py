@@ -14,7 +14,7 @@ bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's 
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
 
-BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp")
+BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 
 
 @bench_app.command("comm")

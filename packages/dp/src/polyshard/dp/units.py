@@ -32,10 +32,11 @@ class Unit:
         for index, (name, p) in enumerate(named_params):
             spec = self.layout.specs[index]
             full = p.detach()
-            self.master_init[id(p)] = spec.shard_of(full.float(), self.rank)
             view = self.layout.shard_view(self.local, index)
             view.copy_(spec.shard_of(full, self.rank))
             self.local_views.append(set_placement(view, shard_record(p, name, spec, axis)))
+            # Without mixed precision the fp32 local rows can be the optimizer's master: no second copy.
+            self.master_init[id(p)] = view if dtype == torch.float32 else spec.shard_of(full.float(), self.rank)
             p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below
         self.gathered = True
         self.free()
@@ -79,7 +80,8 @@ class Unit:
         """Set this rank's rows from optimizer results (keyed by ``id(param)``); no communication."""
         with torch.no_grad():
             for view, p in zip(self.local_views, self.params):
-                view.copy_(values[id(p)])
+                if values[id(p)].data_ptr() != view.data_ptr():  # fp32 masters *are* the local rows
+                    view.copy_(values[id(p)])
 
     # -- gradients ------------------------------------------------------------------
     @property

@@ -1,0 +1,138 @@
+"""Benchmark (not a test): our DataParallel vs torch DDP, our ZeRO-3 vs FSDP2 ``fully_shard``.
+
+Same model, batch, bucket size and world size; the two sides' training steps
+run interleaved (``polyshard.mesh.benchmark.time_interleaved``). Before
+timing, each pair trains a few steps from the same weights on the same data
+and the losses are compared. Memory: CPU has no per-case peak counter, so the
+records carry the bytes each rank *holds* after a step (parameters, gradients,
+optimizer state), counted from the live tensors on both sides.
+
+    polyshard bench dp --nproc 2 --json out.json
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer, bytes_held
+from polyshard.mesh import init_distributed
+from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+
+HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
+CHECK_STEPS = 3
+# Both sides run fp32 on the same data; they sum gradients in different orders
+# and buckets, so losses agree to float32 rounding amplified over a few steps.
+LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU()) for _ in range(DEPTH)])
+
+
+def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(BATCH_PER_RANK, HIDDEN, generator=g), torch.randn(BATCH_PER_RANK, HIDDEN, generator=g)
+
+
+def step_fn(model, optimizer, finish=None):
+    """One training step on a fixed batch; returns the local loss."""
+    x, y = make_batch(0)
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if finish is not None:
+            finish()
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def losses_match(ours, peer) -> bool:
+    ours_losses = torch.tensor([ours() for _ in range(CHECK_STEPS)])
+    peer_losses = torch.tensor([peer() for _ in range(CHECK_STEPS)])
+    return bool(torch.allclose(ours_losses, peer_losses, **LOSS_TOL))
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (DTensors counted locally)."""
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_ddp(iters: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours_model = DataParallel(make_model(), group=dist.group.WORLD, bucket_cap_mb=25)
+    peer_model = DistributedDataParallel(make_model(), bucket_cap_mb=25)
+    ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=LR)
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
+    ours = step_fn(ours_model, ours_opt, ours_model.finish_grad_sync)
+    peer = step_fn(peer_model, peer_opt)
+    match = losses_match(ours, peer)
+    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    return comparison_record(
+        f"DataParallel vs DDP dp={dist.get_world_size()}",
+        ours_s,
+        peer_s,
+        match,
+        ours_held_bytes=bytes_held(ours_model, ours_opt).total,
+        peer_held_bytes=held_bytes(peer_model, peer_opt),
+    )
+
+
+def bench_fsdp(iters: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ours_model = FullyShardedDataParallel(make_model(), group=dist.group.WORLD)
+    ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
+    peer_model = make_model()
+    device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in peer_model:
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(peer_model, mesh=device_mesh)
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
+    ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
+    match = losses_match(ours, peer)
+    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    return comparison_record(
+        f"ZeRO-3 vs FSDP2 dp={dist.get_world_size()}",
+        ours_s,
+        peer_s,
+        match,
+        ours_held_bytes=bytes_held(ours_model, ours_opt).total,
+        peer_held_bytes=held_bytes(peer_model, peer_opt),
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the records to this file")
+    parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
+    args = parser.parse_args(argv)
+    init_distributed()
+    torch.set_num_threads(1)  # ranks share the machine's cores
+    records = [bench_ddp(args.iters), bench_fsdp(args.iters)]
+    if dist.get_rank() == 0:
+        write_records(records, args.json)
+        for r in records:
+            print(f"{r['case']}: held bytes per rank ours {r['ours_held_bytes']:,} peer {r['peer_held_bytes']:,}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
