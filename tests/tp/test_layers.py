@@ -48,6 +48,25 @@ def _column(gather_output):
     return True
 
 
+def _padded_head():
+    """A head whose 10 outputs tp=3/4 do not divide: padded to 12, the padding dropped on gather."""
+    group = Mesh({"tp": dist.get_world_size()}).group("tp")
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(IN, VOCAB, tp_group=group, gather_output=True, pad_output=True)
+    torch.manual_seed(0)
+    ref = nn.Linear(IN, VOCAB)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    x = _inputs((B, S, IN), seed=1)
+    out, out_ref = layer(x), ref(x)
+    assert out.shape == (B, S, VOCAB)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    grad_out = _inputs(out_ref.shape, seed=2)
+    (out * grad_out).sum().backward()
+    (out_ref * grad_out).sum().backward()
+    assert_dicts_close(full_grads(layer, group), full_grads(ref, group), **TOL)
+    return True
+
+
 def _row(input_is_parallel):
     group = Mesh({"tp": dist.get_world_size()}).group("tp")
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -106,6 +125,11 @@ WORLDS = [1, 2, 3, 4]
 @pytest.mark.parametrize("gather_output", [False, True])
 def test_column_parallel_linear(distributed, world, gather_output):
     assert distributed.run(world, _column, gather_output) == [True] * world
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_column_parallel_linear_padded_output(distributed, world):
+    assert distributed.run(world, _padded_head) == [True] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
