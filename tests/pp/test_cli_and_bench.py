@@ -35,7 +35,7 @@ def test_schedule_command_rejects_bad_microbatches():
 
 def _bench_case(name):
     torch.manual_seed(0)
-    args = argparse.Namespace(layers=4, hidden=16, microbatches=4, iters=1)
+    args = argparse.Namespace(layers=4, hidden=16, microbatches=4, iters=1, svg=None)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     return bench._case(name, args, x, y)
 

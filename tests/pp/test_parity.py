@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from polyshard.mesh import get_placement
+from polyshard.mesh import Mesh, get_placement
 from polyshard.pp import PipelineExecutor, build_stages, make_schedule
 from tests.pp import models
 
@@ -30,18 +30,18 @@ def _microbatch_counts(name, p):
     return [p, 2 * p] if name == "interleaved" else [1, p, 2 * p + 1]
 
 
-def _check(name, m):
-    p, rank = dist.get_world_size(), dist.get_rank()
+def _check(name, m, group=None, data_seed=0):
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
     schedule = make_schedule(name, p, m, 2 if name == "interleaved" else 1)
     stages = build_stages(models.builders(), schedule.num_stages, schedule.stages_of(rank))
-    executor = PipelineExecutor(stages, schedule, models.loss_fn)
+    executor = PipelineExecutor(stages, schedule, models.loss_fn, group)
     ref = models.reference()
     params = [q for stage in stages.values() for q in stage.parameters()]
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     first, last = 0 in stages, schedule.num_stages - 1 in stages
     for step in range(STEPS):
-        x, y = models.batch(step, 2 * m)
+        x, y = models.batch(data_seed + step, 2 * m)
         opt.zero_grad()
         ref_opt.zero_grad()
         result = executor.step(x if first else None, y if last else None)
@@ -76,3 +76,15 @@ def test_schedule_matches_single_process(distributed, name, p):
 def test_three_stages_match_single_process(distributed, name):
     ms = [1, 3, 7] if name == "1f1b" else [3]
     distributed.run(3, _parity, name, ms)
+
+
+def _on_mesh(name):
+    # pp is the outer axis, so the pp groups are [0, 2] and [1, 3]: stage peers are not neighbours in
+    # global rank, and each dp replica pipelines its own data.
+    mesh = Mesh({"pp": 2, "dp": 2})
+    _check(name, 4, mesh.group("pp"), data_seed=100 * mesh.coord("dp"))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+def test_pipeline_over_a_mesh_axis(distributed, name):
+    distributed.run(4, _on_mesh, name)

@@ -73,10 +73,19 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
 
     ours_s, peer_s = time_interleaved(run_ours, run_peer, iters=args.iters, warmup=2)
     match = _matches(state, ours, theirs, last)
-    measured = gather_timeline(state["ours"].timeline, schedule).bubble_fraction
-    theory = simulate(schedule).bubble_fraction
     case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual}" if virtual > 1 else "")
-    return comparison_record(case, ours_s, peer_s, match, bubble_measured=measured, bubble_theory=theory)
+    theory = simulate(schedule).bubble_fraction
+    timelines = []
+    for _ in range(3):  # a single step's bubble is noisy on a shared machine: keep the median of three
+        run_ours()
+        timelines.append(gather_timeline(state["ours"].timeline, schedule))
+    timeline = sorted(timelines, key=lambda t: t.bubble_fraction)[1]
+    if args.svg and rank == 0:
+        title = f"{case}: measured bubble {timeline.bubble_fraction:.3f}, simulator {theory:.3f}"
+        with open(f"{args.svg}/{name}.svg", "w") as f:
+            f.write(timeline.to_svg(title=title))
+    extra = {"bubble_measured": timeline.bubble_fraction, "bubble_theory": theory}
+    return comparison_record(case, ours_s, peer_s, match, **extra)
 
 
 def _matches(state, ours, theirs, last) -> bool:
@@ -100,6 +109,7 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
     args = parser.parse_args(argv)
     init_distributed()
     g = torch.Generator().manual_seed(0)

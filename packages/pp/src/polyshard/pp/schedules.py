@@ -97,42 +97,42 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     rank runs a ready B first (it unblocks the rank before), else a forward if
     fewer than min(p-r, m) microbatches are in flight (1F1B's memory bound),
     else its oldest deferred W. A rank never idles while it has a W, so W
-    lands exactly in the bubbles.
+    lands exactly in the bubbles. With m >= p the idle time per rank is
+    (p-1)(F+B-W) = p-1 against 1F1B's (p-1)(F+B+W) = 3(p-1): a third.
     """
     _check(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> finish tick
-    next_f, next_b, next_w = [0] * p, [0] * p, [0] * p
+    finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> tick it finished
+    counts = [{"F": 0, "B": 0, "W": 0} for _ in range(p)]  # next microbatch of each kind, per rank
     per_rank: list[list[Action]] = [[] for _ in range(p)]
-
-    def ready(key: tuple[str, int, int], tick: int) -> bool:
-        return key in done and done[key] <= tick
-
     tick = 0
-    while any(n < m for n in next_w):
+    while any(c["W"] < m for c in counts):
         for r in range(p):
-            if per_rank[r] and done[_key(per_rank[r][-1])] > tick:
-                continue  # still busy
-            b_dep = ("F", r, next_b[r]) if r == p - 1 else ("B", r + 1, next_b[r])
-            if next_b[r] < m and ready(b_dep, tick) and ready(("F", r, next_b[r]), tick):
-                action = Action("B", r, next_b[r])
-                next_b[r] += 1
-            elif (
-                next_f[r] < m
-                and next_f[r] - next_b[r] < min(p - r, m)
-                and (r == 0 or ready(("F", r - 1, next_f[r]), tick))
-            ):
-                action = Action("F", r, next_f[r])
-                next_f[r] += 1
-            elif next_w[r] < next_b[r]:
-                action = Action("W", r, next_w[r])
-                next_w[r] += 1
-            else:
-                continue
-            per_rank[r].append(action)
-            done[_key(action)] = tick + 1
+            busy = per_rank[r] and finished[_key(per_rank[r][-1])] > tick
+            action = None if busy else _zb_h1_choice(r, p, m, counts[r], finished, tick)
+            if action is not None:
+                per_rank[r].append(action)
+                counts[r][action.kind] += 1
+                finished[_key(action)] = tick + 1
         tick += 1
     return _make("zb-h1", p, m, 1, per_rank)
+
+
+def _zb_h1_choice(r: int, p: int, m: int, count: dict[str, int], finished: dict, tick: int) -> Action | None:
+    """What idle rank r runs at ``tick``: ready B, else F within the in-flight bound, else a deferred W."""
+
+    def done(kind: str, stage: int, k: int) -> bool:
+        return finished.get((kind, stage, k), tick + 1) <= tick
+
+    f, b, w = count["F"], count["B"], count["W"]
+    grad_ready = done("F", r, b) if r == p - 1 else done("B", r + 1, b)
+    if b < m and done("F", r, b) and grad_ready:
+        return Action("B", r, b)
+    if f < m and f - b < min(p - r, m) and (r == 0 or done("F", r - 1, f)):
+        return Action("F", r, f)
+    if w < b:
+        return Action("W", r, w)
+    return None
 
 
 def _key(action: Action) -> tuple[str, int, int]:
