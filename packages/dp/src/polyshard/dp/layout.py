@@ -118,12 +118,20 @@ def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str) -> 
     """Placement of a dim-0 shard over ``axis``, on top of any placement ``param`` already has.
 
     A parameter that tp/pp/ep already sharded keeps its record and gains
-    ``axis -> Shard(0)`` appended (dp splits each existing piece, the inner
-    split). ``padded_shape`` is recorded only when dp alone pads dim 0.
+    ``axis -> Shard(0)`` appended (dp splits each existing piece: the inner
+    split). dp's padding of dim 0 is recorded as ``padded_shape`` when no
+    other axis shards dim 0; when one does, the record cannot express the
+    padding of each inner piece and the dim must divide evenly.
     """
     base = get_placement(param)
-    global_shape = spec.shape if spec.shape else (1,)
-    if base is None:
-        padded = spec.padded_shape if spec.padded_shape != global_shape else None
-        return TensorPlacement(name, global_shape, ((axis, Shard(0)),), padded_shape=padded)
-    return base.with_axis(axis, Shard(0))
+    others = () if base is None else tuple((a, p) for a, p in base.placements if a != axis)
+    layer = None if base is None else base.layer
+    global_shape = (spec.shape or (1,)) if base is None else base.global_shape
+    tiled = global_shape if base is None else base.tiled_shape
+    dim0_sharded_elsewhere = any(isinstance(p, Shard) and p.dim == 0 for _, p in others)
+    padded = None
+    if not dim0_sharded_elsewhere and spec.padded_shape[0] != tiled[0]:
+        padded = (spec.padded_shape[0], *tiled[1:])
+    elif base is not None and base.padded_shape is not None:
+        padded = base.padded_shape
+    return TensorPlacement(base.name if base else name, global_shape, (*others, (axis, Shard(0))), layer, padded)

@@ -1,0 +1,84 @@
+"""ZeRO-3's gather/free lifecycle (prefetch, free after use, re-gather for backward) and the
+placement records on sharded parameters and optimizer state."""
+
+import torch
+import torch.distributed as dist
+
+from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer
+from polyshard.mesh import Replicate, Shard, get_placement, shard_tensor
+
+from ._helpers import adamw, local_step_loss, make_model
+
+
+def _lifecycle():
+    model = FullyShardedDataParallel(make_model(), group=dist.group.WORLD)
+    units, log = model.block_units, []
+    for i, block in enumerate(model.module):
+        # Registered after the wrapper's own pre-hook, so it sees the state during block i's compute.
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: log.append(
+                ("forward", i, units[i].gathered, i + 1 < len(units) and units[i + 1]._gather is not None)
+            )
+        )
+        gather = units[i].gather
+        units[i].gather = lambda i=i, gather=gather: (log.append(("gather", i, torch.is_grad_enabled())), gather())
+    opt = ZeroOptimizer(adamw(model.parameters()), model)
+    loss = torch.nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 7))
+    after_forward = [u.gathered for u in units] + [p.untyped_storage().nbytes() for p in model.parameters()]
+    loss.backward()
+    opt.step()
+    after_step = [u.gathered for u in units] + [p.untyped_storage().nbytes() for p in model.parameters()]
+    return log, after_forward, after_step
+
+
+def test_zero3_prefetches_frees_and_regathers(distributed):
+    log, after_forward, after_step = distributed.run(2, _lifecycle)[0]
+    forwards = [entry for entry in log if entry[0] == "forward"]
+    # During block i's forward it is whole and block i+1's all-gather is already in flight.
+    assert forwards == [("forward", 0, True, True), ("forward", 1, True, True), ("forward", 2, True, False)]
+    assert not any(after_forward) and not any(after_step)  # freed after forward and after backward
+    gathers = [entry[1] for entry in log if entry[0] == "gather"]
+    # Forward gathers 0, 1, 2; backward gathers 2, 1, 0 again (1 and 0 were prefetched).
+    assert gathers[:3] == [0, 1, 2] and sorted(gathers[3:]) == [0, 1, 2] and gathers[3] == 2
+
+
+def _placements(stage: int):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if stage == 3:
+        model = FullyShardedDataParallel(make_model(), group=dist.group.WORLD)
+    else:
+        model = DataParallel(make_model(), group=dist.group.WORLD, zero_stage=stage)
+    opt = ZeroOptimizer(adamw(model.parameters()), model)
+    local_step_loss(model, 0, 1, dist.group.WORLD)
+    opt.step()
+    if stage == 3:
+        full = model.full_parameters()
+    else:
+        full = {name: p.detach() for name, p in model.module.named_parameters()}
+    for name, p in model.module.named_parameters():
+        master = opt.masters[id(p)]
+        record = get_placement(master)
+        if stage == 0:
+            assert record.placement("dp") == Replicate() and master.shape == p.shape
+        else:
+            assert record.name == name and record.global_shape == tuple(full[name].shape)
+            assert record.placement("dp") == Shard(0)
+            # The record alone says which rows of the (padded) stepped tensor this rank's master holds.
+            padded = torch.zeros(record.tiled_shape)
+            padded[: full[name].shape[0]] = full[name]
+            torch.testing.assert_close(shard_tensor(padded, record, {"dp": n}, {"dp": rank}), master, rtol=0, atol=0)
+        for value in opt.state[master].values():
+            if value.shape == master.shape:  # exp_avg, exp_avg_sq
+                assert get_placement(value) == record
+    if stage == 3:  # the parameters' own rows carry the same records, and hold the stepped values
+        for name, rows in model.local_shards().items():
+            assert get_placement(rows).placement("dp") == Shard(0)
+            torch.testing.assert_close(rows, opt.masters[id(dict(model.module.named_parameters())[name])])
+    else:
+        assert all(get_placement(p).placement("dp") == Replicate() for p in model.parameters())
+    return True
+
+
+def test_placement_records_on_shards_and_optimizer_state(distributed):
+    for stage in range(4):
+        assert distributed.run(3, _placements, stage) == [True] * 3
