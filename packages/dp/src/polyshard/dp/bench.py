@@ -1,4 +1,4 @@
-"""Benchmark (not a test): our DataParallel vs torch DDP, our ZeRO-3 vs FSDP2 ``fully_shard``.
+"""Benchmark (not a test): our DataParallel vs torch DDP, ZeRO-1 vs ``ZeroRedundancyOptimizer``, ZeRO-3 vs FSDP2.
 
 Same model, batch, bucket size and world size; the two sides' training steps
 run interleaved (``polyshard.mesh.benchmark.time_interleaved``). Before
@@ -94,6 +94,27 @@ def bench_ddp(iters: int) -> dict:
     )
 
 
+def bench_zero1(iters: int) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ours_model = DataParallel(make_model(), group=dist.group.WORLD, bucket_cap_mb=25, zero_stage=1)
+    ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
+    peer_model = DistributedDataParallel(make_model(), bucket_cap_mb=25)
+    peer_opt = ZeroRedundancyOptimizer(peer_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
+    match = losses_match(ours, peer)
+    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    return comparison_record(
+        f"ZeRO-1 vs DDP+ZeroRedundancyOptimizer dp={dist.get_world_size()}",
+        ours_s,
+        peer_s,
+        match,
+        ours_held_bytes=bytes_held(ours_model, ours_opt).total,
+        peer_held_bytes=held_bytes(peer_model, peer_opt.optim),
+    )
+
+
 def bench_fsdp(iters: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -126,7 +147,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     init_distributed()
     torch.set_num_threads(1)  # ranks share the machine's cores
-    records = [bench_ddp(args.iters), bench_fsdp(args.iters)]
+    records = [bench_ddp(args.iters), bench_zero1(args.iters), bench_fsdp(args.iters)]
     if dist.get_rank() == 0:
         write_records(records, args.json)
         for r in records:
