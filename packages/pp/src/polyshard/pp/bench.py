@@ -81,9 +81,8 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
         timelines.append(gather_timeline(state["ours"].timeline, schedule))
     timeline = sorted(timelines, key=lambda t: t.bubble_fraction)[1]
     if args.svg and rank == 0:
-        title = f"{case}: measured bubble {timeline.bubble_fraction:.3f}, simulator {theory:.3f}"
         with open(f"{args.svg}/{name}.svg", "w") as f:
-            f.write(timeline.to_svg(title=title))
+            f.write(timeline.to_svg(title=f"{case} (measured)", predicted_bubble=theory))
     extra = {"bubble_measured": timeline.bubble_fraction, "bubble_theory": theory}
     return comparison_record(case, ours_s, peer_s, match, **extra)
 

@@ -54,25 +54,44 @@ class Timeline:
             return span.label
         return span.label.lstrip("0123456789")
 
-    def render_text(self, width: int = 100) -> str:
-        """One row per rank; each span is its label then fill (f/b/w for compute, ~ for exchanges), '.' idle."""
+    def bubble_line(self, predicted: float | None = None) -> str:
+        """``bubble measured 0.312 | simulator 0.273`` (the simulator's figure when given)."""
+        line = f"bubble measured {self.bubble_fraction:.3f}"
+        return line if predicted is None else f"{line} | simulator {predicted:.3f}"
+
+    def render_text(self, width: int = 100, predicted_bubble: float | None = None) -> str:
+        """One row per rank; each span is its label (or just F/B/W when narrow) then fill (f/b/w, ~ for exchanges).
+
+        '.' is idle time.
+
+        With ``predicted_bubble`` (e.g. ``simulate(schedule).bubble_fraction``) a last line puts the
+        measured bubble beside the prediction.
+        """
         total, origin = self.total_time or 1.0, self.start
         rows = []
         for rank in range(self.num_ranks):
             row = ["."] * width
-            for span in (s for s in self.spans if s.rank == rank):
+            # exchanges first, so a short compute span is never hidden under a long wait
+            for span in sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.kind != "X"):
                 c0 = int(round((span.start - origin) / total * width))
                 c1 = max(c0 + 1, int(round((span.end - origin) / total * width)))
                 text = self.label(span) if span.kind != "X" else ""
+                if len(text) >= c1 - c0:  # too narrow for the label: just the kind letter, then fill
+                    text = span.kind if span.kind != "X" else ""
                 for i in range(c0, min(c1, width)):
-                    j = i - c0
-                    row[i] = text[j] if j < len(text) and j < c1 - c0 - 1 else FILL[span.kind]
+                    row[i] = text[i - c0] if i - c0 < len(text) else FILL[span.kind]
             rows.append(f"rank {rank:<3}|{''.join(row)}|")
+        if predicted_bubble is not None:
+            rows.append(self.bubble_line(predicted_bubble))
         return "\n".join(rows)
 
-    def to_svg(self, title: str = "", width: int = 900, row_height: int = 28) -> str:
-        """A hand-written SVG: one row per rank, one coloured box per span, title on top."""
+    def to_svg(
+        self, title: str = "", width: int = 900, row_height: int = 28, predicted_bubble: float | None = None
+    ) -> str:
+        """A hand-written SVG: one row per rank, one coloured box per span, title (and bubble line) on top."""
         total, origin = self.total_time or 1.0, self.start
+        if predicted_bubble is not None:
+            title = f"{title}  {self.bubble_line(predicted_bubble)}".strip()
         left, top = 60, 40
         height = top + row_height * self.num_ranks + 30
         scale = (width - left - 10) / total
