@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10)
