@@ -89,7 +89,7 @@ def test_bad_arguments(distributed):
     stage, cap, stranger, twice = distributed.run(2, _bad_arguments)[0]
     assert "FullyShardedDataParallel" in stage
     assert "bucket_cap_mb=0 must be positive" in cap
-    assert "not a trainable parameter" in stranger
+    assert "shape (2,) that is not a trainable parameter" in stranger
     assert "'0.0.weight' is listed in two ParamSets" in twice
 
 

@@ -102,3 +102,25 @@ def test_reduce_dtype_sets_gradient_bytes(distributed):
     (bf16_rs, bf16_ag), _ = distributed.run(2, _reduce_bytes, None)
     assert fp32_rs == 2 * bf16_rs  # gradients travel as fp32 when asked, bf16 otherwise
     assert fp32_ag == bf16_ag == bf16_rs  # parameters always travel in bf16
+
+
+def _frozen_layer(stage: int):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 2))
+    bf16 = MixedPrecision(param_dtype=torch.bfloat16)
+    if stage == 3:
+        model = FullyShardedDataParallel(net, group=dist.group.WORLD, mixed_precision=bf16)
+    else:
+        model = DataParallel(net, group=dist.group.WORLD, zero_stage=stage, mixed_precision=bf16)
+    opt = ZeroOptimizer(adamw(model.parameters()), model)
+    before = net[0].weight.detach().clone()
+    model(torch.randn(3, 4)).float().sum().backward()
+    opt.step()
+    assert net[0].weight.dtype == torch.bfloat16  # frozen layers compute in bf16 with the rest
+    assert net[0].weight.grad is None and torch.equal(net[0].weight, before)
+    return len(opt.masters)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_layers_are_cast_and_left_alone(distributed, stage):
+    assert distributed.run(2, _frozen_layer, stage) == [2, 2]  # masters only for the trainable weight and bias

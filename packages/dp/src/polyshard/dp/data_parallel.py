@@ -80,6 +80,10 @@ class DataParallel(nn.Module):
             broadcast_from_first([p for _, p in set_params], set_group)
         broadcast_from_first(list(module.buffers()), group)
         self._master_init = self._stash_masters(sets)
+        if mixed_precision is not None:  # frozen layers compute in the same dtype as the rest
+            for p in module.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(mixed_precision.param_dtype)
         self.queues = [self._build_buckets(*s, int(bucket_cap_mb * 2**20)) for s in sets]
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
         for queue in self.queues:
@@ -97,7 +101,10 @@ class DataParallel(nn.Module):
             members = []
             for p in ps.params:
                 if id(p) not in by_id:
-                    raise DataParallelError("a ParamSet holds a tensor that is not a trainable parameter of the module")
+                    raise DataParallelError(
+                        f"a ParamSet holds a tensor of shape {tuple(p.shape)} that is not a trainable parameter "
+                        "of the wrapped module; list only the module's own parameters with requires_grad=True"
+                    )
                 if id(p) in claimed:
                     raise DataParallelError(f"{by_id[id(p)]!r} is listed in two ParamSets; give each parameter one")
                 claimed[id(p)] = by_id[id(p)]

@@ -18,6 +18,7 @@ so the full gradients are never kept.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -61,7 +62,7 @@ class FullyShardedDataParallel(nn.Module):
         rest = [(n, p) for n, p in named if id(p) not in claimed]
         self.root = self._unit(rest, axis) if rest else None
         for p in module.parameters():
-            if not p.requires_grad and mixed_precision is not None:
+            if not p.requires_grad and p.is_floating_point() and mixed_precision is not None:
                 p.data = p.data.to(mixed_precision.param_dtype)
         # Backward reduces the last block first; the root comes last.
         self.reduce_order = list(reversed(self.block_units)) + ([self.root] if self.root else [])
@@ -157,6 +158,15 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.reduce_order:
             unit.wait_reduce()
         self._callback_queued = False
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accepted for symmetry with DataParallel (e.g. a pipeline executor's hook); changes nothing.
+
+        ZeRO-3 reduce-scatters after every backward and sums the shards, so
+        gradient accumulation is already correct and never holds full gradients.
+        """
+        yield
 
     def finish_grad_sync(self) -> None:
         """Nothing left to wait for: each backward finishes its own reductions (kept for symmetry)."""

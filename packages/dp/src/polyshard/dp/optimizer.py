@@ -39,8 +39,10 @@ class ZeroOptimizer:
         owned = {id(p): (name, p) for name, p in model.owned_params()}
         self.masters: dict[int, nn.Parameter] = {}  # id(model param) -> fp32 master rows
         self.params: dict[int, nn.Parameter] = {}  # id(master) -> model param
+        # Frozen parameters of the model never get gradients: drop them, as torch optimizers would skip them.
+        frozen = {id(p) for p in model.module.parameters() if not p.requires_grad}
         for group in optimizer.param_groups:
-            group["params"] = [self._master_for(p, owned) for p in group["params"]]
+            group["params"] = [self._master_for(p, owned) for p in group["params"] if id(p) not in frozen]
         missing = [name for key, (name, _) in owned.items() if key not in self.masters]
         if missing:
             raise UnownedParameterError(
