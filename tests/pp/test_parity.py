@@ -88,3 +88,10 @@ def _on_mesh(name):
 @pytest.mark.parametrize("name", ["1f1b", "interleaved"])
 def test_pipeline_over_a_mesh_axis(distributed, name):
     distributed.run(4, _on_mesh, name)
+
+
+@pytest.mark.parametrize("name", ["interleaved", "zb-h1"])
+def test_one_rank_hands_stages_over_in_memory(distributed, name):
+    # p=1: interleaved puts stages 0 and 1 on the same rank, so activations and gradients pass
+    # between them without any send or receive
+    distributed.run(1, _parity, name, [1, 3])
