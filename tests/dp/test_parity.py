@@ -28,8 +28,10 @@ def _wrap(strategy: str, group):
         return wrapped, adamw(wrapped.parameters())
     if strategy in ("zero1", "zero2"):
         wrapped = DataParallel(model, group=group, bucket_cap_mb=0.001, zero_stage=int(strategy[-1]))
-    else:
+    elif strategy == "zero3":
         wrapped = FullyShardedDataParallel(model, group=group)
+    else:  # zero3 with a root unit: the first and last layers are not blocks and stay gathered all step
+        wrapped = FullyShardedDataParallel(model, group=group, blocks=[model[1]])
     return wrapped, ZeroOptimizer(adamw(wrapped.parameters()), wrapped)
 
 
@@ -43,7 +45,7 @@ def _grad_rows(wrapped, strategy, name, param):
 
 
 def _final_params(wrapped, strategy):
-    if strategy == "zero3":
+    if strategy.startswith("zero3"):
         return wrapped.full_parameters()
     return {n: p.detach() for n, p in wrapped.module.named_parameters()}
 
@@ -75,3 +77,7 @@ def _check_all_accums(strategy: str):
 @pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
 def test_matches_single_process(distributed, world_size, strategy):
     assert distributed.run(world_size, _check_all_accums, strategy) == [[True, True]] * world_size
+
+
+def test_zero3_with_root_unit(distributed):
+    assert distributed.run(3, _check_all_accums, "zero3_root") == [[True, True]] * 3
