@@ -111,3 +111,15 @@ def test_bad_arguments():
         make_schedule("interleaved", 4, 6, 2)
     with pytest.raises(ScheduleError, match="virtual=2 needs 'interleaved'"):
         make_schedule("gpipe", 2, 2, 2)
+
+
+def test_communication_cost_delays_the_receiver():
+    # 1F1B, p=2, m=1, each exchange costs 0.5: F0 (1) + hop (0.5) + F0 (1) + B0 (2) + hop (0.5) + B0 (2) = 7
+    result = simulate(make_schedule("1f1b", 2, 1), comm_cost=0.5)
+    assert result.total_time == 7.0
+    assert [(s.label, s.start) for s in result.timeline.spans if s.rank == 0] == [("0F0", 0.0), ("0B0", 5.0)]
+
+
+def test_action_costs():
+    # GPipe p=2, m=2 with F=2: forwards take (m+p-1)*F = 6, backwards (m+p-1)*(B+W) = 6
+    assert simulate(make_schedule("gpipe", 2, 2), costs={"F": 2.0}).total_time == 12.0
