@@ -73,12 +73,15 @@ class DataParallel(nn.Module):
         self.mixed_precision = mixed_precision
         self._sync_enabled = True
         self._grads_pending = False
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones stay local
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones are not reduced
         sets = self._resolve_sets(named, param_sets)
         for set_params, set_group, _ in sets:
             check_same_on_all_ranks(set_params, set_group)
             broadcast_from_first([p for _, p in set_params], set_group)
-        broadcast_from_first(list(module.buffers()), group)
+        # Frozen parameters and buffers are not reduced, but every rank must start from the same ones.
+        states = [(n, p) for n, p in module.named_parameters() if not p.requires_grad] + list(module.named_buffers())
+        check_same_on_all_ranks(states, group)
+        broadcast_from_first([t for _, t in states], group)
         self._master_init = self._stash_masters(sets)
         if mixed_precision is not None:  # frozen layers compute in the same dtype as the rest
             for p in module.parameters():

@@ -53,9 +53,9 @@ class FullyShardedDataParallel(nn.Module):
         self.module, self.group, self.mixed_precision, self.prefetch = module, group, mixed_precision, prefetch
         self.axis = axis
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        check_same_on_all_ranks(named, group)
-        broadcast_from_first(list(module.parameters()), group)
-        broadcast_from_first(list(module.buffers()), group)
+        states = list(module.named_parameters()) + list(module.named_buffers())
+        check_same_on_all_ranks(states, group)
+        broadcast_from_first([t for _, t in states], group)
         blocks = list(module.children()) if blocks is None else list(blocks)
         self.block_units = self._make_units(named, blocks, axis)
         claimed = {id(p) for u in self.block_units for p in u.params}
