@@ -14,6 +14,10 @@ around every action that accumulates weight gradients except the last one
 of the step on this rank - e.g. a data-parallel wrapper's ``no_sync``, so
 its reduction runs once, overlapped with the last backward. pp knows
 nothing about dp.
+
+The shapes that travel between stages are inferred on the first step, so
+later steps must keep the same microbatch shape (build a new executor
+otherwise).
 """
 
 from __future__ import annotations
