@@ -75,6 +75,8 @@ class PipelineExecutor:
         self.steps = lower(schedule)[self.rank]
         self.peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
         self.shapes: dict[int, tuple] | None = None
+        params = [q for stage in self.stages.values() for q in stage.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
         weight_steps = [i for i, s in enumerate(self.steps) if isinstance(s, Action) and self._touches_weights(s)]
         self.last_weight_step = weight_steps[-1] if weight_steps else -1
 
@@ -98,7 +100,7 @@ class PipelineExecutor:
         self.microbatches, self.targets = self._split(inputs, "inputs"), self._split(targets, "targets")
         if self.shapes is None:
             first = self.microbatches[0] if self.microbatches else None
-            self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers)
+            self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
         self.mail: dict[tuple, torch.Tensor] = {}  # message key -> tensor, for local hand-offs and receives
         self.stored: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output or loss)
         self.awaiting_w: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (output, output grad) for W
@@ -127,7 +129,7 @@ class PipelineExecutor:
                 peer = self.peers[self.schedule.rank_of(key[1])]
                 # a received activation has the sender's output shape; a gradient has this stage's output shape
                 shape, dtype = self.shapes[op.stage][0 if op.kind == "RF" else 1]
-                self.mail[key] = torch.empty(shape, dtype=dtype)
+                self.mail[key] = torch.empty(shape, dtype=dtype, device=self.device)
                 recvs.append((self.mail[key], peer))
         self.pending_sends += post_exchange(sends, recvs, self.group)
 
@@ -178,18 +180,21 @@ class PipelineExecutor:
                 param.grad = g if param.grad is None else param.grad + g
 
 
-def gather_timeline(local: Timeline, schedule: Schedule, group: dist.ProcessGroup | None = None) -> Timeline:
+def gather_timeline(
+    local: Timeline, schedule: Schedule, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+) -> Timeline:
     """Every rank's spans of one step, on every rank (for rendering the whole pipeline).
 
     Spans follow each rank's lowered steps in order, so only (start, end) pairs
     travel; labels are rebuilt from the schedule. Times are ``perf_counter``
     readings, which share one clock between processes on the same host.
+    ``device`` is where the gathered buffer lives (a GPU under NCCL).
     """
     program = lower(schedule)
     longest = max(len(steps) for steps in program)
-    times = torch.full((1, longest, 2), float("nan"), dtype=torch.float64)
+    times = torch.full((1, longest, 2), float("nan"), dtype=torch.float64, device=device)
     times[0, : len(local.spans)] = torch.tensor([[s.start, s.end] for s in local.spans], dtype=torch.float64)
-    every = ops.all_gather(times, 0, group)  # (p, longest, 2)
+    every = ops.all_gather(times, 0, group).cpu()  # (p, longest, 2)
     spans = []
     for rank, steps in enumerate(program):
         for step, (start, end) in zip(steps, every[rank].tolist()):

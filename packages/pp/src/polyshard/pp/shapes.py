@@ -25,13 +25,13 @@ MAX_DIMS = 8
 Meta = tuple[tuple[int, ...], torch.dtype]
 
 
-def _header(meta: Meta | None) -> torch.Tensor:
+def _header(meta: Meta | None, device: torch.device) -> torch.Tensor:
     header = torch.zeros(3 + MAX_DIMS, dtype=torch.int64)  # [ok, dtype, ndim, dims...]
     if meta is not None:
         shape, dtype = meta
         header[0], header[1], header[2] = 1, DTYPES.index(dtype), len(shape)
         header[3 : 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-    return header
+    return header.to(device)  # NCCL sends only device tensors
 
 
 def _meta(header: torch.Tensor) -> Meta | None:
@@ -47,6 +47,7 @@ def infer_shapes(
     first_microbatch: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     peers: list[int],
+    device: torch.device,
 ) -> dict[int, tuple[Meta, Meta]]:
     """(input meta, output meta) for each of this rank's stages, in stage order along the chain."""
     rank, found, failure = dist.get_rank(group), {}, ""
@@ -60,11 +61,11 @@ def infer_shapes(
             x = first_microbatch
             upstream = (tuple(x.shape), x.dtype)
         elif prev_owner != rank:
-            upstream = _meta(p2p.recv(_header(None), peers[prev_owner], group))
+            upstream = _meta(p2p.recv(_header(None, device), peers[prev_owner], group))
         out_meta = None
         if upstream is not None:
             try:
-                x = first_microbatch if stage == 0 else torch.zeros(upstream[0], dtype=upstream[1])
+                x = first_microbatch if stage == 0 else torch.zeros(upstream[0], dtype=upstream[1], device=device)
                 with torch.no_grad():
                     y = stages[stage](x)
                 out_meta = (tuple(y.shape), y.dtype)
@@ -77,14 +78,14 @@ def infer_shapes(
                 )
         next_owner = schedule.rank_of(stage + 1) if stage + 1 < schedule.num_stages else rank
         if next_owner != rank:
-            p2p.send(_header(out_meta), peers[next_owner], group)
+            p2p.send(_header(out_meta, device), peers[next_owner], group)
         upstream = out_meta
-    _raise_if_any_failed(failure, group)
+    _raise_if_any_failed(failure, group, device)
     return found
 
 
-def _raise_if_any_failed(failure: str, group: dist.ProcessGroup | None) -> None:
-    flag = torch.tensor([dist.get_rank(group) + 1 if failure else 0], dtype=torch.int64)
+def _raise_if_any_failed(failure: str, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    flag = torch.tensor([dist.get_rank(group) + 1 if failure else 0], dtype=torch.int64, device=device)
     ops.all_reduce(flag, group, op=dist.ReduceOp.MAX)
     if failure:
         raise StageShapeError(failure)
