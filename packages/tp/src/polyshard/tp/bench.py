@@ -111,6 +111,18 @@ def run_case(name: str, make, prefix: str, tp_group, device_mesh, iters: int) ->
     return comparison_record(f"{name} tp={n} B={B} S={S} H={H}", ours_s, peer_s, match)
 
 
+def run_all(iters: int) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = dist.get_world_size()
+    group = Mesh({"tp": n}).group("tp")
+    device_mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
+    return [
+        run_case("mlp fwd+bwd", lambda: MLP(H), "", group, device_mesh, iters),
+        run_case("block fwd+bwd", lambda: Block(H, HEADS), "mlp.", group, device_mesh, iters),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
@@ -118,18 +130,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     ctx = init_distributed()
     try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        n = dist.get_world_size()
-        mesh = Mesh({"tp": n})
-        device_mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
-        records = [
-            run_case("mlp fwd+bwd", lambda: MLP(H), "", mesh.group("tp"), device_mesh, args.iters),
-            run_case("block fwd+bwd", lambda: Block(H, HEADS), "mlp.", mesh.group("tp"), device_mesh, args.iters),
-        ]
+        # Models and groups live inside run_all, so they are freed before the group is destroyed
+        # (gloo can abort at exit when a process group outlives destroy_process_group).
+        records = run_all(args.iters)
         if ctx.rank == 0:
             write_records(records, args.json)
     finally:
+        dist.barrier()
         dist.destroy_process_group()
 
 
