@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
     args = parser.parse_args(argv)
@@ -118,6 +118,7 @@ def main(argv=None) -> None:
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  theory {r['bubble_theory']:.3f}")
+    dist.barrier()  # rank 0 prints and writes: let it finish before any rank tears its group down
     dist.destroy_process_group()
 
 
