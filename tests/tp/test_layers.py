@@ -17,6 +17,7 @@ from tests.tp.models import assert_dicts_close, full_grads
 # float32 with partial products summed in a different order per tp size:
 # differences are a few ulps (~1e-7 relative); a missing or doubled term would be O(1).
 TOL = {"rtol": 1e-5, "atol": 1e-6}
+EXACT = {"rtol": 0, "atol": 0}  # slicing and gathering copy numbers; nothing is computed
 IN, OUT, VOCAB, B, S = 12, 24, 10, 2, 3
 
 
@@ -30,7 +31,7 @@ def _column(gather_output):
     layer = ColumnParallelLinear(IN, OUT, tp_group=group, gather_output=gather_output)
     torch.manual_seed(0)
     ref = nn.Linear(IN, OUT)  # same seed -> the same global weights
-    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), **EXACT)
 
     x = _inputs((B, S, IN), seed=1)
     x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -55,7 +56,7 @@ def _padded_head():
     layer = ColumnParallelLinear(IN, VOCAB, tp_group=group, gather_output=True, pad_output=True)
     torch.manual_seed(0)
     ref = nn.Linear(IN, VOCAB)
-    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), **EXACT)
     x = _inputs((B, S, IN), seed=1)
     out, out_ref = layer(x), ref(x)
     assert out.shape == (B, S, VOCAB)
@@ -74,7 +75,7 @@ def _row(input_is_parallel):
     layer = RowParallelLinear(OUT, IN, tp_group=group, input_is_parallel=input_is_parallel)
     torch.manual_seed(0)
     ref = nn.Linear(OUT, IN)
-    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), **EXACT)
 
     x = _inputs((B, S, OUT), seed=1)
     x_ref = x.clone().requires_grad_()
@@ -98,7 +99,7 @@ def _embedding(sequence_parallel):
     layer = VocabParallelEmbedding(VOCAB, IN, tp_group=group, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     ref = nn.Embedding(VOCAB, IN)
-    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), rtol=0, atol=0)
+    assert_dicts_close(gather_full_state(layer, group), ref.state_dict(), **EXACT)
     # Padding rows exist only past the real vocabulary and start at zero.
     assert layer.padded_num_embeddings == -(-VOCAB // n) * n
     if r == n - 1 and layer.padded_num_embeddings > VOCAB:
@@ -111,8 +112,7 @@ def _embedding(sequence_parallel):
     out = layer(ids)
     if sequence_parallel:  # output stays split along the sequence
         out_ref, grad_out = out_ref.chunk(n, 1)[r], grad_out.chunk(n, 1)[r]
-    # A lookup and a sum with zeros: exact.
-    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, out_ref, **EXACT)  # a lookup plus zeros from the other ranks
     (out * grad_out).sum().backward()
     assert_dicts_close(full_grads(layer, group), full_grads(ref, group), **TOL)
     return True

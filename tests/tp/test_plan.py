@@ -13,6 +13,7 @@ from polyshard.tp import (
     RowParallel,
     RowParallelLinear,
     ShardHeads,
+    TPEntry,
     TPShapeError,
     heads_per_rank,
     is_sequence_parallel,
@@ -88,6 +89,9 @@ def _bad_plans():
     with pytest.raises(TPShapeError, match=r"tp=4 does not divide in_features=6; choose tp in \{1, 2, 3, 6\}"):
         RowParallelLinear(6, 8, tp_group=group)
     assert isinstance(block.mlp.fc1, nn.Linear)
+    entered = parallelize(Block(24, 6, 6), tp_group=group, plan={"attn": TPEntry()})
+    with pytest.raises(PlanError, match=r"TPEntry\(.*\) on 'attn' needs the activation as the first positional"):
+        entered.attn(x=torch.zeros(1, 4, 24))
     return True
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from polyshard.tp.errors import PlanError
@@ -144,6 +145,12 @@ class SequenceParallel(Style):
         return module
 
 
+def _first_input(args: tuple, name: str, style: Style) -> None:
+    if not args or not isinstance(args[0], torch.Tensor):
+        got = type(args[0]).__name__ if args else "no positional arguments"
+        raise PlanError(f"{style} on {name!r} needs the activation as the first positional argument; got {got}")
+
+
 @dataclass(frozen=True)
 class TPEntry(Style):
     """Enter the tp region once at a module's first input, for the column-parallel
@@ -158,6 +165,7 @@ class TPEntry(Style):
 
     def apply(self, module, name, tp_group, axis):
         def hook(_module, args):
+            _first_input(args, name, self)
             return (enter_region(args[0], tp_group, self.sequence_parallel, self.sequence_dim), *args[1:])
 
         module.register_forward_pre_hook(hook)
@@ -176,6 +184,7 @@ class SplitSequence(Style):
 
     def apply(self, module, name, tp_group, axis):
         def hook(_module, args):
+            _first_input(args, name, self)
             return (split_sequence(args[0], tp_group, self.sequence_dim), *args[1:])
 
         module.register_forward_pre_hook(hook)
