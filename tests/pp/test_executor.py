@@ -91,6 +91,29 @@ def test_backward_context_wraps_all_but_last_backward(distributed, name, virtual
         assert entered == expected
 
 
+def _grad_hook_fires(name, m):
+    # A data-parallel reducer learns that a gradient is ready from post-accumulate-grad hooks;
+    # the zero-bubble W action must fire them just like an unsplit backward.
+    p, rank = dist.get_world_size(), dist.get_rank()
+    schedule = make_schedule(name, p, m)
+    stages = build_stages(models.builders(), schedule.num_stages, schedule.stages_of(rank))
+    fired = []
+    for stage in stages.values():
+        for param in stage.parameters():
+            param.register_post_accumulate_grad_hook(lambda q: fired.append(q))
+    x, y = models.batch(0, 2 * m)
+    executor = PipelineExecutor(stages, schedule, models.loss_fn)
+    executor.step(x if 0 in stages else None, y if schedule.num_stages - 1 in stages else None)
+    num_params = sum(1 for stage in stages.values() for _ in stage.parameters())
+    return len(fired), num_params * m
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_weight_gradients_fire_accumulate_hooks(distributed, name):
+    for fired, expected in distributed.run(2, _grad_hook_fires, name, 3):
+        assert fired == expected  # once per parameter per microbatch
+
+
 def _ledger(m):
     with CommLedger() as ledger:
         _run_step("1f1b", m)

@@ -175,9 +175,9 @@ class PipelineExecutor:
     def _weight_grad(self, stage: int, k: int) -> None:
         y, grad = self.awaiting_w.pop((stage, k))
         params = [p for p in self.stages[stage].parameters() if p.requires_grad]
-        for param, g in zip(params, torch.autograd.grad(y, params, grad, allow_unused=True)):
-            if g is not None:
-                param.grad = g if param.grad is None else param.grad + g
+        # backward(inputs=...) accumulates into .grad like any backward, so post-accumulate-grad
+        # hooks (a data-parallel reducer's) fire for W exactly as they do for an unsplit B.
+        torch.autograd.backward(y, grad, inputs=params)
 
 
 def gather_timeline(
