@@ -21,6 +21,9 @@ from polyshard.tp.vocab import VocabParallelEmbedding
 
 
 class Style:
+    """Base of every style: ``accepts`` says which modules it fits, ``check`` validates one
+    before anything changes, ``apply`` converts it (subclasses implement it)."""
+
     replaces = False  # True when apply() returns a new module
 
     def accepts(self, module: nn.Module) -> bool:
