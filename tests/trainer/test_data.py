@@ -51,26 +51,30 @@ def _ints(n):
     return datasets.Dataset.from_dict({"tokens": [[i, i] for i in range(n)]})
 
 
-def test_data_ranks_get_disjoint_shards_and_resume_exactly():
+def test_data_ranks_split_each_global_batch_and_resume_exactly():
     data = _ints(40)
+    whole = ShardedLoader(data, batch_size=8, rank=0, world_size=1, seed=3, shuffle=True)
+    parts = [ShardedLoader(data, batch_size=4, rank=r, world_size=2, seed=3, shuffle=True) for r in range(2)]
     seen = []
-    for rank in range(2):
-        loader = ShardedLoader(data, batch_size=4, rank=rank, world_size=2, seed=3, shuffle=True)
-        seen += [row[0] for _ in range(5) for row in loader.next_batch()["tokens"].tolist()]
-    assert sorted(seen) == list(range(40))  # one epoch on each rank covers everything once
+    for _ in range(5):  # one epoch of 5 global batches of 8
+        expected = whole.next_batch()["tokens"]
+        got = torch.cat([p.next_batch()["tokens"] for p in parts])
+        assert torch.equal(got, expected)  # the same global batch whatever the number of data ranks
+        seen += got[:, 0].tolist()
+    assert sorted(seen) == list(range(40))
 
-    loader = ShardedLoader(data, batch_size=3, rank=0, world_size=2, seed=3, shuffle=True)
-    for _ in range(8):  # crosses an epoch boundary (20 examples, 6 batches per epoch)
+    loader = ShardedLoader(data, batch_size=3, rank=1, world_size=2, seed=3, shuffle=True)
+    for _ in range(8):  # crosses an epoch boundary (40 examples, 6 global batches of 6 per epoch)
         loader.next_batch()
     state = loader.state_dict()
     expected = [loader.next_batch()["tokens"] for _ in range(4)]
-    again = ShardedLoader(data, batch_size=3, rank=0, world_size=2, seed=3, shuffle=True)
+    again = ShardedLoader(data, batch_size=3, rank=1, world_size=2, seed=3, shuffle=True)
     again.load_state_dict(state)
-    assert state == {"epoch": 1, "position": 6}
+    assert state == {"epoch": 1, "position": 12}
     for batch in expected:
         assert torch.equal(again.next_batch()["tokens"], batch)
 
 
 def test_loader_too_small():
-    with pytest.raises(DataError, match="fewer than one batch of 8"):
+    with pytest.raises(DataError, match="fewer than one global batch of 16"):
         ShardedLoader(_ints(10), batch_size=8, rank=0, world_size=2, seed=0, shuffle=False)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import MeshLayout, Replicate, Shard, TensorPlacement, set_placement
-from polyshard.trainer.optim import clip_grad_norm, lr_at
+from polyshard.trainer.optim import clip_grad_norm, lr_at, parameter_gradients
 
 
 def test_warmup_then_cosine():
@@ -35,7 +35,7 @@ def _clip(axes, max_norm):
     set_placement(weight, TensorPlacement(f"w{stage}", (4, 3), (("dp", Replicate()), ("tp", Shard(0)))))
     bias = torch.nn.Parameter(torch.zeros(3))
     bias.grad = bias_full.clone()  # no record: replicated over dp and tp
-    norm = clip_grad_norm([weight, bias], max_norm, layout.as_dict())
+    norm = clip_grad_norm(parameter_gradients([weight, bias]), max_norm, layout.as_dict())
     return norm, weight.grad, bias.grad
 
 

@@ -23,8 +23,7 @@ import tomllib
 
 from polyshard.trainer.errors import ConfigError
 
-# "moe-gpt" (the GPT with polyshard.ep's MoE layer) joins once the trainer composes expert parallelism.
-MODEL_KINDS = ("gpt", "vit")
+MODEL_KINDS = ("gpt", "moe-gpt", "vit")
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 64, "num_layers": 4, "num_heads": 4, "context_length": 64},
     "small": {"hidden": 256, "num_layers": 6, "num_heads": 8, "context_length": 256},
@@ -37,7 +36,7 @@ PRECISIONS = ("fp32", "bf16")
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
     kind: str = "gpt"
-    """gpt (decoder-only language model) or vit (image classifier)."""
+    """gpt (decoder-only language model), moe-gpt (its mixture-of-experts variant) or vit (image classifier)."""
     preset: str | None = None
     """tiny, small or gpt2-124m: sets hidden, num_layers, num_heads, context_length (keys given here win)."""
     vocab_size: int = 256

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.mesh import Replicate, Shard, get_placement
+from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,15 +37,14 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _copies(p: torch.Tensor, axis_sizes: dict[str, int]) -> int:
-    """How many ranks hold an identical copy of ``p``'s gradient.
+def _copies(record: TensorPlacement | None, axis_sizes: dict[str, int]) -> int:
+    """How many ranks hold an identical copy of a gradient placed as ``record``.
 
     Axes the record shards over hold different pieces (sum them); replicated
     axes hold copies (count once). Pipeline stages hold different layers, so
     ``pp`` never makes copies. A tensor without a record is replicated on every
     axis but pp.
     """
-    record = get_placement(p)
     copies = 1
     for axis, size in axis_sizes.items():
         if axis == "pp":
@@ -56,24 +55,32 @@ def _copies(p: torch.Tensor, axis_sizes: dict[str, int]) -> int:
     return copies
 
 
+def parameter_gradients(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, TensorPlacement | None]]:
+    """(grad, placement record) pairs of parameters that have a gradient."""
+    return [(p.grad, get_placement(p)) for p in params if p.grad is not None]
+
+
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, axis_sizes: dict[str, int]) -> float:
+def clip_grad_norm(
+    gradients: Sequence[tuple[torch.Tensor, TensorPlacement | None]], max_norm: float, axis_sizes: dict[str, int]
+) -> float:
     """Clip every gradient by one global norm, computed once over all ranks.
 
-    Each rank sums its local squared norms, each divided by the number of
-    ranks holding an identical copy (read from the placement records), and a
-    single all-reduce over the world adds them: every element of the global
-    model counts exactly once. Returns the norm before clipping.
+    ``gradients`` are (local gradient, its placement record) pairs — a
+    parameter's ``.grad``, or a ZeRO shard of it. Each rank sums its local
+    squared norms, each divided by the number of ranks holding an identical
+    copy (read from the records), and a single all-reduce over the world adds
+    them: every element of the global model counts exactly once. Returns the
+    norm before clipping.
     """
-    params = [p for p in params if p.grad is not None]
     local = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        local += p.grad.detach().double().pow(2).sum() / _copies(p, axis_sizes)
+    for grad, record in gradients:
+        local += grad.detach().double().pow(2).sum() / _copies(record, axis_sizes)
     if dist.is_initialized() and dist.get_world_size() > 1:
         ops.all_reduce(local)
     total = float(local.sqrt())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
+        for grad, _ in gradients:
+            grad.mul_(scale)
     return total

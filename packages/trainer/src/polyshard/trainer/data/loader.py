@@ -1,9 +1,13 @@
 """Per-data-rank batches with a seeded shuffle and a position that can be saved.
 
-Every data rank (a dp x ep coordinate) takes its own shard of the training
-set with ``datasets.distributed.split_dataset_by_node``. Each epoch the shard
-is permuted with ``seed + epoch``; ``state_dict()`` records (epoch, position)
-so a resumed run continues with exactly the batches it would have seen.
+The *global* batch of each step does not depend on the layout: every epoch
+the whole training set is permuted with ``seed + epoch`` and cut into global
+batches of ``batch_size x world_size`` examples. Each data rank (a dp x ep
+coordinate) then takes its own contiguous part of that global batch with
+``datasets.distributed.split_dataset_by_node``. So one process and eight see
+the same examples in each step, which is what makes their losses comparable.
+``state_dict()`` records (epoch, position) so a resumed run continues with
+exactly the batches it would have seen.
 """
 
 from __future__ import annotations
@@ -19,29 +23,31 @@ class ShardedLoader:
     def __init__(
         self, dataset: datasets.Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
     ):
-        self.shard = split_dataset_by_node(dataset, rank=rank, world_size=world_size).with_format("torch")
-        if len(self.shard) < batch_size:
+        self.dataset = dataset
+        self.global_batch = batch_size * world_size
+        if len(dataset) < self.global_batch:
             raise DataError(
-                f"data rank {rank} holds {len(self.shard)} examples, fewer than one batch of {batch_size}; "
-                "use more data, fewer data ranks or a smaller batch"
+                f"the dataset holds {len(dataset)} examples, fewer than one global batch of {self.global_batch} "
+                f"({world_size} data ranks x {batch_size}); use more data or a smaller batch"
             )
-        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.epoch, self.position = 0, 0
         self._order = self._permutation()
 
     def _permutation(self) -> torch.Tensor:
         if not self.shuffle:
-            return torch.arange(len(self.shard))
-        return torch.randperm(len(self.shard), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            return torch.arange(len(self.dataset))
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        """The next ``batch_size`` examples; an epoch ends when fewer than a batch remain."""
-        if self.position + self.batch_size > len(self._order):
+        """This data rank's part of the next global batch; an epoch ends when less than a global batch remains."""
+        if self.position + self.global_batch > len(self._order):
             self.epoch, self.position = self.epoch + 1, 0
             self._order = self._permutation()
-        indices = self._order[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
-        return self.shard[indices.tolist()]
+        indices = self._order[self.position : self.position + self.global_batch].tolist()
+        self.position += self.global_batch
+        part = split_dataset_by_node(self.dataset.select(indices), rank=self.rank, world_size=self.world_size)
+        return part.with_format("torch")[:]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

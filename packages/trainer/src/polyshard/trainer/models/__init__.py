@@ -2,8 +2,10 @@
 
 from torch import nn
 
+from polyshard.ep import MoEConfig
 from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.models.gpt import GPT
+from polyshard.trainer.models.moe import MoEMLP
 from polyshard.trainer.models.vit import ViT
 
 
@@ -21,8 +23,8 @@ def build_model(config: ModelConfig) -> nn.Module:
             mlp_ratio=config.mlp_ratio,
             dropout=config.dropout,
         )
-    if config.kind == "gpt":
-        return GPT(
+    if config.kind in ("gpt", "moe-gpt"):
+        model = GPT(
             vocab_size=config.vocab_size,
             context_length=config.context_length,
             hidden=config.hidden,
@@ -33,6 +35,18 @@ def build_model(config: ModelConfig) -> nn.Module:
             tie_embeddings=config.tie_embeddings,
             dropout=config.dropout,
         )
+        if config.kind == "moe-gpt":
+            moe = MoEConfig(
+                hidden=config.hidden,
+                ffn_hidden=config.mlp_ratio * config.hidden // config.top_k,  # about a dense MLP's active FLOPs
+                num_experts=config.num_experts,
+                top_k=config.top_k,
+                capacity_factor=config.capacity_factor,
+                aux_loss_coef=config.aux_loss_weight,
+            )
+            for block in model.layers[1:-1]:
+                block.mlp = MoEMLP(moe)
+        return model
     raise ValueError(f"unknown model.kind {config.kind!r}")  # ModelConfig already rejects it
 
 

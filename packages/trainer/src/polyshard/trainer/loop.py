@@ -1,0 +1,229 @@
+"""One training run: data -> engine -> optimizer, with logging, evaluation and sampling.
+
+Read one step from top to bottom in :func:`train`:
+
+    lr for this step -> this data rank's batch -> pipeline forward/backward over
+    microbatches (dp reduces once, overlapped with the last backward) ->
+    finish gradient reductions -> one global norm clip -> optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops, p2p
+from polyshard.mesh import Mesh, Shard, get_placement
+from polyshard.tp import gather_full_tensor
+from polyshard.trainer.config import Config
+from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
+from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
+from polyshard.trainer.models import build_model
+from polyshard.trainer.optim import clip_grad_norm, lr_at
+from polyshard.trainer.parallelize import Engine, build_engine
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    accuracy: float | None = None
+    sample: str | None = None
+
+    def summary(self, step: int) -> str:
+        parts = [f"final step={step}", f"loss={self.losses[-1]:.4f}"]
+        if self.val_loss is not None:
+            parts.append(f"val_loss={self.val_loss:.4f}")
+        if self.accuracy is not None:
+            parts.append(f"accuracy={self.accuracy:.4f}")
+        return " ".join(parts)
+
+
+def _first_then_rest(fn):
+    """Run ``fn`` on rank 0 first (it may download or write caches), then on the others."""
+    if dist.get_rank() == 0:
+        value = fn()
+        dist.barrier()
+    else:
+        dist.barrier()
+        value = fn()
+    return value
+
+
+def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
+    par, train = config.parallel, config.training
+    if config.model.kind == "vit":
+        splits = _first_then_rest(lambda: digits_splits(config.data.val_fraction, seed=train.seed))
+    else:
+        splits = _first_then_rest(
+            lambda: packed_splits(config.data.source, config.model.context_length, config.data.val_fraction)
+        )
+    data_rank, data_ranks = mesh.group_rank(("dp", "ep")), par.dp * par.ep
+    batch = train.global_batch_size // data_ranks
+    common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
+    return ShardedLoader(splits[0], shuffle=config.data.shuffle, **common), ShardedLoader(
+        splits[1], shuffle=False, **common
+    )
+
+
+def split_batch(config: Config, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    if config.model.kind == "vit":
+        return batch["image"], batch["label"]
+    tokens = batch["tokens"]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
+    """Average a per-data-rank value that only last-stage ranks hold (tp ranks hold equal copies)."""
+    mesh, par = engine.mesh, engine.config.parallel
+    holder = engine.holds_last_stage and mesh.coord("tp") == 0
+    total = torch.tensor([float(value) if holder and value is not None else 0.0], dtype=torch.float64)
+    ops.all_reduce(total)
+    return float(total) / (par.dp * par.ep)
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
+    """Forward only, chunk by chunk across the pipeline: (mean loss, accuracy or None) of this data rank."""
+    schedule, mesh = engine.executor.schedule, engine.mesh
+    pp_ranks = mesh.ranks_in_group("pp")
+    x, loss, accuracy = inputs, None, None
+    for chunk in range(schedule.num_stages):
+        holder = pp_ranks[schedule.rank_of(chunk)]
+        if holder != mesh.rank:
+            continue
+        if chunk > 0:
+            previous = pp_ranks[schedule.rank_of(chunk - 1)]
+            if previous != mesh.rank:
+                x = p2p.recv_with_meta(previous, mesh.group("pp"))
+        x = engine.wrappers[chunk](x)
+        if chunk == schedule.num_stages - 1:
+            loss = engine.executor.loss_fn(x, targets)
+            if engine.config.model.kind == "vit":
+                accuracy = (x.argmax(-1) == targets).float().mean()
+        else:
+            following = pp_ranks[schedule.rank_of(chunk + 1)]
+            if following != mesh.rank:
+                p2p.send_with_meta(x, following, mesh.group("pp"))
+    return data_rank_mean(engine, loss), (
+        data_rank_mean(engine, accuracy) if engine.config.model.kind == "vit" else None
+    )
+
+
+def _unshard(engine: Engine, tensor: torch.Tensor, record) -> torch.Tensor:
+    """Rebuild a parameter from its tp (and, for experts, ep) pieces. Collective over those groups."""
+    full = gather_full_tensor(tensor, record, engine.mesh.group("tp"))
+    if record is not None and isinstance(record.placement("ep"), Shard):
+        full = ops.all_gather(full.contiguous(), record.placement("ep").dim, engine.mesh.group("ep"))
+    return full
+
+
+def full_model_state(engine: Engine) -> dict[str, torch.Tensor] | None:
+    """The unsharded weights on rank 0 (None elsewhere); for sampling and export. Call on every rank."""
+    local = {}
+    for index, chunk in engine.chunks.items():
+        names = engine.global_names(index)
+        params = dict(chunk.named_parameters())
+        if engine.config.parallel.zero_stage == 3:
+            values = engine.wrappers[index].full_parameters()  # gathered over the data-parallel group
+        else:
+            values = {n: p.detach() for n, p in params.items()}
+        for name, value in values.items():
+            local[names[name]] = _unshard(engine, value, get_placement(params[name])).float().cpu()
+    coords = engine.mesh.coords()
+    keep = all(coords[a] == 0 for a in ("dp", "ep", "tp"))  # one copy of each pipeline stage
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local if keep else {})
+    if dist.get_rank() != 0:
+        return None
+    state = {}
+    for part in gathered:
+        state.update(part)
+    return state
+
+
+def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True) -> RunResult:
+    """Train ``config`` on ``mesh``, writing metrics under ``out``; every rank returns the same losses."""
+    train_cfg = config.training
+    rank0 = dist.get_rank() == 0
+    torch.manual_seed(train_cfg.seed)
+    model = build_model(config.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    engine = build_engine(config, mesh, model)
+    train_data, val_data = make_loaders(config, mesh)
+    metrics = MetricsLog(out, enabled=rank0 and log)
+    progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar)
+    tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
+    flops_per_step = tokens_per_step * model_flops_per_token(
+        num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
+    )
+    del model
+    result = RunResult()
+    for step in range(train_cfg.steps):
+        started = time.perf_counter()
+        lr = lr_at(
+            step,
+            lr=train_cfg.lr,
+            min_lr=train_cfg.min_lr,
+            warmup_steps=train_cfg.warmup_steps,
+            total_steps=train_cfg.steps,
+        )
+        for optimizer in engine.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        inputs, targets = split_batch(config, train_data.next_batch())
+        loss = engine.forward_backward(inputs, targets)
+        engine.finish_gradients()
+        grad_norm = clip_grad_norm(engine.gradients(), train_cfg.grad_clip, mesh.layout.as_dict())
+        for optimizer in engine.optimizers:
+            optimizer.step()
+        engine.zero_grad()
+        loss_value = data_rank_mean(engine, loss)
+        result.losses.append(loss_value)
+        seconds = time.perf_counter() - started
+        record = {
+            "step": step + 1,
+            "loss": loss_value,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tokens_per_step / seconds,
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
+        if config.logging.peak_tflops:
+            record["mfu"] = flops_per_step / seconds / (config.logging.peak_tflops * 1e12 * dist.get_world_size())
+        last = step + 1 == train_cfg.steps
+        if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or last):
+            losses, accuracies = [], []
+            for _ in range(train_cfg.eval_batches):
+                val_loss, accuracy = evaluate(engine, *split_batch(config, val_data.next_batch()))
+                losses.append(val_loss)
+                accuracies.append(accuracy)
+            val_data.load_state_dict({"epoch": 0, "position": 0})  # the same validation batches every time
+            result.val_loss = record["val_loss"] = sum(losses) / len(losses)
+            if config.model.kind == "vit":
+                result.accuracy = record["accuracy"] = sum(accuracies) / len(accuracies)
+        if (step + 1) % config.logging.every == 0 or last:
+            metrics.write(record)
+        progress.update(step, loss_value, record["tokens_per_s"])
+
+    if config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens:
+        state = full_model_state(engine)
+        if rank0:
+            result.sample = sample_text(config, state, train_cfg.sample_tokens)
+    if rank0 and log:
+        plot_losses(metrics.records(), out / "loss.png")
+    return result
+
+
+def sample_text(config: Config, state: dict[str, torch.Tensor], new_tokens: int, prompt: str = "ROMEO:") -> str:
+    """Generate from the unsharded weights on one process."""
+    model = build_model(config.model)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    tokens = torch.tensor([encode(prompt)])
+    out = model.generate(tokens, new_tokens, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    return decode(out[0].tolist())

@@ -1,0 +1,216 @@
+"""Compose the strategies on one model: TP -> EP -> PP -> DP/ZeRO, for any subset of axes.
+
+The mesh axes are ``pp x dp x ep x tp`` (tp fastest). The order matters:
+
+1. **TP** converts the full model's linears and embeddings in place
+   (:func:`polyshard.tp.parallelize`), so every rank starts from the same
+   seeded weights and keeps its slice; names stay global.
+2. **EP** keeps this rank's experts (:func:`polyshard.ep.apply_expert_parallel`).
+3. **PP** cuts ``model.layers`` into contiguous chunks (balanced by parameter
+   count) and keeps this rank's; one :class:`polyshard.pp.PipelineExecutor`
+   runs every step, even with one stage, so microbatching and gradient
+   accumulation have a single code path.
+4. **DP/ZeRO** wraps each chunk: :class:`polyshard.dp.DataParallel` (stages
+   0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
+   Non-expert gradients average over dp x ep (every data rank); expert
+   gradients reduce over dp only and are divided by dp x ep, because each
+   expert already summed its gradient over the ep ranks' tokens.
+
+pp x dp: the executor enters dp's ``no_sync`` around every backward but the
+last, so each bucket is reduced once per step, overlapped with the last
+backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyshard.dp import DataParallel, FullyShardedDataParallel, MixedPrecision, ParamSet, ZeroOptimizer
+from polyshard.ep import apply_expert_parallel, expert_parameters
+from polyshard.mesh import Mesh, get_placement
+from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
+from polyshard.tp import (
+    ColumnParallel,
+    RowParallel,
+    SequenceParallel,
+    ShardHeads,
+    SplitSequence,
+    TPEntry,
+    VocabParallel,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+from polyshard.tp import (
+    parallelize as tp_parallelize,
+)
+from polyshard.trainer.config import Config
+from polyshard.trainer.optim import param_groups
+
+
+def tp_plan(config: Config) -> dict:
+    """Megatron-style plan for the GPT/ViT layer names (``layers.{i}.attn.q_proj`` ...)."""
+    model, sp = config.model, config.parallel.sequence_parallel
+    last = model.num_layers + 1
+    blocks = [f"layers.{i}" for i in range(1, last)]
+    plan: dict = {}
+    for b in blocks:
+        plan[f"{b}.attn"] = [TPEntry(sequence_parallel=sp), ShardHeads()]
+        plan[f"{b}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
+        plan[f"{b}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
+        if model.kind != "moe-gpt":
+            plan[f"{b}.mlp.fc_in"] = ColumnParallel(sequence_parallel=sp)
+            plan[f"{b}.mlp.fc_out"] = RowParallel(sequence_parallel=sp)
+        if sp:
+            plan[f"{b}.norm[12]"] = SequenceParallel()
+    if sp:
+        plan["layers.1"] = SplitSequence()  # embeddings are replicated; the first block splits them
+    if model.kind != "vit":
+        plan["layers.0.tok"] = VocabParallel()
+        plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
+        if sp:
+            plan[f"layers.{last}.norm"] = SequenceParallel()
+    return plan
+
+
+def loss_function(config: Config, mesh: Mesh):
+    """The last stage's loss: vocabulary-parallel cross-entropy under tp, else ``F.cross_entropy``."""
+    if config.model.kind == "vit":
+        return lambda logits, labels: F.cross_entropy(logits.float(), labels)
+    if config.parallel.tp > 1:
+        tp_group, vocab = mesh.group("tp"), config.model.vocab_size
+        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, tp_group, vocab_size=vocab)
+    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Engine:
+    """This rank's share of the model and everything that steps it."""
+
+    config: Config
+    mesh: Mesh
+    chunks: dict[int, nn.Module]  # pipeline chunk index -> the plain chunk (nn.Sequential of layers)
+    layer_ids: dict[int, range]  # pipeline chunk index -> its global layer indices
+    wrappers: dict[int, nn.Module]  # pipeline chunk index -> its data-parallel wrapper
+    optimizers: list
+    executor: PipelineExecutor
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.executor.schedule.num_stages - 1 in self.chunks
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.chunks
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None."""
+        result = self.executor.step(
+            inputs if self.holds_first_stage else None, targets if self.holds_last_stage else None
+        )
+        return result.loss
+
+    def finish_gradients(self) -> None:
+        for wrapper in self.wrappers.values():
+            wrapper.finish_grad_sync()
+        if self.config.parallel.sequence_parallel:
+            for chunk in self.chunks.values():
+                sync_sequence_parallel_grads(chunk, self.mesh.group("tp"))
+
+    def gradients(self) -> list[tuple[torch.Tensor, object]]:
+        """(gradient, placement record) for every gradient this rank holds, after finish_gradients."""
+        pairs = []
+        for wrapper in self.wrappers.values():
+            for name, p in wrapper.owned_params():
+                if self.config.parallel.zero_stage == 0:
+                    if p.grad is not None:
+                        pairs.append((p.grad, get_placement(p)))
+                else:
+                    grad = wrapper.grad_shard(p)
+                    if grad is not None:
+                        pairs.append((grad, wrapper.shard_placement(p, name)))
+        return pairs
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for wrapper in self.wrappers.values():
+            wrapper.zero_grad(set_to_none=True)
+
+    def global_names(self, chunk_index: int) -> dict[str, str]:
+        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
+        ids = self.layer_ids[chunk_index]
+        out = {}
+        for name, _ in self.chunks[chunk_index].named_parameters():
+            local, _, rest = name.partition(".")
+            out[name] = f"layers.{ids[int(local)]}.{rest}"
+        return out
+
+
+def _no_sync_all(wrappers):
+    def context():
+        stack = contextlib.ExitStack()
+        for wrapper in wrappers:
+            stack.enter_context(wrapper.no_sync())
+        return stack
+
+    return context
+
+
+def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> nn.Module:
+    par = config.parallel
+    mp = None
+    if config.training.precision == "bf16":
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    data_group = mesh.group(("dp", "ep"))
+    if par.zero_stage == 3:
+        return FullyShardedDataParallel(chunk, group=data_group, blocks=list(chunk), mixed_precision=mp)
+    sets = []
+    experts = expert_parameters(chunk) if config.model.kind == "moe-gpt" else []
+    if experts:
+        # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
+        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep))
+    return DataParallel(chunk, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets)
+
+
+def _optimizer(wrapper: nn.Module, config: Config):
+    train = config.training
+    inner = torch.optim.AdamW(
+        param_groups(wrapper.module, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2)
+    )
+    if config.parallel.zero_stage == 0 and config.training.precision == "fp32":
+        return inner  # gradients are full and averaged in place: a plain optimizer suffices
+    return ZeroOptimizer(inner, wrapper)
+
+
+def build_engine(config: Config, mesh: Mesh, model: nn.Module) -> Engine:
+    """Apply TP -> EP -> PP -> DP/ZeRO to ``model`` (the same seeded full model on every rank)."""
+    par = config.parallel
+    if par.tp > 1:
+        tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config))
+    if config.model.kind == "moe-gpt":
+        apply_expert_parallel(model, group=mesh.group("ep"))
+    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    layers = list(model.layers)
+    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    bounds = balanced_partition(costs, schedule.num_stages)
+    mine = schedule.stages_of(mesh.coord("pp"))
+    chunks = {s: nn.Sequential(*(layers[i] for i in bounds[s])) for s in mine}
+    del model, layers  # other stages' layers are freed here
+    for module in (m for chunk in chunks.values() for m in chunk.modules()):
+        if hasattr(module, "aux_loss_scale"):
+            module.aux_loss_scale = 1.0 / par.microbatches  # each microbatch's aux loss, like its CE, counts 1/m
+    wrappers = {s: _wrap_data_parallel(chunk, config, mesh) for s, chunk in chunks.items()}
+    optimizers = [_optimizer(w, config) for w in wrappers.values()]
+    executor = PipelineExecutor(
+        wrappers,
+        schedule,
+        loss_function(config, mesh),
+        mesh.group("pp"),
+        backward_context=_no_sync_all(list(wrappers.values())),
+    )
+    return Engine(config, mesh, chunks, {s: bounds[s] for s in mine}, wrappers, optimizers, executor)

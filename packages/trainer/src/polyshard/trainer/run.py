@@ -1,0 +1,43 @@
+"""The worker entry point ``polyshard train`` launches under torchrun (one process per rank)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from polyshard.mesh import Mesh, init_distributed
+from polyshard.trainer.config import load_config
+from polyshard.trainer.constraints import validate
+from polyshard.trainer.loop import train
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="polyshard training worker (launched by `polyshard train`)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    ctx = init_distributed(mesh_axes=config.parallel.mesh_axes)
+    validate(config, world_size=ctx.world_size)
+    out = Path(args.out)
+    try:
+        mesh = Mesh(config.parallel.mesh_axes)
+        result = train(config, mesh, out)
+        if ctx.rank == 0:
+            if result.sample is not None:
+                print(f"--- sample ---\n{result.sample}\n--------------")
+            summary = result.summary(config.training.steps)
+            (out / "summary.json").write_text(json.dumps({"losses": result.losses, "summary": summary}, indent=1))
+            print(summary, flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
