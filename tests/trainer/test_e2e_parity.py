@@ -86,6 +86,8 @@ def test_dense_gpt_losses_match_one_process(distributed, corpus, reference, tmp_
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(4, {"dp": 2, "ep": 2}, id="dp2xep2"),
         pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2"),
+        pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
+        pytest.param(2, {"tp": 2}, id="tp2"),
     ],
 )
 def test_moe_gpt_losses_match_one_process(distributed, corpus, reference, tmp_path, world, parallel):

@@ -51,6 +51,18 @@ def _check_tensor_parallel(config: Config) -> None:
             f"parallel.tp={tp} does not divide the MLP width {model.mlp_ratio * model.hidden}; "
             f"choose tp in {_divisors(model.mlp_ratio * model.hidden)}"
         )
+    if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
+        # Norm weights under SP need their gradients summed over tp after backward, but ZeRO
+        # reduce-scatters gradients during backward and keeps no full .grad to sum.
+        raise ConfigError(
+            f"parallel.sequence_parallel with parallel.zero_stage={config.parallel.zero_stage} is not supported; "
+            "use zero_stage=0 with sequence parallelism, or turn sequence_parallel off"
+        )
+    if config.parallel.sequence_parallel and model.kind == "moe-gpt":
+        raise ConfigError(
+            "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
+            "would see different tokens); turn sequence_parallel off"
+        )
     if config.parallel.sequence_parallel and model.sequence_length % tp:
         raise ConfigError(
             f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
