@@ -8,11 +8,13 @@ import typer
 
 from polyshard.cli.launch import run_local
 from polyshard.cli.schedule import schedule_command
+from polyshard.cli.train import train
 
 app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
+app.command("train")(train)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 

@@ -83,7 +83,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     path = tmp / rank_file(rank)
-    save_file({name: t.tensor.detach().contiguous().cpu() for name, t in tensors.items()}, str(path))
+    # clone(): safetensors refuses tensors that share memory (ZeRO-3's fp32 masters are its shards).
+    save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
     entry = {
         "file": path.name,
         "sha256": sha256(path),

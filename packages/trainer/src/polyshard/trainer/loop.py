@@ -19,12 +19,14 @@ import torch.distributed as dist
 from polyshard.collectives import ops, p2p
 from polyshard.mesh import Mesh, Shard, get_placement
 from polyshard.tp import gather_full_tensor
+from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, load_rank, read_index, save_checkpoint
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
+from polyshard.trainer.state import load_state_tensors, state_tensors
 
 
 @dataclass
@@ -146,8 +148,30 @@ def full_model_state(engine: Engine) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True) -> RunResult:
-    """Train ``config`` on ``mesh``, writing metrics under ``out``; every rank returns the same losses."""
+def _resume(engine: Engine, config: Config, root: Path, train_data: ShardedLoader, result: RunResult) -> int:
+    """Load the latest complete checkpoint under ``root`` into this run; returns its step."""
+    folder = latest_checkpoint(root)
+    if folder is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {root}")
+    index = read_index(folder)
+    if index["mesh"] != config.parallel.mesh_axes:
+        raise CheckpointError(
+            f"{folder} was saved on mesh {index['mesh']}, this run uses {config.parallel.mesh_axes}; "
+            "resume with the same parallel settings"
+        )
+    tensors, extra = load_rank(folder, dist.get_rank(), index)
+    load_state_tensors(engine, tensors)
+    train_data.load_state_dict(extra["data"])
+    result.losses = list(extra["losses"])
+    return index["step"]
+
+
+def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bool = False) -> RunResult:
+    """Train ``config`` on ``mesh``, writing metrics and checkpoints under ``out``.
+
+    Every rank returns the same losses. With ``resume`` the run continues from
+    the latest complete checkpoint in ``out/checkpoints``.
+    """
     train_cfg = config.training
     rank0 = dist.get_rank() == 0
     torch.manual_seed(train_cfg.seed)
@@ -155,15 +179,17 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True) -> RunResu
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(config, mesh, model)
     train_data, val_data = make_loaders(config, mesh)
-    metrics = MetricsLog(out, enabled=rank0 and log)
-    progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar)
+    result = RunResult()
+    checkpoints = out / "checkpoints"
+    start = _resume(engine, config, checkpoints, train_data, result) if resume else 0
+    metrics = MetricsLog(out, enabled=rank0 and log, append=resume)
+    progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
     flops_per_step = tokens_per_step * model_flops_per_token(
         num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
     )
     del model
-    result = RunResult()
-    for step in range(train_cfg.steps):
+    for step in range(start, train_cfg.steps):
         started = time.perf_counter()
         lr = lr_at(
             step,
@@ -209,6 +235,17 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True) -> RunResu
         if (step + 1) % config.logging.every == 0 or last:
             metrics.write(record)
         progress.update(step, loss_value, record["tokens_per_s"])
+        every = config.checkpoint.every
+        if last or (every and (step + 1) % every == 0):
+            extra = {"data": train_data.state_dict(), "losses": result.losses}
+            save_checkpoint(
+                checkpoints,
+                step + 1,
+                state_tensors(engine),
+                mesh_axes=config.parallel.mesh_axes,
+                extra=extra,
+                keep=config.checkpoint.keep,
+            )
 
     if config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens:
         state = full_model_state(engine)

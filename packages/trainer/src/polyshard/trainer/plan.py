@@ -70,7 +70,7 @@ def describe(config: Config) -> str:
         lines.append(f"  rank {rank}: {coords}")
     lines.append("groups:")
     for subset in layout.axis_subsets():
-        if layout.size(subset) > 1:
+        if all(layout.size(a) > 1 for a in subset):  # an axis of size 1 adds no new group
             lines.append(f"  {' x '.join(subset):<16} {layout.groups(subset)}")
     num_params = parameter_count(config)
     states = model_state_bytes_per_rank(config, num_params)

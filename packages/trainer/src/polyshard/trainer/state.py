@@ -1,0 +1,77 @@
+"""What a rank saves and restores: its parameters, optimizer state, RNG and data position.
+
+Tensor keys are global and self-describing::
+
+    model/layers.3.attn.q_proj.weight          this rank's piece (tp slice, ZeRO-3 rows ...)
+    optim/layers.3.attn.q_proj.weight/master   ZeRO's fp32 master rows (when the optimizer keeps them)
+    optim/layers.3.attn.q_proj.weight/exp_avg  AdamW state, shaped like the parameter or its rows
+    rng/torch                                  this process's CPU generator
+
+Each carries its placement record into the checkpoint index. Restoring into
+the same layout is exact: on CPU a resumed run's losses equal an
+uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polyshard.dp import ZeroOptimizer
+from polyshard.mesh import get_placement
+from polyshard.trainer.checkpoint import LocalTensor
+from polyshard.trainer.parallelize import Engine
+
+
+def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch.Tensor]:
+    """Global name -> this rank's tensor for a chunk's parameters (ZeRO-3: this rank's rows)."""
+    names = engine.global_names(index)
+    if engine.config.parallel.zero_stage == 3:
+        return {names[n]: v for n, v in engine.wrappers[index].local_shards().items()}
+    return {names[n]: p for n, p in engine.chunks[index].named_parameters()}
+
+
+def _optimizer_entries(engine: Engine):
+    """(global name, the tensor the optimizer steps, its inner optimizer, master or None) per parameter."""
+    for index, optimizer in zip(engine.wrappers, engine.optimizers):
+        names = engine.global_names(index)
+        by_id = {id(p): names[n] for n, p in engine.chunks[index].named_parameters()}
+        if isinstance(optimizer, ZeroOptimizer):
+            for param_id, master in optimizer.masters.items():
+                yield by_id[param_id], master, optimizer.optimizer, master
+        else:
+            for n, p in engine.chunks[index].named_parameters():
+                yield names[n], p, optimizer, None
+
+
+def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
+    out = {}
+    for index in engine.chunks:
+        for name, tensor in _model_tensors(engine, index).items():
+            out[f"model/{name}"] = LocalTensor(tensor.detach(), get_placement(tensor))
+    for name, stepped, optimizer, master in _optimizer_entries(engine):
+        if master is not None:
+            out[f"optim/{name}/master"] = LocalTensor(master.detach(), get_placement(master))
+        for key, value in optimizer.state.get(stepped, {}).items():
+            record = get_placement(value) if value.dim() else None
+            out[f"optim/{name}/{key}"] = LocalTensor(value.detach(), record)
+    out["rng/torch"] = LocalTensor(torch.get_rng_state())
+    return out
+
+
+@torch.no_grad()
+def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint of the same layout back into ``engine`` (parameters, optimizer state, RNG)."""
+    for index in engine.chunks:
+        for name, tensor in _model_tensors(engine, index).items():
+            tensor.copy_(tensors[f"model/{name}"])
+    for name, stepped, optimizer, master in _optimizer_entries(engine):
+        if master is not None:
+            master.copy_(tensors[f"optim/{name}/master"])
+        prefix = f"optim/{name}/"
+        state = {
+            k[len(prefix) :]: v.clone() for k, v in tensors.items() if k.startswith(prefix) and k != prefix + "master"
+        }
+        if state:
+            optimizer.state[stepped] = state
+    torch.set_rng_state(tensors["rng/torch"])
