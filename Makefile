@@ -23,8 +23,9 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample.
 demo: setup
-	$(BIN)/polyshard bench comm --nproc 4
+	$(BIN)/polyshard train apps/configs/gpt-shakespeare-3d.toml --out runs/demo
 
 lint: setup
 	$(BIN)/ruff check .

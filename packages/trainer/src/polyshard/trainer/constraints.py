@@ -7,12 +7,8 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 
 from __future__ import annotations
 
-from polyshard.trainer.config import Config
+from polyshard.trainer.config import Config, _divisors
 from polyshard.trainer.errors import ConfigError
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
