@@ -3,6 +3,8 @@
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# Where a CPU build of torch lies on this kind of machine; pip prefers it to PyPI's multi-GB CUDA build.
+WHEELS := $(wildcard /opt/wheels)
 VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/tp packages/pp packages/dp packages/ep packages/trainer apps/cli
@@ -15,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet $(if $(WHEELS),--find-links $(WHEELS)) $(TORCH)
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES))
 	touch $(STAMP)
