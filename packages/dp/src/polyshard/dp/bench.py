@@ -27,6 +27,8 @@ HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
 # Both sides run fp32 on the same data; they sum gradients in different orders
 # and buckets, so losses agree to float32 rounding amplified over a few steps.
+# 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
+# in another order differ more (and the peer's kernels order them differently again).
 LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

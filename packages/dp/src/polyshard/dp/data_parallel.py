@@ -27,7 +27,7 @@ from torch import nn
 from polyshard.collectives import ops
 from polyshard.dp.buckets import Bucket, assign_buckets
 from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
-from polyshard.dp.errors import DataParallelError
+from polyshard.dp.errors import DataParallelError, GradSyncError
 from polyshard.dp.layout import ShardSpec, shard_record
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
@@ -101,6 +101,10 @@ class DataParallel(nn.Module):
         by_id = {id(p): n for n, p in named}
         sets = []
         for ps in param_sets:
+            if ps.divide_by is not None and (not isinstance(ps.divide_by, int) or ps.divide_by < 1):
+                raise DataParallelError(
+                    f"ParamSet divide_by={ps.divide_by!r} must be a positive integer (or None for the group size)"
+                )
             members = []
             for p in ps.params:
                 if id(p) not in by_id:
@@ -112,7 +116,8 @@ class DataParallel(nn.Module):
                     raise DataParallelError(f"{by_id[id(p)]!r} is listed in two ParamSets; give each parameter one")
                 claimed[id(p)] = by_id[id(p)]
                 members.append((by_id[id(p)], p))
-            sets.append((members, ps.group, ps.divide_by or dist.get_world_size(ps.group)))
+            divide_by = ps.divide_by if ps.divide_by is not None else dist.get_world_size(ps.group)
+            sets.append((members, ps.group, divide_by))
         rest = [(n, p) for n, p in named if id(p) not in claimed]
         sets.append((rest, self.group, dist.get_world_size(self.group)))
         return [s for s in sets if s[0]]
@@ -163,6 +168,13 @@ class DataParallel(nn.Module):
             if not self._sync_enabled:
                 return  # no_sync: let the gradient accumulate in param.grad
             bucket, index = self._where[id(param)]
+            if bucket.launched or index in bucket.ready:
+                # Its reduction already holds the previous backward's gradient; this one would be lost.
+                raise GradSyncError(
+                    "a second backward reached a parameter before finish_grad_sync(): call finish_grad_sync() "
+                    "(or the optimizer step) between steps, and wrap every backward but the last of a step "
+                    "in no_sync() when accumulating gradients"
+                )
             bucket.ready.add(index)
             self._launch_in_order(queue, only_complete=True)
 

@@ -31,6 +31,8 @@ from polyshard.mesh import init_distributed
 from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
+# 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
+# in another order differ more (and the peer's kernels order them differently again).
 MATCH_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

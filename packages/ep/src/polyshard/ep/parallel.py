@@ -13,7 +13,9 @@ Gradients after ``loss.backward()``, with each rank's loss the mean over its own
 * a replicated parameter's gradient holds only this rank's tokens; averaging
   over the group gives the same (1/P) sum_r.
 
-:func:`sync_gradients` does both; call it after every backward and before
+:func:`sync_gradients` does both; call it once per optimizer step, after the
+last backward (it divides the *accumulated* expert gradients, so calling it
+after every microbatch would divide the earlier ones again) and before
 ``optimizer.step()``. With data parallelism on top, let dp reduce instead:
 scale the expert grads here (:func:`scale_expert_gradients`) and hand dp the
 expert parameters with the dp group and the rest with the dp x ep group.
@@ -98,7 +100,7 @@ def average_replicated_gradients(model: nn.Module, group: dist.ProcessGroup, axi
 def sync_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep") -> None:
     """Make this rank's gradients those of the single-process loss on all ranks' tokens.
 
-    Call after ``loss.backward()`` and before ``optimizer.step()`` when ep is the
+    Call once per step, after the last ``loss.backward()`` and before ``optimizer.step()``, when ep is the
     only data-splitting axis (no dp wrapper reducing the replicated parameters).
     """
     scale_expert_gradients(model, dist.get_world_size(group), axis)

@@ -30,6 +30,8 @@ from polyshard.pp.schedules import make_schedule
 from polyshard.pp.simulator import simulate
 
 # float32 with the same microbatches; only the order of the gradient sums differs
+# 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
+# in another order differ more (and the peer's kernels order them differently again).
 MATCH_TOL = {"rtol": 1e-4, "atol": 1e-6}
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 

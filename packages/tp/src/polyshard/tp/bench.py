@@ -104,7 +104,8 @@ def run_case(name: str, make, prefix: str, tp_group, device_mesh, iters: int) ->
     g = torch.Generator().manual_seed(1)
     x, grad_out = torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
     (out_a, gx_a), (out_b, gx_b) = _step(ours, x, grad_out), _step(peer, x, grad_out)
-    # Same maths with sums in a different order: float32 round-off only.
+    # Same maths with sums in a different order: float32 round-off only; 1e-4 (looser than the
+    # tests' 1e-5) because the benchmark sums over H=256 and 4H=1024 terms instead of 16-64.
     match = torch.allclose(out_a, out_b, rtol=1e-4, atol=1e-5) and torch.allclose(gx_a, gx_b, rtol=1e-4, atol=1e-5)
     ours_s, peer_s = time_interleaved(lambda: _step(ours, x, grad_out), lambda: _step(peer, x, grad_out), iters=iters)
     n = dist.get_world_size(tp_group)
