@@ -12,6 +12,10 @@ receives the averaged gradient rows it will update) for use with
 :class:`polyshard.dp.ZeroOptimizer`; stage 2 also keeps only those rows.
 Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
 experts over the expert-data-parallel group and the rest over dp x ep.
+
+With ``mixed_precision`` (any stage) the reduced gradients live in the fp32
+buckets, not in ``p.grad`` (which stays None): step with
+:class:`polyshard.dp.ZeroOptimizer`, which reads them through ``grad_shard``.
 """
 
 from __future__ import annotations
