@@ -35,7 +35,7 @@ def test_gpipe_and_1f1b_bubble_and_peak(name):
 def test_interleaved_bubble(virtual):
     for p, m in SIZES:
         if m % p:
-            with pytest.raises(ScheduleError, match=f"multiple of num_stages={p}"):
+            with pytest.raises(ScheduleError, match=f"multiple of the pipeline ranks num_ranks={p}"):
                 make_schedule("interleaved", p, m, virtual)
             continue
         result = simulate(make_schedule("interleaved", p, m, virtual))

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMPUTE = ("F", "B", "W")
-COMM = ("SF", "RF", "SB", "RB")
-
 
 @dataclass(frozen=True)
 class Action:
@@ -34,10 +31,6 @@ class Action:
 
     def short(self, with_stage: bool) -> str:
         return str(self) if with_stage else f"{self.kind}{self.microbatch}"
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in COMPUTE
 
     def message_key(self) -> tuple[str, int, int]:
         """Identity of the tensor a send/receive carries, equal on both sides of the wire.

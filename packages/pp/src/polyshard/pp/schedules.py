@@ -24,7 +24,7 @@ from polyshard.pp.errors import ScheduleError
 
 
 def _check(num_ranks: int, num_microbatches: int, virtual: int = 1) -> None:
-    for name, value in (("num_stages", num_ranks), ("num_microbatches", num_microbatches), ("virtual", virtual)):
+    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
 
@@ -68,7 +68,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual: int = 2) ->
     if m % p:
         choices = ", ".join(str(p * i) for i in range(1, 4))
         raise ScheduleError(
-            f"interleaved 1F1B needs num_microbatches to be a multiple of num_stages={p}, got {m}; "
+            f"interleaved 1F1B needs num_microbatches to be a multiple of the pipeline ranks num_ranks={p}, got {m}; "
             f"choose num_microbatches in {{{choices}, ...}}"
         )
     total = m * v
