@@ -72,6 +72,19 @@ LAYOUTS = [
 ]
 
 
+def _train_checkpointed(config, out):
+    import dataclasses
+
+    training = dataclasses.replace(config.training, activation_checkpointing=True)
+    return _train(dataclasses.replace(config, training=training), out)
+
+
+def test_activation_checkpointing_changes_no_number(distributed, corpus, reference, tmp_path):
+    # Recomputing each block in backward runs the same float32 operations again: same losses.
+    results = distributed.run(2, _train_checkpointed, _config(corpus, tp=2, pp=1), tmp_path)
+    assert results[0] == pytest.approx(reference["gpt"], rel=DENSE_RTOL)
+
+
 @pytest.mark.parametrize("world, parallel", LAYOUTS)
 def test_dense_gpt_losses_match_one_process(distributed, corpus, reference, tmp_path, world, parallel):
     results = distributed.run(world, _train, _config(corpus, **parallel), tmp_path)

@@ -9,6 +9,7 @@ Read one step from top to bottom in :func:`train`:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
+from polyshard.trainer.models.transformer import Block
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.state import load_state_tensors, state_tensors
@@ -176,6 +178,9 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
     rank0 = dist.get_rank() == 0
     torch.manual_seed(train_cfg.seed)
     model = build_model(config.model)
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.checkpoint_activations = train_cfg.activation_checkpointing
     num_params = sum(p.numel() for p in model.parameters())
     engine = build_engine(config, mesh, model)
     train_data, val_data = make_loaders(config, mesh)
@@ -230,6 +235,7 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
                 accuracies.append(accuracy)
             val_data.load_state_dict({"epoch": 0, "position": 0})  # the same validation batches every time
             result.val_loss = record["val_loss"] = sum(losses) / len(losses)
+            record["val_perplexity"] = math.exp(min(result.val_loss, 50.0))
             if config.model.kind == "vit":
                 result.accuracy = record["accuracy"] = sum(accuracies) / len(accuracies)
         if (step + 1) % config.logging.every == 0 or last:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
@@ -52,7 +53,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer)."""
+    """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
+
+    With ``checkpoint_activations`` only the block's input is kept for backward;
+    everything inside is recomputed then (Chen et al. 1604.06174), trading a
+    second forward for the memory of every intermediate activation.
+    """
+
+    checkpoint_activations = False
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, mlp_ratio: int, *, causal: bool, dropout=0.0):
         super().__init__()
@@ -63,6 +71,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x)))
         return x + self.drop(self.mlp(self.norm2(x)))
 
