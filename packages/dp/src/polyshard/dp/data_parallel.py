@@ -49,6 +49,8 @@ class ParamSet:
     params: Sequence[nn.Parameter]
     group: dist.ProcessGroup
     divide_by: int | None = None
+    axis: str | tuple[str, ...] | None = None
+    """Mesh axis (or axes) ``group`` spans, for placement records (default: the wrapper's ``axis``)."""
 
 
 class DataParallel(nn.Module):
@@ -63,7 +65,7 @@ class DataParallel(nn.Module):
         zero_stage: int = 0,
         mixed_precision: MixedPrecision | None = None,
         param_sets: Sequence[ParamSet] = (),
-        axis: str = "dp",
+        axis: str | tuple[str, ...] = "dp",
     ):
         super().__init__()
         if zero_stage not in (0, 1, 2):
@@ -102,6 +104,7 @@ class DataParallel(nn.Module):
     def _resolve_sets(self, named, param_sets):
         """[(named params, group, divide_by)]: the explicit sets, then everything else on ``self.group``."""
         claimed: dict[int, str] = {}
+        self._axis_of: dict[int, str | tuple[str, ...]] = {}  # parameters whose group spans other axes
         by_id = {id(p): n for n, p in named}
         sets = []
         for ps in param_sets:
@@ -120,6 +123,8 @@ class DataParallel(nn.Module):
                     raise DataParallelError(f"{by_id[id(p)]!r} is listed in two ParamSets; give each parameter one")
                 claimed[id(p)] = by_id[id(p)]
                 members.append((by_id[id(p)], p))
+                if ps.axis is not None:
+                    self._axis_of[id(p)] = ps.axis
             divide_by = ps.divide_by if ps.divide_by is not None else dist.get_world_size(ps.group)
             sets.append((members, ps.group, divide_by))
         rest = [(n, p) for n, p in named if id(p) not in claimed]
@@ -146,8 +151,11 @@ class DataParallel(nn.Module):
             names = [set_params[i][0] for i in indices]
             members = [params[i] for i in indices]
             for name, p in zip(names, members):
-                base = get_placement(p) or TensorPlacement(name, tuple(p.shape))
-                set_placement(p, base.with_axis(self.axis, Replicate()))
+                record = get_placement(p) or TensorPlacement(name, tuple(p.shape))
+                axis = self._axis_of.get(id(p), self.axis)
+                for a in (axis,) if isinstance(axis, str) else axis:
+                    record = record.with_axis(a, Replicate())
+                set_placement(p, record)
             buckets.append(
                 Bucket(
                     members,
@@ -249,7 +257,7 @@ class DataParallel(nn.Module):
     def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
         if self.zero_stage == 0:
             return get_placement(param)
-        return shard_record(param, name, self.shard_spec(param), self.axis)
+        return shard_record(param, name, self.shard_spec(param), self._axis_of.get(id(param), self.axis))
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
         bucket, index = self._where[id(param)]

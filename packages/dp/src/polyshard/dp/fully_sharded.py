@@ -47,7 +47,7 @@ class FullyShardedDataParallel(nn.Module):
         blocks: Sequence[nn.Module] | None = None,
         mixed_precision: MixedPrecision | None = None,
         prefetch: bool = True,
-        axis: str = "dp",
+        axis: str | tuple[str, ...] = "dp",
     ):
         super().__init__()
         self.module, self.group, self.mixed_precision, self.prefetch = module, group, mixed_precision, prefetch

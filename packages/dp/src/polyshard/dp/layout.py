@@ -114,8 +114,12 @@ class FlatLayout:
         return shard[offset : offset + spec.shard_numel].view(spec.shard_shape)
 
 
-def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str) -> TensorPlacement:
+def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str | tuple[str, ...]) -> TensorPlacement:
     """Placement of a dim-0 shard over ``axis``, on top of any placement ``param`` already has.
+
+    ``axis`` may name several mesh axes (outer first) when the data-parallel
+    group spans them, e.g. ``("dp", "ep")``: the group's rank order is the
+    row-major order of those coordinates, so each axis shards dim 0 in turn.
 
     A parameter that tp/pp/ep already sharded keeps its record and gains
     ``axis -> Shard(0)`` appended (dp splits each existing piece: the inner
@@ -123,8 +127,9 @@ def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str) -> 
     other axis shards dim 0; when one does, the record cannot express the
     padding of each inner piece and the dim must divide evenly.
     """
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
     base = get_placement(param)
-    others = () if base is None else tuple((a, p) for a, p in base.placements if a != axis)
+    others = () if base is None else tuple((a, p) for a, p in base.placements if a not in axes)
     layer = None if base is None else base.layer
     global_shape = (spec.shape or (1,)) if base is None else base.global_shape
     tiled = global_shape if base is None else base.tiled_shape
@@ -134,4 +139,5 @@ def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str) -> 
         padded = (spec.padded_shape[0], *tiled[1:])
     elif base is not None and base.padded_shape is not None:
         padded = base.padded_shape
-    return TensorPlacement(base.name if base else name, global_shape, (*others, (axis, Shard(0))), layer, padded)
+    sharded = tuple((a, Shard(0)) for a in axes)
+    return TensorPlacement(base.name if base else name, global_shape, (*others, *sharded), layer, padded)

@@ -20,7 +20,7 @@ from polyshard.mesh import set_placement
 class Unit:
     """Parameters of one block (or the root's leftovers) on one dp group."""
 
-    def __init__(self, named_params, *, group, dtype: torch.dtype, reduce_dtype: torch.dtype, axis: str):
+    def __init__(self, named_params, *, group, dtype: torch.dtype, reduce_dtype: torch.dtype, axis):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group, self.reduce_dtype = group, reduce_dtype

@@ -34,6 +34,7 @@ from polyshard.trainer.state import load_state_tensors, state_tensors
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     val_loss: float | None = None
     accuracy: float | None = None
     sample: str | None = None
@@ -215,6 +216,7 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
         engine.zero_grad()
         loss_value = data_rank_mean(engine, loss)
         result.losses.append(loss_value)
+        result.grad_norms.append(grad_norm)
         seconds = time.perf_counter() - started
         record = {
             "step": step + 1,

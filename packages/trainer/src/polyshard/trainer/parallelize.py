@@ -166,15 +166,19 @@ def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> nn.Modu
     mp = None
     if config.training.precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    data_group = mesh.group(("dp", "ep"))
+    # The data-parallel group spans dp x ep; records name both axes so checkpoints and the
+    # gradient-norm clip know a ZeRO shard is split over each.
+    data_group, data_axes = mesh.group(("dp", "ep")), ("dp", "ep")
     if par.zero_stage == 3:
-        return FullyShardedDataParallel(chunk, group=data_group, blocks=list(chunk), mixed_precision=mp)
+        return FullyShardedDataParallel(chunk, group=data_group, blocks=list(chunk), mixed_precision=mp, axis=data_axes)
     sets = []
     experts = expert_parameters(chunk) if config.model.kind == "moe-gpt" else []
     if experts:
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
-        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep))
-    return DataParallel(chunk, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets)
+        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
+    return DataParallel(
+        chunk, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
+    )
 
 
 def _optimizer(wrapper: nn.Module, config: Config):
