@@ -46,6 +46,35 @@ def bench_comm(
     raise typer.Exit(run_local(nproc, "polyshard.collectives.bench", args))
 
 
+@bench_app.command("matmul")
+def bench_matmul(
+    size: int = typer.Option(2048, "--size", min=64, help="Square matrix side."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    iters: int = typer.Option(10, "--iters", min=1),
+) -> None:
+    """Measure this machine's matmul peak (TFLOP/s per process), for MFU: set logging.peak_tflops to it."""
+    import time
+
+    import torch
+
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("choose float32 or bfloat16", param_hint="--dtype")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    a @ b  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / iters
+    tflops = 2 * size**3 / seconds / 1e12
+    typer.echo(f"{device} {dtype} {size}x{size}: {seconds * 1e3:.2f} ms per matmul, {tflops:.3f} TFLOP/s")
+
+
 def _bench_with_peer(package: str):
     """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
 
