@@ -76,6 +76,7 @@ def _bad_arguments():
         lambda: DataParallel(model, group=group, bucket_cap_mb=0),
         lambda: DataParallel(model, group=group, param_sets=[ParamSet([nn.Parameter(torch.zeros(2))], group)]),
         lambda: DataParallel(model, group=group, param_sets=[ParamSet([model[0][0].weight], group)] * 2),
+        lambda: DataParallel(model, group=group, param_sets=[ParamSet([model[0][0].weight], group, divide_by=0)]),
     ]
     for attempt in attempts:
         try:
@@ -86,11 +87,26 @@ def _bad_arguments():
 
 
 def test_bad_arguments(distributed):
-    stage, cap, stranger, twice = distributed.run(2, _bad_arguments)[0]
+    stage, cap, stranger, twice, divide = distributed.run(2, _bad_arguments)[0]
     assert "FullyShardedDataParallel" in stage
     assert "bucket_cap_mb=0 must be positive" in cap
     assert "shape (2,) that is not a trainable parameter" in stranger
     assert "'0.0.weight' is listed in two ParamSets" in twice
+    assert "divide_by=0 must be a positive integer" in divide
+
+
+def _second_backward_without_sync():
+    model = DataParallel(make_model(), group=dist.group.WORLD)
+    x = torch.randn(4, 12)
+    model(x).sum().backward()
+    with pytest.raises(GradSyncError, match="second backward reached a parameter before finish_grad_sync"):
+        model(x).sum().backward()  # the first step's reductions are still pending
+    return True
+
+
+def test_second_backward_before_finish_is_an_error(distributed):
+    # Without the check the second backward's gradients would be silently replaced by the first's average.
+    assert distributed.run(2, _second_backward_without_sync) == [True, True]
 
 
 def test_mixed_precision_rejects_non_float_dtypes():

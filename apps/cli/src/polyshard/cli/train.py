@@ -16,8 +16,14 @@ def train(
     out: Path | None = typer.Option(None, "--out", help="Run folder (default: runs/<config name>)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
+    torchrun: list[str] = typer.Option(
+        [],
+        "--torchrun",
+        help="Pass an option to torchrun for multi-node jobs, e.g. --torchrun=--nnodes=2 "
+        "--torchrun=--node-rank=0 --torchrun=--rdzv-endpoint=host:29500 (--nproc is then per node).",
+    ),
 ) -> None:
-    """Train a model on an N-D mesh of local processes."""
+    """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
     from polyshard.trainer.errors import ConfigError
@@ -25,8 +31,9 @@ def train(
 
     try:
         parsed = load_config(config, overrides)
-        world = nproc if nproc is not None else parsed.parallel.world_size
-        validate(parsed, world_size=world)
+        nodes = _nodes(torchrun)
+        per_node = nproc if nproc is not None else parsed.parallel.world_size // nodes
+        validate(parsed, world_size=per_node * nodes)
     except ConfigError as err:  # before any process starts
         typer.echo(f"config error: {err}", err=True)
         raise typer.Exit(2) from err
@@ -39,4 +46,14 @@ def train(
         args += ["--set", item]
     if resume:
         args.append("--resume")
-    raise typer.Exit(run_local(world, "polyshard.trainer.run", args))
+    raise typer.Exit(run_local(per_node, "polyshard.trainer.run", args, torchrun))
+
+
+def _nodes(torchrun_args: list[str]) -> int:
+    for arg in torchrun_args:
+        if arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+            if not value.isdigit() or int(value) < 1:
+                raise typer.BadParameter(f"--nnodes={value}: give a fixed number of nodes", param_hint="--torchrun")
+            return int(value)
+    return 1

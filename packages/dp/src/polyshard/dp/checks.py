@@ -24,14 +24,16 @@ def check_same_on_all_ranks(named: Sequence[tuple[str, torch.Tensor]], group: di
     exactly when every rank has the same names, shapes and dtypes. The count is
     compared first so the fingerprint tensors have the same length.
     """
-    count = torch.tensor([len(named), -len(named)], dtype=torch.int64)
+    # Collectives run on the tensors' device (NCCL cannot reduce CPU tensors).
+    device = named[0][1].device if named else torch.device("cpu")
+    count = torch.tensor([len(named), -len(named)], dtype=torch.int64, device=device)
     ops.all_reduce(count, group, op=dist.ReduceOp.MAX)
     if count[0] != -count[1]:
         raise ParameterMismatchError(
             f"this rank has {len(named)} tensors to wrap but another rank of the group has "
             f"{int(count[0]) if count[0] != len(named) else int(-count[1])}; every rank must build the same model"
         )
-    prints = torch.tensor([_signature(n, t) for n, t in named], dtype=torch.int64)
+    prints = torch.tensor([_signature(n, t) for n, t in named], dtype=torch.int64, device=device)
     low, high = prints.clone(), prints.clone()
     ops.all_reduce(low, group, op=dist.ReduceOp.MIN)
     ops.all_reduce(high, group, op=dist.ReduceOp.MAX)

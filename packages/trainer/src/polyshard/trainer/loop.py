@@ -48,6 +48,11 @@ class RunResult:
         return " ".join(parts)
 
 
+def _device() -> torch.device:
+    """This rank's GPU under NCCL (init_distributed set it from LOCAL_RANK), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _first_then_rest(fn):
     """Run ``fn`` on rank 0 first (it may download or write caches), then on the others."""
     if dist.get_rank() == 0:
@@ -86,7 +91,9 @@ def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
     """Average a per-data-rank value that only last-stage ranks hold (tp ranks hold equal copies)."""
     mesh, par = engine.mesh, engine.config.parallel
     holder = engine.holds_last_stage and mesh.coord("tp") == 0
-    total = torch.tensor([float(value) if holder and value is not None else 0.0], dtype=torch.float64)
+    total = torch.tensor(
+        [float(value) if holder and value is not None else 0.0], dtype=torch.float64, device=engine.device
+    )
     ops.all_reduce(total)
     return float(total) / (par.dp * par.ep)
 
@@ -104,7 +111,7 @@ def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tup
         if chunk > 0:
             previous = pp_ranks[schedule.rank_of(chunk - 1)]
             if previous != mesh.rank:
-                x = p2p.recv_with_meta(previous, mesh.group("pp"))
+                x = p2p.recv_with_meta(previous, mesh.group("pp"), device=engine.device)
         x = engine.wrappers[chunk](x)
         if chunk == schedule.num_stages - 1:
             loss = engine.executor.loss_fn(x, targets)
@@ -183,7 +190,7 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
         if isinstance(module, Block):
             module.checkpoint_activations = train_cfg.activation_checkpointing
     num_params = sum(p.numel() for p in model.parameters())
-    engine = build_engine(config, mesh, model)
+    engine = build_engine(config, mesh, model.to(_device()))
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
@@ -207,7 +214,7 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
         for optimizer in engine.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        inputs, targets = split_batch(config, train_data.next_batch())
+        inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
         loss = engine.forward_backward(inputs, targets)
         engine.finish_gradients()
         grad_norm = clip_grad_norm(engine.gradients(), train_cfg.grad_clip, mesh.layout.as_dict())
@@ -224,7 +231,6 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": tokens_per_step / seconds,
-            "peak_memory_bytes": peak_memory_bytes(),
         }
         if config.logging.peak_tflops:
             record["mfu"] = flops_per_step / seconds / (config.logging.peak_tflops * 1e12 * dist.get_world_size())
@@ -232,7 +238,8 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
         if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or last):
             losses, accuracies = [], []
             for _ in range(train_cfg.eval_batches):
-                val_loss, accuracy = evaluate(engine, *split_batch(config, val_data.next_batch()))
+                batch = (t.to(engine.device) for t in split_batch(config, val_data.next_batch()))
+                val_loss, accuracy = evaluate(engine, *batch)
                 losses.append(val_loss)
                 accuracies.append(accuracy)
             val_data.load_state_dict({"epoch": 0, "position": 0})  # the same validation batches every time
@@ -241,6 +248,9 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
             if config.model.kind == "vit":
                 result.accuracy = record["accuracy"] = sum(accuracies) / len(accuracies)
         if (step + 1) % config.logging.every == 0 or last:
+            peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=engine.device)
+            peaks = ops.all_gather(peak, 0)  # collective: every rank's peak
+            record["peak_memory_bytes_per_rank"] = peaks.tolist()
             metrics.write(record)
         progress.update(step, loss_value, record["tokens_per_s"])
         every = config.checkpoint.every

@@ -73,7 +73,8 @@ def clip_grad_norm(
     them: every element of the global model counts exactly once. Returns the
     norm before clipping.
     """
-    local = torch.zeros((), dtype=torch.float64)
+    device = gradients[0][0].device if gradients else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for grad, record in gradients:
         local += grad.detach().double().pow(2).sum() / _copies(record, axis_sizes)
     if dist.is_initialized() and dist.get_world_size() > 1:

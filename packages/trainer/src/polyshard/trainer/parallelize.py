@@ -100,6 +100,10 @@ class Engine:
     executor: PipelineExecutor
 
     @property
+    def device(self) -> torch.device:
+        return next(p for chunk in self.chunks.values() for p in chunk.parameters()).device
+
+    @property
     def holds_last_stage(self) -> bool:
         return self.executor.schedule.num_stages - 1 in self.chunks
 

@@ -69,9 +69,9 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
         if master is not None:
             master.copy_(tensors[f"optim/{name}/master"])
         prefix = f"optim/{name}/"
-        state = {
-            k[len(prefix) :]: v.clone() for k, v in tensors.items() if k.startswith(prefix) and k != prefix + "master"
-        }
+        keys = [k for k in tensors if k.startswith(prefix) and k != prefix + "master"]
+        # Moments live on the parameter's device; AdamW keeps its step counter on the CPU.
+        state = {k[len(prefix) :]: tensors[k].to(stepped.device if tensors[k].dim() else "cpu") for k in keys}
         if state:
             optimizer.state[stepped] = state
     torch.set_rng_state(tensors["rng/torch"])
