@@ -6,6 +6,7 @@ compared with one process on the same config. The global batch of each step
 is the same whatever the layout (see polyshard.trainer.data.loader).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -87,8 +88,6 @@ LAYOUTS = [
 
 
 def _train_checkpointed(config, out):
-    import dataclasses
-
     training = dataclasses.replace(config.training, activation_checkpointing=True)
     return _train(dataclasses.replace(config, training=training), out)
 
@@ -126,8 +125,6 @@ def test_moe_gpt_losses_match_one_process(distributed, corpus, reference, tmp_pa
 
 
 def _stop_and_resume(config, out):
-    import dataclasses
-
     mesh = Mesh(config.parallel.mesh_axes)
     whole = train(config, mesh, out / "whole", log=False).losses
     half = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=STEPS // 2))
@@ -148,3 +145,28 @@ def test_resume_is_bitwise_identical(distributed, corpus, tmp_path, world, paral
     # The warmup+cosine schedule runs to STEPS in both runs; the split run stops halfway and resumes.
     for whole, resumed in distributed.run(world, _stop_and_resume, _config(corpus, **parallel), tmp_path):
         assert resumed == whole  # exact: same data, same state, same order of operations on CPU
+
+
+def _eval_twice(config, out):
+
+    from polyshard.trainer.loop import evaluate, make_loaders, split_batch
+    from polyshard.trainer.models import build_model
+    from polyshard.trainer.parallelize import build_engine
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh, build_model(config.model))
+    _, val = make_loaders(config, mesh)
+    batch = split_batch(config, val.next_batch())
+    first, second = evaluate(engine, *batch), evaluate(engine, *batch)
+    return first, second, all(c.training for c in engine.chunks.values())
+
+
+def test_evaluation_runs_without_dropout(distributed, corpus):
+    # With dropout on, two evaluations of the same batch agree only if eval mode switched it off,
+    # and training mode is restored afterwards.
+    config = _config(corpus, pp=2, microbatches=2)
+    config = config.__class__(
+        **{**config.__dict__, "model": config.model.__class__(**{**config.model.__dict__, "dropout": 0.5})}
+    )
+    for first, second, training_again in distributed.run(2, _eval_twice, config, None):
+        assert first == second and training_again

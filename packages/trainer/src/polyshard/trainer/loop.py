@@ -98,9 +98,19 @@ def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
     return float(total) / (par.dp * par.ep)
 
 
-@torch.no_grad()
 def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
-    """Forward only, chunk by chunk across the pipeline: (mean loss, accuracy or None) of this data rank."""
+    """Forward only, in eval mode (no dropout), chunk by chunk across the pipeline: (mean loss, accuracy)."""
+    for chunk in engine.chunks.values():
+        chunk.eval()
+    try:
+        return _evaluate(engine, inputs, targets)
+    finally:
+        for chunk in engine.chunks.values():
+            chunk.train()
+
+
+@torch.no_grad()
+def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
     schedule, mesh = engine.executor.schedule, engine.mesh
     pp_ranks = mesh.ranks_in_group("pp")
     x, loss, accuracy = inputs, None, None
