@@ -175,6 +175,32 @@ def test_mismatched_stage_shapes_name_rank_and_action(distributed):
     assert "rank 1 found that a stage cannot take its neighbour's output" in rank0
 
 
+class _ReturnsTuple(models.Layer):
+    """A layer like the others (same parameters, so the partition is unchanged) that returns a tuple."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, y
+
+
+def _non_tensor_stage():
+    builders = models.builders()
+    builders[3] = lambda: _ReturnsTuple(3, models.HIDDEN)  # the last layer of stage 0 returns a tuple
+    try:
+        _run_step("1f1b", 2, builders=builders)
+    except StageShapeError as err:
+        return str(err)
+    return None
+
+
+def test_a_stage_returning_a_non_tensor_fails_every_rank(distributed):
+    # The failing rank must tell its neighbour, which would otherwise wait for a header forever.
+    messages = distributed.run(2, _non_tensor_stage, timeout_s=60)
+    assert all(m is not None for m in messages)  # every rank raised StageShapeError, none hung
+    assert sum("tuple" in m for m in messages) == 1  # the failing rank says what went wrong
+    assert sum("found that a stage cannot take its neighbour's output" in m for m in messages) == 1
+
+
 def _bad_batch():
     schedule = make_schedule("gpipe", 2, 3)
     stages = build_stages(models.builders(), 2, [dist.get_rank()])

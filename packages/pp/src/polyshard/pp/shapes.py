@@ -34,6 +34,18 @@ def _header(meta: Meta | None, device: torch.device) -> torch.Tensor:
     return header.to(device)  # NCCL sends only device tensors
 
 
+def _checked_meta(y, stage: int) -> Meta:
+    """The (shape, dtype) a stage sends on, if the header can describe it."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"stage {stage} returned {type(y).__name__}; a pipeline stage must return one tensor")
+    if y.dtype not in DTYPES or y.dim() > MAX_DIMS:
+        raise TypeError(
+            f"stage {stage} returned {y.dtype} with {y.dim()} dims; "
+            f"stages may pass {DTYPES} with at most {MAX_DIMS} dims"
+        )
+    return tuple(y.shape), y.dtype
+
+
 def _meta(header: torch.Tensor) -> Meta | None:
     values = header.tolist()
     if not values[0]:
@@ -68,9 +80,9 @@ def infer_shapes(
                 x = first_microbatch if stage == 0 else torch.zeros(upstream[0], dtype=upstream[1], device=device)
                 with torch.no_grad():
                     y = stages[stage](x)
-                out_meta = (tuple(y.shape), y.dtype)
+                out_meta = _checked_meta(y, stage)
                 found[stage] = (upstream, out_meta)
-            except (RuntimeError, ValueError, TypeError) as err:
+            except Exception as err:  # any failure here must reach every rank, or the others wait forever
                 failure = (
                     f"rank {rank}, action {stage}F0: stage {stage} cannot take the output of stage {stage - 1} "
                     f"(shape {upstream[0]}, {upstream[1]}): {err}. Make stage {stage}'s first layer accept "
