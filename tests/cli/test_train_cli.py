@@ -45,3 +45,29 @@ def test_bench_matmul_reports_tflops():
         POLYSHARD + ["bench", "matmul", "--size", "128", "--iters", "2"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and "TFLOP/s" in result.stdout
+
+
+def test_inspect_and_export_reject_a_modified_shard(distributed, tmp_path):
+    distributed.run(2, _save_small, str(tmp_path))
+    folder = next(tmp_path.glob("step_*"))
+    ok = subprocess.run(POLYSHARD + ["inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "sha256 verified" in ok.stdout and "[4, 3]" in ok.stdout
+    shard = folder / "rank_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-5])
+    for command in (["inspect", str(folder)], ["export", str(folder), str(tmp_path / "out.safetensors")]):
+        bad = subprocess.run(POLYSHARD + command, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and "rank_00001.safetensors does not match its sha256" in bad.stderr
+    assert not (tmp_path / "out.safetensors").exists()  # nothing half-written
+
+
+def _save_small(root):
+    import torch
+    import torch.distributed as dist
+
+    from polyshard.mesh import Shard, TensorPlacement
+    from polyshard.trainer.checkpoint import LocalTensor, save_checkpoint
+
+    rank = dist.get_rank()
+    record = TensorPlacement("w", (4, 3), (("tp", Shard(0)),))
+    piece = torch.arange(12.0).reshape(4, 3)[2 * rank : 2 * rank + 2]
+    save_checkpoint(root, 1, {"model/w": LocalTensor(piece, record)}, mesh_axes={"tp": 2})

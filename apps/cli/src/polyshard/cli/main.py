@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from polyshard.cli.checkpoints import export, inspect
 from polyshard.cli.launch import run_local
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.train import train
@@ -15,6 +16,8 @@ bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's 
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
 app.command("train")(train)
+app.command("inspect")(inspect)
+app.command("export")(export)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 
