@@ -112,3 +112,19 @@ def test_second_backward_before_finish_is_an_error(distributed):
 def test_mixed_precision_rejects_non_float_dtypes():
     with pytest.raises(DataParallelError, match="param_dtype=torch.int8 is not a floating dtype"):
         MixedPrecision(param_dtype=torch.int8)
+
+
+def _one_rank_without_gradients():
+    model = DataParallel(make_model(), group=dist.group.WORLD)
+    out = model(torch.randn(4, 12))
+    if dist.get_rank() == 0:
+        out.sum().backward()  # rank 1 runs forward only: its backward produces no gradient
+    model.finish_grad_sync()
+    return [p.grad.abs().sum().item() if p.grad is not None else None for p in model.parameters()]
+
+
+def test_a_rank_without_gradients_still_joins_the_reduction(distributed):
+    # Rank 1 contributes zeros: both ranks end with half of rank 0's gradient, and nobody hangs.
+    rank0, rank1 = distributed.run(2, _one_rank_without_gradients, timeout_s=60)
+    assert all(g is not None and g > 0 for g in rank0)
+    assert rank0 == pytest.approx(rank1)  # float32 all-reduce: identical bits on both ranks

@@ -170,6 +170,10 @@ class DataParallel(nn.Module):
 
     # -- the step ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            # A rank whose backward ends up producing no gradient must still join this step's
+            # reductions in finish_grad_sync, or the ranks that did would wait for it forever.
+            self._grads_pending = True
         if self.mixed_precision is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
         return self.module(*args, **kwargs)
