@@ -88,3 +88,44 @@ def _placements(stage: int):
 def test_placement_records_on_shards_and_optimizer_state(distributed):
     for stage in range(4):
         assert distributed.run(3, _placements, stage) == [True] * 3
+
+
+class _MaybeSkip(torch.nn.Module):
+    """Three blocks; the last can be skipped, leaving its prefetched all-gather unused."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(3)])
+        self.skip_last = False
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if not (self.skip_last and i == 2):
+                x = torch.tanh(block(x))
+        return x
+
+
+def _skipped_prefetch():
+    net = _MaybeSkip()
+    model = FullyShardedDataParallel(net, group=dist.group.WORLD, blocks=list(net.blocks))
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    net.skip_last = True
+    model(torch.randn(4, 6)).sum().backward()  # block 1's forward prefetched block 2, which never ran
+    opt.step()  # steps block 2's rows too (with a zero gradient, SGD leaves them, so change them by hand)
+    with torch.no_grad():
+        model.block_units[2].local.add_(1.0)
+    net.skip_last = False
+    gathered = {}
+    hook = net.blocks[2].register_forward_pre_hook(
+        lambda m, a: gathered.update({n: p.detach().clone() for n, p in m.named_parameters()})
+    )
+    model(torch.randn(4, 6))
+    hook.remove()
+    expected = model.full_parameters()
+    return all(torch.equal(gathered[n], expected[f"blocks.2.{n}"]) for n in gathered)
+
+
+def test_an_unused_prefetch_does_not_serve_stale_parameters(distributed):
+    # Without dropping the unused prefetch, block 2 would compute with its rows from before the update.
+    assert distributed.run(2, _skipped_prefetch) == [True, True]

@@ -157,6 +157,7 @@ class FullyShardedDataParallel(nn.Module):
         self._launch_in_order(only_complete=False)  # blocks that got no gradient count as zeros
         for unit in self.reduce_order:
             unit.wait_reduce()
+            unit.drop_prefetch()  # a prefetched block that never ran must not outlive the step
         self._callback_queued = False
 
     @contextlib.contextmanager
@@ -169,7 +170,9 @@ class FullyShardedDataParallel(nn.Module):
         yield
 
     def finish_grad_sync(self) -> None:
-        """Nothing left to wait for: each backward finishes its own reductions (kept for symmetry)."""
+        """Each backward finishes its own reductions; only unused prefetches can be left to drop."""
+        for unit in self.reduce_order:
+            unit.drop_prefetch()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -54,6 +54,13 @@ class Unit:
         buffer = torch.empty(self.layout.numel, dtype=self.local.dtype, device=self.local.device)
         self._gather = (ops.all_gather_flat(buffer, self.local, self.group, async_op=True), buffer)
 
+    def drop_prefetch(self) -> None:
+        """Finish and discard an all-gather nobody used (its block was skipped), so a later
+        gather reads this rank's rows as they are then, not as they were before an optimizer step."""
+        if self._gather is not None:
+            self._gather[0].wait()
+            self._gather = None
+
     def gather(self) -> None:
         """Make every parameter hold its full value (waits for a prefetch if one is in flight)."""
         if self.gathered:
