@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops, p2p
-from polyshard.mesh import Mesh, Shard, get_placement
-from polyshard.tp import gather_full_tensor
+from polyshard.mesh import Mesh
 from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, load_rank, read_index, save_checkpoint
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
+from polyshard.trainer.export import consolidate
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
 from polyshard.trainer.models.transformer import Block
@@ -136,38 +136,6 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tu
     )
 
 
-def _unshard(engine: Engine, tensor: torch.Tensor, record) -> torch.Tensor:
-    """Rebuild a parameter from its tp (and, for experts, ep) pieces. Collective over those groups."""
-    full = gather_full_tensor(tensor, record, engine.mesh.group("tp"))
-    if record is not None and isinstance(record.placement("ep"), Shard):
-        full = ops.all_gather(full.contiguous(), record.placement("ep").dim, engine.mesh.group("ep"))
-    return full
-
-
-def full_model_state(engine: Engine) -> dict[str, torch.Tensor] | None:
-    """The unsharded weights on rank 0 (None elsewhere); for sampling and export. Call on every rank."""
-    local = {}
-    for index, chunk in engine.chunks.items():
-        names = engine.global_names(index)
-        params = dict(chunk.named_parameters())
-        if engine.config.parallel.zero_stage == 3:
-            values = engine.wrappers[index].full_parameters()  # gathered over the data-parallel group
-        else:
-            values = {n: p.detach() for n, p in params.items()}
-        for name, value in values.items():
-            local[names[name]] = _unshard(engine, value, get_placement(params[name])).float().cpu()
-    coords = engine.mesh.coords()
-    keep = all(coords[a] == 0 for a in ("dp", "ep", "tp"))  # one copy of each pipeline stage
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local if keep else {})
-    if dist.get_rank() != 0:
-        return None
-    state = {}
-    for part in gathered:
-        state.update(part)
-    return state
-
-
 def _resume(engine: Engine, config: Config, root: Path, train_data: ShardedLoader, result: RunResult) -> int:
     """Load the latest complete checkpoint under ``root`` into this run; returns its step."""
     folder = latest_checkpoint(root)
@@ -275,10 +243,11 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
                 keep=config.checkpoint.keep,
             )
 
-    if config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens:
-        state = full_model_state(engine)
-        if rank0:
-            result.sample = sample_text(config, state, train_cfg.sample_tokens)
+    if config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens and rank0:
+        # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
+        # unsharded weights from it with the same placement-driven code `polyshard export` uses.
+        state = consolidate(latest_checkpoint(checkpoints))
+        result.sample = sample_text(config, state, train_cfg.sample_tokens)
     if rank0 and log:
         plot_losses(metrics.records(), out / "loss.png")
     return result
