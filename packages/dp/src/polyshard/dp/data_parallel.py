@@ -261,7 +261,7 @@ class DataParallel(nn.Module):
     def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
         if self.zero_stage == 0:
             return get_placement(param)
-        return shard_record(param, name, self.shard_spec(param), self._axis_of.get(id(param), self.axis))
+        return shard_record(get_placement(param), name, self.shard_spec(param), self._axis_of.get(id(param), self.axis))
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
         bucket, index = self._where[id(param)]

@@ -29,6 +29,7 @@ from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
 from polyshard.dp.layout import ShardSpec, shard_record
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.dp.units import Unit
+from polyshard.mesh import get_placement
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -192,7 +193,7 @@ class FullyShardedDataParallel(nn.Module):
         return unit.master_init.pop(id(param))
 
     def shard_placement(self, param: nn.Parameter, name: str):
-        return shard_record(param, name, self.shard_spec(param), self.axis)
+        return shard_record(get_placement(param), name, self.shard_spec(param), self.axis)
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
         unit, index = self._where[id(param)]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polyshard.mesh import Shard, TensorPlacement, get_placement
+from polyshard.mesh import Shard, TensorPlacement
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,11 @@ class FlatLayout:
         return shard[offset : offset + spec.shard_numel].view(spec.shard_shape)
 
 
-def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str | tuple[str, ...]) -> TensorPlacement:
-    """Placement of a dim-0 shard over ``axis``, on top of any placement ``param`` already has.
+def shard_record(
+    base: TensorPlacement | None, name: str, spec: ShardSpec, axis: str | tuple[str, ...]
+) -> TensorPlacement:
+    """Placement of a dim-0 shard over ``axis``, on top of the record ``base`` the parameter already
+    has (None: none). It depends only on records and shapes, so offline tools call it too.
 
     ``axis`` may name several mesh axes (outer first) when the data-parallel
     group spans them, e.g. ``("dp", "ep")``: the group's rank order is the
@@ -128,7 +131,6 @@ def shard_record(param: torch.Tensor, name: str, spec: ShardSpec, axis: str | tu
     padding of each inner piece and the dim must divide evenly.
     """
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    base = get_placement(param)
     others = () if base is None else tuple((a, p) for a, p in base.placements if a not in axes)
     layer = None if base is None else base.layer
     global_shape = (spec.shape or (1,)) if base is None else base.global_shape

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.dp.layout import FlatLayout, shard_record
-from polyshard.mesh import set_placement
+from polyshard.mesh import get_placement, set_placement
 
 
 class Unit:
@@ -34,7 +34,7 @@ class Unit:
             full = p.detach()
             view = self.layout.shard_view(self.local, index)
             view.copy_(spec.shard_of(full, self.rank))
-            self.local_views.append(set_placement(view, shard_record(p, name, spec, axis)))
+            self.local_views.append(set_placement(view, shard_record(get_placement(p), name, spec, axis)))
             # Without mixed precision the fp32 local rows can be the optimizer's master: no second copy.
             self.master_init[id(p)] = view if dtype == torch.float32 else spec.shard_of(full.float(), self.rank)
             p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below

@@ -105,3 +105,15 @@ def sync_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep")
     """
     scale_expert_gradients(model, dist.get_world_size(group), axis)
     average_replicated_gradients(model, group, axis)
+
+
+def planned_expert_placement(name: str, shape: tuple[int, ...], axis: str = "ep") -> TensorPlacement | None:
+    """The record :func:`apply_expert_parallel` gives parameter ``name`` of a model's MoE layers,
+    from its name alone (``*.experts.<w>`` is split over ``axis``, ``*.router.weight`` replicated);
+    None for a parameter that is not part of an MoE layer. Used to lay out checkpoints offline."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] == "experts":
+        return TensorPlacement(name, tuple(shape), ((axis, Shard(0)),))
+    if parts[-2:] == ["router", "weight"]:
+        return TensorPlacement(name, tuple(shape), ((axis, Replicate()),))
+    return None

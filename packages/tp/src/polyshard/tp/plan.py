@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.mesh import get_placement, set_placement
+from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 from polyshard.tp.errors import PlanError
 from polyshard.tp.shard import record_replicate, tp_size
 from polyshard.tp.styles import Style
@@ -43,8 +43,7 @@ def _resolve(model: nn.Module, plan: Mapping) -> list[tuple[str, nn.Module, Styl
     modules.pop("", None)
     work, claimed = [], {}
     for pattern, styles in plan.items():
-        styles = list(styles) if isinstance(styles, (list, tuple)) else [styles]
-        for style in styles:
+        for style in _styles(styles):
             if not isinstance(style, Style):
                 raise PlanError(f"plan[{pattern!r}] holds {style!r}, which is not a tp style such as ColumnParallel()")
             names = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
@@ -65,6 +64,23 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
+
+
+def _styles(styles) -> list:
+    return list(styles) if isinstance(styles, (list, tuple)) else [styles]
+
+
+def planned_placement(plan: Mapping, name: str, shape: tuple[int, ...], tp: int, axis: str = "tp") -> TensorPlacement:
+    """The record :func:`parallelize` with ``plan`` gives the parameter ``name`` (full ``shape``) on
+    ``tp`` ranks, computed from names alone: no model, no process group. Checkpoint resharding uses
+    it to lay out a checkpoint for a tp size nobody has trained on yet."""
+    module, _, param = name.rpartition(".")
+    for pattern, styles in plan.items():
+        for style in _styles(styles):
+            if style.replaces and fnmatch.fnmatchcase(module, pattern):
+                placement, padded = style.param_placement(param, tuple(shape), tp)
+                return TensorPlacement(name, tuple(shape), ((axis, placement),), padded_shape=padded)
+    return TensorPlacement(name, tuple(shape), ((axis, Replicate()),))
 
 
 def name_placements(model: nn.Module, axis: str = "tp") -> None:

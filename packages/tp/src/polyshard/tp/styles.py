@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from polyshard.mesh import Placement, Replicate, Shard
 from polyshard.tp.errors import PlanError
 from polyshard.tp.heads import heads_per_rank
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.regions import enter_region, split_sequence
-from polyshard.tp.shard import check_divides, mark_sequence_parallel, record_replicate, tp_size
+from polyshard.tp.shard import check_divides, mark_sequence_parallel, padded_size, record_replicate, tp_size
 from polyshard.tp.vocab import VocabParallelEmbedding
 
 
@@ -36,6 +37,12 @@ class Style:
     def apply(self, module: nn.Module, name: str, tp_group, axis: str) -> nn.Module:
         raise NotImplementedError
 
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> tuple[Placement, tuple | None]:
+        """How ``apply`` lays out the matched module's parameter ``param`` (full ``shape``) over tp ranks:
+        (placement, padded shape or None). Offline tools (checkpoint resharding) read layouts from
+        here without building the model; styles that do not split parameters replicate them."""
+        return Replicate(), None
+
 
 @dataclass(frozen=True)
 class ColumnParallel(Style):
@@ -52,6 +59,9 @@ class ColumnParallel(Style):
     def check(self, module, name, tp):
         super().check(module, name, tp)
         check_divides(module.out_features, tp, f"out_features of {name}")
+
+    def param_placement(self, param, shape, tp):
+        return Shard(0), None  # weight (out, in) and bias (out,): output features split
 
     def apply(self, module, name, tp_group, axis):
         return ColumnParallelLinear(
@@ -80,6 +90,9 @@ class RowParallel(Style):
     def check(self, module, name, tp):
         super().check(module, name, tp)
         check_divides(module.in_features, tp, f"in_features of {name}")
+
+    def param_placement(self, param, shape, tp):
+        return (Shard(1), None) if param == "weight" else (Replicate(), None)  # the bias is added after the sum
 
     def apply(self, module, name, tp_group, axis):
         return RowParallelLinear(
@@ -110,6 +123,10 @@ class VocabParallel(Style):
 
     def accepts(self, module):
         return isinstance(module, (nn.Embedding, nn.Linear))
+
+    def param_placement(self, param, shape, tp):
+        padded = (padded_size(shape[0], tp), *shape[1:])  # vocabulary rows (embedding, head weight and bias)
+        return Shard(0), (padded if padded != tuple(shape) else None)
 
     def apply(self, module, name, tp_group, axis):
         if isinstance(module, nn.Embedding):

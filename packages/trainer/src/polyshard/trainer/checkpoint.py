@@ -68,12 +68,15 @@ def save_checkpoint(
     *,
     mesh_axes: Mapping[str, int],
     extra: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
     keep: int | None = None,
 ) -> Path:
     """Collectively save this rank's ``tensors``; returns the finished folder.
 
     ``extra`` (JSON-serialisable, gathered from every rank) lands in the index
     under ``"ranks"``; use it for data positions and other small state.
+    ``config`` (the run's settings as a dict) lets offline tools lay the
+    checkpoint out for another mesh.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
@@ -100,17 +103,24 @@ def save_checkpoint(
             "world_size": len(entries),
             "ranks": entries,
         }
-        with open(tmp / "index.json", "w") as f:
-            json.dump(index, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
+        if config is not None:
+            index["config"] = dict(config)
+        publish(tmp, final, index)
         if keep is not None:
             _prune(Path(root), keep)
     _barrier()
     return final
+
+
+def publish(tmp: Path, final: Path, index: dict) -> None:
+    """Write ``index.json`` into the finished temporary folder ``tmp`` and rename it to ``final``."""
+    with open(tmp / "index.json", "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -123,6 +133,18 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (temporary folders are ignored)."""
     done = sorted(p for p in Path(root).glob("step_*") if (p / "index.json").exists())
     return done[-1] if done else None
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A step folder, or the newest complete one under a run folder or its ``checkpoints/`` folder."""
+    path = Path(path)
+    if (path / "index.json").exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
 
 
 def read_index(folder: str | Path) -> dict:

@@ -132,6 +132,8 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule)."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches and gradient accumulation)."""
+    stage_layers: list[int] | None = None
+    """Pipeline layers per stage, e.g. [3, 2, 2, 1] (embedding and head count as layers); None balances by size."""
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
@@ -139,6 +141,10 @@ class ParallelConfig:
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
+        if self.stage_layers is not None and (
+            not isinstance(self.stage_layers, list) or not all(isinstance(n, int) and n >= 1 for n in self.stage_layers)
+        ):
+            raise ConfigError(f"parallel.stage_layers={self.stage_layers!r} must be a list of layer counts >= 1")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ConfigError(
                 f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "

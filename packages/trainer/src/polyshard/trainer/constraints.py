@@ -76,6 +76,11 @@ def _check_pipeline(config: Config) -> None:
             f"pp={par.pp} x virtual_stages={par.virtual_stages} = {chunks} pipeline chunks but the model has only "
             f"{layers} layers (embedding, {model.num_layers} blocks, head); use at most {layers} chunks"
         )
+    if par.stage_layers is not None and (len(par.stage_layers) != chunks or sum(par.stage_layers) != layers):
+        raise ConfigError(
+            f"parallel.stage_layers={par.stage_layers} must give {chunks} pipeline chunks (pp x virtual_stages) "
+            f"layer counts that add up to {layers} (embedding, {model.num_layers} blocks, head)"
+        )
     if par.schedule == "interleaved" and par.microbatches % par.pp:
         raise ConfigError(
             f"the interleaved schedule needs parallel.microbatches ({par.microbatches}) to be a multiple of "
@@ -90,6 +95,12 @@ def _check_pipeline(config: Config) -> None:
 
 def _check_experts(config: Config) -> None:
     model, par = config.model, config.parallel
+    if model.kind == "moe-gpt" and par.ep > 1 and par.zero_stage == 3:
+        # ZeRO-3 shards every parameter of a chunk over dp x ep, but each ep rank holds different experts.
+        raise ConfigError(
+            f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
+            "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
+        )
     if par.ep > 1 and model.kind != "moe-gpt":
         raise ConfigError(f"parallel.ep={par.ep} needs experts; set model.kind='moe-gpt' or ep=1")
     if model.kind == "moe-gpt" and model.num_experts % par.ep:

@@ -9,6 +9,7 @@ Read one step from top to bottom in :func:`train`:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops, p2p
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, load_rank, read_index, save_checkpoint
+from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
 from polyshard.trainer.export import consolidate
@@ -28,7 +29,8 @@ from polyshard.trainer.models import build_model
 from polyshard.trainer.models.transformer import Block
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
-from polyshard.trainer.state import load_state_tensors, state_tensors
+from polyshard.trainer.reshard import Source, load_into
+from polyshard.trainer.state import state_tensors
 
 
 @dataclass
@@ -136,29 +138,51 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tu
     )
 
 
-def _resume(engine: Engine, config: Config, root: Path, train_data: ShardedLoader, result: RunResult) -> int:
-    """Load the latest complete checkpoint under ``root`` into this run; returns its step."""
-    folder = latest_checkpoint(root)
-    if folder is None:
-        raise CheckpointError(f"--resume: no complete checkpoint under {root}")
-    index = read_index(folder)
-    if index["mesh"] != config.parallel.mesh_axes:
-        raise CheckpointError(
-            f"{folder} was saved on mesh {index['mesh']}, this run uses {config.parallel.mesh_axes}; "
-            "resume with the same parallel settings"
-        )
-    tensors, extra = load_rank(folder, dist.get_rank(), index)
-    load_state_tensors(engine, tensors)
+def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult) -> int:
+    """Continue from the checkpoint ``folder``, saved on this mesh or any other; returns its step."""
+    source = Source(folder)
+    load_into(engine, source)
+    extra = source.extra()
     train_data.load_state_dict(extra["data"])
     result.losses = list(extra["losses"])
-    return index["step"]
+    saved_batch = source.config.training.global_batch_size
+    if dist.get_rank() == 0 and saved_batch != config.training.global_batch_size:
+        print(
+            f"note: {folder} was trained with global_batch_size={saved_batch}; the data position "
+            f"(epoch {extra['data']['epoch']}, example {extra['data']['position']}) carries over, later batches "
+            f"hold {config.training.global_batch_size} examples",
+            flush=True,
+        )
+    return source.step
 
 
-def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bool = False) -> RunResult:
+def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) -> Path | None:
+    """The checkpoint a run starts from: ``init_from`` (a step folder or a folder of them), or with
+    ``resume`` the latest complete one under ``out/checkpoints``; None for a fresh start."""
+    if init_from is not None:
+        return find_checkpoint(init_from)
+    if resume:
+        found = latest_checkpoint(out / "checkpoints")
+        if found is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}")
+        return found
+    return None
+
+
+def train(
+    config: Config,
+    mesh: Mesh,
+    out: Path,
+    *,
+    log: bool = True,
+    resume: bool = False,
+    init_from: str | Path | None = None,
+) -> RunResult:
     """Train ``config`` on ``mesh``, writing metrics and checkpoints under ``out``.
 
     Every rank returns the same losses. With ``resume`` the run continues from
-    the latest complete checkpoint in ``out/checkpoints``.
+    the latest complete checkpoint in ``out/checkpoints``; with ``init_from``
+    from the given checkpoint. Either may have been saved on another mesh.
     """
     train_cfg = config.training
     rank0 = dist.get_rank() == 0
@@ -172,7 +196,8 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
-    start = _resume(engine, config, checkpoints, train_data, result) if resume else 0
+    folder = checkpoint_to_load(out, resume, init_from)
+    start = _load(engine, config, folder, train_data, result) if folder is not None else 0
     metrics = MetricsLog(out, enabled=rank0 and log, append=resume)
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
@@ -240,6 +265,7 @@ def train(config: Config, mesh: Mesh, out: Path, *, log: bool = True, resume: bo
                 state_tensors(engine),
                 mesh_axes=config.parallel.mesh_axes,
                 extra=extra,
+                config=dataclasses.asdict(config),
                 keep=config.checkpoint.keep,
             )
 

@@ -24,6 +24,7 @@ backward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,20 @@ def tp_plan(config: Config) -> dict:
         if sp:
             plan[f"layers.{last}.norm"] = SequenceParallel()
     return plan
+
+
+def pipeline_bounds(config: Config, layer_costs: Sequence[float]) -> list[range]:
+    """Global layer indices of each pipeline chunk: ``parallel.stage_layers`` when given, else
+    balanced by ``layer_costs`` (this rank-independent split is what every rank and the offline
+    resharder agree on)."""
+    par = config.parallel
+    if par.stage_layers is None:
+        return balanced_partition(layer_costs, par.pp * par.virtual_stages)
+    bounds, start = [], 0
+    for count in par.stage_layers:
+        bounds.append(range(start, start + count))
+        start += count
+    return bounds
 
 
 def loss_function(config: Config, mesh: Mesh):
@@ -204,8 +219,8 @@ def build_engine(config: Config, mesh: Mesh, model: nn.Module) -> Engine:
         apply_expert_parallel(model, group=mesh.group("ep"))
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     layers = list(model.layers)
-    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    bounds = balanced_partition(costs, schedule.num_stages)
+    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]  # this rank's tp/ep shares
+    bounds = pipeline_bounds(config, costs)
     mine = schedule.stages_of(mesh.coord("pp"))
     chunks = {s: nn.Sequential(*(layers[i] for i in bounds[s])) for s in mine}
     del model, layers  # other stages' layers are freed here

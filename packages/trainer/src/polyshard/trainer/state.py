@@ -31,7 +31,7 @@ def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch
     return {names[n]: p for n, p in engine.chunks[index].named_parameters()}
 
 
-def _optimizer_entries(engine: Engine):
+def optimizer_entries(engine: Engine):
     """(global name, the tensor the optimizer steps, its inner optimizer, master or None) per parameter."""
     for index, optimizer in zip(engine.wrappers, engine.optimizers):
         names = engine.global_names(index)
@@ -49,11 +49,12 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
     for index in engine.chunks:
         for name, tensor in _model_tensors(engine, index).items():
             out[f"model/{name}"] = LocalTensor(tensor.detach(), get_placement(tensor))
-    for name, stepped, optimizer, master in _optimizer_entries(engine):
+    for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:
             out[f"optim/{name}/master"] = LocalTensor(master.detach(), get_placement(master))
         for key, value in optimizer.state.get(stepped, {}).items():
-            record = get_placement(value) if value.dim() else None
+            # A plain AdamW's moments have no record of their own: they are laid out like the parameter.
+            record = (get_placement(value) or get_placement(stepped)) if value.dim() else None
             out[f"optim/{name}/{key}"] = LocalTensor(value.detach(), record)
     out["rng/torch"] = LocalTensor(torch.get_rng_state())
     return out
@@ -65,7 +66,7 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
     for index in engine.chunks:
         for name, tensor in _model_tensors(engine, index).items():
             tensor.copy_(tensors[f"model/{name}"])
-    for name, stepped, optimizer, master in _optimizer_entries(engine):
+    for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:
             master.copy_(tensors[f"optim/{name}/master"])
         prefix = f"optim/{name}/"

@@ -1,0 +1,140 @@
+"""Where each saved tensor lives for a config, worked out from names and shapes only.
+
+A training run attaches placement records to its tensors as tp, ep and dp
+shard them, and saves those records. Offline resharding has no model and no
+processes, so it needs the same records for a layout nobody has trained on
+yet. This module computes them from the rules the packages publish:
+
+* tp: :func:`polyshard.tp.planned_placement` reads the trainer's tp plan;
+* ep: :func:`polyshard.ep.planned_expert_placement` reads the MoE names;
+* pp: :func:`pipeline_bounds` is the split :func:`build_engine` uses;
+* dp/ZeRO: :func:`polyshard.dp.shard_record` adds the dim-0 shards.
+
+``tests/trainer/test_reshard.py`` checks the result against the records that
+real runs save, layout by layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from polyshard.dp import ShardSpec, shard_record
+from polyshard.ep import planned_expert_placement
+from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
+from polyshard.pp import make_schedule
+from polyshard.tp import planned_placement
+from polyshard.trainer.config import Config
+from polyshard.trainer.parallelize import pipeline_bounds, tp_plan
+
+# Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
+MASTER = "master"
+
+
+def layer_of(name: str) -> int:
+    """The pipeline layer of a model parameter name ``layers.<i>.…``."""
+    return int(name.split(".")[1])
+
+
+def keeps_masters(config: Config) -> bool:
+    """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
+    return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
+
+
+def model_dtype(config: Config) -> torch.dtype:
+    # ZeRO-3 saves its fp32 master rows as the parameters; stages 0-2 under bf16 keep bf16 parameters.
+    bf16 = config.training.precision == "bf16" and config.parallel.zero_stage < 3
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def base_record(config: Config, name: str, shape: Sequence[int]) -> TensorPlacement:
+    """A parameter's record after tp and ep, before dp (the order :func:`build_engine` applies them)."""
+    shape = tuple(shape)
+    record = TensorPlacement(name, shape)
+    if config.parallel.tp > 1:
+        record = planned_placement(tp_plan(config), name, shape, config.parallel.tp)
+    if config.model.kind == "moe-gpt":
+        record = planned_expert_placement(name, shape) or record
+    return record
+
+
+def is_expert(config: Config, record: TensorPlacement) -> bool:
+    return config.model.kind == "moe-gpt" and record.placement("ep") != Replicate()
+
+
+def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
+    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp only, below ZeRO-3)."""
+    if is_expert(config, record) and config.parallel.zero_stage < 3:
+        return ("dp",)
+    return ("dp", "ep")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor a target rank will hold: its record (None: the same whole tensor on every holder)."""
+
+    record: TensorPlacement | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def plan_ranks(
+    config: Config,
+    params: Mapping[str, tuple[int, ...]],
+    optim_state: Mapping[str, Mapping[str, tuple[torch.dtype, tuple[int, ...]]]],
+) -> list[dict[str, Planned]]:
+    """For every rank of ``config``'s mesh, the ``model/`` and ``optim/`` tensors it saves.
+
+    ``params``: global parameter name -> global shape. ``optim_state``: name ->
+    {state key: (dtype, shape of a scalar)} for the optimizer state to carry
+    (AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``); masters are added or left
+    out as ``config`` needs.
+    """
+    par = config.parallel
+    layout = MeshLayout(par.mesh_axes)
+    sizes = layout.as_dict()
+    bases = {name: base_record(config, name, shape) for name, shape in params.items()}
+    costs: dict[int, int] = {}
+    for name, record in bases.items():
+        costs[layer_of(name)] = costs.get(layer_of(name), 0) + math.prod(record.local_shape(sizes))
+    bounds = pipeline_bounds(config, [costs[i] for i in sorted(costs)])
+    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+
+    def data_records(record: TensorPlacement) -> tuple[TensorPlacement, TensorPlacement]:
+        """(parameter record, optimizer-state record) once dp/ZeRO is applied."""
+        axes = data_axes(config, record)
+        replicated = record
+        for axis in axes:
+            replicated = replicated.with_axis(axis, Replicate())
+        if par.zero_stage == 0:
+            return replicated, replicated
+        n = math.prod(sizes[a] for a in axes)
+        sharded = shard_record(record, record.name, ShardSpec(record.local_shape(sizes), n), axes)
+        return (sharded if par.zero_stage == 3 else replicated), sharded
+
+    placed = {name: data_records(record) for name, record in bases.items()}
+    out = []
+    for rank in range(layout.world_size):
+        stages = schedule.stages_of(layout.coords(rank)["pp"])
+        layers = {i for s in stages for i in bounds[s]}
+        tensors: dict[str, Planned] = {}
+        for name in sorted(params):
+            if layer_of(name) not in layers:
+                continue
+            param_record, state_record = placed[name]
+            tensors[f"model/{name}"] = Planned(param_record, param_record.local_shape(sizes), model_dtype(config))
+            state_shape = state_record.local_shape(sizes)
+            if keeps_masters(config):
+                tensors[f"optim/{name}/{MASTER}"] = Planned(state_record, state_shape, torch.float32)
+            for key, (dtype, shape) in sorted(optim_state.get(name, {}).items()):
+                if key == MASTER:
+                    continue
+                if len(shape) == 0:  # AdamW's step counter: one number, the same everywhere
+                    tensors[f"optim/{name}/{key}"] = Planned(None, (), dtype)
+                else:
+                    tensors[f"optim/{name}/{key}"] = Planned(state_record, state_shape, dtype)
+        out.append(tensors)
+    return out
