@@ -32,3 +32,77 @@ def export(
     except CheckpointError as err:
         typer.echo(f"checkpoint error: {err}", err=True)
         raise typer.Exit(2) from err
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'dp=1,tp=4,pp=2' -> {'dp': 1, 'tp': 4, 'pp': 2} (axes left out are 1)."""
+    mesh: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        axis, _, size = item.partition("=")
+        if axis not in ("dp", "tp", "pp", "ep") or not size.isdigit() or int(size) < 1:
+            raise typer.BadParameter(
+                f"{item!r}: write axis=size with axes dp, tp, pp, ep, e.g. --mesh dp=1,tp=4,pp=2", param_hint="--mesh"
+            )
+        mesh[axis] = int(size)
+    return mesh
+
+
+def reshard(
+    src: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder."),
+    dst: Path = typer.Argument(..., help="Folder to write step_<N>/ into, e.g. runs/<new run>/checkpoints."),
+    mesh: str = typer.Option(..., "--mesh", help="Target mesh, e.g. dp=1,tp=4,pp=2[,ep=2]; axes left out are 1."),
+    zero_stage: int | None = typer.Option(None, "--zero-stage", help="Target ZeRO stage (default: the source's)."),
+    stage_layers: str | None = typer.Option(
+        None, "--stage-layers", help="Pipeline layers per stage, e.g. 3,2,2,1 (default: balanced by size)."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="Other parallel settings of the target, e.g. --set parallel.microbatches=4 (repeatable)."
+    ),
+    max_block_mb: float = typer.Option(64.0, "--max-block-mb", help="Most tensor data held at once (MiB, about)."),
+) -> None:
+    """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
+    from polyshard.mesh import MeshError, PlacementError
+    from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint
+    from polyshard.trainer.config import apply_overrides
+    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer.reshard import Source, target_config
+    from polyshard.trainer.reshard import reshard as reshard_checkpoint
+
+    parallel: dict = {}
+    if zero_stage is not None:
+        parallel["zero_stage"] = zero_stage
+    if stage_layers is not None:
+        try:
+            parallel["stage_layers"] = [int(n) for n in stage_layers.split(",")]
+        except ValueError as err:
+            raise typer.BadParameter("give layer counts like 3,2,2,1", param_hint="--stage-layers") from err
+    try:
+        extra = apply_overrides({}, overrides)
+        if set(extra) - {"parallel"}:
+            raise ConfigError("reshard changes only the layout: --set takes parallel.<key>=<value> only")
+        parallel.update(extra.get("parallel", {}))
+        folder = find_checkpoint(src)
+        source = Source(folder)
+        config = target_config(source, parse_mesh(mesh), parallel)
+        report = reshard_checkpoint(folder, dst, config, max_block_bytes=int(max_block_mb * 2**20))
+    except (ConfigError, CheckpointError, MeshError, PlacementError) as err:
+        typer.echo(f"reshard error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(str(report))
+    changed = " ".join(f"--set parallel.{k}={_toml(v)}" for k, v in _changes(source.config, config).items())
+    run = dst.parent if dst.name == "checkpoints" else dst
+    typer.echo(f"continue with: polyshard train CONFIG {changed} --out {run} --resume")
+
+
+def _changes(before, after) -> dict:
+    """Parallel settings that differ between two configs."""
+    import dataclasses
+
+    old, new = dataclasses.asdict(before.parallel), dataclasses.asdict(after.parallel)
+    return {k: v for k, v in new.items() if old[k] != v}
+
+
+def _toml(value) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)

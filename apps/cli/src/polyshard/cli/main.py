@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from polyshard.cli.checkpoints import export, inspect
+from polyshard.cli.checkpoints import export, inspect, reshard
 from polyshard.cli.launch import run_local
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.train import train
@@ -18,6 +18,7 @@ app.command("schedule")(schedule_command)
 app.command("train")(train)
 app.command("inspect")(inspect)
 app.command("export")(export)
+app.command("reshard")(reshard)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 

@@ -14,7 +14,12 @@ def train(
     nproc: int | None = typer.Option(None, "--nproc", help="Local processes (default: the mesh size in the config)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set training.lr=3e-4 (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Run folder (default: runs/<config name>)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the latest complete checkpoint in --out."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the latest complete checkpoint in --out (saved on any mesh)."
+    ),
+    init_from: Path | None = typer.Option(
+        None, "--init-from", help="Continue from this checkpoint (any mesh) and write the new run to --out."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
     torchrun: list[str] = typer.Option(
         [],
@@ -24,18 +29,24 @@ def train(
     ),
 ) -> None:
     """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
+    from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
     from polyshard.trainer.errors import ConfigError
     from polyshard.trainer.plan import describe
 
     try:
+        if resume and init_from is not None:
+            raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
+        if init_from is not None:
+            find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
         parsed = load_config(config, overrides)
         nodes = _nodes(torchrun)
         per_node = nproc if nproc is not None else parsed.parallel.world_size // nodes
         validate(parsed, world_size=per_node * nodes)
-    except ConfigError as err:  # before any process starts
-        typer.echo(f"config error: {err}", err=True)
+    except (ConfigError, CheckpointError) as err:  # before any process starts
+        kind = "config" if isinstance(err, ConfigError) else "checkpoint"
+        typer.echo(f"{kind} error: {err}", err=True)
         raise typer.Exit(2) from err
     if dry_run:
         typer.echo(describe(parsed))
@@ -46,6 +57,8 @@ def train(
         args += ["--set", item]
     if resume:
         args.append("--resume")
+    if init_from is not None:
+        args += ["--init-from", str(init_from.resolve())]
     raise typer.Exit(run_local(per_node, "polyshard.trainer.run", args, torchrun))
 
 

@@ -24,6 +24,7 @@ backward.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, MixedPrecision, ParamSet, ZeroOptimizer
 from polyshard.ep import apply_expert_parallel, expert_parameters
-from polyshard.mesh import Mesh, get_placement
+from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
 from polyshard.tp import (
     ColumnParallel,
@@ -162,12 +163,26 @@ class Engine:
 
     def global_names(self, chunk_index: int) -> dict[str, str]:
         """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
-        ids = self.layer_ids[chunk_index]
-        out = {}
-        for name, _ in self.chunks[chunk_index].named_parameters():
-            local, _, rest = name.partition(".")
-            out[name] = f"layers.{ids[int(local)]}.{rest}"
-        return out
+        return global_names(self.chunks[chunk_index], self.layer_ids[chunk_index])
+
+
+def global_names(chunk: nn.Module, layer_ids: range) -> dict[str, str]:
+    out = {}
+    for name, _ in chunk.named_parameters():
+        local, _, rest = name.partition(".")
+        out[name] = f"layers.{layer_ids[int(local)]}.{rest}"
+    return out
+
+
+def _name_records_globally(chunk: nn.Module, layer_ids: range) -> None:
+    """Give every parameter a record under its model name, so records (and checkpoints) never
+    carry a chunk-local name, whichever strategies touched it."""
+    names = global_names(chunk, layer_ids)
+    for local, param in chunk.named_parameters():
+        record = get_placement(param)
+        if record is None:
+            record = TensorPlacement(names[local], tuple(param.shape))
+        set_placement(param, dataclasses.replace(record, name=names[local]))
 
 
 def _no_sync_all(wrappers):
@@ -224,6 +239,8 @@ def build_engine(config: Config, mesh: Mesh, model: nn.Module) -> Engine:
     mine = schedule.stages_of(mesh.coord("pp"))
     chunks = {s: nn.Sequential(*(layers[i] for i in bounds[s])) for s in mine}
     del model, layers  # other stages' layers are freed here
+    for s, chunk in chunks.items():
+        _name_records_globally(chunk, bounds[s])
     for module in (m for chunk in chunks.values() for m in chunk.modules()):
         if hasattr(module, "aux_loss_scale"):
             module.aux_loss_scale = 1.0 / par.microbatches  # each microbatch's aux loss, like its CE, counts 1/m

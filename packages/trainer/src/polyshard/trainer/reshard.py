@@ -240,6 +240,7 @@ def target_config(source: Source, mesh: Mapping[str, int], overrides: Mapping[st
 @dataclass(frozen=True)
 class ReshardReport:
     folder: Path
+    step: int
     source_mesh: dict[str, int]
     target_mesh: dict[str, int]
     files: int
@@ -249,7 +250,7 @@ class ReshardReport:
 
     def __str__(self) -> str:
         return (
-            f"resharded step {self.folder.name} from mesh {self.source_mesh} to {self.target_mesh}: "
+            f"resharded step {self.step} from mesh {self.source_mesh} to {self.target_mesh}: "
             f"{self.files} rank files, {self.tensor_bytes / 2**20:.1f} MiB of tensors, largest block "
             f"{self.largest_block_bytes / 2**20:.2f} MiB, {self.seconds:.1f} s -> {self.folder}"
         )
@@ -316,7 +317,14 @@ def reshard(
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
         raise
     return ReshardReport(
-        final, source.index["mesh"], index["mesh"], len(entries), total, largest, time.perf_counter() - started
+        final,
+        source.step,
+        source.index["mesh"],
+        index["mesh"],
+        len(entries),
+        total,
+        largest,
+        time.perf_counter() - started,
     )
 
 

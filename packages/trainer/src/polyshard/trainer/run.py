@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--init-from", default=None)
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
     ctx = init_distributed(mesh_axes=config.parallel.mesh_axes)
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = Path(args.out)
     try:
         mesh = Mesh(config.parallel.mesh_axes)
-        result = train(config, mesh, out, resume=args.resume)
+        result = train(config, mesh, out, resume=args.resume, init_from=args.init_from)
         if ctx.rank == 0:
             if result.sample is not None:
                 print(f"--- sample ---\n{result.sample}\n--------------")

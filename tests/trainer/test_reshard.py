@@ -1,0 +1,266 @@
+"""Resharding: a checkpoint saved on one mesh, laid out for another, offline and while loading.
+
+Source checkpoints come from real (short) training runs on live processes, so
+they hold AdamW moments, ZeRO masters, padding and RNG states as training
+writes them. Resharding itself runs in this process: it needs no group.
+"""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polyshard.mesh import Mesh
+from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, read_index, step_dir
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.layout import plan_ranks
+from polyshard.trainer.loop import train
+from polyshard.trainer.reshard import Source, reshard, target_config
+
+STEPS = 4
+SAVE_AT = 2
+# Continued training on another layout differs from the original only in the order float32
+# sums are taken, as in the end-to-end parity test (tests/trainer/test_e2e_parity.py).
+DENSE_RTOL = 2e-5
+
+SOURCES = {
+    # name: (processes, model kind, parallel settings)
+    "single": (1, "gpt", {}),
+    "dp2-tp2-pp2": (8, "gpt", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}),
+    "tp2": (2, "gpt", {"tp": 2}),
+    "dp2-zero1": (2, "gpt", {"dp": 2, "zero_stage": 1}),
+    "dp2-zero3": (2, "gpt", {"dp": 2, "zero_stage": 3}),
+    "moe-dp2-ep2": (4, "moe-gpt", {"dp": 2, "ep": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = random.Random(1)
+    words = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)))
+    return str(path)
+
+
+def _config(corpus, kind="gpt", **parallel):
+    return from_dict(
+        {
+            # vocab 130: no padding on tp=2, padded to 132 on tp=4
+            "model": {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16},
+            "parallel": parallel,
+            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 1, "eval_every": 0},
+            "data": {"source": corpus},
+            "checkpoint": {"every": SAVE_AT, "keep": 4},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+def _with_vocab(config):
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=130))
+
+
+def _train(config, out, resume=False, init_from=None):
+    return train(config, Mesh(config.parallel.mesh_axes), out, log=False, resume=resume, init_from=init_from).losses
+
+
+@pytest.fixture(scope="module")
+def trained(distributed, corpus, tmp_path_factory):
+    """name -> (config, run folder, losses of all STEPS) for every source layout."""
+    out = {}
+    for name, (world, kind, parallel) in SOURCES.items():
+        config = _with_vocab(_config(corpus, kind, **parallel))
+        folder = tmp_path_factory.mktemp(name)
+        losses = distributed.run(world, _train, config, folder)[0]
+        out[name] = (config, folder, losses)
+    return out
+
+
+def _checkpoint(trained, name, step=SAVE_AT):
+    return step_dir(trained[name][1] / "checkpoints", step)
+
+
+def _global_state(folder) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor of a checkpoint, whole and without padding."""
+    source = Source(folder)
+    return {
+        key: source.read(key, tuple(0 for _ in source.global_shape(key)), source.global_shape(key), source.dtype(key))
+        for key in source.pieces
+        if key.startswith(("model/", "optim/"))
+    }
+
+
+def _assert_same_state(before, after):
+    """Bitwise equal wherever both hold a tensor; a master only one side keeps equals the weights."""
+    assert {k for k in before if k.startswith("model/")} == {k for k in after if k.startswith("model/")}
+    for key in before.keys() | after.keys():
+        if key in before and key in after:
+            assert torch.equal(before[key], after[key]), key
+        else:
+            assert key.endswith("/master"), key
+            held = before if key in before else after
+            weights = held["model/" + key[len("optim/") : -len("/master")]]
+            assert torch.equal(held[key], weights.float()), key
+    moments = [k for k in after if k.endswith("/exp_avg")]
+    assert len(moments) == len([k for k in after if k.startswith("model/")])
+
+
+def _files(folder) -> list[dict[str, torch.Tensor]]:
+    index = read_index(folder)
+    return [load_file(str(folder / entry["file"])) for entry in index["ranks"]]
+
+
+def _reshard(src, dst, mesh, **parallel):
+    config = target_config(Source(src), mesh, parallel)
+    return reshard(src, dst, config, max_block_bytes=4096)  # small blocks: many tensors span several
+
+
+# -- the records offline resharding computes are the ones live runs save ------------------------------
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_planned_layout_equals_what_training_saved(trained, name):
+    config, folder, _ = trained[name]
+    index = read_index(_checkpoint(trained, name))
+    source = Source(_checkpoint(trained, name))
+    plans = plan_ranks(config, source.params(), source.optim_state())
+    files = _files(_checkpoint(trained, name))
+    for rank, (plan, entry) in enumerate(zip(plans, index["ranks"])):
+        saved = {k: v for k, v in entry["tensors"].items() if k != "rng/torch"}
+        assert sorted(plan) == sorted(saved), rank
+        for key, item in plan.items():
+            assert (item.record.to_json() if item.record else None) == saved[key], (rank, key)
+            assert (tuple(files[rank][key].shape), files[rank][key].dtype) == (item.shape, item.dtype), (rank, key)
+
+
+@pytest.mark.parametrize("name", ["dp2-tp2-pp2", "dp2-zero3", "moe-dp2-ep2"])
+def test_resharding_to_the_same_layout_rewrites_every_file_exactly(trained, tmp_path, name):
+    config, _, _ = trained[name]
+    src = _checkpoint(trained, name)
+    out = reshard(src, tmp_path, config, max_block_bytes=4096).folder
+    for before, after in zip(_files(src), _files(out)):
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key], after[key]), key
+    assert [e["tensors"] for e in read_index(src)["ranks"]] == [e["tensors"] for e in read_index(out)["ranks"]]
+
+
+# -- the layout matrix: every global tensor survives bit for bit ---------------------------------------
+
+MATRIX = [
+    pytest.param("single", [({"dp": 2, "tp": 2, "pp": 2}, {"microbatches": 2})], id="1->dp2xtp2xpp2"),
+    pytest.param("dp2-tp2-pp2", [({}, {"microbatches": 1})], id="dp2xtp2xpp2->1"),
+    pytest.param("dp2-tp2-pp2", [({"tp": 4, "pp": 2}, {})], id="dp2xtp2xpp2->tp4xpp2"),
+    pytest.param("dp2-tp2-pp2", [({"dp": 4, "pp": 2}, {})], id="dp2xtp2xpp2->dp4xpp2"),
+    pytest.param("dp2-tp2-pp2", [({"pp": 4}, {"microbatches": 4, "stage_layers": [2, 1, 1, 2]})], id="->pp4-split2112"),
+    pytest.param(
+        "dp2-tp2-pp2",
+        [({"pp": 2}, {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 2})],
+        id="->pp2-interleaved",
+    ),
+    pytest.param("tp2", [({"tp": 4}, {})], id="tp2->tp4-vocab-padding"),
+    pytest.param("moe-dp2-ep2", [({"ep": 4}, {}), ({}, {})], id="moe-dp2xep2->ep4->ep1"),
+    pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
+    pytest.param("dp2-zero3", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 3})], id="zero3->dp->zero3"),
+    pytest.param("dp2-zero3", [({"dp": 4}, {"zero_stage": 1})], id="zero3-dp2->zero1-dp4"),
+]
+
+
+@pytest.mark.parametrize("name, hops", MATRIX)
+def test_every_global_tensor_survives_resharding(trained, tmp_path, name, hops):
+    src = _checkpoint(trained, name)
+    original = _global_state(src)
+    current = src
+    for i, (mesh, parallel) in enumerate(hops):
+        report = _reshard(current, tmp_path / f"hop{i}", mesh, **parallel)
+        assert report.target_mesh == {"pp": 1, "dp": 1, "ep": 1, "tp": 1} | mesh
+        _assert_same_state(original, _global_state(report.folder))
+        current = report.folder
+    assert read_index(current)["ranks"][0]["extra"] == read_index(src)["ranks"][0]["extra"]  # data position, losses
+
+
+@pytest.mark.parametrize(
+    "name, mesh, parallel",
+    [
+        pytest.param("dp2-tp2-pp2", {"tp": 4, "pp": 2}, {}, id="dp2xtp2xpp2"),
+        pytest.param("tp2", {"tp": 4}, {}, id="tp2-vocab"),
+        pytest.param("dp2-zero3", {"dp": 4}, {"zero_stage": 1}, id="zero3"),
+        pytest.param("moe-dp2-ep2", {"ep": 4}, {}, id="moe"),
+    ],
+)
+def test_round_trip_reproduces_the_original_files(trained, tmp_path, name, mesh, parallel):
+    config, _, _ = trained[name]
+    src = _checkpoint(trained, name)
+    there = _reshard(src, tmp_path / "there", mesh, **parallel).folder
+    back = reshard(there, tmp_path / "back", config, max_block_bytes=4096).folder
+    for before, after in zip(_files(src), _files(back), strict=True):
+        assert before.keys() == after.keys()
+        for key in before:
+            assert torch.equal(before[key], after[key]), key
+
+
+# -- training continues where it left off --------------------------------------------------------------
+
+
+def _continue(config, out, init_from):
+    return _train(config, out, init_from=init_from)
+
+
+@pytest.mark.parametrize(
+    "world, parallel, offline",
+    [
+        pytest.param(8, {"tp": 4, "pp": 2}, True, id="offline-tp4xpp2"),
+        pytest.param(4, {"pp": 4, "microbatches": 4, "stage_layers": [2, 1, 1, 2]}, True, id="offline-pp4"),
+        pytest.param(4, {"dp": 4, "zero_stage": 3}, False, id="online-dp4-zero3"),
+        pytest.param(1, {}, False, id="online-single"),
+    ],
+)
+def test_training_continues_with_the_same_losses(distributed, trained, corpus, tmp_path, world, parallel, offline):
+    _, _, losses = trained["dp2-tp2-pp2"]
+    config = _with_vocab(_config(corpus, **parallel))
+    src = _checkpoint(trained, "dp2-tp2-pp2")
+    if offline:
+        reshard(src, tmp_path / "run" / "checkpoints", config, max_block_bytes=4096)
+        continued = distributed.run(world, _train, config, tmp_path / "run", True)[0]
+    else:
+        continued = distributed.run(world, _continue, config, tmp_path / "run", str(src))[0]
+    assert continued[:SAVE_AT] == losses[:SAVE_AT]  # carried over from the checkpoint
+    assert continued[SAVE_AT:] == pytest.approx(losses[SAVE_AT:], rel=DENSE_RTOL)
+
+
+# -- bad input ------------------------------------------------------------------------------------------
+
+
+def test_a_corrupt_source_is_named_and_nothing_is_written(trained, tmp_path):
+    src = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(_checkpoint(trained, "tp2"), src)
+    victim = src / "rank_00001.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-5])
+    with pytest.raises(CheckpointError, match="rank_00001.safetensors does not match its sha256"):
+        _reshard(src, tmp_path / "out", {"tp": 4})
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    victim.unlink()
+    with pytest.raises(CheckpointError, match="rank_00001.safetensors is missing"):
+        Source(src)
+
+
+def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
+    src = _checkpoint(trained, "dp2-tp2-pp2")
+    with pytest.raises(ConfigError, match="parallel.tp=3 does not divide"):
+        _reshard(src, tmp_path / "a", {"tp": 3})
+    with pytest.raises(ConfigError, match="stage_layers"):
+        _reshard(src, tmp_path / "b", {"pp": 2}, stage_layers=[1, 2])
+    config = trained["dp2-tp2-pp2"][0]
+    other = dataclasses.replace(config, model=dataclasses.replace(config.model, hidden=64))
+    with pytest.raises(CheckpointError, match="model must equal"):
+        reshard(src, tmp_path / "c", other)
+    reshard(src, tmp_path / "d", config)
+    with pytest.raises(CheckpointError, match="already exists"):
+        reshard(src, tmp_path / "d", config)
+    assert latest_checkpoint(tmp_path / "a") is None and latest_checkpoint(tmp_path / "b") is None
