@@ -71,3 +71,13 @@ def _save_small(root):
     record = TensorPlacement("w", (4, 3), (("tp", Shard(0)),))
     piece = torch.arange(12.0).reshape(4, 3)[2 * rank : 2 * rank + 2]
     save_checkpoint(root, 1, {"model/w": LocalTensor(piece, record)}, mesh_axes={"tp": 2})
+
+
+def test_init_from_a_missing_checkpoint_stops_before_any_process(tmp_path):
+    config = ROOT / "apps/configs/gpt-tiny-dp.toml"
+    cmd = POLYSHARD + ["train", str(config), "--init-from", str(tmp_path), "--out", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "holds no complete checkpoint" in result.stderr
+    both = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "not both" in both.stderr
+    assert not (tmp_path / "run").exists()
