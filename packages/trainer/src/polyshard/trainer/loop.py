@@ -138,7 +138,7 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tu
     )
 
 
-def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult) -> int:
+def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult, log: bool) -> int:
     """Continue from the checkpoint ``folder``, saved on this mesh or any other; returns its step."""
     source = Source(folder)
     load_into(engine, source)
@@ -146,6 +146,11 @@ def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoade
     train_data.load_state_dict(extra["data"])
     result.losses = list(extra["losses"])
     saved_batch = source.config.training.global_batch_size
+    if log and dist.get_rank() == 0:
+        last = f", last loss {result.losses[-1]:.4f}" if result.losses else ""
+        origin = source.index.get("resharded_from", {}).get("mesh")
+        mesh = f"mesh {source.index['mesh']}" + (f" (resharded from {origin})" if origin else "")
+        print(f"continuing from {folder}: step {source.step}, {mesh}{last}", flush=True)
     if dist.get_rank() == 0 and saved_batch != config.training.global_batch_size:
         print(
             f"note: {folder} was trained with global_batch_size={saved_batch}; the data position "
@@ -197,7 +202,7 @@ def train(
     result = RunResult()
     checkpoints = out / "checkpoints"
     folder = checkpoint_to_load(out, resume, init_from)
-    start = _load(engine, config, folder, train_data, result) if folder is not None else 0
+    start = _load(engine, config, folder, train_data, result, log) if folder is not None else 0
     metrics = MetricsLog(out, enabled=rank0 and log, append=resume)
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length

@@ -98,9 +98,6 @@ class Source:
         self.folder = Path(folder)
         self.index = read_index(self.folder)
         verify_files(self.folder, self.index)
-        if "config" not in self.index:
-            raise CheckpointError(f"{self.folder}/index.json records no config; it cannot be laid out on another mesh")
-        self.config = from_dict(self.index["config"])
         self.layout = MeshLayout(self.index["mesh"])
         self.sizes = self.layout.as_dict()
         self.pieces: dict[str, list[Piece]] = {}
@@ -116,6 +113,18 @@ class Source:
                             _DTYPES[stored.get_dtype()],
                         )
                     )
+
+    @property
+    def config(self) -> Config:
+        """The settings of the run that saved the checkpoint."""
+        if "config" not in self.index:
+            raise CheckpointError(f"{self.folder}/index.json records no config; it cannot be laid out on another mesh")
+        return from_dict(self.index["config"])
+
+    def whole(self, key: str) -> torch.Tensor:
+        """The global tensor ``key`` without padding."""
+        shape = self.global_shape(key)
+        return self.read(key, tuple(0 for _ in shape), shape, self.dtype(key))
 
     @property
     def step(self) -> int:
@@ -145,9 +154,11 @@ class Source:
                 out.setdefault(name, {})[state] = (self.dtype(key), self.global_shape(key))
         return out
 
-    def rng_rank(self, coords: Mapping[str, int]) -> int:
-        """The source rank whose generator a target rank at ``coords`` continues with."""
-        return self.layout.rank_of({a: coords.get(a, 0) % n for a, n in self.sizes.items()})
+    def rng_piece(self, coords: Mapping[str, int]) -> Piece | None:
+        """The saved generator a target rank at ``coords`` continues with: the source rank's at the
+        same coordinates, each taken modulo the source axis size (None if no RNG was saved)."""
+        rank = self.layout.rank_of({a: coords.get(a, 0) % n for a, n in self.sizes.items()})
+        return next((p for p in self.pieces.get(RNG, []) if p.rank == rank), None)
 
     def resolve(self, key: str) -> str:
         """The saved key that holds ``key``'s values.
@@ -183,7 +194,7 @@ class Source:
             seen.add(region)
             local = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, region))
             target = tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(overlap, start))
-            out[target] = self._load(piece, key, local).to(dtype)
+            out[target] = self.read_piece(piece, key, local).to(dtype)
             covered += math.prod(hi - lo for lo, hi in overlap)
             if covered >= needed:
                 break
@@ -198,7 +209,8 @@ class Source:
         slices = piece.record.local_slices(self.sizes, self.layout.coords(piece.rank))
         return tuple((s.start, s.stop) for s in slices)
 
-    def _load(self, piece: Piece, key: str, local: tuple[slice, ...]) -> torch.Tensor:
+    def read_piece(self, piece: Piece, key: str, local: tuple[slice, ...] = ()) -> torch.Tensor:
+        """The part ``local`` (default: all) of one saved piece."""
         # Opened per read: the file's mapped pages are released as soon as the slice is copied.
         with safe_open(str(self.folder / self.index["ranks"][piece.rank]["file"]), framework="pt") as f:
             expected = tuple(b - a for a, b in self._region(piece)) if piece.record else piece.shape
@@ -249,11 +261,19 @@ class ReshardReport:
     seconds: float
 
     def __str__(self) -> str:
-        return (
+        lines = [
             f"resharded step {self.step} from mesh {self.source_mesh} to {self.target_mesh}: "
             f"{self.files} rank files, {self.tensor_bytes / 2**20:.1f} MiB of tensors, largest block "
-            f"{self.largest_block_bytes / 2**20:.2f} MiB, {self.seconds:.1f} s -> {self.folder}"
-        )
+            f"{self.largest_block_bytes / 2**20:.2f} MiB, {self.seconds:.1f} s -> {self.folder}",
+            "moved with the weights: optimizer state, data position (global: valid for any number of data "
+            "ranks), losses",
+        ]
+        if self.source_mesh != self.target_mesh:
+            lines.append(
+                "RNG: each rank continues the generator of the source rank at its coordinates modulo the "
+                "source mesh (only dropout draws from it)"
+            )
+        return "\n".join(lines)
 
 
 def reshard(
@@ -282,13 +302,13 @@ def reshard(
     try:
         for rank, plan in enumerate(plans):
             coords = layout.coords(rank)
-            rng = source.pieces[RNG][source.rng_rank(coords)] if RNG in source.pieces else None
+            rng = source.rng_piece(coords)
             if rng is not None:
                 plan = {**plan, RNG: Planned(None, rng.shape, rng.dtype)}
             writer = _StreamWriter(tmp / rank_file(rank), {k: (p.dtype, p.shape) for k, p in plan.items()})
             for key, item in plan.items():
                 if key == RNG:
-                    writer.write(key, source._load(rng, RNG, ()))
+                    writer.write(key, source.read_piece(rng, RNG))
                     continue
                 for block in _blocks(source, key, item, sizes, coords, max_block_bytes):
                     largest = max(largest, block.numel() * block.element_size())
@@ -413,7 +433,7 @@ def load_into(engine: Engine, source: Source) -> None:
             else:
                 plan = Planned(None, (), dtype)
             tensors[key] = read_planned(source, key, plan, sizes, coords)
-    if RNG in source.pieces:
-        rng = source.pieces[RNG][source.rng_rank(coords)]
-        tensors[RNG] = source._load(rng, RNG, ())
+    rng = source.rng_piece(coords)
+    if rng is not None:
+        tensors[RNG] = source.read_piece(rng, RNG)
     load_state_tensors(engine, tensors)

@@ -9,7 +9,8 @@ Tensor keys are global and self-describing::
 
 Each carries its placement record into the checkpoint index. Restoring into
 the same layout is exact: on CPU a resumed run's losses equal an
-uninterrupted run's bit for bit.
+uninterrupted run's bit for bit. Restoring into another layout goes through
+:mod:`polyshard.trainer.reshard`.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
 
 @torch.no_grad()
 def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy a checkpoint of the same layout back into ``engine`` (parameters, optimizer state, RNG)."""
+    """Copy tensors laid out for this rank of ``engine`` into it: parameters, optimizer state, RNG.
+
+    :func:`polyshard.trainer.reshard.load_into` cuts them from a checkpoint of any layout.
+    """
     for index in engine.chunks:
         for name, tensor in _model_tensors(engine, index).items():
             tensor.copy_(tensors[f"model/{name}"])
@@ -75,4 +79,5 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
         state = {k[len(prefix) :]: tensors[k].to(stepped.device if tensors[k].dim() else "cpu") for k in keys}
         if state:
             optimizer.state[stepped] = state
-    torch.set_rng_state(tensors["rng/torch"])
+    if "rng/torch" in tensors:
+        torch.set_rng_state(tensors["rng/torch"])
