@@ -34,6 +34,19 @@ SOURCES = {
     "dp2-zero1": (2, "gpt", {"dp": 2, "zero_stage": 1}),
     "dp2-zero3": (2, "gpt", {"dp": 2, "zero_stage": 3}),
     "moe-dp2-ep2": (4, "moe-gpt", {"dp": 2, "ep": 2}),
+    "dp2-zero2-bf16": (2, "gpt", {"dp": 2, "zero_stage": 2, "precision": "bf16"}),
+    "tp2-sp-pp2-interleaved": (
+        4,
+        "gpt",
+        {
+            "tp": 2,
+            "sequence_parallel": True,
+            "pp": 2,
+            "schedule": "interleaved",
+            "virtual_stages": 2,
+            "microbatches": 2,
+        },
+    ),
 }
 
 
@@ -46,13 +59,19 @@ def corpus(tmp_path_factory):
     return str(path)
 
 
-def _config(corpus, kind="gpt", **parallel):
+def _config(corpus, kind="gpt", precision="fp32", **parallel):
     return from_dict(
         {
             # vocab 130: no padding on tp=2, padded to 132 on tp=4
             "model": {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16},
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 1, "eval_every": 0},
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 1,
+                "eval_every": 0,
+                "precision": precision,
+            },
             "data": {"source": corpus},
             "checkpoint": {"every": SAVE_AT, "keep": 4},
             "logging": {"progress_bar": False},
@@ -167,6 +186,14 @@ MATRIX = [
     pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
     pytest.param("dp2-zero3", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 3})], id="zero3->dp->zero3"),
     pytest.param("dp2-zero3", [({"dp": 4}, {"zero_stage": 1})], id="zero3-dp2->zero1-dp4"),
+    pytest.param(
+        "dp2-zero2-bf16", [({}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 2})], id="bf16-zero2->1->zero2"
+    ),
+    pytest.param(
+        "tp2-sp-pp2-interleaved",
+        [({"tp": 4}, {"sequence_parallel": False, "schedule": "1f1b", "virtual_stages": 1})],
+        id="tp2-sp-interleaved->tp4",
+    ),
 ]
 
 
