@@ -150,11 +150,10 @@ def test_resume_is_bitwise_identical(distributed, corpus, tmp_path, world, paral
 def _eval_twice(config, out):
 
     from polyshard.trainer.loop import evaluate, make_loaders, split_batch
-    from polyshard.trainer.models import build_model
     from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
-    engine = build_engine(config, mesh, build_model(config.model))
+    engine = build_engine(config, mesh)
     _, val = make_loaders(config, mesh)
     batch = split_batch(config, val.next_batch())
     first, second = evaluate(engine, *batch), evaluate(engine, *batch)

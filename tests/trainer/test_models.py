@@ -84,3 +84,21 @@ def test_activation_checkpointing_keeps_less_and_computes_the_same():
     assert checkpointed_bytes < 0.5 * plain_bytes  # only block inputs survive the forward
     for p, g in zip(model.parameters(), plain_grads):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)  # the recomputation repeats the same ops
+
+
+def test_each_layer_is_seeded_alone_so_a_stage_builds_only_its_own():
+    config = from_dict({"model": {"kind": "moe-gpt", "preset": "tiny", "num_layers": 3}}).model
+    full = build_model(config, seed=5)
+    part = build_model(config, seed=5, layers=[1, 3])
+    for i, (whole, alone) in enumerate(zip(full.layers, part.layers)):
+        for (name, a), (_, b) in zip(whole.named_parameters(), alone.named_parameters(), strict=True):
+            if i in (1, 3):
+                assert torch.equal(a, b), (i, name)  # the same numbers without building layers 0 and 2
+            else:
+                assert b.is_meta and b.shape == a.shape, (i, name)  # shapes only, no memory
+    assert not torch.equal(full.layers[1].attn.q_proj.weight, build_model(config, seed=6).layers[1].attn.q_proj.weight)
+    experts = full.layers[2].mlp.moe.experts.requires_grad_(False)
+    assert 0.015 < float(experts.w1.std()) < 0.025  # N(0, 0.02); the down projection is scaled down
+    assert float(experts.w2.std()) < 0.6 * float(experts.w1.std())
+    tied = build_model(from_dict({"model": {"preset": "tiny", "tie_embeddings": True}}).model)
+    assert tied.layers[-1].proj.weight is tied.layers[0].tok.weight

@@ -298,11 +298,10 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
 
 def _parallel_loss(config, folder, tokens):
     from polyshard.trainer.loop import evaluate
-    from polyshard.trainer.models import build_model
     from polyshard.trainer.parallelize import build_engine
     from polyshard.trainer.reshard import load_into
 
-    engine = build_engine(config, Mesh(config.parallel.mesh_axes), build_model(config.model))
+    engine = build_engine(config, Mesh(config.parallel.mesh_axes))
     load_into(engine, Source(folder))
     return evaluate(engine, tokens[:, :-1], tokens[:, 1:])[0]  # every data rank gets the same batch
 

@@ -28,15 +28,10 @@ from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config
-from polyshard.trainer.parallelize import pipeline_bounds, tp_plan
+from polyshard.trainer.parallelize import layer_costs, layer_of, pipeline_bounds, tp_plan
 
 # Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
 MASTER = "master"
-
-
-def layer_of(name: str) -> int:
-    """The pipeline layer of a model parameter name ``layers.<i>.…``."""
-    return int(name.split(".")[1])
 
 
 def keeps_masters(config: Config) -> bool:
@@ -97,10 +92,7 @@ def plan_ranks(
     layout = MeshLayout(par.mesh_axes)
     sizes = layout.as_dict()
     bases = {name: base_record(config, name, shape) for name, shape in params.items()}
-    costs: dict[int, int] = {}
-    for name, record in bases.items():
-        costs[layer_of(name)] = costs.get(layer_of(name), 0) + math.prod(record.local_shape(sizes))
-    bounds = pipeline_bounds(config, [costs[i] for i in sorted(costs)])
+    bounds = pipeline_bounds(config, layer_costs(params))
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
 
     def data_records(record: TensorPlacement) -> tuple[TensorPlacement, TensorPlacement]:

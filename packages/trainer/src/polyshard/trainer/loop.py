@@ -29,6 +29,7 @@ from polyshard.trainer.models import build_model
 from polyshard.trainer.models.transformer import Block
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
+from polyshard.trainer.plan import parameter_count
 from polyshard.trainer.reshard import Source, load_into
 from polyshard.trainer.state import state_tensors
 
@@ -191,13 +192,12 @@ def train(
     """
     train_cfg = config.training
     rank0 = dist.get_rank() == 0
-    torch.manual_seed(train_cfg.seed)
-    model = build_model(config.model)
-    for module in model.modules():
+    torch.manual_seed(train_cfg.seed)  # dropout; the weights have their own per-layer generators
+    engine = build_engine(config, mesh, device=_device())
+    for module in (m for chunk in engine.chunks.values() for m in chunk.modules()):
         if isinstance(module, Block):
             module.checkpoint_activations = train_cfg.activation_checkpointing
-    num_params = sum(p.numel() for p in model.parameters())
-    engine = build_engine(config, mesh, model.to(_device()))
+    num_params = parameter_count(config)
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
@@ -209,7 +209,6 @@ def train(
     flops_per_step = tokens_per_step * model_flops_per_token(
         num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
     )
-    del model
     for step in range(start, train_cfg.steps):
         started = time.perf_counter()
         lr = lr_at(

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, MixedPrecision, ParamSet, ZeroOptimizer
-from polyshard.ep import apply_expert_parallel, expert_parameters
+from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
 from polyshard.tp import (
@@ -51,11 +52,13 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
+from polyshard.trainer.models import build_model
 from polyshard.trainer.optim import param_groups
 
 
-def tp_plan(config: Config) -> dict:
-    """Megatron-style plan for the GPT/ViT layer names (``layers.{i}.attn.q_proj`` ...)."""
+def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
+    """Megatron-style plan for the GPT/ViT layer names (``layers.{i}.attn.q_proj`` ...), for every
+    pipeline layer or only ``layers``."""
     model, sp = config.model, config.parallel.sequence_parallel
     last = model.num_layers + 1
     blocks = [f"layers.{i}" for i in range(1, last)]
@@ -76,6 +79,8 @@ def tp_plan(config: Config) -> dict:
         plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
         if sp:
             plan[f"layers.{last}.norm"] = SequenceParallel()
+    if layers is not None:
+        plan = {pattern: style for pattern, style in plan.items() if layer_of(pattern) in layers}
     return plan
 
 
@@ -225,20 +230,42 @@ def _optimizer(wrapper: nn.Module, config: Config):
     return ZeroOptimizer(inner, wrapper)
 
 
-def build_engine(config: Config, mesh: Mesh, model: nn.Module) -> Engine:
-    """Apply TP -> EP -> PP -> DP/ZeRO to ``model`` (the same seeded full model on every rank)."""
+def layer_of(name: str) -> int:
+    """The pipeline layer of a model parameter name ``layers.<i>.…``."""
+    return int(name.split(".")[1])
+
+
+def layer_costs(shapes: Mapping[str, Sequence[int]]) -> list[int]:
+    """Parameters per pipeline layer, from global parameter shapes: what the pipeline split balances.
+    It does not depend on tp, ep or dp, so every layout with the same stages splits alike."""
+    costs: dict[int, int] = {}
+    for name, shape in shapes.items():
+        costs[layer_of(name)] = costs.get(layer_of(name), 0) + math.prod(shape)
+    return [costs[i] for i in sorted(costs)]
+
+
+def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu") -> Engine:
+    """Build this rank's pipeline layers and apply TP -> EP -> PP -> DP/ZeRO to them.
+
+    Only this rank's layers are materialised; each is seeded by its global
+    index (see :mod:`polyshard.trainer.models`), so every layout starts from the
+    numbers one process would build.
+    """
     par = config.parallel
-    if par.tp > 1:
-        tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config))
-    if config.model.kind == "moe-gpt":
-        apply_expert_parallel(model, group=mesh.group("ep"))
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    layers = list(model.layers)
-    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]  # this rank's tp/ep shares
-    bounds = pipeline_bounds(config, costs)
+    skeleton = build_model(config.model, layers=())  # the meta device: shapes only
+    bounds = pipeline_bounds(config, layer_costs({n: p.shape for n, p in skeleton.named_parameters()}))
     mine = schedule.stages_of(mesh.coord("pp"))
-    chunks = {s: nn.Sequential(*(layers[i] for i in bounds[s])) for s in mine}
-    del model, layers  # other stages' layers are freed here
+    owned = [i for s in mine for i in bounds[s]]
+    full = build_model(config.model, seed=config.training.seed, layers=owned, device=device)
+    model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
+    model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
+    del full, skeleton
+    if par.tp > 1:
+        tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
+    if any(isinstance(m, MoELayer) for m in model.modules()):
+        apply_expert_parallel(model, group=mesh.group("ep"))
+    chunks = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, chunk in chunks.items():
         _name_records_globally(chunk, bounds[s])
     for module in (m for chunk in chunks.values() for m in chunk.modules()):

@@ -1,16 +1,45 @@
-"""Models as plain PyTorch; each exposes ``model.layers``, its ordered pipeline layers."""
+"""Models as plain PyTorch; each exposes ``model.layers``, its ordered pipeline layers.
 
+Layer ``i`` draws its initial weights from its own generator, seeded from
+``(seed, i)``. A pipeline stage can therefore build just its own layers (the
+rest stay on the meta device: shapes, no memory) and get the same numbers as a
+full build on one process.
+"""
+
+from collections.abc import Collection
+
+import torch
 from torch import nn
 
 from polyshard.ep import MoEConfig
 from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.models.gpt import GPT
 from polyshard.trainer.models.moe import MoEMLP
+from polyshard.trainer.models.transformer import init_weights
 from polyshard.trainer.models.vit import ViT
 
 
-def build_model(config: ModelConfig) -> nn.Module:
-    """The unparallelised model described by ``config`` (seed torch before calling)."""
+def build_model(
+    config: ModelConfig, *, seed: int = 0, layers: Collection[int] | None = None, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``."""
+    with torch.device("meta"):
+        model = _construct(config)
+    for i in range(len(model.layers)) if layers is None else sorted(layers):
+        layer = model.layers[i].to_empty(device=device)
+        with torch.no_grad():
+            init_weights(layer, config.num_layers, generator=layer_generator(seed, i, device))
+    if getattr(config, "tie_embeddings", False) and config.kind != "vit":
+        model.layers[-1].proj.weight = model.layers[0].tok.weight  # to_empty gave each its own tensor
+    return model
+
+
+def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator layer ``layer``'s initial weights come from."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
+
+
+def _construct(config: ModelConfig) -> nn.Module:
     if config.kind == "vit":
         return ViT(
             image_size=config.image_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.trainer.models.transformer import Block, init_weights
+from polyshard.trainer.models.transformer import Block
 
 
 class Embedding(nn.Module):
@@ -62,7 +62,6 @@ class GPT(nn.Module):
         ]
         self.layers = nn.ModuleList([Embedding(vocab_size, context_length, hidden, dropout), *blocks])
         self.layers.append(LMHead(hidden, vocab_size))
-        init_weights(self, num_layers)
         if tie_embeddings:
             self.layers[-1].proj.weight = self.layers[0].tok.weight
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.trainer.models.transformer import Block, init_weights
+from polyshard.trainer.models.transformer import Block
 
 
 class PatchEmbedding(nn.Module):
@@ -62,7 +62,6 @@ class ViT(nn.Module):
         self.layers = nn.ModuleList(
             [PatchEmbedding(image_size, patch_size, channels, hidden), *blocks, ClassifierHead(hidden, num_classes)]
         )
-        init_weights(self, num_layers)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images
