@@ -78,7 +78,9 @@ def infer_shapes(
         if upstream is not None:
             try:
                 x = first_microbatch if stage == 0 else torch.zeros(upstream[0], dtype=upstream[1], device=device)
-                with torch.no_grad():
+                # fork_rng: this extra forward must not move the generator dropout draws from, or a
+                # resumed run (which infers shapes again) would draw other masks than an uninterrupted one.
+                with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
                     y = stages[stage](x)
                 out_meta = _checked_meta(y, stage)
                 found[stage] = (upstream, out_meta)
