@@ -215,3 +215,49 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
     # ... and that tolerance is far below what training moved: a misplaced shard would show.
     torch.manual_seed(config.training.seed)
     assert (logits - build_model(config.model)(tokens)).abs().max() > 0.1
+
+
+def _evaluate_in_order(config, tokens):
+    import datasets
+
+    from polyshard.trainer.data import ShardedLoader
+    from polyshard.trainer.loop import evaluate_batches, split_batch
+    from polyshard.trainer.parallelize import build_engine
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    data_ranks = config.parallel.dp * config.parallel.ep
+    loader = ShardedLoader(
+        datasets.Dataset.from_dict({"tokens": tokens.tolist()}),
+        batch_size=8 // data_ranks,
+        rank=mesh.group_rank(("dp", "ep")),
+        world_size=data_ranks,
+        seed=0,
+        shuffle=False,
+    )
+    sizes = [len(part["tokens"]) for part in loader.in_order()]
+    loss, _ = evaluate_batches(engine, (split_batch(config, part) for part in loader.in_order()))
+    return loss, mesh.group_rank(("dp", "ep")), sizes
+
+
+@pytest.mark.parametrize(
+    "kind, world, parallel",
+    [
+        pytest.param("gpt", 8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
+        pytest.param("moe-gpt", 4, {"dp": 2, "ep": 2}, id="moe-dp2xep2"),
+    ],
+)
+def test_evaluation_covers_the_whole_split_with_a_partial_last_batch(distributed, corpus, kind, world, parallel):
+    import torch
+
+    tokens = torch.randint(0, 256, (11, 17), generator=torch.Generator().manual_seed(4))  # batches of 8, then 3
+    reference = distributed.run(1, _evaluate_in_order, _config(corpus, kind), tokens)[0][0]
+    results = distributed.run(world, _evaluate_in_order, _config(corpus, kind, **parallel), tokens)
+    data_ranks = parallel["dp"] * parallel.get("ep", 1)
+    sizes = {data_rank: tuple(parts) for _, data_rank, parts in results}
+    # every data rank saw its part of both batches; with 4 data ranks one part of the last batch is empty
+    assert len(sizes) == data_ranks and sum(sum(parts) for parts in sizes.values()) == 11
+    assert any(0 in parts for parts in sizes.values()) == (data_ranks == 4)
+    for loss, _, _ in results:
+        # the mean over all 11 sequences, weighted by part size; only the order of float sums differs
+        assert loss == pytest.approx(reference, rel=2e-6)

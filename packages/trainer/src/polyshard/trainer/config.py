@@ -190,7 +190,7 @@ class TrainingConfig:
     eval_every: int = 50
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_batches: int = 4
-    """Batches per evaluation."""
+    """Global batches per evaluation, from the start of the validation split; 0 evaluates all of it."""
     sample_tokens: int = 200
     """Tokens of text to sample from the GPT at the end (0 disables)."""
 

@@ -102,21 +102,38 @@ def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
 
 
 def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
-    """Forward only, in eval mode (no dropout), chunk by chunk across the pipeline: (mean loss, accuracy)."""
+    """One batch (each data rank passes its own, of equal size), forward only in eval mode: (mean loss, accuracy)."""
+    return evaluate_batches(engine, [(inputs, targets)])
+
+
+def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
+    """Forward only, in eval mode (no dropout), chunk by chunk across the pipeline, over this data rank's
+    ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss and accuracy (ViT)
+    over every example of every data rank: parts of different sizes weigh by their size."""
     for chunk in engine.chunks.values():
         chunk.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, examples
     try:
-        return _evaluate(engine, inputs, targets)
+        for batch in batches:
+            totals += _evaluate(engine, *(t.to(engine.device) for t in batch))
     finally:
         for chunk in engine.chunks.values():
             chunk.train()
+    # Only the last stage's tp-rank-0 holds results (tp ranks hold equal copies); one all-reduce adds them up.
+    if not (engine.holds_last_stage and engine.mesh.coord("tp") == 0):
+        totals.zero_()
+    totals = totals.to(engine.device)
+    ops.all_reduce(totals)
+    loss, correct, count = totals.tolist()
+    return loss / count, (correct / count if engine.config.model.kind == "vit" else None)
 
 
 @torch.no_grad()
-def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
+def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(loss sum, correct, examples) of one batch on the last stage; zeros elsewhere."""
     schedule, mesh = engine.executor.schedule, engine.mesh
     pp_ranks = mesh.ranks_in_group("pp")
-    x, loss, accuracy = inputs, None, None
+    x, out = inputs, torch.zeros(3, dtype=torch.float64)
     for chunk in range(schedule.num_stages):
         holder = pp_ranks[schedule.rank_of(chunk)]
         if holder != mesh.rank:
@@ -127,16 +144,16 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tu
                 x = p2p.recv_with_meta(previous, mesh.group("pp"), device=engine.device)
         x = engine.wrappers[chunk](x)
         if chunk == schedule.num_stages - 1:
-            loss = engine.executor.loss_fn(x, targets)
-            if engine.config.model.kind == "vit":
-                accuracy = (x.argmax(-1) == targets).float().mean()
+            n = len(targets)
+            if n:  # an empty part still ran the forward (its collectives), but has no loss
+                out[0] = float(engine.executor.loss_fn(x, targets)) * n
+                out[1] = float((x.argmax(-1) == targets).sum()) if engine.config.model.kind == "vit" else 0.0
+                out[2] = n
         else:
             following = pp_ranks[schedule.rank_of(chunk + 1)]
             if following != mesh.rank:
                 p2p.send_with_meta(x, following, mesh.group("pp"))
-    return data_rank_mean(engine, loss), (
-        data_rank_mean(engine, accuracy) if engine.config.model.kind == "vit" else None
-    )
+    return out
 
 
 def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult, log: bool) -> int:
@@ -243,17 +260,12 @@ def train(
             record["mfu"] = flops_per_step / seconds / (config.logging.peak_tflops * 1e12 * dist.get_world_size())
         last = step + 1 == train_cfg.steps
         if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or last):
-            losses, accuracies = [], []
-            for _ in range(train_cfg.eval_batches):
-                batch = (t.to(engine.device) for t in split_batch(config, val_data.next_batch()))
-                val_loss, accuracy = evaluate(engine, *batch)
-                losses.append(val_loss)
-                accuracies.append(accuracy)
-            val_data.load_state_dict({"epoch": 0, "position": 0})  # the same validation batches every time
-            result.val_loss = record["val_loss"] = sum(losses) / len(losses)
+            batches = (split_batch(config, part) for part in val_data.in_order(train_cfg.eval_batches or None))
+            val_loss, accuracy = evaluate_batches(engine, batches)
+            result.val_loss = record["val_loss"] = val_loss
             record["val_perplexity"] = math.exp(min(result.val_loss, 50.0))
             if config.model.kind == "vit":
-                result.accuracy = record["accuracy"] = sum(accuracies) / len(accuracies)
+                result.accuracy = record["accuracy"] = accuracy
         if (step + 1) % config.logging.every == 0 or last:
             peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=engine.device)
             peaks = ops.all_gather(peak, 0)  # collective: every rank's peak

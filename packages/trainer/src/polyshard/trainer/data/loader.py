@@ -12,6 +12,8 @@ exactly the batches it would have seen.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
@@ -48,6 +50,21 @@ class ShardedLoader:
         self.position += self.global_batch
         part = split_dataset_by_node(self.dataset.select(indices), rank=self.rank, world_size=self.world_size)
         return part.with_format("torch")[:]
+
+    def in_order(self, limit: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """This data rank's part of each global batch of the dataset, unshuffled, the last batch partial;
+        at most ``limit`` batches (None: the whole dataset). A part may hold no examples (zero rows):
+        its rank still runs, so collectives inside the model (expert all-to-alls) stay matched."""
+        for number, start in enumerate(range(0, len(self.dataset), self.global_batch)):
+            if limit is not None and number >= limit:
+                return
+            size = min(self.global_batch, len(self.dataset) - start)
+            # split_dataset_by_node's contiguous split, which it refuses when ranks outnumber examples
+            base, extra = divmod(size, self.world_size)
+            first = start + base * self.rank + min(self.rank, extra)
+            count = base + (1 if self.rank < extra else 0)
+            rows = self.dataset.select(range(first, first + count) if count else [0]).with_format("torch")[:]
+            yield {k: v[:count] for k, v in rows.items()}
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}

@@ -26,11 +26,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # (B, S, H) -> (B, N, S, D); N is whatever this rank holds.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
+        # dim alone, so an empty batch (B = 0) works too.
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -39,7 +39,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):
