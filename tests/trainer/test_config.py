@@ -41,6 +41,7 @@ def test_defaults_are_valid():
         ({"training": {"precision": "fp8"}}, "choose one of \\['fp32', 'bf16'\\]"),
         ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),
         ({"data": {"val_fraction": 1.5}}, "strictly between 0 and 1"),
+        ({"parallel": {"stage_layers": [2, 0]}}, "must be a list of layer counts >= 1"),
     ],
 )
 def test_bad_fields(raw, message):
@@ -67,6 +68,13 @@ def test_bad_fields(raw, message):
         ({"model": {"kind": "moe-gpt"}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2, "moe-gpt"),
         ({"model": {"kind": "moe-gpt", "num_experts": 6}, "parallel": {"ep": 4}}, 4, "choose ep in \\[1, 2, 3, 6\\]"),
         ({"parallel": {"dp": 2, "microbatches": 3}, "training": {"global_batch_size": 16}}, 2, "multiple of 6"),
+        ({"parallel": {"pp": 2, "stage_layers": [3, 2]}}, 2, "layer counts that add up to 6"),
+        ({"parallel": {"pp": 2, "stage_layers": [6]}}, 2, "must give 2 pipeline chunks"),
+        (
+            {"model": {"kind": "moe-gpt"}, "parallel": {"ep": 2, "zero_stage": 3}},
+            2,
+            "zero_stage=3 with parallel.ep=2 is not supported",
+        ),
         ({"model": {"kind": "vit"}}, 1, "set data.source='digits'"),
         ({"data": {"source": "digits"}}, 1, "needs model.kind='vit'"),
     ],
