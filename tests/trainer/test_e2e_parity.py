@@ -7,7 +7,6 @@ is the same whatever the layout (see polyshard.trainer.data.loader).
 """
 
 import dataclasses
-import random
 
 import pytest
 import torch.distributed as dist
@@ -26,15 +25,6 @@ DENSE_RTOL = 2e-5
 # losses agree to ~1e-5 and the gradient norms (which include the aux gradient) to ~1e-3.
 # Without the aux loss the layouts compute the same maths and DENSE_RTOL applies.
 MOE_RTOL = 2e-4
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = random.Random(0)
-    words = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)))
-    return str(path)
 
 
 def _config(corpus, kind="gpt", aux_loss_weight=0.01, **parallel):

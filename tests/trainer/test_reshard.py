@@ -6,7 +6,6 @@ writes them. Resharding itself runs in this process: it needs no group.
 """
 
 import dataclasses
-import random
 
 import pytest
 import torch
@@ -48,15 +47,6 @@ SOURCES = {
         },
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    rng = random.Random(1)
-    words = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)))
-    return str(path)
 
 
 def _config(corpus, kind="gpt", precision="fp32", **parallel):

@@ -28,15 +28,10 @@ from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config
-from polyshard.trainer.parallelize import layer_costs, layer_of, pipeline_bounds, tp_plan
+from polyshard.trainer.parallelize import keeps_masters, layer_costs, layer_of, pipeline_bounds, tp_plan
 
 # Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
 MASTER = "master"
-
-
-def keeps_masters(config: Config) -> bool:
-    """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
-    return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
 
 
 def model_dtype(config: Config) -> torch.dtype:

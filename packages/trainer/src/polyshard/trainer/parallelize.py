@@ -225,9 +225,14 @@ def _optimizer(wrapper: nn.Module, config: Config):
     inner = torch.optim.AdamW(
         param_groups(wrapper.module, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2)
     )
-    if config.parallel.zero_stage == 0 and config.training.precision == "fp32":
+    if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)
+
+
+def keeps_masters(config: Config) -> bool:
+    """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
+    return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
 
 
 def layer_of(name: str) -> int:

@@ -33,6 +33,7 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -114,7 +115,7 @@ class Source:
                         )
                     )
 
-    @property
+    @functools.cached_property
     def config(self) -> Config:
         """The settings of the run that saved the checkpoint."""
         if "config" not in self.index:
