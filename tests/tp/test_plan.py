@@ -15,6 +15,7 @@ from polyshard.tp import (
     ShardHeads,
     TPEntry,
     TPShapeError,
+    VocabParallel,
     heads_per_rank,
     is_sequence_parallel,
     parallelize,
@@ -92,6 +93,16 @@ def _bad_plans():
     entered = parallelize(Block(24, 6, 6), tp_group=group, plan={"attn": TPEntry()})
     with pytest.raises(PlanError, match=r"TPEntry\(.*\) on 'attn' needs the activation as the first positional"):
         entered.attn(x=torch.zeros(1, 4, 24))
+    # A tied embedding and head must be converted together and alike, or they would silently untie.
+    tied = GPT(50, 32, 4, 1, max_seq=8)
+    tied.head.weight = tied.tok.weight
+    with pytest.raises(
+        PlanError, match=r"\['tok.weight', 'head.weight'\] are one shared parameter.*only some.*\['head"
+    ):
+        parallelize(tied, tp_group=group, plan={"tok": VocabParallel()})
+    with pytest.raises(PlanError, match="splits it differently in each user"):
+        parallelize(tied, tp_group=group, plan={"tok": VocabParallel(), "head": RowParallel()})
+    assert isinstance(tied.tok, nn.Embedding) and tied.head.weight is tied.tok.weight  # untouched
     return True
 
 

@@ -70,6 +70,40 @@ def _styles(styles) -> list:
     return list(styles) if isinstance(styles, (list, tuple)) else [styles]
 
 
+def _check_shared(model: nn.Module, work, tp: int) -> dict[int, list[tuple[str, str]]]:
+    """Parameters that several modules share (a tied embedding and output head), by ``id``:
+    the (module name, parameter name) of each user. A shared parameter stays one parameter
+    only if every user is converted with the same layout; anything else would silently untie it."""
+    users: dict[int, list[tuple[str, str]]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for full_name, param in model.named_parameters(remove_duplicate=False):
+        module, _, attr = full_name.rpartition(".")
+        users.setdefault(id(param), []).append((module, attr))
+        tensors[id(param)] = param
+    converting = {name: style for name, _, style in work if style.replaces}
+    shared = {key: where for key, where in users.items() if len(where) > 1}
+    for key, where in shared.items():
+        names = [f"{m}.{a}" for m, a in where]
+        converted = [(m, a) for m, a in where if m in converting]
+        if not converted:
+            continue
+        if len(converted) != len(where):
+            left = [f"{m}.{a}" for m, a in where if m not in converting]
+            raise PlanError(
+                f"{names} are one shared parameter, but the plan converts only some of its users; "
+                f"add a style for {left} (e.g. VocabParallel() for a tied embedding and head) or untie them"
+            )
+        shape = tuple(tensors[key].shape)
+        layouts = {converting[m].param_placement(a, shape, tp) for m, a in converted}
+        if len(layouts) > 1:
+            raise PlanError(
+                f"{names} are one shared parameter, but the plan splits it differently in each user "
+                f"({', '.join(str(converting[m]) for m, _ in converted)}); use one style (VocabParallel() for "
+                "a tied embedding and head) so every user holds the same shard"
+            )
+    return shared
+
+
 def planned_placement(plan: Mapping, name: str, shape: tuple[int, ...], tp: int, axis: str = "tp") -> TensorPlacement:
     """The record :func:`parallelize` with ``plan`` gives the parameter ``name`` (full ``shape``) on
     ``tp`` ranks, computed from names alone: no model, no process group. Checkpoint resharding uses
@@ -106,9 +140,18 @@ def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None, plan: M
     work = _resolve(model, plan)
     for name, module, style in work:
         style.check(module, name, tp)
+    shared = _check_shared(model, work, tp)
+    # A converted module slices its own copy of each weight; users of one shared weight must end up
+    # holding one parameter again (the first user's shard), or a tied pair would silently untie.
+    shard_of: dict[tuple[str, str], int] = {user: key for key, where in shared.items() for user in where}
+    new_shared: dict[int, nn.Parameter] = {}
     for name, module, style in work:
         new = style.apply(module, name, tp_group, axis)
         if new is not module:
+            for attr, param in list(new.named_parameters(recurse=False)):
+                key = shard_of.get((name, attr))
+                if key is not None:
+                    setattr(new, attr, new_shared.setdefault(key, param))
             _replace(model, name, new)
     name_placements(model, axis)
     return model
