@@ -37,11 +37,19 @@ def _wrap(stage: int, mixed_precision=None, group=None):
     return wrapped, ZeroOptimizer(adamw(wrapped.parameters()), wrapped)
 
 
+def _units(wrapped, stage):
+    return wrapped.reduce_order if stage == 3 else wrapped.buckets()
+
+
 def _padding(wrapped, stage):
     if stage == 0:
         return 0
-    units = wrapped.reduce_order if stage == 3 else wrapped.buckets()
-    return sum(u.layout.padding_numel for u in units)
+    return sum(u.layout.padding_numel for u in _units(wrapped, stage))
+
+
+def _flag_bytes(wrapped, stage, itemsize=4):
+    """Gradient reductions carry one presence flag per parameter in every rank's row (float32 here)."""
+    return itemsize * sum(u.layout.n * len(u.params) for u in _units(wrapped, stage))
 
 
 def _measure(stage: int):
@@ -57,7 +65,8 @@ def _measure(stage: int):
     for measured, factor, extra, what in zip(
         (report.params, report.grads, report.optimizer_state),
         per_psi,
-        (0, 0, 4 * num_params),  # AdamW keeps one float32 `step` scalar per parameter
+        # Gradients: the presence flags; AdamW keeps one float32 `step` scalar per parameter.
+        (0, _flag_bytes(wrapped, stage), 4 * num_params),
         ("params", "grads", "optimizer state"),
     ):
         low = factor * psi
@@ -78,20 +87,21 @@ def _wire_per_step(stage: int):
     wrapped, opt = _wrap(stage)  # float32 params and grads: 4 bytes each
     psi_bytes = 4 * sum(p.numel() for p in wrapped.parameters())
     padded_bytes = psi_bytes + 4 * _padding(wrapped, stage)
+    flags = _flag_bytes(wrapped, stage)  # travel with the gradients, not with the parameters
     with CommLedger() as ledger:
         local_step_loss(wrapped, 0, 1, None)
         opt.step()
     if stage == 3:
         # Two all-gathers (forward, backward) and one reduce-scatter of every parameter.
         assert ledger.total("all_gather") == 2 * padded_bytes
-        assert ledger.total("reduce_scatter") == padded_bytes
-        assert 3 * psi_bytes <= ledger.total("all_gather") + ledger.total("reduce_scatter") <= 3 * padded_bytes
+        assert ledger.total("reduce_scatter") == padded_bytes + flags
+        assert 3 * psi_bytes <= ledger.total("all_gather") + ledger.total("reduce_scatter") <= 3 * padded_bytes + flags
         return True
     wire = ledger.wire()  # the test's own loss all-reduce bypasses the ledger (plain dist)
     # Plain DP: one all-reduce of the gradients. ZeRO-1/2: reduce-scatter of the
     # gradients plus all-gather of the parameters, the same 2(N-1)/N volume.
     assert 2 * (n - 1) / n * psi_bytes <= wire + 1e-6
-    assert wire <= 2 * (n - 1) / n * padded_bytes + 1e-6
+    assert wire <= 2 * (n - 1) / n * (padded_bytes + flags) + 1e-6
     if stage == 0:
         assert ledger.calls("all_gather") == 0 and ledger.calls("reduce_scatter") == 0
     else:

@@ -94,14 +94,15 @@ def _reduce_bytes(reduce_dtype):
     with CommLedger() as ledger:
         local_step_loss(wrapped, 0, 1, dist.group.WORLD)
         opt.step()
-    return ledger.total("reduce_scatter"), ledger.total("all_gather")
+    flags = sum(b.layout.n * len(b.params) for b in wrapped.buckets())  # one presence flag per parameter and row
+    return ledger.total("reduce_scatter"), ledger.total("all_gather"), flags
 
 
 def test_reduce_dtype_sets_gradient_bytes(distributed):
-    (fp32_rs, fp32_ag), _ = distributed.run(2, _reduce_bytes, torch.float32)
-    (bf16_rs, bf16_ag), _ = distributed.run(2, _reduce_bytes, None)
-    assert fp32_rs == 2 * bf16_rs  # gradients travel as fp32 when asked, bf16 otherwise
-    assert fp32_ag == bf16_ag == bf16_rs  # parameters always travel in bf16
+    (fp32_rs, fp32_ag, flags), _ = distributed.run(2, _reduce_bytes, torch.float32)
+    (bf16_rs, bf16_ag, _), _ = distributed.run(2, _reduce_bytes, None)
+    assert fp32_rs == 2 * bf16_rs  # gradients (and their flags) travel as fp32 when asked, bf16 otherwise
+    assert fp32_ag == bf16_ag == bf16_rs - 2 * flags  # parameters always travel in bf16
 
 
 def _frozen_layer(stage: int):

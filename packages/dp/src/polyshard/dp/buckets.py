@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.dp.layout import FlatLayout
+from polyshard.dp.layout import FlatLayout, GradBuffer
 
 
 def assign_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
@@ -55,8 +55,9 @@ class Bucket:
         n = 1 if stage == 0 else dist.get_world_size(group)
         self.layout = FlatLayout([tuple(p.shape) for p in self.params], n)
         self.ready: set[int] = set()  # indices whose gradient is final for this step
-        self.buffer: torch.Tensor | None = None  # (layout.numel,) all gradients, reduce dtype
+        self.buffer: GradBuffer | None = None  # every gradient (and presence flags), reduce dtype
         self.shard: torch.Tensor | None = None  # (layout.shard_numel,) this rank's reduced rows
+        self.present: list[bool] = [False] * len(self.params)  # did any rank produce each gradient
         self.work = None
         self.launched = False
 
@@ -65,46 +66,59 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
     def launch(self) -> None:
-        """Pack the gradients (missing ones count as zeros) and start the reduction."""
+        """Pack the gradients (missing ones count as zeros, and are flagged so) and start the reduction."""
         device = self.params[0].device
         if self.buffer is None:
-            self.buffer = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=device)
-        self.layout.pack([p.grad for p in self.params], self.buffer)
+            self.buffer = GradBuffer(self.layout, self.reduce_dtype, device)
+        self.buffer.pack([p.grad for p in self.params])
         for p in self.params:
             p.grad = None  # the buffer holds them now; drop autograd's copies
         if self.stage == 0:
-            self.work = ops.all_reduce(self.buffer, self.group, async_op=True)
+            self._reduced = self.buffer.data
+            self.work = ops.all_reduce(self.buffer.data, self.group, async_op=True)
         else:
-            self.shard = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=device)
-            self.work = ops.reduce_scatter_flat(self.shard, self.buffer, self.group, async_op=True)
+            self._reduced = torch.empty(self.buffer.row, dtype=self.reduce_dtype, device=device)
+            self.work = ops.reduce_scatter_flat(self._reduced, self.buffer.data, self.group, async_op=True)
         self.launched = True
 
     def wait(self) -> None:
-        """Finish the reduction and turn the sum into the average."""
+        """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
         self.work.wait()
         self.work = None
+        grads, self.present = self.buffer.split(self._reduced)
+        self._reduced = None
+        grads.div_(self.divide_by)
         if self.stage == 0:
-            self.buffer.div_(self.divide_by)
+            self.shard = grads
             for index, p in enumerate(self.params):
-                if p.dtype == self.reduce_dtype:  # gradient as a view of the bucket, as DDP does
-                    p.grad = self.layout.unpack(self.buffer, index)
+                if p.dtype == self.reduce_dtype and self.present[index]:  # a view of the bucket, as DDP does
+                    p.grad = self.layout.unpack(grads, index)
             return
-        self.shard.div_(self.divide_by)
         if self.stage == 1:
             # Keep only the full buffer: this rank's rows of it become the reduced shard.
-            mine = self.buffer.view(self.layout.n, self.layout.shard_numel)[self.rank]
-            mine.copy_(self.shard)
+            mine = self.buffer.grid[self.rank]
+            mine.copy_(grads)
             self.shard = mine
         else:
+            self.shard = grads
             self.buffer = None
 
     def grad_shard(self, index: int) -> torch.Tensor | None:
-        """This rank's reduced, averaged rows of parameter ``index`` (the whole gradient at stage 0)."""
+        """This rank's reduced, averaged rows of parameter ``index`` (the whole gradient at stage 0);
+        None when no rank produced a gradient for it this step."""
+        if self.shard is None or not self.present[index]:
+            return None
         if self.stage == 0:
-            return None if self.buffer is None else self.layout.unpack(self.buffer, index)
-        return None if self.shard is None else self.layout.shard_view(self.shard, index)
+            return self.layout.unpack(self.shard, index)
+        return self.layout.shard_view(self.shard, index)
 
     def drop_grads(self) -> None:
         """After the optimizer step: stage 2 frees its shard (stages 0/1 reuse the buffer next step)."""
+        self.present = [False] * len(self.params)
         if self.stage == 2:
             self.shard = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradient memory this bucket holds now (for memory accounting)."""
+        held = [] if self.buffer is None else [self.buffer.data]
+        return held + ([self.shard] if self.shard is not None and self.stage == 2 else [])

@@ -12,6 +12,8 @@ receives the averaged gradient rows it will update) for use with
 :class:`polyshard.dp.ZeroOptimizer`; stage 2 also keeps only those rows.
 Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
 experts over the expert-data-parallel group and the rest over dp x ep.
+Buffers (BatchNorm statistics) are broadcast from the group's first rank
+before every forward, as DDP does (``broadcast_buffers=False`` turns it off).
 
 With ``mixed_precision`` (any stage) the reduced gradients live in the fp32
 buckets, not in ``p.grad`` (which stays None): step with
@@ -66,6 +68,7 @@ class DataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         param_sets: Sequence[ParamSet] = (),
         axis: str | tuple[str, ...] = "dp",
+        broadcast_buffers: bool = True,
     ):
         super().__init__()
         if zero_stage not in (0, 1, 2):
@@ -77,6 +80,7 @@ class DataParallel(nn.Module):
             raise DataParallelError(f"bucket_cap_mb={bucket_cap_mb} must be positive (25 is a good default)")
         self.module, self.group, self.zero_stage, self.axis = module, group, zero_stage, axis
         self.mixed_precision = mixed_precision
+        self.broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._grads_pending = False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones are not reduced
@@ -174,9 +178,26 @@ class DataParallel(nn.Module):
             # A rank whose backward ends up producing no gradient must still join this step's
             # reductions in finish_grad_sync, or the ranks that did would wait for it forever.
             self._grads_pending = True
+        if self.broadcast_buffers:
+            self._sync_buffers()
         if self.mixed_precision is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
         return self.module(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        """Give every replica the first rank's buffers (BatchNorm's running statistics, which each rank
+        updates from its own batch), before each forward, as DDP does by default: one broadcast per dtype."""
+        buffers = [b for b in self.module.buffers() if b is not None]
+        if not buffers or dist.get_world_size(self.group) == 1:
+            return
+        src = dist.get_process_group_ranks(self.group)[0] if self.group is not dist.group.WORLD else 0
+        with torch.no_grad():
+            for dtype in dict.fromkeys(b.dtype for b in buffers):
+                same = [b for b in buffers if b.dtype == dtype]
+                flat = torch.cat([b.reshape(-1) for b in same])
+                ops.broadcast(flat, src, self.group)
+                for b, value in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(value.view_as(b))
 
     def _make_hook(self, queue: list[Bucket]):
         def hook(param: nn.Parameter) -> None:
@@ -221,7 +242,9 @@ class DataParallel(nn.Module):
         Buckets not yet launched (a parameter got no gradient on this rank this
         step) are launched now with zeros for the missing gradients, in the
         same order on every rank, so no rank waits on a collective another
-        skipped. A parameter with no gradient anywhere gets a zero gradient.
+        skipped. A parameter with no gradient on any rank keeps ``grad = None``
+        (the presence flags travel in the same reduction), so the optimizer
+        skips it, as it would on one process.
         """
         if not self._grads_pending:
             return
@@ -283,7 +306,7 @@ class DataParallel(nn.Module):
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds for parameters and gradients (for :func:`polyshard.dp.bytes_held`)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        grads += [t for b in self.buckets() for t in (b.buffer, b.shard) if t is not None]
+        grads += [t for b in self.buckets() for t in b.tensors()]
         return {"params": list(self.module.parameters()), "grads": grads}
 
     @staticmethod

@@ -85,7 +85,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def _make_units(self, named, blocks, axis) -> list[Unit]:
         name_of = {id(p): n for n, p in named}
-        units, seen = [], set()
+        # A parameter used by several blocks (a tied embedding and output head) must stay gathered from
+        # the first user's forward to the last user's backward: it belongs to the root unit, which
+        # encloses every block (gathered when the forward starts, freed once its gradients are reduced).
+        users: dict[int, int] = {}
+        for block in blocks:
+            for p in {id(p): p for p in block.parameters()}.values():
+                users[id(p)] = users.get(id(p), 0) + 1
+        units, seen = [], {key for key, count in users.items() if count > 1}
         for block in blocks:
             members = [(name_of[id(p)], p) for p in block.parameters() if id(p) in name_of and id(p) not in seen]
             if not members:
@@ -178,7 +185,7 @@ class FullyShardedDataParallel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for unit in self.reduce_order:
-            unit.grad_shard = None
+            unit.drop_grads()
 
     # -- what ZeroOptimizer needs ------------------------------------------------------
     def owned_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -197,7 +204,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
         unit, index = self._where[id(param)]
-        return None if unit.grad_shard is None else unit.layout.shard_view(unit.grad_shard, index)
+        return unit.grad_of(index)
 
     def write_params(self, values: dict[int, torch.Tensor]) -> None:
         for unit in self.reduce_order:

@@ -90,9 +90,14 @@ class FlatLayout:
     def padding_numel(self) -> int:
         return self.numel - sum(math.prod(s.shape) for s in self.specs)
 
+    def _grid(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (numel,) as (n, shard_numel); a 2-D tensor is taken as that grid already (it may be
+        the leading columns of a wider buffer, as when gradients travel with presence flags)."""
+        return flat if flat.dim() == 2 else flat.view(self.n, self.shard_numel)
+
     def pack(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
         """Write full tensors (None = zeros) into ``out`` (numel,) in rank-major order."""
-        grid = out.view(self.n, self.shard_numel)
+        grid = self._grid(out)
         for spec, offset, t in zip(self.specs, self.offsets, tensors):
             piece = grid[:, offset : offset + spec.shard_numel]
             if t is None:
@@ -102,9 +107,9 @@ class FlatLayout:
         return out
 
     def unpack(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index`` rebuilt from a full flat buffer (a view when n == 1)."""
+        """Parameter ``index`` rebuilt from a full flat buffer or its grid (a view when n == 1)."""
         spec, offset = self.specs[index], self.offsets[index]
-        piece = flat.view(self.n, self.shard_numel)[:, offset : offset + spec.shard_numel]
+        piece = self._grid(flat)[:, offset : offset + spec.shard_numel]
         rows = piece.reshape(spec.n * spec.rows_per_rank, *spec.rest)[: spec.rows]
         return rows.reshape(spec.shape)
 
@@ -143,3 +148,41 @@ def shard_record(
         padded = base.padded_shape
     sharded = tuple((a, Shard(0)) for a in axes)
     return TensorPlacement(base.name if base else name, global_shape, (*others, *sharded), layer, padded)
+
+
+class GradBuffer:
+    """A flat gradient buffer whose every rank row ends with one presence flag per parameter.
+
+    Reducing gradients also has to say *whether* anyone produced one: a parameter
+    that no rank used this step must keep ``grad = None`` (so AdamW neither decays
+    nor moves it, as on one process and under PyTorch's DDP), while zeros from
+    the ranks that did not use it still count in the average. Each rank writes
+    1 or 0 per parameter into the flag columns of every row, so the same
+    all-reduce or reduce-scatter that sums the gradients also counts, per
+    parameter, the ranks that had one; no extra collective runs::
+
+        layout rows (n = 2):  [ p rows | q rows | flag p  flag q ]   rank 0's row
+                              [ p rows | q rows | flag p  flag q ]   rank 1's row
+    """
+
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
+        self.layout = layout
+        self.flags = len(layout.specs)
+        self.row = layout.shard_numel + self.flags
+        self.data = torch.empty(layout.n * self.row, dtype=dtype, device=device)
+
+    @property
+    def grid(self) -> torch.Tensor:
+        """The gradient columns, (n, shard_numel), for :meth:`FlatLayout.pack` and ``unpack``."""
+        return self.data.view(self.layout.n, self.row)[:, : self.layout.shard_numel]
+
+    def pack(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Write the gradients (None = zeros) and their presence flags."""
+        self.layout.pack(grads, self.grid)
+        present = torch.tensor([g is not None for g in grads], dtype=self.data.dtype)
+        self.data.view(self.layout.n, self.row)[:, self.layout.shard_numel :].copy_(present.to(self.data.device))
+
+    def split(self, reduced: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
+        """A reduced row (row,) -> (its gradient columns, per parameter: did any rank have one)."""
+        cut = self.layout.shard_numel
+        return reduced[:cut], (reduced[cut:] > 0).tolist()

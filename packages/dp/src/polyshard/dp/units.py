@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.dp.layout import FlatLayout, shard_record
+from polyshard.dp.layout import FlatLayout, GradBuffer, shard_record
 from polyshard.mesh import get_placement, set_placement
 
 
@@ -45,6 +45,7 @@ class Unit:
         self.ready: set[int] = set()
         self.launched = False
         self.grad_shard: torch.Tensor | None = None  # (shard_numel,) averaged, summed over backwards
+        self.present = [False] * len(self.params)  # did any rank produce each gradient this step
 
     # -- parameters ---------------------------------------------------------------
     def start_gather(self) -> None:
@@ -96,22 +97,34 @@ class Unit:
         return len(self.ready) == len(self.params)
 
     def launch_reduce(self) -> None:
-        """Reduce-scatter this backward's gradients (missing ones are zeros), then free the block."""
-        buffer = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.local.device)
-        self.layout.pack([p.grad for p in self.params], buffer)
+        """Reduce-scatter this backward's gradients (missing ones are zeros, flagged so), then free the block."""
+        buffer = GradBuffer(self.layout, self.reduce_dtype, self.local.device)
+        buffer.pack([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.local.device)
-        self._reduce = (ops.reduce_scatter_flat(out, buffer, self.group, async_op=True), buffer, out)
+        out = torch.empty(buffer.row, dtype=self.reduce_dtype, device=self.local.device)
+        self._reduce = (ops.reduce_scatter_flat(out, buffer.data, self.group, async_op=True), buffer, out)
         self.launched = True
         self.free()
 
     def wait_reduce(self) -> None:
         """Finish the reduce-scatter and add the average into ``grad_shard`` (gradient accumulation)."""
-        work, _, out = self._reduce
+        work, buffer, out = self._reduce
         work.wait()
         self._reduce = None
-        out.div_(self.n)
-        self.grad_shard = out if self.grad_shard is None else self.grad_shard.add_(out)
+        grads, present = buffer.split(out)
+        grads.div_(self.n)
+        self.grad_shard = grads if self.grad_shard is None else self.grad_shard.add_(grads)
+        self.present = [a or b for a, b in zip(self.present, present)]
         self.ready.clear()
         self.launched = False
+
+    def grad_of(self, index: int) -> torch.Tensor | None:
+        """This rank's averaged rows of parameter ``index``'s gradient; None if no rank produced one."""
+        if self.grad_shard is None or not self.present[index]:
+            return None
+        return self.layout.shard_view(self.grad_shard, index)
+
+    def drop_grads(self) -> None:
+        self.grad_shard = None
+        self.present = [False] * len(self.params)
