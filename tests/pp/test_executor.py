@@ -164,15 +164,18 @@ def _shape_mismatch():
     builders[4] = lambda: nn.Linear(2 * models.HIDDEN, models.HIDDEN)  # stage 1 expects width 32, gets 16
     try:
         _run_step("1f1b", 2, builders=builders)
-    except StageShapeError as err:
-        return str(err)
+    except Exception as err:
+        return type(err).__name__, str(err), getattr(err, "__notes__", [])
     return None
 
 
 def test_mismatched_stage_shapes_name_rank_and_action(distributed):
-    rank0, rank1 = distributed.run(2, _shape_mismatch)
-    assert rank1.startswith("rank 1, action 1F0: stage 1 cannot take the output of stage 0 (shape (2, 16)")
-    assert "rank 1 found that a stage cannot take its neighbour's output" in rank0
+    (kind0, text0, _), (kind1, text1, notes1) = distributed.run(2, _shape_mismatch)
+    # The failing rank raises the layer's own error, noted with where it happened and what came in.
+    assert kind1 == "RuntimeError" and "shapes cannot be multiplied" in text1
+    assert notes1[0].startswith("raised in stage 1 at rank 1, action 1F0")
+    assert "on the output of stage 0 (shape (2, 16)" in notes1[0]
+    assert kind0 == "StageShapeError" and "pipeline rank 1 failed in its stage's first forward" in text0
 
 
 class _ReturnsTuple(models.Layer):
@@ -198,7 +201,33 @@ def test_a_stage_returning_a_non_tensor_fails_every_rank(distributed):
     messages = distributed.run(2, _non_tensor_stage, timeout_s=60)
     assert all(m is not None for m in messages)  # every rank raised StageShapeError, none hung
     assert sum("tuple" in m for m in messages) == 1  # the failing rank says what went wrong
-    assert sum("found that a stage cannot take its neighbour's output" in m for m in messages) == 1
+    assert sum("failed in its stage's first forward" in m for m in messages) == 1
+
+
+class _Broken(models.Layer):
+    """A layer with a bug (not a shape problem) in its forward."""
+
+    def forward(self, x):
+        raise KeyError("a bug inside the layer")
+
+
+def _failing_first_stage():
+    builders = models.builders()
+    builders[1] = lambda: _Broken(1, models.HIDDEN)  # inside stage 0
+    try:
+        _run_step("1f1b", 2, builders=builders)
+    except Exception as err:
+        return type(err).__name__, getattr(err, "__notes__", [])
+    return None
+
+
+def test_a_bug_in_a_stage_is_raised_as_itself(distributed):
+    # Before: rank 0 reported "stage 0 cannot take the output of stage -1", a shape error hiding the cause.
+    (kind0, notes0), (kind1, _) = distributed.run(2, _failing_first_stage, timeout_s=60)
+    assert kind0 == "KeyError" and notes0 == [
+        "raised in stage 0 at rank 0, action 0F0 (the pipeline's first forward, which infers shapes)"
+    ]
+    assert kind1 == "StageShapeError"  # the neighbour does not hang: it points at rank 0
 
 
 def _bad_batch():

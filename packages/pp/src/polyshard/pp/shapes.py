@@ -3,9 +3,12 @@
 Receivers need buffers of the right shape. Stage 0 runs on a real microbatch,
 then each stage tells the next one the shape and dtype of its output (a small
 int64 header); the next stage runs itself on zeros of that shape to learn its
-own output shape. A stage that cannot take its neighbour's output is reported
-to every rank (an all-reduce of the failing stage), so all ranks raise
-:class:`StageShapeError` instead of some waiting forever.
+own output shape. A failure in any stage's forward is reported to every rank
+(an all-reduce of the failing rank), so none waits forever: the failing rank
+raises its own error, with a note naming the stage, its input shape and the
+action; the others raise :class:`StageShapeError` pointing at it. A stage
+output the header cannot carry (not one tensor, another dtype) is itself a
+:class:`StageShapeError`.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def _header(meta: Meta | None, device: torch.device) -> torch.Tensor:
 def _checked_meta(y, stage: int) -> Meta:
     """The (shape, dtype) a stage sends on, if the header can describe it."""
     if not isinstance(y, torch.Tensor):
-        raise TypeError(f"stage {stage} returned {type(y).__name__}; a pipeline stage must return one tensor")
+        raise StageShapeError(f"stage {stage} returned {type(y).__name__}; a pipeline stage must return one tensor")
     if y.dtype not in DTYPES or y.dim() > MAX_DIMS:
-        raise TypeError(
+        raise StageShapeError(
             f"stage {stage} returned {y.dtype} with {y.dim()} dims; "
             f"stages may pass {DTYPES} with at most {MAX_DIMS} dims"
         )
@@ -62,7 +65,7 @@ def infer_shapes(
     device: torch.device,
 ) -> dict[int, tuple[Meta, Meta]]:
     """(input meta, output meta) for each of this rank's stages, in stage order along the chain."""
-    rank, found, failure = dist.get_rank(group), {}, ""
+    rank, found, failure = dist.get_rank(group), {}, None
     upstream: Meta | None = None
     for stage in range(schedule.num_stages):
         owner = schedule.rank_of(stage)
@@ -84,12 +87,19 @@ def infer_shapes(
                     y = stages[stage](x)
                 out_meta = _checked_meta(y, stage)
                 found[stage] = (upstream, out_meta)
+            except StageShapeError as err:
+                failure = err
             except Exception as err:  # any failure here must reach every rank, or the others wait forever
-                failure = (
-                    f"rank {rank}, action {stage}F0: stage {stage} cannot take the output of stage {stage - 1} "
-                    f"(shape {upstream[0]}, {upstream[1]}): {err}. Make stage {stage}'s first layer accept "
-                    f"shape {upstream[0]} or change stage {stage - 1}'s last layer to produce what it expects"
-                )
+                # Raised as what it is (a bug in a layer is not a shape error); the note says where.
+                where = f"rank {rank}, action {stage}F0 (the pipeline's first forward, which infers shapes)"
+                if stage > 0:
+                    where += (
+                        f", on the output of stage {stage - 1} (shape {upstream[0]}, {upstream[1]}); if the "
+                        f"shapes disagree, make stage {stage}'s first layer accept that shape or change "
+                        f"stage {stage - 1}'s last layer"
+                    )
+                err.add_note(f"raised in stage {stage} at {where}")
+                failure = err
         next_owner = schedule.rank_of(stage + 1) if stage + 1 < schedule.num_stages else rank
         if next_owner != rank:
             p2p.send(_header(out_meta, device), peers[next_owner], group)
@@ -98,12 +108,13 @@ def infer_shapes(
     return found
 
 
-def _raise_if_any_failed(failure: str, group: dist.ProcessGroup | None, device: torch.device) -> None:
+def _raise_if_any_failed(failure: Exception | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
     flag = torch.tensor([dist.get_rank(group) + 1 if failure else 0], dtype=torch.int64, device=device)
     ops.all_reduce(flag, group, op=dist.ReduceOp.MAX)
-    if failure:
-        raise StageShapeError(failure)
+    if failure is not None:
+        raise failure
     if flag.item():
         raise StageShapeError(
-            f"rank {int(flag.item()) - 1} found that a stage cannot take its neighbour's output; see its error"
+            f"pipeline rank {int(flag.item()) - 1} failed in its stage's first forward (shape inference); "
+            "its own error says why"
         )
