@@ -51,6 +51,7 @@ class Mesh:
             )
         self.rank = dist.get_rank()
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._partial: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
         for subset in self.layout.axis_subsets():
             self._groups[subset] = self._create_groups(subset, backend)
 
@@ -96,6 +97,30 @@ class Mesh:
     def group(self, axes: str | Iterable[str]) -> dist.ProcessGroup:
         """Process group of the ranks that differ from this one only along ``axes``."""
         return self._groups[self.layout.normalize_axes(axes)]
+
+    def group_at(self, axis: str, coords: Iterable[int]) -> dist.ProcessGroup | None:
+        """The ranks of each ``axis`` group whose ``axis`` coordinate is in ``coords`` (other
+        coordinates equal), as a process group; None on a rank outside it.
+
+        Megatron-LM's embedding group is ``mesh.group_at("pp", [0, pp - 1])``: on
+        a ``{"pp": 4, "tp": 2}`` mesh it pairs ranks [0, 6] and [1, 7], the first and
+        last pipeline ranks of each tp coordinate. Created on first use and cached;
+        collective: every rank calls it with the same arguments, in the same order.
+        """
+        wanted = tuple(sorted(set(coords)))
+        size = self.layout.size(axis)
+        if not wanted or any(not 0 <= c < size for c in wanted):
+            raise MeshError(f"group_at({axis!r}, {list(coords)}): coordinates must lie in [0, {size})")
+        key = (axis, wanted)
+        if key not in self._partial:
+            mine = None
+            for ranks in self.layout.groups(axis):
+                members = [r for r in ranks if self.layout.coords(r)[axis] in wanted]
+                group = dist.group.WORLD if len(members) == self.layout.world_size else dist.new_group(members)
+                if self.rank in members:
+                    mine = group
+            self._partial[key] = mine
+        return self._partial[key]
 
     def submesh(self, axes: str | Iterable[str]) -> SubMesh:
         """The mesh of an axis subset, containing this rank, sharing this mesh's groups."""
