@@ -62,7 +62,15 @@ def test_bad_fields(raw, message):
             2,
             "multiple of parallel.pp",
         ),
-        ({"model": {"tie_embeddings": True}, "parallel": {"pp": 2}}, 2, "tie_embeddings"),
+        # Only sizes that pass every tp check: 25 positions, 6 heads -> 5 and 25 would fail on the heads.
+        (
+            {
+                "model": {"num_heads": 6, "hidden": 48, "context_length": 25},
+                "parallel": {"tp": 2, "sequence_parallel": True},
+            },
+            2,
+            "choose tp in \\[1\\] or turn",
+        ),
         ({"parallel": {"ep": 2}}, 2, "needs experts"),
         ({"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1}}, 2, "zero_stage=0 with sequence"),
         ({"model": {"kind": "moe-gpt"}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2, "moe-gpt"),

@@ -34,6 +34,8 @@ SOURCES = {
     "dp2-zero3": (2, "gpt", {"dp": 2, "zero_stage": 3}),
     "moe-dp2-ep2": (4, "moe-gpt", {"dp": 2, "ep": 2}),
     "dp2-zero2-bf16": (2, "gpt", {"dp": 2, "zero_stage": 2, "precision": "bf16"}),
+    # GPT-2's tied embedding and head: both pipeline end stages hold it, saved under one name.
+    "tied-tp2-pp2": (4, "gpt", {"tp": 2, "pp": 2, "microbatches": 2, "tie_embeddings": True}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -49,11 +51,12 @@ SOURCES = {
 }
 
 
-def _config(corpus, kind="gpt", precision="fp32", **parallel):
+def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, **parallel):
+    model = {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16}
     return from_dict(
         {
             # vocab 130: no padding on tp=2, padded to 132 on tp=4
-            "model": {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16},
+            "model": model | {"tie_embeddings": tie_embeddings},
             "parallel": parallel,
             "training": {
                 "steps": STEPS,
@@ -180,6 +183,9 @@ MATRIX = [
         "dp2-zero2-bf16", [({}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 2})], id="bf16-zero2->1->zero2"
     ),
     pytest.param(
+        "tied-tp2-pp2", [({"tp": 4}, {}), ({"dp": 2, "pp": 2}, {"zero_stage": 3})], id="tied->tp4->dp2xpp2-zero3"
+    ),
+    pytest.param(
         "tp2-sp-pp2-interleaved",
         [({"tp": 4}, {"sequence_parallel": False, "schedule": "1f1b", "virtual_stages": 1})],
         id="tp2-sp-interleaved->tp4",
@@ -296,18 +302,24 @@ def _parallel_loss(config, folder, tokens):
     return evaluate(engine, tokens[:, :-1], tokens[:, 1:])[0]  # every data rank gets the same batch
 
 
-def test_exported_weights_give_the_parallel_models_outputs(distributed, trained, tmp_path):
+@pytest.mark.parametrize("name", ["dp2-tp2-pp2", "tied-tp2-pp2"])
+def test_exported_weights_give_the_parallel_models_outputs(distributed, trained, tmp_path, name):
     import torch.nn.functional as F
 
     from polyshard.trainer.export import export
     from polyshard.trainer.models import build_model
 
-    config, _, _ = trained["dp2-tp2-pp2"]
-    folder = _checkpoint(trained, "dp2-tp2-pp2", STEPS)
+    config, _, _ = trained[name]
+    folder = _checkpoint(trained, name, STEPS)
     tokens = torch.randint(0, 130, (4, 17), generator=torch.Generator().manual_seed(3))
-    parallel = distributed.run(8, _parallel_loss, config, folder, tokens)[0]
+    parallel = distributed.run(SOURCES[name][0], _parallel_loss, config, folder, tokens)[0]
     model = build_model(config.model)
-    model.load_state_dict(load_file(str(export(folder, tmp_path / "plain.safetensors"))), strict=True)
+    state = load_file(str(export(folder, tmp_path / "plain.safetensors")))
+    model.load_state_dict(state, strict=True)  # a tied head gets the embedding's values under its own name
+    # The same weights after resharding to one process (where the tied pair is one tensor).
+    single = _reshard(folder, tmp_path / "single", {}, microbatches=1).folder
+    resharded = load_file(str(export(single, tmp_path / "single.safetensors")))
+    assert resharded.keys() == state.keys() and all(torch.equal(resharded[k], v) for k, v in state.items())
     model.eval()
     with torch.no_grad():
         plain = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).item()

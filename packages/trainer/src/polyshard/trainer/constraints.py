@@ -60,9 +60,12 @@ def _check_tensor_parallel(config: Config) -> None:
             "would see different tokens); turn sequence_parallel off"
         )
     if config.parallel.sequence_parallel and model.sequence_length % tp:
+        # Offer only sizes that also pass the head and MLP checks above.
+        widths = (model.kv_heads, model.mlp_ratio * model.hidden)
+        valid = [d for d in _divisors(model.sequence_length) if all(w % d == 0 for w in widths)]
         raise ConfigError(
             f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
-            f"choose tp in {_divisors(model.sequence_length)} or turn parallel.sequence_parallel off"
+            f"choose tp in {valid} or turn parallel.sequence_parallel off"
         )
 
 
@@ -85,11 +88,6 @@ def _check_pipeline(config: Config) -> None:
         raise ConfigError(
             f"the interleaved schedule needs parallel.microbatches ({par.microbatches}) to be a multiple of "
             f"parallel.pp ({par.pp}); try microbatches={par.pp * max(1, par.microbatches // par.pp)}"
-        )
-    if par.pp > 1 and model.tie_embeddings:
-        raise ConfigError(
-            "model.tie_embeddings with parallel.pp > 1 would share a weight between the first and last stage; "
-            "set tie_embeddings=false or pp=1"
         )
 
 

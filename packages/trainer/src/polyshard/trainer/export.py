@@ -15,13 +15,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from polyshard.trainer.models import tied_names
 from polyshard.trainer.reshard import MODEL, Source
 
 
 def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The unsharded model weights saved in ``folder`` (verified first; nothing is half-loaded)."""
+    """The unsharded model weights saved in ``folder`` (verified first; nothing is half-loaded).
+
+    A tied weight is saved once; its other names (the output head of tied
+    embeddings) get equal copies, so the plain model loads with ``strict=True``.
+    """
     source = Source(folder)
-    return {key[len(MODEL) :]: source.whole(key) for key in sorted(source.pieces) if key.startswith(MODEL)}
+    state = {key[len(MODEL) :]: source.whole(key) for key in sorted(source.pieces) if key.startswith(MODEL)}
+    aliases = tied_names(source.config.model) if "config" in source.index else {}
+    for alias, name in aliases.items():
+        if name in state:
+            state[alias] = state[name].clone()  # safetensors stores no shared tensors
+    return dict(sorted(state.items()))
 
 
 def export(folder: str | Path, destination: str | Path) -> Path:

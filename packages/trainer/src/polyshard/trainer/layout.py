@@ -28,6 +28,7 @@ from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config
+from polyshard.trainer.models import tied_names
 from polyshard.trainer.parallelize import keeps_masters, layer_costs, layer_of, pipeline_bounds, tp_plan
 
 # Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
@@ -103,13 +104,19 @@ def plan_ranks(
         return (sharded if par.zero_stage == 3 else replicated), sharded
 
     placed = {name: data_records(record) for name, record in bases.items()}
+    # The layers whose holders save each parameter: its own, and for a tied weight its alias's too
+    # (a pipeline's last stage saves its copy of a tied embedding under the embedding's name).
+    users = {name: {layer_of(name)} for name in params}
+    for alias, name in tied_names(config.model).items():
+        if name in users:
+            users[name].add(layer_of(alias))
     out = []
     for rank in range(layout.world_size):
         stages = schedule.stages_of(layout.coords(rank)["pp"])
         layers = {i for s in stages for i in bounds[s]}
         tensors: dict[str, Planned] = {}
         for name in sorted(params):
-            if layer_of(name) not in layers:
+            if not users[name] & layers:
                 continue
             param_record, state_record = placed[name]
             tensors[f"model/{name}"] = Planned(param_record, param_record.local_shape(sizes), model_dtype(config))

@@ -241,7 +241,8 @@ def train(
         inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
         loss = engine.forward_backward(inputs, targets)
         engine.finish_gradients()
-        grad_norm = clip_grad_norm(engine.gradients(), train_cfg.grad_clip, mesh.layout.as_dict())
+        gradients, tied_copies = engine.gradients()
+        grad_norm = clip_grad_norm(gradients, train_cfg.grad_clip, mesh.layout.as_dict(), tied_copies)
         for optimizer in engine.optimizers:
             optimizer.step()
         engine.zero_grad()

@@ -13,10 +13,14 @@ from polyshard.collectives import ops
 from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices; leave biases, norms and embeddings undecayed (as GPT-2 and nanoGPT do)."""
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices; leave biases, norms and embeddings undecayed (as GPT-2 and nanoGPT do).
+
+    ``named``: (model name, parameter) pairs. Model names, not chunk-local ones, decide: a
+    pipeline's copy of a tied embedding is named as the embedding, and is not decayed either.
+    """
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named:
         if not p.requires_grad:
             continue
         is_embedding = any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
@@ -62,7 +66,10 @@ def parameter_gradients(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tens
 
 @torch.no_grad()
 def clip_grad_norm(
-    gradients: Sequence[tuple[torch.Tensor, TensorPlacement | None]], max_norm: float, axis_sizes: dict[str, int]
+    gradients: Sequence[tuple[torch.Tensor, TensorPlacement | None]],
+    max_norm: float,
+    axis_sizes: dict[str, int],
+    copies: Sequence[torch.Tensor] = (),
 ) -> float:
     """Clip every gradient by one global norm, computed once over all ranks.
 
@@ -70,8 +77,10 @@ def clip_grad_norm(
     parameter's ``.grad``, or a ZeRO shard of it. Each rank sums its local
     squared norms, each divided by the number of ranks holding an identical
     copy (read from the records), and a single all-reduce over the world adds
-    them: every element of the global model counts exactly once. Returns the
-    norm before clipping.
+    them: every element of the global model counts exactly once. ``copies``
+    are gradients equal to counted ones that the records cannot tell apart
+    (a pipeline's second copy of a tied weight): scaled alike, never counted.
+    Returns the norm before clipping.
     """
     device = gradients[0][0].device if gradients else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=device)
@@ -82,6 +91,6 @@ def clip_grad_norm(
     total = float(local.sqrt())
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
-        for grad, _ in gradients:
+        for grad in [g for g, _ in gradients] + list(copies):
             grad.mul_(scale)
     return total

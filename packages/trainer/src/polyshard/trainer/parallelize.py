@@ -30,9 +30,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.collectives import ops
 from polyshard.dp import DataParallel, FullyShardedDataParallel, MixedPrecision, ParamSet, ZeroOptimizer
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
@@ -52,7 +54,7 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import build_model
+from polyshard.trainer.models import build_model, tied_names
 from polyshard.trainer.optim import param_groups
 
 
@@ -119,6 +121,7 @@ class Engine:
     wrappers: dict[int, nn.Module]  # pipeline chunk index -> its data-parallel wrapper
     optimizers: list
     executor: PipelineExecutor
+    tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
 
     @property
     def device(self) -> torch.device:
@@ -145,20 +148,58 @@ class Engine:
         if self.config.parallel.sequence_parallel:
             for chunk in self.chunks.values():
                 sync_sequence_parallel_grads(chunk, self.mesh.group("tp"))
+        self._sum_tied_copies()
 
-    def gradients(self) -> list[tuple[torch.Tensor, object]]:
-        """(gradient, placement record) for every gradient this rank holds, after finish_gradients."""
-        pairs = []
-        for wrapper in self.wrappers.values():
+    def tied_copies(self) -> dict[str, list[tuple[int, nn.Parameter]]]:
+        """Tied weight name -> (chunk index, parameter) of every copy this rank holds. A tied pair
+        in one chunk is one parameter; in two chunks (first and last pipeline stage) each holds a copy."""
+        tied = set(tied_names(self.config.model).values())
+        out: dict[str, list[tuple[int, nn.Parameter]]] = {}
+        for index, chunk in self.chunks.items():
+            names = self.global_names(index)
+            for local, p in chunk.named_parameters():
+                if names[local] in tied:
+                    out.setdefault(names[local], []).append((index, p))
+        return out
+
+    def _sum_tied_copies(self) -> None:
+        """Megatron-LM's embedding-group all-reduce: every copy of a tied weight gets the sum of all
+        copies' gradients (already averaged over the data ranks), so the copies, stepped alike from
+        equal values, stay equal, and each equals the one tensor a single process would train."""
+        if self.executor.schedule.num_stages == 1:
+            return  # the tied pair is one parameter of the only chunk
+        for name, copies in sorted(self.tied_copies().items()):
+            grads = [self.wrappers[index].grad_shard(p) for index, p in copies]
+            present = [g for g in grads if g is not None]
+            like = present[0] if present else self.wrappers[copies[0][0]].grad_shard(copies[0][1])
+            if like is None:
+                raise RuntimeError(f"no copy of the tied weight {name!r} has a gradient on rank {self.mesh.rank}")
+            total = torch.stack([g.float() for g in present]).sum(0)
+            if self.tied_group is not None:
+                ops.all_reduce(total, self.tied_group)
+            for grad in present:
+                grad.copy_(total)
+            if len(present) != len(grads):
+                raise RuntimeError(f"a copy of the tied weight {name!r} got no gradient while another did")
+
+    def gradients(self) -> tuple[list[tuple[torch.Tensor, object]], list[torch.Tensor]]:
+        """After finish_gradients: (gradient, placement record) for every gradient this rank holds,
+        and apart from them the gradients of second copies of tied weights (the last stage's copy of
+        a tied embedding), which the global norm must not count twice but clipping must scale."""
+        pairs, copies = [], []
+        for index, wrapper in self.wrappers.items():
+            names = self.global_names(index)
             for name, p in wrapper.owned_params():
-                if self.config.parallel.zero_stage == 0:
-                    if p.grad is not None:
-                        pairs.append((p.grad, get_placement(p)))
+                # The reduced gradient the optimizer will read: the whole one at stage 0 (where ``p.grad``
+                # is a view of it, or None under bf16), this rank's rows under ZeRO.
+                grad = wrapper.grad_shard(p)
+                if grad is None:
+                    continue
+                if layer_of(names[name]) in self.layer_ids[index]:
+                    pairs.append((grad, wrapper.shard_placement(p, name)))
                 else:
-                    grad = wrapper.grad_shard(p)
-                    if grad is not None:
-                        pairs.append((grad, wrapper.shard_placement(p, name)))
-        return pairs
+                    copies.append(grad)
+        return pairs, copies
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:
@@ -168,21 +209,25 @@ class Engine:
 
     def global_names(self, chunk_index: int) -> dict[str, str]:
         """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
-        return global_names(self.chunks[chunk_index], self.layer_ids[chunk_index])
+        return global_names(self.chunks[chunk_index], self.layer_ids[chunk_index], tied_names(self.config.model))
 
 
-def global_names(chunk: nn.Module, layer_ids: range) -> dict[str, str]:
+def global_names(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Chunk-local names -> model names; a copy of a tied weight takes the weight's own name
+    (``aliases``: alias -> name, see :func:`polyshard.trainer.models.tied_names`)."""
+    aliases = aliases or {}
     out = {}
     for name, _ in chunk.named_parameters():
         local, _, rest = name.partition(".")
-        out[name] = f"layers.{layer_ids[int(local)]}.{rest}"
+        model_name = f"layers.{layer_ids[int(local)]}.{rest}"
+        out[name] = aliases.get(model_name, model_name)
     return out
 
 
-def _name_records_globally(chunk: nn.Module, layer_ids: range) -> None:
+def _name_records_globally(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:
     """Give every parameter a record under its model name, so records (and checkpoints) never
     carry a chunk-local name, whichever strategies touched it."""
-    names = global_names(chunk, layer_ids)
+    names = global_names(chunk, layer_ids, aliases)
     for local, param in chunk.named_parameters():
         record = get_placement(param)
         if record is None:
@@ -220,11 +265,10 @@ def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> nn.Modu
     )
 
 
-def _optimizer(wrapper: nn.Module, config: Config):
+def _optimizer(wrapper: nn.Module, config: Config, names: Mapping[str, str]):
     train = config.training
-    inner = torch.optim.AdamW(
-        param_groups(wrapper.module, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2)
-    )
+    named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
+    inner = torch.optim.AdamW(param_groups(named, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2))
     if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)
@@ -266,18 +310,20 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
     model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
     del full, skeleton
+    aliases = tied_names(config.model)
+    _untie_across_chunks(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
     chunks = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, chunk in chunks.items():
-        _name_records_globally(chunk, bounds[s])
+        _name_records_globally(chunk, bounds[s], aliases)
     for module in (m for chunk in chunks.values() for m in chunk.modules()):
         if hasattr(module, "aux_loss_scale"):
             module.aux_loss_scale = 1.0 / par.microbatches  # each microbatch's aux loss, like its CE, counts 1/m
     wrappers = {s: _wrap_data_parallel(chunk, config, mesh) for s, chunk in chunks.items()}
-    optimizers = [_optimizer(w, config) for w in wrappers.values()]
+    optimizers = [_optimizer(w, config, global_names(chunks[s], bounds[s], aliases)) for s, w in wrappers.items()]
     executor = PipelineExecutor(
         wrappers,
         schedule,
@@ -285,4 +331,28 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         mesh.group("pp"),
         backward_context=_no_sync_all(list(wrappers.values())),
     )
-    return Engine(config, mesh, chunks, {s: bounds[s] for s in mine}, wrappers, optimizers, executor)
+    return Engine(
+        config, mesh, chunks, {s: bounds[s] for s in mine}, wrappers, optimizers, executor, _tied_group(config, mesh)
+    )
+
+
+def _untie_across_chunks(model: nn.Module, aliases: Mapping[str, str], chunk_of: Mapping[int, int]) -> None:
+    """A tied pair whose users fall in two chunks of this rank (both wrapped, so both stepped) becomes
+    two equal parameters, one per chunk; :meth:`Engine._sum_tied_copies` keeps them equal."""
+    for alias, name in aliases.items():
+        if chunk_of.get(layer_of(alias), -1) in (-1, chunk_of.get(layer_of(name), -1)):
+            continue
+        module_name, _, attr = alias.partition(".")[2].partition(".")[2].rpartition(".")
+        module = model.layers[str(layer_of(alias))].get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+
+
+def _tied_group(config: Config, mesh: Mesh) -> dist.ProcessGroup | None:
+    """The group of pipeline ranks holding the first and the last stage (Megatron-LM's embedding group),
+    when a tied weight lives on both and they are different ranks; created collectively on every rank."""
+    par = config.parallel
+    if not tied_names(config.model) or par.pp == 1:
+        return None
+    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    ends = {schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)}
+    return mesh.group_at("pp", ends) if len(ends) > 1 else None

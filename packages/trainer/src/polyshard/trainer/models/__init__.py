@@ -25,13 +25,29 @@ def build_model(
     """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``."""
     with torch.device("meta"):
         model = _construct(config)
-    for i in range(len(model.layers)) if layers is None else sorted(layers):
+    wanted = set(range(len(model.layers)) if layers is None else layers)
+    if tied_names(config) and len(model.layers) - 1 in wanted:
+        wanted.add(0)  # the head's weight is the embedding's, drawn from layer 0's generator
+    for i in sorted(wanted):
         layer = model.layers[i].to_empty(device=device)
         with torch.no_grad():
             init_weights(layer, config.num_layers, generator=layer_generator(seed, i, device))
-    if getattr(config, "tie_embeddings", False) and config.kind != "vit":
+    if tied_names(config):
         model.layers[-1].proj.weight = model.layers[0].tok.weight  # to_empty gave each its own tensor
     return model
+
+
+def tied_names(config: ModelConfig) -> dict[str, str]:
+    """Parameter names that are another parameter of the same model (tied weights): alias -> name.
+
+    With ``tie_embeddings`` the output head's weight is the token embedding
+    (GPT-2, Llama-3.2): ``{"layers.<last>.proj.weight": "layers.0.tok.weight"}``.
+    One process holds one tensor under the name; a pipeline whose first and last
+    stages differ holds a copy on each, kept equal by summing their gradients.
+    """
+    if config.kind == "vit" or not getattr(config, "tie_embeddings", False):
+        return {}
+    return {f"layers.{config.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
 
 
 def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -79,4 +95,4 @@ def _construct(config: ModelConfig) -> nn.Module:
     raise ValueError(f"unknown model.kind {config.kind!r}")  # ModelConfig already rejects it
 
 
-__all__ = ["GPT", "ViT", "build_model"]
+__all__ = ["GPT", "ViT", "build_model", "tied_names"]
