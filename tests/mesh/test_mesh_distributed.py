@@ -45,6 +45,23 @@ def test_meshes_of_many_sizes(distributed, world, axes):
             assert got == expected
 
 
+def _ends_of_each_pipeline():
+    mesh = Mesh({"pp": 3, "tp": 2})
+    group = mesh.group_at("pp", [2, 0])
+    assert mesh.group_at("pp", [0, 2]) is group  # created once, cached
+    if group is None:
+        return None
+    members = torch.zeros(6, dtype=torch.int64)
+    members[mesh.rank] = 1
+    dist.all_reduce(members, group=group)
+    return [r for r, present in enumerate(members.tolist()) if present]
+
+
+def test_group_at_pairs_the_first_and_last_pipeline_ranks(distributed):
+    # pp=3 x tp=2: pipelines [0, 2, 4] and [1, 3, 5]; their ends pair up per tp coordinate.
+    assert distributed.run(6, _ends_of_each_pipeline) == [[0, 4], [1, 5], None, None, [0, 4], [1, 5]]
+
+
 def _submesh_and_coords():
     mesh = Mesh({"dp": 2, "ep": 2})
     sub = mesh.submesh(("ep",))
