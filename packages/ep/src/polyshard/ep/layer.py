@@ -59,6 +59,10 @@ class MoELayer(nn.Module):
         self.experts = GroupedExperts(config.num_experts, config.hidden, config.ffn_hidden, config.activation)
         self.ep_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
         self.last_metrics: MoEMetrics | None = None
+        self.rows_seen: torch.Tensor | None = None
+        """(E_local,) rows each local expert processed in the training forwards since
+        :meth:`take_rows_seen` (from every ep rank, after capacity drops): an expert at 0
+        took no part in the step, and a trainer can leave it exactly as it was."""
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., H) -> ((..., H), scalar aux loss)."""
@@ -72,6 +76,9 @@ class MoELayer(nn.Module):
 
         expert_input, meta = dispatch(tokens, routing.experts, cfg.num_experts, self.ep_group, keep)  # (N, H)
         expert_output = self.experts(expert_input, meta.tokens_per_local_expert)  # (N, H)
+        if torch.is_grad_enabled():  # training forwards only (not evaluation, nor shape inference)
+            rows = torch.tensor(meta.tokens_per_local_expert, dtype=torch.int64)
+            self.rows_seen = rows if self.rows_seen is None else self.rows_seen + rows
         y = combine(expert_output, routing.weights, meta)  # (T, H)
 
         balance = load_balancing_loss(routing, cfg.num_experts)
@@ -80,6 +87,14 @@ class MoELayer(nn.Module):
         aux = aux + cfg.z_loss_coef * router_z
         self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, balance, router_z, aux)
         return y.view(x.shape), aux
+
+    def take_rows_seen(self) -> torch.Tensor:
+        """The rows each local expert processed since the last call (zeros if none), and reset."""
+        seen = (
+            self.rows_seen if self.rows_seen is not None else torch.zeros(self.experts.num_experts, dtype=torch.int64)
+        )
+        self.rows_seen = None
+        return seen
 
 
 def _metrics(experts, keep, num_experts, meta, balance, router_z, aux) -> MoEMetrics:

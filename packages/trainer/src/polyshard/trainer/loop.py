@@ -23,6 +23,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
+from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
@@ -192,6 +193,26 @@ def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) ->
     return None
 
 
+def train_step(
+    engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float
+) -> tuple[torch.Tensor | None, float]:
+    """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
+    gradient reductions, one global-norm clip, AdamW. Returns (this rank's loss or None, the norm)."""
+    for optimizer in engine.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    loss = engine.forward_backward(inputs, targets)
+    engine.finish_gradients()
+    gradients, tied_copies = engine.gradients()
+    axis_sizes = engine.mesh.layout.as_dict()
+    grad_norm = clip_grad_norm(gradients, engine.config.training.grad_clip, axis_sizes, tied_copies)
+    with keep_idle_experts(engine):
+        for optimizer in engine.optimizers:
+            optimizer.step()
+    engine.zero_grad()
+    return loss, grad_norm
+
+
 def train(
     config: Config,
     mesh: Mesh,
@@ -235,17 +256,8 @@ def train(
             warmup_steps=train_cfg.warmup_steps,
             total_steps=train_cfg.steps,
         )
-        for optimizer in engine.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
         inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
-        loss = engine.forward_backward(inputs, targets)
-        engine.finish_gradients()
-        gradients, tied_copies = engine.gradients()
-        grad_norm = clip_grad_norm(gradients, train_cfg.grad_clip, mesh.layout.as_dict(), tied_copies)
-        for optimizer in engine.optimizers:
-            optimizer.step()
-        engine.zero_grad()
+        loss, grad_norm = train_step(engine, inputs, targets, lr)
         loss_value = data_rank_mean(engine, loss)
         result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)

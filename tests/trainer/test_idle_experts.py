@@ -1,0 +1,125 @@
+"""An expert that no rank routed a token to is left exactly as it was, on every layout.
+
+The router of every MoE layer is made to avoid expert 0 from the second step
+on, so expert 0 has AdamW momentum from step 1 and weight decay to apply:
+both would move it if its rows were stepped. It must come out of the later
+steps bitwise unchanged, on one process and on every layout, while the other
+experts train as on one process.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from polyshard.ep import MoELayer, Routing
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict
+
+STEPS = 4
+
+
+def _config(corpus, **parallel):
+    return from_dict(
+        {
+            "model": {
+                "kind": "moe-gpt",
+                "hidden": 32,
+                "num_layers": 2,
+                "num_heads": 4,
+                "context_length": 16,
+                "num_experts": 4,
+                "top_k": 2,
+                "aux_loss_weight": 0.0,  # the load-balancing loss differs by layout (see the e2e parity test)
+            },
+            "parallel": parallel,
+            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 1, "eval_every": 0},
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+def _avoid_expert_zero(router, active):
+    """Route as the router does, but never to expert 0 while ``active[0]``."""
+
+    def forward(x):
+        logits = x @ router.weight.t()
+        if active[0]:
+            logits = logits.masked_fill(torch.arange(logits.shape[-1]) == 0, float("-inf"))
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = probs.topk(router.top_k, dim=-1)
+        return Routing(logits, probs, weights / weights.sum(dim=-1, keepdim=True), experts)
+
+    router.forward = forward
+
+
+def _expert_weights(engine):
+    """Global expert weights (name -> (E_local, ...) rows of this rank's experts)."""
+    out = {}
+    for index, chunk in engine.chunks.items():
+        names = engine.global_names(index)
+        if engine.config.parallel.zero_stage == 3:
+            full = engine.wrappers[index].full_parameters()  # collective over the dp group
+        else:
+            full = {n: p.detach() for n, p in chunk.named_parameters()}
+        out.update({names[n]: t.clone() for n, t in full.items() if ".experts." in n})
+    return out
+
+
+def _run(config):
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.parallelize import build_engine
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    torch.manual_seed(config.training.seed)
+    engine = build_engine(config, mesh)
+    active = [False]
+    for chunk in engine.chunks.values():
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                _avoid_expert_zero(module.router, active)
+    train_data, _ = make_loaders(config, mesh)
+    snapshots = []
+    for step in range(STEPS):
+        active[0] = step >= 1
+        inputs, targets = split_batch(config, train_data.next_batch())
+        train_step(engine, inputs, targets, lr=1e-2)
+        snapshots.append(_expert_weights(engine))
+    return mesh.coord("ep"), config.model.num_experts // config.parallel.ep, snapshots
+
+
+LAYOUTS = [
+    pytest.param(2, {"ep": 2}, id="ep2"),
+    pytest.param(4, {"dp": 2, "ep": 2}, id="dp2xep2"),
+    pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
+    pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(distributed, corpus):
+    _, _, snapshots = distributed.run(1, _run, _config(corpus))[0]
+    return snapshots
+
+
+def test_one_process_leaves_the_idle_expert_alone(one_process):
+    after_first, last = one_process[0], one_process[-1]
+    assert after_first.keys() == last.keys() and len(last) == 6  # w1, w2, w3 of two MoE layers
+    for name, weights in last.items():
+        assert torch.equal(weights[0], after_first[name][0])  # expert 0: bitwise as after step 1
+        assert not torch.equal(weights[1], after_first[name][1])  # the others kept training
+
+
+@pytest.mark.parametrize("world, parallel", LAYOUTS)
+def test_every_layout_leaves_the_idle_expert_alone(distributed, corpus, one_process, world, parallel):
+    # Before: the idle expert's rows were stepped with the rest (decayed and moved by momentum).
+    for ep_rank, local, snapshots in distributed.run(world, _run, _config(corpus, **parallel)):
+        for name, weights in snapshots[-1].items():
+            if ep_rank == 0:
+                assert torch.equal(weights[0], snapshots[0][name][0]), name
+            rows = slice(ep_rank * local, (ep_rank + 1) * local)
+            # The other experts match one process up to the order of float32 sums, which Adam can
+            # magnify on near-zero gradients to ~1e-5 of an lr-sized (1e-2) update; a wrong or
+            # misplaced expert would be off by a whole update.
+            torch.testing.assert_close(weights, one_process[-1][name][rows], rtol=1e-4, atol=1e-5)
