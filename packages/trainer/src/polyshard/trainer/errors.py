@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Data that cannot be loaded or split as asked; the message says what to use instead."""
+
+
+class TiedWeightError(RuntimeError):
+    """A tied weight whose copies cannot be kept equal (one copy got no gradient in a step)."""

@@ -54,6 +54,7 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
+from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, tied_names
 from polyshard.trainer.optim import param_groups
 
@@ -170,17 +171,16 @@ class Engine:
             return  # the tied pair is one parameter of the only chunk
         for name, copies in sorted(self.tied_copies().items()):
             grads = [self.wrappers[index].grad_shard(p) for index, p in copies]
-            present = [g for g in grads if g is not None]
-            like = present[0] if present else self.wrappers[copies[0][0]].grad_shard(copies[0][1])
-            if like is None:
-                raise RuntimeError(f"no copy of the tied weight {name!r} has a gradient on rank {self.mesh.rank}")
-            total = torch.stack([g.float() for g in present]).sum(0)
+            if any(g is None for g in grads):
+                raise TiedWeightError(
+                    f"a copy of the tied weight {name!r} on rank {self.mesh.rank} got no gradient this step; "
+                    "the embedding and the output head must both run in every training step"
+                )
+            total = torch.stack([g.float() for g in grads]).sum(0)
             if self.tied_group is not None:
                 ops.all_reduce(total, self.tied_group)
-            for grad in present:
+            for grad in grads:
                 grad.copy_(total)
-            if len(present) != len(grads):
-                raise RuntimeError(f"a copy of the tied weight {name!r} got no gradient while another did")
 
     def gradients(self) -> tuple[list[tuple[torch.Tensor, object]], list[torch.Tensor]]:
         """After finish_gradients: (gradient, placement record) for every gradient this rank holds,
