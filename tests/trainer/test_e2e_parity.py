@@ -9,7 +9,6 @@ is the same whatever the layout (see polyshard.trainer.data.loader).
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
@@ -126,7 +125,7 @@ def test_dense_gpt_losses_match_one_process(distributed, corpus, reference, tmp_
     results = distributed.run(world, _train, _config(corpus, **parallel), tmp_path)
     assert all(r == results[0] for r in results)  # every rank reports the same global losses
     assert results[0] == pytest.approx(reference["gpt"], rel=DENSE_RTOL)
-    assert results[0][-1] < results[0][0]  # and it is learning
+    assert results[0][STEPS - 1] < results[0][0]  # and it is learning (the results hold losses, then norms)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +143,6 @@ def test_moe_gpt_losses_match_one_process(distributed, corpus, reference, tmp_pa
     assert exact[0] == pytest.approx(reference["moe-gpt-no-aux"], rel=DENSE_RTOL)  # losses and grad norms
     results = distributed.run(world, _train, _config(corpus, "moe-gpt", **parallel), tmp_path)
     assert results[0][:STEPS] == pytest.approx(reference["moe-gpt"][:STEPS], rel=MOE_RTOL)  # losses
-    assert dist.is_initialized() is False  # the test process itself never joins a group
 
 
 def _stop_and_resume(config, out):
