@@ -45,6 +45,29 @@ def test_meshes_of_many_sizes(distributed, world, axes):
             assert got == expected
 
 
+def _new_group_calls(axes):
+    calls = []
+    original = dist.new_group
+
+    def counting(*args, **kwargs):
+        calls.append(args[0] if args else kwargs.get("ranks"))
+        return original(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        mesh = Mesh(axes)
+    finally:
+        dist.new_group = original
+    return len(calls), mesh.ranks_in_group(("dp", "ep")), mesh.group("ep") is mesh.group(("pp", "ep"))
+
+
+def test_subsets_differing_by_size_one_axes_share_groups(distributed):
+    # The trainer's four axes with only dp > 1: 15 subsets, but one set of singleton groups
+    # (every subset without dp) and the world (every subset with dp); it used to create 14 groups.
+    for calls, data_ranks, aliased in distributed.run(2, _new_group_calls, {"pp": 1, "dp": 2, "ep": 1, "tp": 1}):
+        assert calls == 2 and aliased and data_ranks == [0, 1]
+
+
 def _ends_of_each_pipeline():
     mesh = Mesh({"pp": 3, "tp": 2})
     group = mesh.group_at("pp", [2, 0])

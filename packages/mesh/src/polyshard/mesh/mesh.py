@@ -4,7 +4,8 @@ Every group the mesh can hand out is created in the constructor, eagerly and
 in the same order on every rank (``torch.distributed.new_group`` is a
 collective over the whole world, so a rank that skipped or reordered a call
 would deadlock the others). With k axes there are 2^k - 1 axis subsets; for
-the four axes polyshard uses (dp, tp, pp, ep) that is 15, which is cheap.
+the four axes polyshard uses (dp, tp, pp, ep) that is 15 at most, and subsets
+that differ only by axes of size 1 share their groups.
 
 Example, 8 ranks with axes ordered ``[dp, tp, pp]`` (pp varies fastest)::
 
@@ -52,8 +53,14 @@ class Mesh:
         self.rank = dist.get_rank()
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._partial: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        # Subsets that differ only by axes of size 1 hold the same ranks: create each distinct set of
+        # groups once and alias the rest (dp2 x tp2 x pp2 with ep=1 needs 7 sets, not 15).
+        created: dict[tuple[str, ...], dist.ProcessGroup] = {}
         for subset in self.layout.axis_subsets():
-            self._groups[subset] = self._create_groups(subset, backend)
+            distinct = tuple(a for a in subset if self.layout.size(a) > 1)
+            if distinct not in created:
+                created[distinct] = self._create_groups(subset, backend)
+            self._groups[subset] = created[distinct]
 
     def _create_groups(self, axes: tuple[str, ...], backend: str | None) -> dist.ProcessGroup:
         mine = None
