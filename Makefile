@@ -14,13 +14,18 @@ STAMP := $(VENV)/.polyshard-setup
 
 setup: $(STAMP)
 
+# pip's output (setuptools warns once per editable package) goes to a log, shown only if a step fails.
+SETUP_LOG := $(VENV)/setup.log
+QUIET = > $(SETUP_LOG) 2>&1 || { cat $(SETUP_LOG); exit 1; }
+
 $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(if $(WHEELS),--find-links $(WHEELS)) $(TORCH)
-	$(BIN)/pip install --quiet -r requirements-dev.txt
-	$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES))
-	touch $(STAMP)
+	@echo "setting up $(VENV) (torch, dev tools, the polyshard packages)..."
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install --quiet --upgrade pip $(QUIET)
+	@$(BIN)/pip install --quiet $(if $(WHEELS),--find-links $(WHEELS)) $(TORCH) $(QUIET)
+	@$(BIN)/pip install --quiet -r requirements-dev.txt $(QUIET)
+	@$(BIN)/pip install --quiet $(addprefix -e ,$(PACKAGES)) $(QUIET)
+	@touch $(STAMP)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -98,7 +98,7 @@ def infer_shapes(
                         f"shapes disagree, make stage {stage}'s first layer accept that shape or change "
                         f"stage {stage - 1}'s last layer"
                     )
-                err.add_note(f"raised in stage {stage} at {where}")
+                _add_note(err, f"raised in stage {stage} at {where}")
                 failure = err
         next_owner = schedule.rank_of(stage + 1) if stage + 1 < schedule.num_stages else rank
         if next_owner != rank:
@@ -106,6 +106,13 @@ def infer_shapes(
         upstream = out_meta
     _raise_if_any_failed(failure, group, device)
     return found
+
+
+def _add_note(err: BaseException, note: str) -> None:
+    if hasattr(err, "add_note"):  # Python >= 3.11 prints notes under the traceback
+        err.add_note(note)
+    else:  # 3.10 keeps them where 3.11 would, unprinted
+        err.__notes__ = [*getattr(err, "__notes__", []), note]
 
 
 def _raise_if_any_failed(failure: Exception | None, group: dist.ProcessGroup | None, device: torch.device) -> None:

@@ -8,6 +8,7 @@ val_loss/accuracy when evaluated).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -49,9 +50,13 @@ class MetricsLog:
 class Progress:
     """A one-line progress bar on rank 0: step, loss, tokens/s and ETA."""
 
-    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0):
+    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0, interactive: bool | None = None):
         self.total, self.enabled, self.start_step = total_steps, enabled, start_step
         self.started = time.perf_counter()
+        # On a terminal the line redraws itself; in a pipe or a CI log that would make one line of
+        # thousands of characters, so there a plain line is printed every twentieth of the run.
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.every = max(1, total_steps // 20)
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         if not self.enabled:
@@ -59,14 +64,16 @@ class Progress:
         done = step + 1 - self.start_step
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (self.total - step - 1)
+        last = step + 1 == self.total
+        text = f"step {step + 1}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta:5.0f}s"
+        if not self.interactive:
+            if last or (step + 1) % self.every == 0:
+                print(text, flush=True)
+            return
         width = 24
         filled = int(width * (step + 1) / self.total)
         bar = "#" * filled + "-" * (width - filled)
-        print(
-            f"\r[{bar}] step {step + 1}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta:5.0f}s",
-            end="\n" if step + 1 == self.total else "",
-            flush=True,
-        )
+        print(f"\r[{bar}] {text}", end="\n" if last else "", flush=True)
 
 
 def plot_losses(records: list[dict], path: Path) -> None:

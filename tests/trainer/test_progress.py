@@ -1,0 +1,20 @@
+"""The progress line: redrawn on a terminal, plain lines in a pipe or a CI log."""
+
+from polyshard.trainer.metrics import Progress
+
+
+def test_piped_progress_prints_plain_lines(capsys):
+    progress = Progress(40, enabled=True, interactive=False)
+    for step in range(40):
+        progress.update(step, 1.0, 100.0)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 20 and "\r" not in "".join(lines)  # every 2nd step: a twentieth of the run
+    assert lines[-1].startswith("step 40/40 loss 1.0000")
+
+
+def test_terminal_progress_redraws_one_line(capsys):
+    progress = Progress(3, enabled=True, interactive=True)
+    for step in range(3):
+        progress.update(step, 2.0, 10.0)
+    out = capsys.readouterr().out
+    assert out.count("\r") == 3 and out.count("\n") == 1 and "[########################] step 3/3" in out
