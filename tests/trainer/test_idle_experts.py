@@ -7,7 +7,6 @@ steps bitwise unchanged, on one process and on every layout, while the other
 experts train as on one process.
 """
 
-
 import pytest
 import torch
 

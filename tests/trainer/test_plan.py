@@ -25,3 +25,17 @@ def test_describe_lists_every_group():
     assert "8 processes" in text and "rank 5: pp=1 dp=0 ep=0 tp=1" in text
     assert "tp               [[0, 1], [2, 3], [4, 5], [6, 7]]" in text
     assert "pp x dp x tp" in text and "memory per rank (estimate)" in text
+
+
+def test_a_tied_head_weighs_in_the_pipeline_split():
+    from polyshard.trainer.parallelize import pipeline_bounds
+
+    def bounds(tie):
+        model = {"vocab_size": 5000, "hidden": 32, "num_layers": 6, "num_heads": 4, "tie_embeddings": tie}
+        config = from_dict({"model": model, "parallel": {"pp": 2}})
+        skeleton = build_model(config.model, layers=())
+        return pipeline_bounds(config, {n: p.shape for n, p in skeleton.named_parameters()})
+
+    # The last stage computes with (and holds a copy of) the tied weight: it must weigh as untied.
+    # Counting it only in the embedding gave [0, 1) and [1, 8): every block on the last stage.
+    assert bounds(True) == bounds(False) == [range(0, 4), range(4, 8)]

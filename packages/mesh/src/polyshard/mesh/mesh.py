@@ -53,6 +53,7 @@ class Mesh:
         self.rank = dist.get_rank()
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._partial: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
+        self._backend = backend
         # Subsets that differ only by axes of size 1 hold the same ranks: create each distinct set of
         # groups once and alias the rest (dp2 x tp2 x pp2 with ep=1 needs 7 sets, not 15).
         created: dict[tuple[str, ...], dist.ProcessGroup] = {}
@@ -123,7 +124,8 @@ class Mesh:
             mine = None
             for ranks in self.layout.groups(axis):
                 members = [r for r in ranks if self.layout.coords(r)[axis] in wanted]
-                group = dist.group.WORLD if len(members) == self.layout.world_size else dist.new_group(members)
+                whole = len(members) == self.layout.world_size
+                group = dist.group.WORLD if whole else dist.new_group(members, backend=self._backend)
                 if self.rank in members:
                     mine = group
             self._partial[key] = mine

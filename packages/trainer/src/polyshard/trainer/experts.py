@@ -12,7 +12,15 @@ Which experts were idle costs one all-reduce of the row counts over the dp
 group: each local expert's count already includes every ep rank's tokens. A
 tensor's placement record says which global expert its local row ``j`` is
 (ep and ZeRO shard dim 0, the expert dim), so the same rule serves every
-layout. AdamW's ``step`` counter is one per tensor and still advances.
+layout.
+
+Limits: AdamW's ``step`` counter is one per stacked tensor and still
+advances, so when an idle expert is routed to again its bias correction is
+that of the tensor, not of an expert stepped fewer times (per-expert
+parameters would differ there). Rows are counted in every forward run with
+gradients enabled between two optimizer steps; a forward outside the
+training step that computes gradients is counted too. PyTorch's own AdamW on
+stacked expert weights, without this guard, decays idle experts.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import tied_names
-from polyshard.trainer.parallelize import keeps_masters, layer_costs, layer_of, pipeline_bounds, tp_plan
+from polyshard.trainer.parallelize import keeps_masters, layer_of, pipeline_bounds, tp_plan
 
 # Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
 MASTER = "master"
@@ -88,7 +88,7 @@ def plan_ranks(
     layout = MeshLayout(par.mesh_axes)
     sizes = layout.as_dict()
     bases = {name: base_record(config, name, shape) for name, shape in params.items()}
-    bounds = pipeline_bounds(config, layer_costs(params))
+    bounds = pipeline_bounds(config, params)
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
 
     def data_records(record: TensorPlacement) -> tuple[TensorPlacement, TensorPlacement]:

@@ -47,7 +47,7 @@ from polyshard.tp import (
     SplitSequence,
     TPEntry,
     VocabParallel,
-    sync_sequence_parallel_grads,
+    is_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
 from polyshard.tp import (
@@ -87,13 +87,14 @@ def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
     return plan
 
 
-def pipeline_bounds(config: Config, layer_costs: Sequence[float]) -> list[range]:
+def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list[range]:
     """Global layer indices of each pipeline chunk: ``parallel.stage_layers`` when given, else
-    balanced by ``layer_costs`` (this rank-independent split is what every rank and the offline
-    resharder agree on)."""
+    balanced by :func:`layer_costs` of the global parameter ``shapes`` (this rank-independent
+    split is what every rank, ``--dry-run`` and the offline resharder agree on)."""
     par = config.parallel
     if par.stage_layers is None:
-        return balanced_partition(layer_costs, par.pp * par.virtual_stages)
+        costs = layer_costs(shapes, tied_names(config.model))
+        return balanced_partition(costs, par.pp * par.virtual_stages)
     bounds, start = [], 0
     for count in par.stage_layers:
         bounds.append(range(start, start + count))
@@ -147,8 +148,15 @@ class Engine:
         for wrapper in self.wrappers.values():
             wrapper.finish_grad_sync()
         if self.config.parallel.sequence_parallel:
-            for chunk in self.chunks.values():
-                sync_sequence_parallel_grads(chunk, self.mesh.group("tp"))
+            # Norms run on a sequence shard: sum their gradients over tp. Read the reduced gradient
+            # the optimizer steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
+            grads = [
+                wrapper.grad_shard(p)
+                for wrapper in self.wrappers.values()
+                for _, p in wrapper.owned_params()
+                if is_sequence_parallel(p)
+            ]
+            ops.all_reduce_coalesced([g for g in grads if g is not None], self.mesh.group("tp"))
         self._sum_tied_copies()
 
     def tied_copies(self) -> dict[str, list[tuple[int, nn.Parameter]]]:
@@ -159,7 +167,7 @@ class Engine:
         for index, chunk in self.chunks.items():
             names = self.global_names(index)
             for local, p in chunk.named_parameters():
-                if names[local] in tied:
+                if names[local] in tied and p.requires_grad:  # a frozen tied weight needs no sync
                     out.setdefault(names[local], []).append((index, p))
         return out
 
@@ -171,16 +179,23 @@ class Engine:
             return  # the tied pair is one parameter of the only chunk
         for name, copies in sorted(self.tied_copies().items()):
             grads = [self.wrappers[index].grad_shard(p) for index, p in copies]
-            if any(g is None for g in grads):
+            index, param = copies[0]
+            total = torch.zeros(self.wrappers[index].shard_spec(param).shard_shape, device=self.device)
+            for grad in (g for g in grads if g is not None):
+                total += grad.float()
+            # The count of copies without a gradient travels with the sum, so both ends raise together.
+            flat = torch.cat(
+                [total.reshape(-1), torch.tensor([float(sum(g is None for g in grads))], device=self.device)]
+            )
+            if self.tied_group is not None:
+                ops.all_reduce(flat, self.tied_group)
+            if flat[-1] > 0:
                 raise TiedWeightError(
-                    f"a copy of the tied weight {name!r} on rank {self.mesh.rank} got no gradient this step; "
+                    f"a copy of the tied weight {name!r} got no gradient this step (seen on rank {self.mesh.rank}); "
                     "the embedding and the output head must both run in every training step"
                 )
-            total = torch.stack([g.float() for g in grads]).sum(0)
-            if self.tied_group is not None:
-                ops.all_reduce(total, self.tied_group)
             for grad in grads:
-                grad.copy_(total)
+                grad.copy_(flat[:-1].view_as(grad))
 
     def gradients(self) -> tuple[list[tuple[torch.Tensor, object]], list[torch.Tensor]]:
         """After finish_gradients: (gradient, placement record) for every gradient this rank holds,
@@ -284,12 +299,17 @@ def layer_of(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def layer_costs(shapes: Mapping[str, Sequence[int]]) -> list[int]:
+def layer_costs(shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str] | None = None) -> list[int]:
     """Parameters per pipeline layer, from global parameter shapes: what the pipeline split balances.
-    It does not depend on tp, ep or dp, so every layout with the same stages splits alike."""
+    It does not depend on tp, ep or dp, so every layout with the same stages splits alike. A tied
+    weight (``aliases``: alias -> name) counts in its alias's layer too: that layer computes with it,
+    and on another stage holds a copy."""
     costs: dict[int, int] = {}
     for name, shape in shapes.items():
         costs[layer_of(name)] = costs.get(layer_of(name), 0) + math.prod(shape)
+    for alias, name in (aliases or {}).items():
+        if name in shapes:
+            costs[layer_of(alias)] = costs.get(layer_of(alias), 0) + math.prod(shapes[name])
     return [costs[i] for i in sorted(costs)]
 
 
@@ -303,7 +323,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     par = config.parallel
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     skeleton = build_model(config.model, layers=())  # the meta device: shapes only
-    bounds = pipeline_bounds(config, layer_costs({n: p.shape for n, p in skeleton.named_parameters()}))
+    bounds = pipeline_bounds(config, {n: p.shape for n, p in skeleton.named_parameters()})
     mine = schedule.stages_of(mesh.coord("pp"))
     owned = [i for s in mine for i in bounds[s]]
     full = build_model(config.model, seed=config.training.seed, layers=owned, device=device)
@@ -332,27 +352,34 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         backward_context=_no_sync_all(list(wrappers.values())),
     )
     return Engine(
-        config, mesh, chunks, {s: bounds[s] for s in mine}, wrappers, optimizers, executor, _tied_group(config, mesh)
+        config,
+        mesh,
+        chunks,
+        {s: bounds[s] for s in mine},
+        wrappers,
+        optimizers,
+        executor,
+        _tied_group(config, mesh, schedule),
     )
 
 
 def _untie_across_chunks(model: nn.Module, aliases: Mapping[str, str], chunk_of: Mapping[int, int]) -> None:
     """A tied pair whose users fall in two chunks of this rank (both wrapped, so both stepped) becomes
-    two equal parameters, one per chunk; :meth:`Engine._sum_tied_copies` keeps them equal."""
+    two equal parameters, one per chunk; :meth:`Engine._sum_tied_copies` keeps them equal. (A rank
+    holding only the alias's layer already has its own copy: ``build_model`` drew it for that rank.)"""
     for alias, name in aliases.items():
-        if chunk_of.get(layer_of(alias), -1) in (-1, chunk_of.get(layer_of(name), -1)):
+        alias_chunk, name_chunk = chunk_of.get(layer_of(alias)), chunk_of.get(layer_of(name))
+        if alias_chunk is None or name_chunk is None or alias_chunk == name_chunk:
             continue
         module_name, _, attr = alias.partition(".")[2].partition(".")[2].rpartition(".")
         module = model.layers[str(layer_of(alias))].get_submodule(module_name)
         setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
 
 
-def _tied_group(config: Config, mesh: Mesh) -> dist.ProcessGroup | None:
+def _tied_group(config: Config, mesh: Mesh, schedule) -> dist.ProcessGroup | None:
     """The group of pipeline ranks holding the first and the last stage (Megatron-LM's embedding group),
     when a tied weight lives on both and they are different ranks; created collectively on every rank."""
-    par = config.parallel
-    if not tied_names(config.model) or par.pp == 1:
+    if not tied_names(config.model) or config.parallel.pp == 1:
         return None
-    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     ends = {schedule.rank_of(0), schedule.rank_of(schedule.num_stages - 1)}
     return mesh.group_at("pp", ends) if len(ends) > 1 else None

@@ -19,7 +19,7 @@ from __future__ import annotations
 from polyshard.mesh import MeshLayout
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import build_model
+from polyshard.trainer.models import build_model, tied_names
 from polyshard.trainer.parallelize import layer_costs, pipeline_bounds
 
 
@@ -72,10 +72,11 @@ def describe(config: Config) -> str:
         if all(layout.size(a) > 1 for a in subset):  # an axis of size 1 adds no new group
             lines.append(f"  {' x '.join(subset):<16} {layout.groups(subset)}")
     skeleton = build_model(config.model, layers=())  # the meta device: shapes only
-    costs = layer_costs({n: p.shape for n, p in skeleton.named_parameters()})
+    shapes = {n: p.shape for n, p in skeleton.named_parameters()}
+    costs = layer_costs(shapes, tied_names(config.model))  # a tied head holds its copy of the embedding
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     lines.append(f"pipeline ({par.schedule}, {par.microbatches} microbatches; layer 0 embeds, the last is the head):")
-    for stage, layers in enumerate(pipeline_bounds(config, costs)):
+    for stage, layers in enumerate(pipeline_bounds(config, shapes)):
         count = sum(costs[i] for i in layers)
         lines.append(
             f"  stage {stage} on pp rank {schedule.rank_of(stage)}: layers {layers.start}-{layers.stop - 1} "
