@@ -41,6 +41,21 @@ def all_reduce(
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_coalesced(tensors, group: dist.ProcessGroup | None = None, divide_by: int = 1) -> None:
+    """Sum each tensor in place over ``group`` (then divide by ``divide_by``) with one all-reduce:
+    flatten them into one buffer, reduce it, copy the pieces back. Tensors may be non-contiguous
+    views (a gradient inside a bucket); they share one dtype."""
+    tensors = list(tensors)
+    if not tensors or dist.get_world_size(group) == 1 and divide_by == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        tensor.copy_(piece.view_as(tensor))
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False):
     """In-place broadcast from global rank ``src``."""
     record("broadcast", group, _nbytes(tensor))

@@ -56,7 +56,8 @@ class Bucket:
         self.layout = FlatLayout([tuple(p.shape) for p in self.params], n)
         self.ready: set[int] = set()  # indices whose gradient is final for this step
         self.buffer: GradBuffer | None = None  # every gradient (and presence flags), reduce dtype
-        self.shard: torch.Tensor | None = None  # (layout.shard_numel,) this rank's reduced rows
+        self.reduced: torch.Tensor | None = None  # (layout.shard_numel,) this rank's reduced rows (all at stage 0)
+        self._landing: torch.Tensor | None = None  # where the in-flight reduction writes (flags included)
         self.present: list[bool] = [False] * len(self.params)  # did any rank produce each gradient
         self.work = None
         self.launched = False
@@ -74,22 +75,22 @@ class Bucket:
         for p in self.params:
             p.grad = None  # the buffer holds them now; drop autograd's copies
         if self.stage == 0:
-            self._reduced = self.buffer.data
+            self._landing = self.buffer.data
             self.work = ops.all_reduce(self.buffer.data, self.group, async_op=True)
         else:
-            self._reduced = torch.empty(self.buffer.row, dtype=self.reduce_dtype, device=device)
-            self.work = ops.reduce_scatter_flat(self._reduced, self.buffer.data, self.group, async_op=True)
+            self._landing = torch.empty(self.buffer.row_numel, dtype=self.reduce_dtype, device=device)
+            self.work = ops.reduce_scatter_flat(self._landing, self.buffer.data, self.group, async_op=True)
         self.launched = True
 
     def wait(self) -> None:
         """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
         self.work.wait()
         self.work = None
-        grads, self.present = self.buffer.split(self._reduced)
-        self._reduced = None
+        grads, self.present = self.buffer.split(self._landing)
+        self._landing = None
         grads.div_(self.divide_by)
         if self.stage == 0:
-            self.shard = grads
+            self.reduced = grads
             for index, p in enumerate(self.params):
                 if p.dtype == self.reduce_dtype and self.present[index]:  # a view of the bucket, as DDP does
                     p.grad = self.layout.unpack(grads, index)
@@ -98,27 +99,27 @@ class Bucket:
             # Keep only the full buffer: this rank's rows of it become the reduced shard.
             mine = self.buffer.grid[self.rank]
             mine.copy_(grads)
-            self.shard = mine
+            self.reduced = mine
         else:
-            self.shard = grads
+            self.reduced = grads
             self.buffer = None
 
     def grad_shard(self, index: int) -> torch.Tensor | None:
         """This rank's reduced, averaged rows of parameter ``index`` (the whole gradient at stage 0);
         None when no rank produced a gradient for it this step."""
-        if self.shard is None or not self.present[index]:
+        if self.reduced is None or not self.present[index]:
             return None
         if self.stage == 0:
-            return self.layout.unpack(self.shard, index)
-        return self.layout.shard_view(self.shard, index)
+            return self.layout.unpack(self.reduced, index)
+        return self.layout.shard_view(self.reduced, index)
 
     def drop_grads(self) -> None:
         """After the optimizer step: stage 2 frees its shard (stages 0/1 reuse the buffer next step)."""
         self.present = [False] * len(self.params)
         if self.stage == 2:
-            self.shard = None
+            self.reduced = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradient memory this bucket holds now (for memory accounting)."""
         held = [] if self.buffer is None else [self.buffer.data]
-        return held + ([self.shard] if self.shard is not None and self.stage == 2 else [])
+        return held + ([self.reduced] if self.reduced is not None and self.stage == 2 else [])

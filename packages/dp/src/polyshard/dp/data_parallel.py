@@ -97,7 +97,12 @@ class DataParallel(nn.Module):
             for p in module.parameters():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(mixed_precision.param_dtype)
-        self.queues = [self._build_buckets(*s, int(bucket_cap_mb * 2**20)) for s in sets]
+        # One queue per process group: buckets on one communicator must launch in one order on every
+        # rank, and a queue launches strictly in index order (sets sharing a group share a queue).
+        queues: dict[int, list[Bucket]] = {}
+        for s in sets:
+            queues.setdefault(id(s[1]), []).extend(self._build_buckets(*s, int(bucket_cap_mb * 2**20)))
+        self.queues = list(queues.values())
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
         for queue in self.queues:
             for bucket in queue:
@@ -186,16 +191,17 @@ class DataParallel(nn.Module):
 
     def _sync_buffers(self) -> None:
         """Give every replica the first rank's buffers (BatchNorm's running statistics, which each rank
-        updates from its own batch), before each forward, as DDP does by default: one broadcast per dtype."""
+        updates from its own batch), before each forward, as DDP does by default: one broadcast per
+        dtype over the wrapper's ``group`` (buffers that differ by design across it, e.g. per expert
+        rank, need ``broadcast_buffers=False``)."""
         buffers = [b for b in self.module.buffers() if b is not None]
         if not buffers or dist.get_world_size(self.group) == 1:
             return
-        src = dist.get_process_group_ranks(self.group)[0] if self.group is not dist.group.WORLD else 0
-        with torch.no_grad():
-            for dtype in dict.fromkeys(b.dtype for b in buffers):
-                same = [b for b in buffers if b.dtype == dtype]
-                flat = torch.cat([b.reshape(-1) for b in same])
-                ops.broadcast(flat, src, self.group)
+        for dtype in dict.fromkeys(b.dtype for b in buffers):
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.reshape(-1) for b in same])
+            broadcast_from_first([flat], self.group)
+            with torch.no_grad():
                 for b, value in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(value.view_as(b))
 

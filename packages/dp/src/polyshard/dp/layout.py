@@ -168,21 +168,21 @@ class GradBuffer:
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device):
         self.layout = layout
         self.flags = len(layout.specs)
-        self.row = layout.shard_numel + self.flags
-        self.data = torch.empty(layout.n * self.row, dtype=dtype, device=device)
+        self.row_numel = layout.shard_numel + self.flags  # one rank row: gradient columns, then flags
+        self.data = torch.empty(layout.n * self.row_numel, dtype=dtype, device=device)
 
     @property
     def grid(self) -> torch.Tensor:
         """The gradient columns, (n, shard_numel), for :meth:`FlatLayout.pack` and ``unpack``."""
-        return self.data.view(self.layout.n, self.row)[:, : self.layout.shard_numel]
+        return self.data.view(self.layout.n, self.row_numel)[:, : self.layout.shard_numel]
 
     def pack(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Write the gradients (None = zeros) and their presence flags."""
         self.layout.pack(grads, self.grid)
         present = torch.tensor([g is not None for g in grads], dtype=self.data.dtype)
-        self.data.view(self.layout.n, self.row)[:, self.layout.shard_numel :].copy_(present.to(self.data.device))
+        self.data.view(self.layout.n, self.row_numel)[:, self.layout.shard_numel :].copy_(present.to(self.data.device))
 
     def split(self, reduced: torch.Tensor) -> tuple[torch.Tensor, list[bool]]:
-        """A reduced row (row,) -> (its gradient columns, per parameter: did any rank have one)."""
+        """A reduced row (row_numel,) -> (its gradient columns, per parameter: did any rank have one)."""
         cut = self.layout.shard_numel
         return reduced[:cut], (reduced[cut:] > 0).tolist()

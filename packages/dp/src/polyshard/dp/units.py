@@ -102,7 +102,7 @@ class Unit:
         buffer.pack([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
-        out = torch.empty(buffer.row, dtype=self.reduce_dtype, device=self.local.device)
+        out = torch.empty(buffer.row_numel, dtype=self.reduce_dtype, device=self.local.device)
         self._reduce = (ops.reduce_scatter_flat(out, buffer.data, self.group, async_op=True), buffer, out)
         self.launched = True
         self.free()

@@ -88,13 +88,7 @@ def scale_expert_gradients(model: nn.Module, ep_size: int, axis: str = "ep") -> 
 def average_replicated_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep") -> None:
     """Average non-expert gradients over ``group`` with one all-reduce of a flat buffer."""
     grads = [p.grad for p in replicated_parameters(model, axis) if p.grad is not None]
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    ops.all_reduce(flat, group)
-    flat.div_(dist.get_world_size(group))
-    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(piece.view_as(grad))
+    ops.all_reduce_coalesced(grads, group, divide_by=dist.get_world_size(group))
 
 
 def sync_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep") -> None:

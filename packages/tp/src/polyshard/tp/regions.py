@@ -70,10 +70,5 @@ def sync_sequence_parallel_grads(model: torch.nn.Module, tp_group: dist.ProcessG
     gradients it summed.
     """
     grads = [p.grad for p in model.parameters() if is_sequence_parallel(p) and p.grad is not None]
-    if not grads or dist.get_world_size(tp_group) == 1:
-        return len(grads)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    ops.all_reduce(flat, tp_group)
-    for grad, piece in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(piece.view_as(grad))
+    ops.all_reduce_coalesced(grads, tp_group)
     return len(grads)
