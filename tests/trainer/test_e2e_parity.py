@@ -9,6 +9,7 @@ is the same whatever the layout (see polyshard.trainer.data.loader).
 import dataclasses
 
 import pytest
+import torch
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
@@ -107,6 +108,30 @@ def test_bf16_gradient_norms_are_measured(distributed, corpus, reference, tmp_pa
     norms = distributed.run(2, _train, config, tmp_path)[0][STEPS:]
     # bf16 weights and activations: the norms agree with float32's to a few percent, not to round-off.
     assert norms == pytest.approx(reference["gpt"][STEPS:], rel=5e-2)
+
+
+def _sequence_parallel_norms(config):
+    from polyshard.tp import is_sequence_parallel
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.parallelize import build_engine
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    train_data, _ = make_loaders(config, mesh)
+    for _ in range(3):
+        train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-2)
+    return {n: p.detach().float().clone() for n, p in engine.chunks[0].named_parameters() if is_sequence_parallel(p)}
+
+
+def test_sequence_parallel_norms_stay_replicated_under_bf16(distributed, corpus):
+    # Each tp rank's norms see only its sequence shard; their gradients must be summed over tp. Under
+    # bf16 they live in the fp32 buckets (p.grad is None), and the sum used to read p.grad: skipped.
+    config = _config(corpus, tp=2, sequence_parallel=True)
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, precision="bf16"))
+    first, second = distributed.run(2, _sequence_parallel_norms, config)
+    assert len(first) == 14  # per block two norms (weight, bias) and two row-parallel biases; the head norm
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name
 
 
 def _train_checkpointed(config, out):
