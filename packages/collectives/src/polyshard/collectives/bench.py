@@ -27,17 +27,10 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
+from polyshard.collectives.ledger import bus_factor
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
-
-
-def bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def parse_size(text: str) -> int:

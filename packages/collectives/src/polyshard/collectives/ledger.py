@@ -83,13 +83,20 @@ class CommLedger:
         return "\n".join(lines)
 
 
+def bus_factor(op: str, n: int) -> float:
+    """Bytes one rank sends per byte of buffer for ``op`` on ``n`` ranks with ring algorithms: 2(n-1)/n
+    for all-reduce, (n-1)/n for all-gather, reduce-scatter and an even all-to-all, 1 otherwise. The
+    same factor turns a benchmark's algorithm bandwidth into bus bandwidth (as nccl-tests report it)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
 def ring_wire_bytes(op: str, nbytes: int, n: int) -> float:
     """Bytes one rank sends for ``op`` of buffer size ``nbytes`` on ``n`` ranks (ring)."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    return float(nbytes)
+    return bus_factor(op, n) * nbytes
 
 
 def record(op: str, group: dist.ProcessGroup | None, nbytes: int, wire_bytes: float | None = None) -> None:

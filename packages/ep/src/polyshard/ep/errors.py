@@ -1,17 +1,15 @@
 """Typed errors of polyshard.ep. Each message says what was wrong and what would work."""
 
 
+from polyshard.mesh import divisors
+
+
 class MoEConfigError(ValueError):
     """A mixture-of-experts configuration that cannot work (expert count, top-k, capacity...)."""
 
 
 class ExpertParallelError(ValueError):
     """Expert parallelism asked for on a group or module it cannot shard."""
-
-
-def divisors(n: int) -> list[int]:
-    """Every positive divisor of ``n``, ascending (for 'choose ep in {...}' messages)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_ep_size(num_experts: int, ep: int) -> None:

@@ -2,7 +2,7 @@
 
 from polyshard.mesh.errors import DistributedInitError, MeshError, PlacementError
 from polyshard.mesh.init import DistributedContext, default_backend, init_distributed
-from polyshard.mesh.layout import MeshLayout
+from polyshard.mesh.layout import MeshLayout, divisors
 from polyshard.mesh.mesh import Mesh, SubMesh
 from polyshard.mesh.placement import (
     Placement,
@@ -27,6 +27,7 @@ __all__ = [
     "SubMesh",
     "TensorPlacement",
     "default_backend",
+    "divisors",
     "get_placement",
     "init_distributed",
     "set_placement",

@@ -34,6 +34,12 @@ from polyshard.mesh.errors import MeshError
 AxisSpec = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending: the axis sizes that split ``n`` evenly (for
+    messages such as 'choose tp in [1, 2, 3, 6]')."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _as_axis_tuple(axes: str | Iterable[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 
+from polyshard.mesh import divisors
 from polyshard.tp.errors import TPShapeError
-from polyshard.tp.shard import choices, divisors
+from polyshard.tp.shard import choices
 
 
 def valid_tp_sizes(num_heads: int, num_kv_heads: int | None = None) -> list[int]:

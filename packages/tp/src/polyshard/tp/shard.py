@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement, set_placement
+from polyshard.mesh import Replicate, Shard, TensorPlacement, divisors, get_placement, set_placement
 from polyshard.tp.errors import TPShapeError
 
 SEQUENCE_PARALLEL_ATTR = "_polyshard_sequence_parallel"
@@ -29,10 +29,6 @@ def tp_size(tp_group: dist.ProcessGroup | None) -> int:
 
 def tp_rank(tp_group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(tp_group)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def choices(sizes: list[int]) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 import tomllib
 
+from polyshard.mesh import divisors
 from polyshard.trainer.errors import ConfigError
 
 MODEL_KINDS = ("gpt", "moe-gpt", "vit")
@@ -83,12 +84,12 @@ class ModelConfig:
         if self.hidden % self.num_heads:
             raise ConfigError(
                 f"model.hidden={self.hidden} is not a multiple of model.num_heads={self.num_heads}; "
-                f"choose num_heads in {_divisors(self.hidden)}"
+                f"choose num_heads in {divisors(self.hidden)}"
             )
         if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
             raise ConfigError(
                 f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
-                f"choose one of {_divisors(self.num_heads)}"
+                f"choose one of {divisors(self.num_heads)}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
@@ -97,7 +98,7 @@ class ModelConfig:
         if self.kind == "vit" and self.image_size % self.patch_size:
             raise ConfigError(
                 f"model.image_size={self.image_size} is not a multiple of model.patch_size={self.patch_size}; "
-                f"choose patch_size in {_divisors(self.image_size)}"
+                f"choose patch_size in {divisors(self.image_size)}"
             )
 
     @property
@@ -261,10 +262,6 @@ SECTIONS: dict[str, type] = {
 
 
 # -- helpers -------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")

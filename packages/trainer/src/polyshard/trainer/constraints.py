@@ -7,7 +7,8 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 
 from __future__ import annotations
 
-from polyshard.trainer.config import Config, _divisors
+from polyshard.mesh import divisors
+from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 
 
@@ -40,12 +41,12 @@ def _check_tensor_parallel(config: Config) -> None:
     model, tp = config.model, config.parallel.tp
     for name, value in (("model.num_heads", model.num_heads), ("model.num_kv_heads", model.kv_heads)):
         if value % tp:
-            valid = _divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
+            valid = divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; choose tp in {valid}")
     if (model.mlp_ratio * model.hidden) % tp:
         raise ConfigError(
             f"parallel.tp={tp} does not divide the MLP width {model.mlp_ratio * model.hidden}; "
-            f"choose tp in {_divisors(model.mlp_ratio * model.hidden)}"
+            f"choose tp in {divisors(model.mlp_ratio * model.hidden)}"
         )
     if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
         # Norm weights under SP need their gradients summed over tp after backward, but ZeRO
@@ -62,7 +63,7 @@ def _check_tensor_parallel(config: Config) -> None:
     if config.parallel.sequence_parallel and model.sequence_length % tp:
         # Offer only sizes that also pass the head and MLP checks above.
         widths = (model.kv_heads, model.mlp_ratio * model.hidden)
-        valid = [d for d in _divisors(model.sequence_length) if all(w % d == 0 for w in widths)]
+        valid = [d for d in divisors(model.sequence_length) if all(w % d == 0 for w in widths)]
         raise ConfigError(
             f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
             f"choose tp in {valid} or turn parallel.sequence_parallel off"
@@ -104,5 +105,5 @@ def _check_experts(config: Config) -> None:
     if model.kind == "moe-gpt" and model.num_experts % par.ep:
         raise ConfigError(
             f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
-            f"choose ep in {_divisors(model.num_experts)}"
+            f"choose ep in {divisors(model.num_experts)}"
         )

@@ -16,6 +16,7 @@ real runs save, layout by layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def base_record(config: Config, name: str, shape: Sequence[int]) -> TensorPlacem
         record = planned_placement(tp_plan(config), name, shape, config.parallel.tp)
     if config.model.kind == "moe-gpt":
         record = planned_expert_placement(name, shape) or record
-    return record
+    return dataclasses.replace(record, layer=layer_of(name))
 
 
 def is_expert(config: Config, record: TensorPlacement) -> bool:

@@ -240,14 +240,14 @@ def global_names(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str] 
 
 
 def _name_records_globally(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:
-    """Give every parameter a record under its model name, so records (and checkpoints) never
-    carry a chunk-local name, whichever strategies touched it."""
+    """Give every parameter a record under its model name and pipeline layer, so records (and
+    checkpoints) never carry a chunk-local name, whichever strategies touched it."""
     names = global_names(chunk, layer_ids, aliases)
     for local, param in chunk.named_parameters():
         record = get_placement(param)
         if record is None:
             record = TensorPlacement(names[local], tuple(param.shape))
-        set_placement(param, dataclasses.replace(record, name=names[local]))
+        set_placement(param, dataclasses.replace(record, name=names[local], layer=layer_of(names[local])))
 
 
 def _no_sync_all(wrappers):
