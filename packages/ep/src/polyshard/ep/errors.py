@@ -1,6 +1,5 @@
 """Typed errors of polyshard.ep. Each message says what was wrong and what would work."""
 
-
 from polyshard.mesh import divisors
 
 

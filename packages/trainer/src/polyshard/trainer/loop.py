@@ -27,7 +27,6 @@ from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
-from polyshard.trainer.models.transformer import Block
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
@@ -232,9 +231,6 @@ def train(
     rank0 = dist.get_rank() == 0
     torch.manual_seed(train_cfg.seed)  # dropout; the weights have their own per-layer generators
     engine = build_engine(config, mesh, device=_device())
-    for module in (m for chunk in engine.chunks.values() for m in chunk.modules()):
-        if isinstance(module, Block):
-            module.checkpoint_activations = train_cfg.activation_checkpointing
     num_params = parameter_count(config)
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()

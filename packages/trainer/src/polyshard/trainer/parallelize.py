@@ -326,7 +326,14 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     bounds = pipeline_bounds(config, {n: p.shape for n, p in skeleton.named_parameters()})
     mine = schedule.stages_of(mesh.coord("pp"))
     owned = [i for s in mine for i in bounds[s]]
-    full = build_model(config.model, seed=config.training.seed, layers=owned, device=device)
+    full = build_model(
+        config.model,
+        seed=config.training.seed,
+        layers=owned,
+        device=device,
+        checkpoint_activations=config.training.activation_checkpointing,
+        aux_loss_scale=1.0 / par.microbatches,  # each microbatch's aux loss, like its CE, counts 1/m
+    )
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
     model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
     del full, skeleton
@@ -339,9 +346,6 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     chunks = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, chunk in chunks.items():
         _name_records_globally(chunk, bounds[s], aliases)
-    for module in (m for chunk in chunks.values() for m in chunk.modules()):
-        if hasattr(module, "aux_loss_scale"):
-            module.aux_loss_scale = 1.0 / par.microbatches  # each microbatch's aux loss, like its CE, counts 1/m
     wrappers = {s: _wrap_data_parallel(chunk, config, mesh) for s, chunk in chunks.items()}
     optimizers = [_optimizer(w, config, global_names(chunks[s], bounds[s], aliases)) for s, w in wrappers.items()]
     executor = PipelineExecutor(

@@ -20,11 +20,21 @@ from polyshard.trainer.models.vit import ViT
 
 
 def build_model(
-    config: ModelConfig, *, seed: int = 0, layers: Collection[int] | None = None, device: torch.device | str = "cpu"
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    layers: Collection[int] | None = None,
+    device: torch.device | str = "cpu",
+    checkpoint_activations: bool = False,
+    aux_loss_scale: float = 1.0,
 ) -> nn.Module:
-    """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``."""
+    """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
+
+    ``checkpoint_activations``: blocks recompute their insides in backward. ``aux_loss_scale``: the
+    gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several).
+    """
     with torch.device("meta"):
-        model = _construct(config)
+        model = _construct(config, checkpoint_activations, aux_loss_scale)
     wanted = set(range(len(model.layers)) if layers is None else layers)
     if tied_names(config) and len(model.layers) - 1 in wanted:
         wanted.add(0)  # the head's weight is the embedding's, drawn from layer 0's generator
@@ -55,7 +65,7 @@ def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
 
 
-def _construct(config: ModelConfig) -> nn.Module:
+def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale: float) -> nn.Module:
     if config.kind == "vit":
         return ViT(
             image_size=config.image_size,
@@ -67,6 +77,7 @@ def _construct(config: ModelConfig) -> nn.Module:
             num_heads=config.num_heads,
             mlp_ratio=config.mlp_ratio,
             dropout=config.dropout,
+            checkpoint_activations=checkpoint_activations,
         )
     if config.kind in ("gpt", "moe-gpt"):
         model = GPT(
@@ -79,6 +90,7 @@ def _construct(config: ModelConfig) -> nn.Module:
             mlp_ratio=config.mlp_ratio,
             tie_embeddings=config.tie_embeddings,
             dropout=config.dropout,
+            checkpoint_activations=checkpoint_activations,
         )
         if config.kind == "moe-gpt":
             moe = MoEConfig(
@@ -90,7 +102,7 @@ def _construct(config: ModelConfig) -> nn.Module:
                 aux_loss_coef=config.aux_loss_weight,
             )
             for block in model.layers[1:-1]:
-                block.mlp = MoEMLP(moe)
+                block.mlp = MoEMLP(moe, aux_loss_scale=aux_loss_scale)
         return model
     raise ValueError(f"unknown model.kind {config.kind!r}")  # ModelConfig already rejects it
 

@@ -53,13 +53,13 @@ class GPT(nn.Module):
         mlp_ratio: int = 4,
         tie_embeddings: bool = False,
         dropout: float = 0.0,
+        checkpoint_activations: bool = False,
     ):
         super().__init__()
         self.context_length = context_length
-        blocks = [
-            Block(hidden, num_heads, num_kv_heads or num_heads, mlp_ratio, causal=True, dropout=dropout)
-            for _ in range(num_layers)
-        ]
+        kv_heads = num_kv_heads or num_heads
+        recompute = {"dropout": dropout, "checkpoint_activations": checkpoint_activations}
+        blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **recompute) for _ in range(num_layers)]
         self.layers = nn.ModuleList([Embedding(vocab_size, context_length, hidden, dropout), *blocks])
         self.layers.append(LMHead(hidden, vocab_size))
         if tie_embeddings:

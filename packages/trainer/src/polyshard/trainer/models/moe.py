@@ -30,10 +30,13 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoEMLP(nn.Module):
-    def __init__(self, config: MoEConfig):
+    """``aux_loss_scale``: the aux loss's gradient; 1 / microbatches when a step accumulates several,
+    as each microbatch's aux loss, like its cross-entropy, counts 1/m."""
+
+    def __init__(self, config: MoEConfig, *, aux_loss_scale: float = 1.0):
         super().__init__()
         self.moe = MoELayer(config)
-        self.aux_loss_scale = 1.0  # the trainer sets 1 / microbatches
+        self.aux_loss_scale = aux_loss_scale
         self.last_aux_loss = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

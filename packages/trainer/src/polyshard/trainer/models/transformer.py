@@ -60,10 +60,19 @@ class Block(nn.Module):
     second forward for the memory of every intermediate activation.
     """
 
-    checkpoint_activations = False
-
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, mlp_ratio: int, *, causal: bool, dropout=0.0):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        mlp_ratio: int,
+        *,
+        causal: bool,
+        dropout: float = 0.0,
+        checkpoint_activations: bool = False,
+    ):
         super().__init__()
+        self.checkpoint_activations = checkpoint_activations
         self.norm1 = nn.LayerNorm(hidden)
         self.attn = Attention(hidden, num_heads, num_kv_heads, causal=causal, dropout=dropout)
         self.norm2 = nn.LayerNorm(hidden)

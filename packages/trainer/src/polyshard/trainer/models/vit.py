@@ -54,10 +54,20 @@ class ViT(nn.Module):
         num_heads: int,
         mlp_ratio: int = 4,
         dropout: float = 0.0,
+        checkpoint_activations: bool = False,
     ):
         super().__init__()
         blocks = [
-            Block(hidden, num_heads, num_heads, mlp_ratio, causal=False, dropout=dropout) for _ in range(num_layers)
+            Block(
+                hidden,
+                num_heads,
+                num_heads,
+                mlp_ratio,
+                causal=False,
+                dropout=dropout,
+                checkpoint_activations=checkpoint_activations,
+            )
+            for _ in range(num_layers)
         ]
         self.layers = nn.ModuleList(
             [PatchEmbedding(image_size, patch_size, channels, hidden), *blocks, ClassifierHead(hidden, num_classes)]
