@@ -252,3 +252,30 @@ def _deadlocking_executor():
 def test_bad_batch_and_deadlocking_schedule(distributed):
     distributed.run(2, _bad_batch)
     distributed.run(2, _deadlocking_executor)
+
+
+def _forward_only(name, m, virtual):
+    p, rank = dist.get_world_size(), dist.get_rank()
+    schedule = make_schedule(name, p, m, virtual)
+    stages = build_stages(models.builders(), schedule.num_stages, schedule.stages_of(rank))
+    executor = PipelineExecutor(stages, schedule, models.loss_fn)
+    outputs = []
+    for size in (3, 0, 2 * m):  # any batch size, even none, and again after the first
+        x, _ = models.batch(size, size)
+        outputs.append(executor.forward_only(x if 0 in stages else None, lambda y: y.clone()))
+    return outputs
+
+
+@pytest.mark.parametrize("name, world, m, virtual", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])
+def test_forward_only_runs_any_batch_through_the_stages(distributed, name, world, m, virtual):
+    results = distributed.run(world, _forward_only, name, m, virtual)
+    reference = models.reference()
+    holder = (world * virtual - 1) % world  # the rank holding the last stage
+    for rank, outputs in enumerate(results):
+        if rank != holder:
+            assert outputs == [None, None, None]
+            continue
+        for size, output in zip((3, 0, 2 * m), outputs):
+            with torch.no_grad():
+                expected = reference(models.batch(size, size)[0])
+            torch.testing.assert_close(output, expected, rtol=0, atol=0)  # the same ops on the same numbers

@@ -52,21 +52,33 @@ def recv(buffer: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
     return buffer
 
 
-def _header(tensor: torch.Tensor) -> torch.Tensor:
+HEADER_NUMEL = 2 + _MAX_DIMS
+"""Elements of the int64 header that carries a tensor's dtype and shape ahead of it."""
+
+
+def header_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The header announcing ``tensor``'s dtype and shape (on its device), for :func:`buffer_for`."""
     if tensor.dim() > _MAX_DIMS:
         raise CollectiveError(f"send_with_meta supports up to {_MAX_DIMS} dims, got {tensor.dim()}")
     if tensor.dtype not in _DTYPES:
         raise CollectiveError(f"send_with_meta cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
     header[0] = _DTYPES.index(tensor.dtype)
     header[1] = tensor.dim()
     header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return header.to(tensor.device)
 
 
+def buffer_for(header: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An empty tensor of the dtype and shape a received :func:`header_of` announces."""
+    values = header.tolist()
+    dtype, ndim = _DTYPES[values[0]], values[1]
+    return torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
+
+
 def send_with_meta(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Send dtype and shape, then the tensor; pair with :func:`recv_with_meta`."""
-    send(_header(tensor), dst, group)
+    send(header_of(tensor), dst, group)
     send(tensor, dst, group)
 
 
@@ -74,9 +86,8 @@ def recv_with_meta(
     src: int, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Receive a tensor sent with :func:`send_with_meta`, allocating it from the header."""
-    header = recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device), src, group).tolist()
-    dtype, ndim = _DTYPES[header[0]], header[1]
-    return recv(torch.empty(header[2 : 2 + ndim], dtype=dtype, device=device), src, group)
+    header = recv(torch.zeros(HEADER_NUMEL, dtype=torch.int64, device=device), src, group)
+    return recv(buffer_for(header, device), src, group)
 
 
 def exchange(

@@ -17,7 +17,8 @@ nothing about dp.
 
 The shapes that travel between stages are inferred on the first step, so
 later steps must keep the same microbatch shape (build a new executor
-otherwise).
+otherwise). :meth:`PipelineExecutor.forward_only` runs the same stages
+forward only, for evaluation, on batches of any size.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.collectives import ops
+from polyshard.collectives import ops, p2p
 from polyshard.pp.actions import Action, Exchange, Schedule
 from polyshard.pp.comm import post_exchange
 from polyshard.pp.errors import ScheduleError, StageShapeError
 from polyshard.pp.lowering import lower
+from polyshard.pp.schedules import forward_only
 from polyshard.pp.shapes import infer_shapes
 from polyshard.pp.simulator import simulate
 from polyshard.pp.timeline import Span, Timeline
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -77,6 +82,7 @@ class PipelineExecutor:
         self.shapes: dict[int, tuple] | None = None
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
+        self.forward_steps: tuple | None = None  # the forward-only program, lowered on first use
         weight_steps = [i for i, s in enumerate(self.steps) if isinstance(s, Action) and self._touches_weights(s)]
         self.last_weight_step = weight_steps[-1] if weight_steps else -1
 
@@ -117,6 +123,52 @@ class PipelineExecutor:
             work.wait()
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual > 1)
         return StepResult(self.loss, timeline, self.peak)
+
+    def forward_only(self, inputs: torch.Tensor | None, on_output: Callable[[torch.Tensor], T]) -> T | None:
+        """Run the schedule's forward-only program (:func:`polyshard.pp.schedules.forward_only`): every
+        stage once on the whole batch, without gradients, for evaluation. Unlike :meth:`step` the batch
+        may have any size on every call (an empty one included): activations travel behind a shape
+        header. ``inputs`` are needed on stage 0's rank; returns ``on_output(last stage's output)`` on
+        the rank holding the last stage, else None."""
+        if 0 in self.stages and inputs is None:
+            raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
+        if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
+            self.forward_steps = lower(forward_only(self.schedule))[self.rank]
+        mail: dict[tuple, torch.Tensor] = {}
+        result, pending = None, []
+        with torch.no_grad():
+            for step in self.forward_steps:
+                if isinstance(step, Exchange):
+                    pending += self._exchange_with_headers(step, mail)
+                    continue
+                x = inputs if step.stage == 0 else mail.pop(("F", step.stage - 1, 0))
+                y = self.stages[step.stage](x)
+                if step.stage == self.schedule.num_stages - 1:
+                    result = on_output(y)
+                else:
+                    mail[("F", step.stage, 0)] = y
+        for work, _ in pending:
+            work.wait()
+        return result
+
+    def _exchange_with_headers(self, step: Exchange, mail: dict) -> list:
+        """An exchange whose receivers do not know the shapes: headers first, then the tensors."""
+        sends, recvs = [], []
+        for op in step.ops:
+            key = op.message_key()
+            if op.kind == "SF":
+                sends.append((mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(key[1] + 1)]))
+            else:
+                recvs.append((key, self.peers[self.schedule.rank_of(key[1])]))
+        # Every send (header, then tensor) is posted at once and never waited on here: a rank whose
+        # exchange also receives must not hold back what its neighbour needs to produce that input.
+        outgoing = [(p2p.header_of(t), dst) for t, dst in sends] + sends
+        headers = [(torch.empty(p2p.HEADER_NUMEL, dtype=torch.int64, device=self.device), src) for _, src in recvs]
+        pending = post_exchange(outgoing, headers, self.group)
+        buffers = [(p2p.buffer_for(header, self.device), src) for header, src in headers]
+        pending += post_exchange([], buffers, self.group)
+        mail.update({key: buffer for (key, _), (buffer, _) in zip(recvs, buffers)})
+        return pending
 
     def _exchange(self, step: Exchange) -> None:
         sends, recvs = [], []

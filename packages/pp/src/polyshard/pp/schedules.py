@@ -147,6 +147,14 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forward-only program of ``schedule``: the same stages on the same ranks, each run once
+    on the whole batch (one microbatch: nothing is kept for a backward, so nothing to interleave).
+    Evaluation and inference run this; it is deadlock-free for any placement (stages run in order)."""
+    per_rank = [[Action("F", stage, 0) for stage in schedule.stages_of(r)] for r in range(schedule.num_ranks)]
+    return _make(f"{schedule.name} (forward only)", schedule.num_ranks, 1, schedule.virtual, per_rank)
+
+
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
     """Look a schedule up by name; ``virtual`` is used by ``interleaved`` only (and must be 1 otherwise)."""
     if name not in SCHEDULES:

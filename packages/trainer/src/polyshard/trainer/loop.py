@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from polyshard.collectives import ops, p2p
+from polyshard.collectives import ops
 from polyshard.mesh import Mesh
 from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.trainer.config import Config
@@ -128,32 +128,22 @@ def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
     return loss / count, (correct / count if engine.config.model.kind == "vit" else None)
 
 
-@torch.no_grad()
 def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(loss sum, correct, examples) of one batch on the last stage; zeros elsewhere."""
-    schedule, mesh = engine.executor.schedule, engine.mesh
-    pp_ranks = mesh.ranks_in_group("pp")
-    x, out = inputs, torch.zeros(3, dtype=torch.float64)
-    for chunk in range(schedule.num_stages):
-        holder = pp_ranks[schedule.rank_of(chunk)]
-        if holder != mesh.rank:
-            continue
-        if chunk > 0:
-            previous = pp_ranks[schedule.rank_of(chunk - 1)]
-            if previous != mesh.rank:
-                x = p2p.recv_with_meta(previous, mesh.group("pp"), device=engine.device)
-        x = engine.wrappers[chunk](x)
-        if chunk == schedule.num_stages - 1:
-            n = len(targets)
-            if n:  # an empty part still ran the forward (its collectives), but has no loss
-                out[0] = float(engine.executor.loss_fn(x, targets)) * n
-                out[1] = float((x.argmax(-1) == targets).sum()) if engine.config.model.kind == "vit" else 0.0
-                out[2] = n
-        else:
-            following = pp_ranks[schedule.rank_of(chunk + 1)]
-            if following != mesh.rank:
-                p2p.send_with_meta(x, following, mesh.group("pp"))
-    return out
+    """(loss sum, correct, examples) of one batch on the last stage; zeros elsewhere. The pipeline's
+    forward-only program runs it, so any batch size works (an empty part still runs the stages,
+    whose collectives its peers need, but scores nothing)."""
+    n, vit = len(targets), engine.config.model.kind == "vit"
+
+    def score(output: torch.Tensor) -> torch.Tensor:
+        totals = torch.zeros(3, dtype=torch.float64)
+        if n:
+            totals[0] = float(engine.executor.loss_fn(output, targets)) * n
+            totals[1] = float((output.argmax(-1) == targets).sum()) if vit else 0.0
+            totals[2] = n
+        return totals
+
+    result = engine.executor.forward_only(inputs if engine.holds_first_stage else None, score)
+    return result if result is not None else torch.zeros(3, dtype=torch.float64)
 
 
 def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult, log: bool) -> int:
