@@ -7,10 +7,12 @@ from polyshard.dp.layout import ShardSpec, shard_record
 from polyshard.dp.memory import MemoryReport, bytes_held
 from polyshard.dp.mixed_precision import MixedPrecision
 from polyshard.dp.optimizer import ZeroOptimizer
+from polyshard.dp.wrapper import DataParallelWrapper
 
 __all__ = [
     "DataParallel",
     "DataParallelError",
+    "DataParallelWrapper",
     "FullyShardedDataParallel",
     "GradSyncError",
     "MemoryReport",

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from polyshard.dp.wrapper import DataParallelWrapper
+
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -51,7 +53,7 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return tensors
 
 
-def bytes_held(model, optimizer) -> MemoryReport:
+def bytes_held(model: DataParallelWrapper, optimizer) -> MemoryReport:
     """Measure ``model`` (a polyshard.dp wrapper) and ``optimizer`` (a ZeroOptimizer or torch optimizer)."""
     held = model.memory_tensors()
     seen: set[int] = set()

@@ -23,13 +23,14 @@ import torch
 from torch import nn
 
 from polyshard.dp.errors import GradSyncError, UnownedParameterError
+from polyshard.dp.wrapper import DataParallelWrapper
 from polyshard.mesh import get_placement, set_placement
 
 
 class ZeroOptimizer:
     """Wrap ``optimizer`` (built on ``model``'s parameters, not yet stepped) for sharded stepping."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: DataParallelWrapper):
         if optimizer.state:
             raise GradSyncError(
                 "the optimizer already has state; wrap it in ZeroOptimizer before its first step "

@@ -35,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.dp import DataParallel, FullyShardedDataParallel, MixedPrecision, ParamSet, ZeroOptimizer
+from polyshard.dp import (
+    DataParallel,
+    DataParallelWrapper,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ParamSet,
+    ZeroOptimizer,
+)
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
@@ -120,7 +127,7 @@ class Engine:
     mesh: Mesh
     chunks: dict[int, nn.Module]  # pipeline chunk index -> the plain chunk (nn.Sequential of layers)
     layer_ids: dict[int, range]  # pipeline chunk index -> its global layer indices
-    wrappers: dict[int, nn.Module]  # pipeline chunk index -> its data-parallel wrapper
+    wrappers: dict[int, DataParallelWrapper]  # pipeline chunk index -> its data-parallel wrapper
     optimizers: list
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
@@ -260,7 +267,7 @@ def _no_sync_all(wrappers):
     return context
 
 
-def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> nn.Module:
+def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> DataParallelWrapper:
     par = config.parallel
     mp = None
     if config.training.precision == "bf16":
@@ -280,7 +287,7 @@ def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> nn.Modu
     )
 
 
-def _optimizer(wrapper: nn.Module, config: Config, names: Mapping[str, str]):
+def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str]):
     train = config.training
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
     inner = torch.optim.AdamW(param_groups(named, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2))
