@@ -9,7 +9,7 @@ selects the communicator.
 * :func:`exchange`: any mix of sends and receives posted together with
   ``batch_isend_irecv``. Two neighbours that each send to and receive from
   the other at once cannot deadlock, because no operation waits before all
-  are posted.
+  are posted; a pipeline may leave the sends in flight (``wait_sends=False``).
 """
 
 from __future__ import annotations
@@ -94,19 +94,33 @@ def exchange(
     sends: Sequence[tuple[torch.Tensor, int]] = (),
     recvs: Sequence[tuple[torch.Tensor, int]] = (),
     group: dist.ProcessGroup | None = None,
-) -> None:
+    *,
+    wait_sends: bool = True,
+) -> list[tuple[dist.Work, torch.Tensor]]:
     """Post every ``(tensor, dst)`` send and ``(buffer, src)`` receive together, then wait.
 
-    Receives fill their buffers in place.
+    Receives fill their buffers in place. With ``wait_sends=False`` only the
+    receives are waited for, and the pending sends come back as (handle, tensor)
+    pairs for the caller to wait on later (the tensors stay referenced until
+    then). A pipeline needs that: in interleaved 1F1B two neighbours can each
+    send first and receive only later, and if both waited for their sends they
+    would wait for each other forever.
     """
     ops = []
+    sends = [(tensor.contiguous(), dst) for tensor, dst in sends]
     for tensor, dst in sends:
         record("send", group, _nbytes(tensor))
-        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), dst, group))
+        ops.append(dist.P2POp(dist.isend, tensor, dst, group))
     for buffer, src in recvs:
         record("recv", group, _nbytes(buffer), wire_bytes=0.0)
         ops.append(dist.P2POp(dist.irecv, buffer, src, group))
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
+        return []
+    works = dist.batch_isend_irecv(ops)
+    if wait_sends or len(works) != len(ops):  # a backend that coalesces the batch into one handle: wait for all
+        for work in works:
+            work.wait()
+        return []
+    for work in works[len(sends) :]:
         work.wait()
+    return [(work, tensor) for work, (tensor, _) in zip(works[: len(sends)], sends)]

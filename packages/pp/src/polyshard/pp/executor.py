@@ -36,7 +36,6 @@ from torch import nn
 
 from polyshard.collectives import ops, p2p
 from polyshard.pp.actions import Action, Exchange, Schedule
-from polyshard.pp.comm import post_exchange
 from polyshard.pp.errors import ScheduleError, StageShapeError
 from polyshard.pp.lowering import lower
 from polyshard.pp.schedules import forward_only
@@ -164,9 +163,9 @@ class PipelineExecutor:
         # exchange also receives must not hold back what its neighbour needs to produce that input.
         outgoing = [(p2p.header_of(t), dst) for t, dst in sends] + sends
         headers = [(torch.empty(p2p.HEADER_NUMEL, dtype=torch.int64, device=self.device), src) for _, src in recvs]
-        pending = post_exchange(outgoing, headers, self.group)
+        pending = p2p.exchange(outgoing, headers, self.group, wait_sends=False)
         buffers = [(p2p.buffer_for(header, self.device), src) for header, src in headers]
-        pending += post_exchange([], buffers, self.group)
+        pending += p2p.exchange([], buffers, self.group, wait_sends=False)
         mail.update({key: buffer for (key, _), (buffer, _) in zip(recvs, buffers)})
         return pending
 
@@ -183,7 +182,7 @@ class PipelineExecutor:
                 shape, dtype = self.shapes[op.stage][0 if op.kind == "RF" else 1]
                 self.mail[key] = torch.empty(shape, dtype=dtype, device=self.device)
                 recvs.append((self.mail[key], peer))
-        self.pending_sends += post_exchange(sends, recvs, self.group)
+        self.pending_sends += p2p.exchange(sends, recvs, self.group, wait_sends=False)
 
     def _compute(self, action: Action, index: int) -> None:
         if action.kind == "F":
