@@ -5,14 +5,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from polyshard.mesh import Mesh
 from polyshard.tp import bench
+from polyshard.tp.examples import MLP, Block
 
 
 def _cases():
     n = dist.get_world_size()
     group, device_mesh = Mesh({"tp": n}).group("tp"), init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
     records = [
-        bench.run_case("mlp", lambda: bench.MLP(bench.H), "", group, device_mesh, iters=1),
-        bench.run_case("block", lambda: bench.Block(bench.H, bench.HEADS), "mlp.", group, device_mesh, iters=1),
+        bench.run_case("mlp", lambda: MLP(bench.H), "", group, device_mesh, iters=1),
+        bench.run_case("block", lambda: Block(bench.H, bench.HEADS), "mlp.", group, device_mesh, iters=1),
     ]
     return [(r["case"], r["outputs_match"], r["ours_s"] > 0, r["peer_s"] > 0) for r in records]
 

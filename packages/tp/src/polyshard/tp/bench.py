@@ -18,53 +18,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.tp.examples import MLP, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, TPEntry
 
 B, S, H, HEADS = 4, 128, 256, 8
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int):
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, hidden // num_heads
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.o_proj = nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (
-            p(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-            for p in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int, num_heads: int):
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(hidden), Attention(hidden, num_heads)
-        self.ln_2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
 
 
 def _ours(model: nn.Module, tp_group, prefix: str) -> nn.Module:
@@ -85,6 +47,7 @@ def _peer(model: nn.Module, device_mesh, prefix: str) -> nn.Module:
     if prefix:
         plan |= {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"attn.o_proj": RowwiseParallel()}
         model.attn.num_heads //= device_mesh.size()  # as torchtitan does: local heads
+        model.attn.num_kv_heads //= device_mesh.size()
     return parallelize_module(model, device_mesh, plan)
 
 
