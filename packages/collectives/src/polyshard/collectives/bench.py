@@ -19,7 +19,6 @@ Run it under torchrun (``polyshard bench comm --nproc 4`` does this)::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.collectives.ledger import bus_factor
+from polyshard.mesh import benchmark
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)
@@ -104,19 +104,21 @@ def run_benchmark(
     return records
 
 
+COLUMNS = (
+    ("op", 16, lambda r: r["op"]),
+    ("ranks", 6, lambda r: str(r["world_size"])),
+    ("bytes", 12, lambda r: str(r["bytes"])),
+    ("time (us)", 12, lambda r: f"{r['time_s'] * 1e6:.1f}"),
+    ("algbw GB/s", 12, lambda r: f"{r['algbw_gbps']:.3f}"),
+    ("busbw GB/s", 12, lambda r: f"{r['busbw_gbps']:.3f}"),
+)
+
+
 def format_table(records: Sequence[dict]) -> str:
-    lines = [f"{'op':<16}{'ranks':>6}{'bytes':>12}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
-    for r in records:
-        lines.append(
-            f"{r['op']:<16}{r['world_size']:>6}{r['bytes']:>12}{r['time_s'] * 1e6:>12.1f}"
-            f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}"
-        )
-    return "\n".join(lines)
+    return benchmark.format_table(records, COLUMNS)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from polyshard.mesh import init_distributed
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ", ".join(OPS))
     parser.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="e.g. 4K,1M,16M")
@@ -131,16 +133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"unknown ops {unknown}; choose from {list(OPS)}")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
-    ctx = init_distributed(backend=args.backend)
-    try:
-        records = run_benchmark(op_names, sizes, warmup=args.warmup, iters=args.iters, device=ctx.device)
-        if ctx.rank == 0:
-            print(format_table(records), flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(records, f, indent=2)
-    finally:
-        dist.destroy_process_group()
+    benchmark.run_bench(
+        lambda ctx: run_benchmark(op_names, sizes, warmup=args.warmup, iters=args.iters, device=ctx.device),
+        lambda records: benchmark.write_records(records, args.json, COLUMNS),
+        backend=args.backend,
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer, bytes_held
-from polyshard.mesh import init_distributed
-from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
 
 HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
@@ -147,14 +146,17 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default=None, help="write the records to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
     args = parser.parse_args(argv)
-    init_distributed()
-    torch.set_num_threads(1)  # ranks share the machine's cores
-    records = [bench_ddp(args.iters), bench_zero1(args.iters), bench_fsdp(args.iters)]
-    if dist.get_rank() == 0:
+
+    def measure(ctx) -> list[dict]:
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        return [bench_ddp(args.iters), bench_zero1(args.iters), bench_fsdp(args.iters)]
+
+    def report(records: list[dict]) -> None:
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']}: held bytes per rank ours {r['ours_held_bytes']:,} peer {r['peer_held_bytes']:,}")
-    dist.destroy_process_group()
+
+    run_bench(measure, report)
 
 
 if __name__ == "__main__":

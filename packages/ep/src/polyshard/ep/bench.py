@@ -27,8 +27,7 @@ from polyshard.collectives import ops
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
-from polyshard.mesh import init_distributed
-from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
@@ -121,9 +120,8 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
-    init_distributed()
-    records = [_case(args, top_k) for top_k in (1, 2)]
-    if dist.get_rank() == 0:
+
+    def report(records: list[dict]) -> None:
         write_records(records, args.json)
         for r in records:
             print(
@@ -131,7 +129,8 @@ def main(argv=None) -> None:
                 f"all-to-all {100 * r['all_to_all_fraction']:.1f}% of our step",
                 flush=True,
             )
-    dist.destroy_process_group()
+
+    run_bench(lambda ctx: [_case(args, top_k) for top_k in (1, 2)], report)
 
 
 if __name__ == "__main__":

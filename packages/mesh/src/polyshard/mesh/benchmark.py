@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from polyshard.mesh.init import DistributedContext, init_distributed
+
 
 def _timed(fn: Callable[[], object]) -> float:
     if dist.is_initialized():
@@ -64,19 +66,51 @@ def comparison_record(case: str, ours_s: float, peer_s: float, outputs_match: bo
     }
 
 
-def format_comparison(records: Sequence[dict]) -> str:
-    lines = [f"{'case':<40}{'ours (ms)':>12}{'peer (ms)':>12}{'ratio':>8}{'match':>7}"]
-    for r in records:
-        lines.append(
-            f"{r['case']:<40}{r['ours_s'] * 1e3:>12.2f}{r['peer_s'] * 1e3:>12.2f}{r['ratio']:>8.2f}"
-            f"{'yes' if r['outputs_match'] else 'NO':>7}"
-        )
-    return "\n".join(lines)
+Column = tuple[str, int, Callable[[dict], str]]
+"""(header, width, cell text from a record); the first column is left-aligned, the rest right."""
+
+COMPARISON_COLUMNS: tuple[Column, ...] = (
+    ("case", 40, lambda r: r["case"]),
+    ("ours (ms)", 12, lambda r: f"{r['ours_s'] * 1e3:.2f}"),
+    ("peer (ms)", 12, lambda r: f"{r['peer_s'] * 1e3:.2f}"),
+    ("ratio", 8, lambda r: f"{r['ratio']:.2f}"),
+    ("match", 7, lambda r: "yes" if r["outputs_match"] else "NO"),
+)
 
 
-def write_records(records: Sequence[dict], path: str | None) -> None:
+def format_table(records: Sequence[dict], columns: Sequence[Column] = COMPARISON_COLUMNS) -> str:
+    """One header line and one line per record."""
+
+    def line(cells: Sequence[str]) -> str:
+        first, *rest = zip(cells, (width for _, width, _ in columns))
+        return f"{first[0]:<{first[1]}}" + "".join(f"{cell:>{width}}" for cell, width in rest)
+
+    return "\n".join([line([h for h, _, _ in columns])] + [line([cell(r) for _, _, cell in columns]) for r in records])
+
+
+def write_records(records: Sequence[dict], path: str | None, columns: Sequence[Column] = COMPARISON_COLUMNS) -> None:
     """Print the table and, when ``path`` is given, write the records as JSON (call on rank 0)."""
-    print(format_comparison(records), flush=True)
+    print(format_table(records, columns), flush=True)
     if path:
         with open(path, "w") as f:
             json.dump(list(records), f, indent=2)
+
+
+def run_bench(
+    measure: Callable[[DistributedContext], list[dict]],
+    report: Callable[[list[dict]], None],
+    *,
+    backend: str | None = None,
+) -> None:
+    """How every ``polyshard bench`` command runs: start the process group, ``measure`` on every rank,
+    ``report`` on rank 0, wait for it, and tear the group down. Models and groups should live inside
+    ``measure``, so they are freed before the group is destroyed (gloo can abort at exit when a
+    process group outlives destroy_process_group)."""
+    ctx = init_distributed(backend=backend)
+    try:
+        records = measure(ctx)
+        if ctx.rank == 0:
+            report(records)
+        dist.barrier()  # rank 0 prints and writes: let it finish before any rank tears its group down
+    finally:
+        dist.destroy_process_group()

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.mesh import init_distributed
-from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages
 from polyshard.pp.schedules import make_schedule
@@ -112,16 +111,18 @@ def main(argv=None) -> None:
     parser.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
     args = parser.parse_args(argv)
-    init_distributed()
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, args.hidden, generator=g)
-    records = [_case(name, args, x, y) for name in args.schedules.split(",")]
-    if dist.get_rank() == 0:
+
+    def measure(ctx) -> list[dict]:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, args.hidden, generator=g)
+        return [_case(name, args, x, y) for name in args.schedules.split(",")]
+
+    def report(records: list[dict]) -> None:
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  theory {r['bubble_theory']:.3f}")
-    dist.barrier()  # rank 0 prints and writes: let it finish before any rank tears its group down
-    dist.destroy_process_group()
+
+    run_bench(measure, report)
 
 
 if __name__ == "__main__":

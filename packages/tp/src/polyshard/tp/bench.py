@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.mesh import Mesh, init_distributed
-from polyshard.mesh.benchmark import comparison_record, time_interleaved, write_records
+from polyshard.mesh import Mesh
+from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
 from polyshard.tp.examples import MLP, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, TPEntry
@@ -92,16 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
     args = parser.parse_args(argv)
-    ctx = init_distributed()
-    try:
-        # Models and groups live inside run_all, so they are freed before the group is destroyed
-        # (gloo can abort at exit when a process group outlives destroy_process_group).
-        records = run_all(args.iters)
-        if ctx.rank == 0:
-            write_records(records, args.json)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    run_bench(lambda ctx: run_all(args.iters), lambda records: write_records(records, args.json))
 
 
 if __name__ == "__main__":
