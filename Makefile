@@ -40,9 +40,12 @@ demo: setup
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \
 		--set training.steps=620 --set training.eval_every=20 --set training.sample_tokens=0
 
+TYPED := mesh collectives tp pp dp ep
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy $(addprefix -p polyshard.,$(TYPED))
 
 format: setup
 	$(BIN)/ruff check --fix .

@@ -47,7 +47,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _make_op(op: str, size: int, n: int, device: torch.device) -> Callable[[], None]:
+def _make_op(op: str, size: int, n: int, device: torch.device) -> Callable[[], object]:
     """A closure running ``op`` once on a float32 buffer of ``size`` bytes (rounded to n elements)."""
     numel = max(size // 4 // n, 1) * n
     buf = torch.ones(numel, device=device)

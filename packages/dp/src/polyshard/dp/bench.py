@@ -14,6 +14,7 @@ optimizer state), counted from the live tensors on both sides.
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ CHECK_STEPS = 3
 # and buckets, so losses agree to float32 rounding amplified over a few steps.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
 # in another order differ more (and the peer's kernels order them differently again).
-LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
+LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 
 
 def make_model() -> nn.Sequential:
@@ -57,10 +58,14 @@ def step_fn(model, optimizer, finish=None):
     return step
 
 
+def _world() -> dist.ProcessGroup:
+    return cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional; initialised here
+
+
 def losses_match(ours, peer) -> bool:
     ours_losses = torch.tensor([ours() for _ in range(CHECK_STEPS)])
     peer_losses = torch.tensor([peer() for _ in range(CHECK_STEPS)])
-    return bool(torch.allclose(ours_losses, peer_losses, **LOSS_TOL))
+    return bool(torch.allclose(ours_losses, peer_losses, rtol=LOSS_RTOL, atol=LOSS_ATOL))
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -77,7 +82,7 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def bench_ddp(iters: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    ours_model = DataParallel(make_model(), group=dist.group.WORLD, bucket_cap_mb=25)
+    ours_model = DataParallel(make_model(), group=_world(), bucket_cap_mb=25)
     peer_model = DistributedDataParallel(make_model(), bucket_cap_mb=25)
     ours_opt = torch.optim.AdamW(ours_model.parameters(), lr=LR)
     peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
@@ -99,7 +104,7 @@ def bench_zero1(iters: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    ours_model = DataParallel(make_model(), group=dist.group.WORLD, bucket_cap_mb=25, zero_stage=1)
+    ours_model = DataParallel(make_model(), group=_world(), bucket_cap_mb=25, zero_stage=1)
     ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
     peer_model = DistributedDataParallel(make_model(), bucket_cap_mb=25)
     peer_opt = ZeroRedundancyOptimizer(peer_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
@@ -120,7 +125,7 @@ def bench_fsdp(iters: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    ours_model = FullyShardedDataParallel(make_model(), group=dist.group.WORLD)
+    ours_model = FullyShardedDataParallel(make_model(), group=_world())
     ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
     peer_model = make_model()
     device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))

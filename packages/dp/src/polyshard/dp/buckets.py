@@ -11,6 +11,7 @@ when some parameter got no gradient on some rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ class Bucket:
         self.reduced: torch.Tensor | None = None  # (layout.shard_numel,) this rank's reduced rows (all at stage 0)
         self._landing: torch.Tensor | None = None  # where the in-flight reduction writes (flags included)
         self.present: list[bool] = [False] * len(self.params)  # did any rank produce each gradient
-        self.work = None
+        self.work: Any = None  # the in-flight reduction's handle
         self.launched = False
 
     @property
@@ -84,9 +85,10 @@ class Bucket:
 
     def wait(self) -> None:
         """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
-        self.work.wait()
+        buffer = cast(GradBuffer, self.buffer)  # launch() made it
+        cast(Any, self.work).wait()
         self.work = None
-        grads, self.present = self.buffer.split(self._landing)
+        grads, self.present = buffer.split(cast(torch.Tensor, self._landing))
         self._landing = None
         grads.div_(self.divide_by)
         if self.stage == 0:
@@ -97,7 +99,7 @@ class Bucket:
             return
         if self.stage == 1:
             # Keep only the full buffer: this rank's rows of it become the reduced shard.
-            mine = self.buffer.grid[self.rank]
+            mine = buffer.grid[self.rank]
             mine.copy_(grads)
             self.reduced = mine
         else:

@@ -23,7 +23,7 @@ buckets, not in ``p.grad`` (which stays None): step with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +100,9 @@ class DataParallel(nn.Module):
         # One queue per process group: buckets on one communicator must launch in one order on every
         # rank, and a queue launches strictly in index order (sets sharing a group share a queue).
         queues: dict[int, list[Bucket]] = {}
-        for s in sets:
-            queues.setdefault(id(s[1]), []).extend(self._build_buckets(*s, int(bucket_cap_mb * 2**20)))
+        for set_params, set_group, divide_by in sets:
+            buckets = self._build_buckets(set_params, set_group, divide_by, int(bucket_cap_mb * 2**20))
+            queues.setdefault(id(set_group), []).extend(buckets)
         self.queues = list(queues.values())
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
         for queue in self.queues:
@@ -289,14 +290,14 @@ class DataParallel(nn.Module):
 
     def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
         if self.zero_stage == 0:
-            return get_placement(param)
+            return get_placement(param) or TensorPlacement(name, tuple(param.shape))
         return shard_record(get_placement(param), name, self.shard_spec(param), self._axis_of.get(id(param), self.axis))
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
         bucket, index = self._where[id(param)]
         return bucket.grad_shard(index)
 
-    def write_params(self, values: dict[int, torch.Tensor]) -> None:
+    def write_params(self, values: Mapping[int, torch.Tensor]) -> None:
         """Set parameters from updated rows (keyed by ``id(param)``); stages 1/2 all-gather them."""
         with torch.no_grad():
             if self.zero_stage == 0:

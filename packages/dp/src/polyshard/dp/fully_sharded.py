@@ -19,7 +19,7 @@ so the full gradients are never kept.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,8 @@ class FullyShardedDataParallel(nn.Module):
         for block in blocks:
             for p in {id(p): p for p in block.parameters()}.values():
                 users[id(p)] = users.get(id(p), 0) + 1
-        units, seen = [], {key for key, count in users.items() if count > 1}
+        units: list[Unit] = []
+        seen = {key for key, count in users.items() if count > 1}
         for block in blocks:
             members = [(name_of[id(p)], p) for p in block.parameters() if id(p) in name_of and id(p) not in seen]
             if not members:
@@ -122,7 +123,7 @@ class FullyShardedDataParallel(nn.Module):
         if not torch.is_grad_enabled():
             return
         tensors = [t for t in _tensors(output) if t.requires_grad]
-        fired = []
+        fired: list[bool] = []
 
         def pre_backward(grad):
             if not fired:  # once per backward even when the block has several outputs
@@ -206,7 +207,7 @@ class FullyShardedDataParallel(nn.Module):
         unit, index = self._where[id(param)]
         return unit.grad_of(index)
 
-    def write_params(self, values: dict[int, torch.Tensor]) -> None:
+    def write_params(self, values: Mapping[int, torch.Tensor]) -> None:
         for unit in self.reduce_order:
             unit.write_local(values)
 

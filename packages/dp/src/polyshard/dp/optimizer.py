@@ -51,7 +51,7 @@ class ZeroOptimizer:
                 "build it on model.parameters() (the wrapped model's trainable parameters)"
             )
 
-    def _master_for(self, param: torch.Tensor, owned) -> nn.Parameter:
+    def _master_for(self, param: nn.Parameter, owned) -> nn.Parameter:
         if id(param) not in owned:
             raise UnownedParameterError(
                 f"the optimizer holds a tensor of shape {tuple(param.shape)} that the data-parallel wrapper "
@@ -89,9 +89,10 @@ class ZeroOptimizer:
     def _label_state(self) -> None:
         # Exp. averages and the like are shaped like the master rows: give them its placement.
         for master in self.masters.values():
+            record = get_placement(master)
             for value in self.optimizer.state.get(master, {}).values():
-                if isinstance(value, torch.Tensor) and value.shape == master.shape:
-                    set_placement(value, get_placement(master))
+                if record is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    set_placement(value, record)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)

@@ -9,6 +9,9 @@ tensors that autograd saved in forward see the values again in backward.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 
@@ -40,8 +43,9 @@ class Unit:
             p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below
         self.gathered = True
         self.free()
-        self._gather = None  # (work, buffer) of an in-flight all-gather
-        self._reduce = None  # (work, input, output) of an in-flight reduce-scatter
+        self._gather: tuple[Any, torch.Tensor] | None = None  # (work, buffer) of an in-flight all-gather
+        # (work, input, output) of an in-flight reduce-scatter
+        self._reduce: tuple[Any, GradBuffer, torch.Tensor] | None = None
         self.ready: set[int] = set()
         self.launched = False
         self.grad_shard: torch.Tensor | None = None  # (shard_numel,) averaged, summed over backwards
@@ -67,7 +71,7 @@ class Unit:
         if self.gathered:
             return
         self.start_gather()
-        work, buffer = self._gather
+        work, buffer = cast(tuple[Any, torch.Tensor], self._gather)  # start_gather just posted it
         work.wait()
         self._gather = None
         with torch.no_grad():
@@ -84,7 +88,7 @@ class Unit:
             p.untyped_storage().resize_(0)
         self.gathered = False
 
-    def write_local(self, values: dict[int, torch.Tensor]) -> None:
+    def write_local(self, values: Mapping[int, torch.Tensor]) -> None:
         """Set this rank's rows from optimizer results (keyed by ``id(param)``); no communication."""
         with torch.no_grad():
             for view, p in zip(self.local_views, self.params):
@@ -109,7 +113,7 @@ class Unit:
 
     def wait_reduce(self) -> None:
         """Finish the reduce-scatter and add the average into ``grad_shard`` (gradient accumulation)."""
-        work, buffer, out = self._reduce
+        work, buffer, out = cast(tuple[Any, GradBuffer, torch.Tensor], self._reduce)  # launched this backward
         work.wait()
         self._reduce = None
         grads, present = buffer.split(out)

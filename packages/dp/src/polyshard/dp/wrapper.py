@@ -10,6 +10,7 @@ either wrapper is typed against :class:`DataParallelWrapper`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -57,7 +58,7 @@ class DataParallelWrapper(Protocol):
         """fp32 values of this rank's rows of ``param``, for an optimizer's master copy."""
         ...
 
-    def write_params(self, values: dict[int, torch.Tensor]) -> None:
+    def write_params(self, values: Mapping[int, torch.Tensor]) -> None:
         """Set the parameters from updated rows (keyed by ``id(param)``)."""
         ...
 

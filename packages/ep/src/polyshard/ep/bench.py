@@ -19,6 +19,7 @@ import contextlib
 import copy
 import statistics
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from polyshard.mesh.benchmark import comparison_record, run_bench, time_interlea
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
 # in another order differ more (and the peer's kernels order them differently again).
-MATCH_TOL = {"rtol": 1e-4, "atol": 1e-5}
+MATCH_RTOL, MATCH_ATOL = 1e-4, 1e-5
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def _step(layer, x, target, group=None):
 
 def _case(args, top_k: int) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
-    group = dist.group.WORLD
+    group = cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional; initialised here
     torch.manual_seed(0)
     config = MoEConfig(hidden=args.hidden, ffn_hidden=args.ffn, num_experts=args.experts, top_k=top_k)
     peer_layer = MoELayer(config)
@@ -83,7 +84,7 @@ def _case(args, top_k: int) -> dict:
     fraction = _all_to_all_fraction(ours_layer, xs[rank], targets[rank], group, args.iters)
     y_ours = _step(ours_layer, xs[rank], targets[rank], group)
     y_peer = _step(peer_layer, union_x, union_target).view(p, args.tokens, -1)[rank]
-    match = torch.tensor([int(torch.allclose(y_ours, y_peer, **MATCH_TOL))])
+    match = torch.tensor([int(torch.allclose(y_ours, y_peer, rtol=MATCH_RTOL, atol=MATCH_ATOL))])
     ops.all_reduce(match, group, op=dist.ReduceOp.MIN)  # every rank's outputs must match
     tokens = p * args.tokens
     return comparison_record(

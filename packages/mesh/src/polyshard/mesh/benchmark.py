@@ -45,7 +45,8 @@ def time_interleaved(
     for _ in range(warmup):
         ours()
         peer()
-    ours_times, peer_times = [], []
+    ours_times: list[float] = []
+    peer_times: list[float] = []
     for i in range(iters):
         # Alternate who goes first so neither always runs on a warmer cache.
         order = [(ours, ours_times), (peer, peer_times)]

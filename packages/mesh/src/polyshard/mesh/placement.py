@@ -132,7 +132,7 @@ class TensorPlacement:
         return tuple(slice(s, s + n) for s, n in zip(start, length))
 
     def to_json(self) -> dict:
-        out = {
+        out: dict[str, object] = {
             "name": self.name,
             "global_shape": list(self.global_shape),
             "placements": {axis: p.to_json() for axis, p in self.placements},

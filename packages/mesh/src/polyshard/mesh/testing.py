@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 _STARTUP_TIMEOUT_S = 120.0
 # After one rank fails, how long the others get to finish or fail on their own
@@ -53,6 +53,7 @@ def _worker_main(rank: int, world_size: int, conn: Connection, port_conn: Connec
         store = dist.TCPStore(
             "127.0.0.1", 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
         )
+        assert port_conn is not None  # rank 0 is always given the port pipe
         port_conn.send(store.port)
         port_conn.close()
     else:
@@ -102,7 +103,7 @@ class WorkerPool:
         self.world_size = world_size
         self.closed = False
         ctx = mp.get_context("spawn")
-        self._procs: list[mp.Process] = []
+        self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
         port_recv, port_send = ctx.Pipe(duplex=False)
         for rank in range(world_size):
@@ -144,8 +145,8 @@ class WorkerPool:
             ready = wait([self._conns[r] for r in pending], timeout=max(0.0, limit - time.monotonic()))
             if not ready:
                 break
-            for conn in ready:
-                rank = self._conns.index(conn)
+            for rank in [self._conns.index(cast(Connection, c)) for c in ready]:  # wait() returns what it got
+                conn = self._conns[rank]
                 pending.discard(rank)
                 try:
                     status, value = conn.recv()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from polyshard.pp.simulator import simulate
 # float32 with the same microbatches; only the order of the gradient sums differs
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
 # in another order differ more (and the peer's kernels order them differently again).
-MATCH_TOL = {"rtol": 1e-4, "atol": 1e-6}
+MATCH_RTOL, MATCH_ATOL = 1e-4, 1e-6
 PEERS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
 
@@ -40,7 +41,7 @@ def _layer(index: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
 
 
-def _peer_schedule(name, modules: dict[int, nn.Module], num_stages: int, m: int):
+def _peer_schedule(name, modules: Mapping[int, nn.Module], num_stages: int, m: int):
     from torch.distributed import pipelining
 
     stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
@@ -91,10 +92,10 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
 def _matches(state, ours, theirs, last) -> bool:
     ok = True
     if last:
-        ok = torch.allclose(state["ours"].loss, state["peer_loss"], **MATCH_TOL)
+        ok = torch.allclose(state["ours"].loss, state["peer_loss"], rtol=MATCH_RTOL, atol=MATCH_ATOL)
     for s in ours:
         for a, b in zip(ours[s].parameters(), theirs[s].parameters()):
-            ok = ok and torch.allclose(a.grad, b.grad, **MATCH_TOL)
+            ok = ok and torch.allclose(a.grad, b.grad, rtol=MATCH_RTOL, atol=MATCH_ATOL)
     flag = torch.tensor([1.0 if ok else 0.0])
     ops.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank agrees on the verdict
     return bool(flag.item())

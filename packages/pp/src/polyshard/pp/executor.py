@@ -78,7 +78,12 @@ class PipelineExecutor:
         self.backward_context = backward_context
         self.steps = lower(schedule)[self.rank]
         self.peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
-        self.shapes: dict[int, tuple] | None = None
+        self.shapes: dict[int, tuple] = {}  # stage -> (input meta, output meta), inferred on the first step
+        # State of the step in progress (set by step()):
+        self.microbatches: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.loss: torch.Tensor | None = None
+        self.pending_sends: list = []
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
         self.forward_steps: tuple | None = None  # the forward-only program, lowered on first use
@@ -102,8 +107,9 @@ class PipelineExecutor:
         last = self.schedule.num_stages - 1
         if 0 in self.stages and inputs is None or last in self.stages and targets is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0 or {last}: pass inputs / targets to step()")
-        self.microbatches, self.targets = self._split(inputs, "inputs"), self._split(targets, "targets")
-        if self.shapes is None:
+        self.microbatches = self._split(inputs, "inputs") or []
+        self.targets = self._split(targets, "targets") or []
+        if not self.shapes:
             first = self.microbatches[0] if self.microbatches else None
             self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
         self.mail: dict[tuple, torch.Tensor] = {}  # message key -> tensor, for local hand-offs and receives
@@ -189,8 +195,8 @@ class PipelineExecutor:
             self._forward(action.stage, action.microbatch)
             return
         hook = self.backward_context
-        inside = hook is not None and self._touches_weights(action) and index != self.last_weight_step
-        with hook() if inside else contextlib.nullcontext():
+        inside = self._touches_weights(action) and index != self.last_weight_step
+        with hook() if hook is not None and inside else contextlib.nullcontext():
             if action.kind == "B":
                 self._backward(action.stage, action.microbatch)
             else:

@@ -65,7 +65,9 @@ def infer_shapes(
     device: torch.device,
 ) -> dict[int, tuple[Meta, Meta]]:
     """(input meta, output meta) for each of this rank's stages, in stage order along the chain."""
-    rank, found, failure = dist.get_rank(group), {}, None
+    rank = dist.get_rank(group)
+    found: dict[int, tuple[Meta, Meta]] = {}
+    failure: Exception | None = None
     upstream: Meta | None = None
     for stage in range(schedule.num_stages):
         owner = schedule.rank_of(stage)
@@ -73,8 +75,9 @@ def infer_shapes(
         if owner != rank:
             continue
         if stage == 0:
-            x = first_microbatch
-            upstream = (tuple(x.shape), x.dtype)
+            if first_microbatch is None:
+                raise StageShapeError(f"rank {rank} holds stage 0: shape inference needs the first microbatch")
+            upstream = (tuple(first_microbatch.shape), first_microbatch.dtype)
         elif prev_owner != rank:
             upstream = _meta(p2p.recv(_header(None, device), peers[prev_owner], group))
         out_meta = None

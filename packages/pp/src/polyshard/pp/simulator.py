@@ -106,10 +106,10 @@ class _Run:
         for op in step.ops:
             if op.kind.startswith("S"):
                 self.posted.setdefault(op.message_key(), self.clock[rank])
-        arrivals = [self.posted.get(op.message_key()) for op in step.ops if op.kind.startswith("R")]
-        if any(t is None for t in arrivals):
+        keys = [op.message_key() for op in step.ops if op.kind.startswith("R")]
+        if any(key not in self.posted for key in keys):
             return False
-        self.clock[rank] = max([self.clock[rank], *arrivals]) + self.comm_cost
+        self.clock[rank] = max([self.clock[rank], *(self.posted[key] for key in keys)]) + self.comm_cost
         self.pc[rank] += 1
         return True
 

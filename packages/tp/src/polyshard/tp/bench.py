@@ -24,13 +24,13 @@ from polyshard.mesh import Mesh
 from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
 from polyshard.tp.examples import MLP, Block
 from polyshard.tp.plan import parallelize
-from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, TPEntry
+from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
 
 B, S, H, HEADS = 4, 128, 256, 8
 
 
 def _ours(model: nn.Module, tp_group, prefix: str) -> nn.Module:
-    plan = {f"{prefix}fc1": ColumnParallel(), f"{prefix}fc2": RowParallel()}
+    plan: dict[str, Style | list[Style]] = {f"{prefix}fc1": ColumnParallel(), f"{prefix}fc2": RowParallel()}
     if prefix:
         plan |= {
             "attn": [TPEntry(), ShardHeads()],
@@ -46,8 +46,9 @@ def _peer(model: nn.Module, device_mesh, prefix: str) -> nn.Module:
     plan = {f"{prefix}fc1": ColwiseParallel(), f"{prefix}fc2": RowwiseParallel()}
     if prefix:
         plan |= {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"attn.o_proj": RowwiseParallel()}
-        model.attn.num_heads //= device_mesh.size()  # as torchtitan does: local heads
-        model.attn.num_kv_heads //= device_mesh.size()
+        attn = model.get_submodule("attn")
+        attn.num_heads //= device_mesh.size()  # as torchtitan does: local heads
+        attn.num_kv_heads //= device_mesh.size()
     return parallelize_module(model, device_mesh, plan)
 
 

@@ -41,7 +41,8 @@ def _resolve(model: nn.Module, plan: Mapping) -> list[tuple[str, nn.Module, Styl
     """(module name, module, style) for every match, in plan order; unmatched patterns are errors."""
     modules = dict(model.named_modules())
     modules.pop("", None)
-    work, claimed = [], {}
+    work: list[tuple[str, nn.Module, Style]] = []
+    claimed: dict[str, str] = {}
     for pattern, styles in plan.items():
         for style in _styles(styles):
             if not isinstance(style, Style):
@@ -125,6 +126,7 @@ def name_placements(model: nn.Module, axis: str = "tp") -> None:
         if record is None or dict(record.placements).get(axis) is None:
             record_replicate(param, name, axis)
             record = get_placement(param)
+        assert record is not None  # record_replicate just set it
         set_placement(param, dataclasses.replace(record, name=name))
 
 

@@ -83,9 +83,10 @@ def gather_full_tensor(
     replicated over ``axis``, is returned as a detached copy.
     """
     local = local.detach()
-    if placement is None or not isinstance(placement.placement(axis), Shard):
+    split = None if placement is None else placement.placement(axis)
+    if placement is None or not isinstance(split, Shard):
         return local.clone()
-    dim = placement.placement(axis).dim
+    dim = split.dim
     full = ops.all_gather(local.contiguous(), dim, tp_group)
     # Drop padding rows (vocabulary padded to a multiple of tp).
     return full.narrow(dim, 0, placement.global_shape[dim]).clone()
