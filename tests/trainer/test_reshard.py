@@ -15,8 +15,8 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, read_index, step_dir
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.layout import plan_ranks
 from polyshard.trainer.loop import train
+from polyshard.trainer.records import plan_ranks
 from polyshard.trainer.reshard import Source, reshard, target_config
 
 STEPS = 4

@@ -2,8 +2,8 @@
 
 from polyshard.dp.data_parallel import DataParallel, ParamSet
 from polyshard.dp.errors import DataParallelError, GradSyncError, ParameterMismatchError, UnownedParameterError
+from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.fully_sharded import FullyShardedDataParallel
-from polyshard.dp.layout import ShardSpec, shard_record
 from polyshard.dp.memory import MemoryReport, bytes_held
 from polyshard.dp.mixed_precision import MixedPrecision
 from polyshard.dp.optimizer import ZeroOptimizer

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.dp.layout import FlatLayout, GradBuffer
+from polyshard.dp.flat import FlatLayout, GradBuffer
 
 
 def assign_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
@@ -43,7 +43,7 @@ class Bucket:
 
     ``stage`` 0 all-reduces the whole buffer (every rank keeps every gradient);
     stages 1 and 2 reduce-scatter it, so each rank gets the sum of its own
-    rows (see :mod:`polyshard.dp.layout`). Stage 1 keeps the full buffer
+    rows (see :mod:`polyshard.dp.flat`). Stage 1 keeps the full buffer
     between steps (ZeRO-1 holds full gradients); stage 2 drops it after the
     reduction and keeps only the shard.
     """

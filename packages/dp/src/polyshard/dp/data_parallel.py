@@ -34,7 +34,7 @@ from polyshard.collectives import ops
 from polyshard.dp.buckets import Bucket, assign_buckets
 from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
 from polyshard.dp.errors import DataParallelError, GradSyncError
-from polyshard.dp.layout import ShardSpec, shard_record
+from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 

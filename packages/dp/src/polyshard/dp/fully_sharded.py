@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
-from polyshard.dp.layout import ShardSpec, shard_record
+from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.dp.units import Unit
 from polyshard.mesh import get_placement

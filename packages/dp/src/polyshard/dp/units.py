@@ -1,7 +1,7 @@
 """A ZeRO-3 unit: one block's parameters, sharded at rest and gathered around its use.
 
 At rest each rank holds only ``local`` (its rows of every parameter, see
-:mod:`polyshard.dp.layout`) and the parameters' storages are resized to zero
+:mod:`polyshard.dp.flat`) and the parameters' storages are resized to zero
 bytes. ``gather`` all-gathers the rows and refills the storages in place, so
 tensors that autograd saved in forward see the values again in backward.
 ``launch_reduce`` reduce-scatters the block's gradients and frees it.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.dp.layout import FlatLayout, GradBuffer, shard_record
+from polyshard.dp.flat import FlatLayout, GradBuffer, shard_record
 from polyshard.mesh import get_placement, set_placement
 
 

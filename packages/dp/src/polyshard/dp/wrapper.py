@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from polyshard.dp.layout import ShardSpec
+from polyshard.dp.flat import ShardSpec
 from polyshard.mesh import TensorPlacement
 
 

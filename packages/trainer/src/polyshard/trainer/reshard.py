@@ -8,7 +8,7 @@ lazy slicing, with zeros in any padding rows. Replicated copies are read
 once. Every source file's sha256 is checked first, so no tensor is used from
 a corrupt checkpoint.
 
-Offline, the target layout comes from :mod:`polyshard.trainer.layout` (names,
+Offline, the target layout comes from :mod:`polyshard.trainer.records` (names,
 shapes and the target config; no model and no processes). Online, each rank
 asks for the records its live engine holds. What moves:
 
@@ -59,8 +59,8 @@ from polyshard.trainer.checkpoint import (
 )
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.constraints import validate
-from polyshard.trainer.layout import MASTER, Planned, plan_ranks
 from polyshard.trainer.parallelize import Engine
+from polyshard.trainer.records import MASTER, Planned, plan_ranks
 from polyshard.trainer.state import load_state_tensors, optimizer_entries, state_tensors
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/torch"
