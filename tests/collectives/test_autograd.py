@@ -20,6 +20,8 @@ from polyshard.collectives import (
     scatter_to,
 )
 
+from .._errors import assert_caught, caught
+
 EXACT = {"rtol": 0, "atol": 0}  # integer-valued float32: every sum is exact
 
 
@@ -40,48 +42,51 @@ def _check(op, dim):
         x = _ints(*shape, seed=0).requires_grad_()
         grads = _per_rank(n, shape, seed=100)
         y = copy_to(x)
-        torch.testing.assert_close(y, x, **EXACT)
+        y_expected = x
         (y * grads[r]).sum().backward()
-        torch.testing.assert_close(x.grad, sum(grads), **EXACT)
+        grad_expected = sum(grads)
     elif op == "reduce_from":
         xs = _per_rank(n, shape, seed=0)
         x = xs[r].clone().requires_grad_()
         g = _ints(*shape, seed=100)
         y = reduce_from(x)
-        torch.testing.assert_close(y, sum(xs), **EXACT)
+        y_expected = sum(xs)
         (y * g).sum().backward()
-        torch.testing.assert_close(x.grad, g, **EXACT)
+        grad_expected = g
     elif op == "gather_from":
         full, g = _ints(*shape, seed=0), _ints(*shape, seed=100)
         x = full.chunk(n, dim)[r].clone().requires_grad_()
         y = gather_from(x, dim)
-        torch.testing.assert_close(y, full, **EXACT)
+        y_expected = full
         (y * g).sum().backward()
-        torch.testing.assert_close(x.grad, g.chunk(n, dim)[r], **EXACT)
+        grad_expected = g.chunk(n, dim)[r]
     elif op == "scatter_to":
         x = _ints(*shape, seed=0).requires_grad_()
         piece_grads = [g.chunk(n, dim)[i] for i, g in enumerate(_per_rank(n, shape, seed=100))]
         y = scatter_to(x, dim)
-        torch.testing.assert_close(y, x.chunk(n, dim)[r], **EXACT)
+        y_expected = x.chunk(n, dim)[r]
         (y * piece_grads[r]).sum().backward()
-        torch.testing.assert_close(x.grad, torch.cat(piece_grads, dim), **EXACT)
+        grad_expected = torch.cat(piece_grads, dim)
     elif op == "reduce_scatter":
         xs = _per_rank(n, shape, seed=0)
         x = xs[r].clone().requires_grad_()
         piece_grads = [g.chunk(n, dim)[i] for i, g in enumerate(_per_rank(n, shape, seed=100))]
         y = reduce_scatter(x, dim)
-        torch.testing.assert_close(y, sum(xs).chunk(n, dim)[r], **EXACT)
+        y_expected = sum(xs).chunk(n, dim)[r]
         (y * piece_grads[r]).sum().backward()
-        torch.testing.assert_close(x.grad, torch.cat(piece_grads, dim), **EXACT)
+        grad_expected = torch.cat(piece_grads, dim)
     elif op == "all_gather":
         full = _ints(*shape, seed=0)
         grads = _per_rank(n, shape, seed=100)  # each rank's downstream differs
         x = full.chunk(n, dim)[r].clone().requires_grad_()
         y = all_gather(x, dim)
-        torch.testing.assert_close(y, full, **EXACT)
+        y_expected = full
         (y * grads[r]).sum().backward()
-        torch.testing.assert_close(x.grad, sum(grads).chunk(n, dim)[r], **EXACT)
-    return True
+        grad_expected = sum(grads).chunk(n, dim)[r]
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    observed = {"y": y, "y_expected": y_expected, "grad": x.grad, "grad_expected": grad_expected}
+    return {name: t.detach().clone() for name, t in observed.items()}
 
 
 OPS = ["copy_to", "reduce_from", "gather_from", "scatter_to", "reduce_scatter", "all_gather"]
@@ -91,7 +96,12 @@ OPS = ["copy_to", "reduce_from", "gather_from", "scatter_to", "reduce_scatter", 
 @pytest.mark.parametrize("op", OPS)
 def test_collective_forward_backward(distributed, world, op):
     for dim in (0, 1, -1):
-        assert distributed.run(world, _check, op, dim) == [True] * world
+        results = distributed.run(world, _check, op, dim)
+        assert len(results) == world
+        for rank, r in enumerate(results):
+            where = f"{op} dim={dim} rank={rank}"
+            torch.testing.assert_close(r["y"], r["y_expected"], **EXACT, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(r["grad"], r["grad_expected"], **EXACT, msg=lambda m, w=where: f"{w} grad: {m}")
 
 
 def _uneven_all_to_all(skewed):
@@ -108,41 +118,60 @@ def _uneven_all_to_all(skewed):
     x = inputs[r].clone().requires_grad_()
     y = all_to_all(x, sizes[:, r].tolist(), sizes[r].tolist())
     expected = torch.cat([inputs[i].split(sizes[i].tolist())[r] for i in range(n)])
-    torch.testing.assert_close(y, expected, **EXACT)
     (y * grads_out[r]).sum().backward()
     # Row k of my input went to rank j; its gradient is the matching row of rank j's output gradient.
     expected_grad = torch.cat([grads_out[j].split(sizes[:, j].tolist())[r] for j in range(n)])
-    torch.testing.assert_close(x.grad, expected_grad, **EXACT)
-    return True
+    return y.detach(), expected, x.grad.clone(), expected_grad
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("skewed", [False, True])
 def test_all_to_all_uneven(distributed, world, skewed):
-    assert distributed.run(world, _uneven_all_to_all, skewed) == [True] * world
+    results = distributed.run(world, _uneven_all_to_all, skewed)
+    assert len(results) == world
+    for y, expected, grad, expected_grad in results:
+        torch.testing.assert_close(y, expected, **EXACT)
+        torch.testing.assert_close(grad, expected_grad, **EXACT)
+    if skewed:  # every row goes to rank 0: 3 from each rank
+        assert [len(y) for y, *_ in results] == [3 * world] + [0] * (world - 1)
 
 
 def _bad_shapes():
-    with pytest.raises(CollectiveError, match="does not split evenly over 2 ranks; pad it to a multiple of 2"):
-        scatter_to(torch.zeros(3, 4), 0)
-    with pytest.raises(CollectiveError, match="does not split evenly"):
-        reduce_scatter(torch.zeros(5), 0)
-    with pytest.raises(CollectiveError, match="sum to 3 but the tensor has 4 rows"):
-        all_to_all(torch.zeros(4, 2), [2, 2], [1, 2])
-    with pytest.raises(CollectiveError, match="needs 2 split sizes"):
-        all_to_all(torch.zeros(4, 2), [4], [4])
-    return True
+    return [
+        caught(scatter_to, torch.zeros(3, 4), 0),
+        caught(reduce_scatter, torch.zeros(5), 0),
+        caught(all_to_all, torch.zeros(4, 2), [2, 2], [1, 2]),
+        caught(all_to_all, torch.zeros(4, 2), [4], [4]),
+    ]
 
 
 def test_bad_shapes_are_typed_errors(distributed):
-    assert distributed.run(2, _bad_shapes) == [True, True]
+    results = distributed.run(2, _bad_shapes)
+    assert len(results) == 2
+    for uneven_scatter, uneven_reduce_scatter, wrong_sum, wrong_count in results:
+        assert_caught(uneven_scatter, CollectiveError, "does not split evenly over 2 ranks; pad it to a multiple of 2")
+        assert_caught(uneven_reduce_scatter, CollectiveError, "does not split evenly")
+        assert_caught(wrong_sum, CollectiveError, "sum to 3 but the tensor has 4 rows")
+        assert_caught(wrong_count, CollectiveError, "needs 2 split sizes")
 
 
 def _identity_on_one_rank():
     x = torch.ones(3, requires_grad=True)
     group = dist.new_group([dist.get_rank()])
-    return all(f(x, group=group) is x for f in (copy_to, reduce_from)) and gather_from(x, 0, group) is x
+    outputs = {
+        "copy_to": copy_to(x, group=group),
+        "reduce_from": reduce_from(x, group=group),
+        "gather_from": gather_from(x, 0, group),
+    }
+    # Object identity cannot cross processes: report it, and the values, for the parent to check.
+    return {name: (y is x, y.detach().clone()) for name, y in outputs.items()}
 
 
 def test_groups_of_one_are_identity(distributed):
-    assert distributed.run(2, _identity_on_one_rank) == [True, True]
+    results = distributed.run(2, _identity_on_one_rank)
+    assert len(results) == 2
+    for per_op in results:
+        assert set(per_op) == {"copy_to", "reduce_from", "gather_from"}
+        for name, (is_input, value) in per_op.items():
+            assert is_input, f"{name} on a group of one returned a new tensor, not its input"
+            torch.testing.assert_close(value, torch.ones(3), **EXACT)

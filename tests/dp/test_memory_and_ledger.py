@@ -83,7 +83,6 @@ def test_bytes_held_match_zero_paper(distributed, world_size):
 
 
 def _wire_per_step(stage: int):
-    n = dist.get_world_size()
     wrapped, opt = _wrap(stage)  # float32 params and grads: 4 bytes each
     psi_bytes = 4 * sum(p.numel() for p in wrapped.parameters())
     padded_bytes = psi_bytes + 4 * _padding(wrapped, stage)
@@ -91,25 +90,37 @@ def _wire_per_step(stage: int):
     with CommLedger() as ledger:
         local_step_loss(wrapped, 0, 1, None)
         opt.step()
-    if stage == 3:
-        # Two all-gathers (forward, backward) and one reduce-scatter of every parameter.
-        assert ledger.total("all_gather") == 2 * padded_bytes
-        assert ledger.total("reduce_scatter") == padded_bytes + flags
-        assert 3 * psi_bytes <= ledger.total("all_gather") + ledger.total("reduce_scatter") <= 3 * padded_bytes + flags
-        return True
-    wire = ledger.wire()  # the test's own loss all-reduce bypasses the ledger (plain dist)
-    # Plain DP: one all-reduce of the gradients. ZeRO-1/2: reduce-scatter of the
-    # gradients plus all-gather of the parameters, the same 2(N-1)/N volume.
-    assert 2 * (n - 1) / n * psi_bytes <= wire + 1e-6
-    assert wire <= 2 * (n - 1) / n * (padded_bytes + flags) + 1e-6
-    if stage == 0:
-        assert ledger.calls("all_gather") == 0 and ledger.calls("reduce_scatter") == 0
-    else:
-        assert ledger.calls("all_reduce") == 0
-    return True
+    return {
+        "psi_bytes": psi_bytes,
+        "padded_bytes": padded_bytes,
+        "flags": flags,
+        "all_gather": ledger.total("all_gather"),
+        "reduce_scatter": ledger.total("reduce_scatter"),
+        "wire": ledger.wire(),  # the test's own loss all-reduce bypasses the ledger (plain dist)
+        "calls": {op: ledger.calls(op) for op in ("all_reduce", "all_gather", "reduce_scatter")},
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ledger_bytes_per_step(distributed, world_size):
+    n = world_size
     for stage in range(4):
-        assert distributed.run(world_size, _wire_per_step, stage) == [True] * world_size
+        results = distributed.run(world_size, _wire_per_step, stage)
+        assert len(results) == world_size
+        for r in results:
+            psi_bytes, padded_bytes, flags = r["psi_bytes"], r["padded_bytes"], r["flags"]
+            if stage == 3:
+                # Two all-gathers (forward, backward) and one reduce-scatter of every parameter.
+                assert r["all_gather"] == 2 * padded_bytes
+                assert r["reduce_scatter"] == padded_bytes + flags
+                assert 3 * psi_bytes <= r["all_gather"] + r["reduce_scatter"] <= 3 * padded_bytes + flags
+                continue
+            wire = r["wire"]
+            # Plain DP: one all-reduce of the gradients. ZeRO-1/2: reduce-scatter of the
+            # gradients plus all-gather of the parameters, the same 2(N-1)/N volume.
+            assert 2 * (n - 1) / n * psi_bytes <= wire + 1e-6
+            assert wire <= 2 * (n - 1) / n * (padded_bytes + flags) + 1e-6
+            if stage == 0:
+                assert r["calls"]["all_gather"] == 0 and r["calls"]["reduce_scatter"] == 0
+            else:
+                assert r["calls"]["all_reduce"] == 0

@@ -51,33 +51,52 @@ def _final_params(wrapped, strategy):
 
 
 def _check_parity(strategy: str, accum: int):
+    """Every step's loss and held gradient rows, and the final parameters, each with its reference."""
     group = dist.group.WORLD
     ref_losses, ref_grads, ref_params = reference_run()
     wrapped, opt = _wrap(strategy, group)
     named = list(wrapped.module.named_parameters())
+    losses, grads = [], []
     for step in range(STEPS):
         loss = local_step_loss(wrapped, step, accum, group)
-        torch.testing.assert_close(loss, ref_losses[step], **TOL)
+        losses.append((loss.detach().clone(), ref_losses[step]))
         wrapped.finish_grad_sync()
         for name, param in named:
             held, rows_of = _grad_rows(wrapped, strategy, name, param)
-            torch.testing.assert_close(held, rows_of(ref_grads[step][name]), **TOL, msg=f"grad {name} step {step}")
+            # Cloned: the optimizer may reuse the gradient's storage in the next step.
+            grads.append((step, name, held.detach().clone(), rows_of(ref_grads[step][name]).clone()))
         opt.step()
         opt.zero_grad()
-    for name, value in _final_params(wrapped, strategy).items():
-        torch.testing.assert_close(value, ref_params[name], **TOL, msg=f"param {name}")
-    return True
+    final = _final_params(wrapped, strategy)
+    params = [(name, value.detach().clone(), ref_params[name]) for name, value in final.items()]
+    return {"losses": losses, "grads": grads, "params": params}
 
 
 def _check_all_accums(strategy: str):
     return [_check_parity(strategy, accum) for accum in (1, 2)]
 
 
+def _assert_parity(per_rank_results, world_size):
+    assert len(per_rank_results) == world_size
+    names = {name for name, _ in make_model().named_parameters()}
+    for per_accum in per_rank_results:
+        assert len(per_accum) == 2  # accum 1 and 2
+        for result in per_accum:
+            assert len(result["losses"]) == STEPS and len(result["grads"]) == STEPS * len(names)
+            for loss, ref_loss in result["losses"]:
+                torch.testing.assert_close(loss, ref_loss, **TOL)
+            for step, name, held, expected in result["grads"]:
+                torch.testing.assert_close(held, expected, **TOL, msg=f"grad {name} step {step}")
+            assert {name for name, _, _ in result["params"]} == names
+            for name, value, ref in result["params"]:
+                torch.testing.assert_close(value, ref, **TOL, msg=f"param {name}")
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
 def test_matches_single_process(distributed, world_size, strategy):
-    assert distributed.run(world_size, _check_all_accums, strategy) == [[True, True]] * world_size
+    _assert_parity(distributed.run(world_size, _check_all_accums, strategy), world_size)
 
 
 def test_zero3_with_root_unit(distributed):
-    assert distributed.run(3, _check_all_accums, "zero3_root") == [[True, True]] * 3
+    _assert_parity(distributed.run(3, _check_all_accums, "zero3_root"), 3)

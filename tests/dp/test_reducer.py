@@ -69,20 +69,31 @@ def _unused_params():
     model = DataParallel(_TwoHeads(), group=dist.group.WORLD, bucket_cap_mb=0.0001)
     model(local_rows(x, rank, n), use_b=rank == 1).square().mean().backward()
     model.finish_grad_sync()  # must not hang although buckets of head_b/spare never completed on rank 0
-    assert model.module.frozen.weight.grad is None and get_placement(model.module.frozen.weight) is None
+    frozen = model.module.frozen.weight
+    trainable = {}
     for (name, p), (_, p_ref) in zip(model.module.named_parameters(), ref.named_parameters()):
         if not p.requires_grad:
             continue
-        if p_ref.grad is None:  # unused on every rank: no gradient, as on one process (not zeros)
-            assert p.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad, p_ref.grad, **EXACT_ENOUGH, msg=name)
-        assert get_placement(p).placement("dp") == Replicate()
-    return True
+        trainable[name] = {"grad": p.grad, "ref_grad": p_ref.grad, "placement": get_placement(p).placement("dp")}
+    return {"frozen_grad": frozen.grad, "frozen_record": get_placement(frozen), "trainable": trainable}
 
 
 def test_unused_and_frozen_parameters(distributed):
-    assert distributed.run(2, _unused_params) == [True, True]
+    results = distributed.run(2, _unused_params)
+    assert len(results) == 2
+    trainable = {f"{module}.{p}" for module in ("spare", "trunk", "head_a", "head_b") for p in ("weight", "bias")}
+    for r in results:
+        assert r["frozen_grad"] is None and r["frozen_record"] is None
+        assert set(r["trainable"]) == trainable
+        for name, seen in r["trainable"].items():
+            if seen["ref_grad"] is None:  # unused on every rank: no gradient, as on one process (not zeros)
+                assert seen["grad"] is None, name
+            else:
+                torch.testing.assert_close(seen["grad"], seen["ref_grad"], **EXACT_ENOUGH, msg=name)
+            assert seen["placement"] == Replicate()
+        # spare is the parameter no rank uses; head_b's gradient comes from rank 1 alone.
+        assert r["trainable"]["spare.weight"]["ref_grad"] is None
+        assert r["trainable"]["head_b.weight"]["ref_grad"] is not None
 
 
 class _Moe(nn.Module):
@@ -114,11 +125,14 @@ def _param_sets():
     model = DataParallel(model, group=mesh.group(("dp", "ep")), param_sets=sets)
     model(local_rows(x, dist.get_rank(), world)).square().mean().backward()
     model.finish_grad_sync()
-    for name, p in model.module.named_parameters():
-        expected = dict(refs[ep].named_parameters())[name].grad
-        torch.testing.assert_close(p.grad, expected, **EXACT_ENOUGH, msg=name)
-    return True
+    reference = dict(refs[ep].named_parameters())
+    return {name: (p.grad, reference[name].grad) for name, p in model.module.named_parameters()}
 
 
 def test_expert_params_reduce_over_their_own_group(distributed):
-    assert distributed.run(4, _param_sets) == [True] * 4
+    results = distributed.run(4, _param_sets)
+    assert len(results) == 4
+    for grads in results:
+        assert set(grads) == {"shared.weight", "shared.bias", "expert.weight", "expert.bias"}
+        for name, (grad, expected) in grads.items():
+            torch.testing.assert_close(grad, expected, **EXACT_ENOUGH, msg=name)

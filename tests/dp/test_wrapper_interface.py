@@ -14,12 +14,25 @@ def _conforming():
         DataParallel(model, group=dist.group.WORLD, zero_stage=1),
         FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 4)), group=dist.group.WORLD),
     ]
-    return [isinstance(w, DataParallelWrapper) for w in wrappers]
+    return [
+        {
+            "type": type(w).__name__,
+            "is_wrapper": isinstance(w, DataParallelWrapper),  # the Protocol's runtime check
+            "callable": callable(w),
+            "public": sorted(name for name in dir(w) if not name.startswith("_")),
+        }
+        for w in wrappers
+    ]
 
 
 def test_both_wrappers_satisfy_the_protocol(distributed):
-    assert distributed.run(1, _conforming) == [[True, True]]  # runtime check: every member is present
     declared = {name for name in vars(DataParallelWrapper) if not name.startswith("_")} - {"module"}
+    (seen,) = distributed.run(1, _conforming)
+    assert [w["type"] for w in seen] == ["DataParallel", "FullyShardedDataParallel"]
+    for w in seen:  # runtime check: every member is present
+        assert w["is_wrapper"] and w["callable"], w["type"]
+        missing = (declared | {"module"}) - set(w["public"])
+        assert not missing, (w["type"], missing)
     for cls in (DataParallel, FullyShardedDataParallel):
         for name in declared:  # and each method takes the declared parameters
             ours = list(inspect.signature(getattr(cls, name)).parameters)

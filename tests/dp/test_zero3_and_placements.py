@@ -55,39 +55,60 @@ def _placements(stage: int):
         full = model.full_parameters()
     else:
         full = {name: p.detach() for name, p in model.module.named_parameters()}
+    masters = {}
     for name, p in model.module.named_parameters():
         master = opt.masters[id(p)]
         record = get_placement(master)
-        if stage == 0:
-            assert record.placement("dp") == Replicate() and master.shape == p.shape
-        else:
-            assert record.name == name and record.global_shape == tuple(full[name].shape)
-            assert record.placement("dp") == Shard(0)
-            # The record alone says which rows of the (padded) stepped tensor this rank's master holds.
+        seen = {"record": record, "master_shape": tuple(master.shape), "param_shape": tuple(p.shape)}
+        if stage != 0:
+            seen["full_shape"] = tuple(full[name].shape)
             padded = torch.zeros(record.tiled_shape)
             padded[: full[name].shape[0]] = full[name]
-            torch.testing.assert_close(shard_tensor(padded, record, {"dp": n}, {"dp": rank}), master, rtol=0, atol=0)
-        for value in opt.state[master].values():
-            if value.shape == master.shape:  # exp_avg, exp_avg_sq
-                assert get_placement(value) == record
-    if stage == 3:  # the parameters' own rows carry the same records, and hold the stepped values
+            seen["master"] = master.detach().clone()
+            seen["expected"] = shard_tensor(padded, record, {"dp": n}, {"dp": rank}).clone()
+        seen["state_records"] = [get_placement(v) for v in opt.state[master].values() if v.shape == master.shape]
+        masters[name] = seen
+    rows_seen = {}
+    if stage == 3:
         for name, rows in model.local_shards().items():
             record = get_placement(rows)
-            assert record.placement("dp") == Shard(0)
-            # Independent of the optimizer (whose fp32 masters share these rows): the rows must be
-            # this rank's slice, per the record, of the full stepped parameter gathered above.
             padded = torch.zeros(record.tiled_shape)
             padded[: full[name].shape[0]] = full[name]
-            expected = shard_tensor(padded, record, {"dp": n}, {"dp": rank})
-            torch.testing.assert_close(rows, expected, rtol=0, atol=0)  # a copy of the same bits
-    else:
-        assert all(get_placement(p).placement("dp") == Replicate() for p in model.parameters())
-    return True
+            expected = shard_tensor(padded, record, {"dp": n}, {"dp": rank}).clone()
+            rows_seen[name] = {"record": record, "rows": rows.detach().clone(), "expected": expected}
+    param_placements = [get_placement(p).placement("dp") for p in model.parameters()] if stage != 3 else None
+    return {"masters": masters, "rows": rows_seen, "param_placements": param_placements}
 
 
 def test_placement_records_on_shards_and_optimizer_state(distributed):
+    names = {name for name, _ in make_model().named_parameters()}
     for stage in range(4):
-        assert distributed.run(3, _placements, stage) == [True] * 3
+        results = distributed.run(3, _placements, stage)
+        assert len(results) == 3
+        for r in results:
+            assert set(r["masters"]) == names
+            for name, m in r["masters"].items():
+                record = m["record"]
+                if stage == 0:
+                    assert record.placement("dp") == Replicate() and m["master_shape"] == m["param_shape"]
+                else:
+                    assert record.name == name and record.global_shape == m["full_shape"]
+                    assert record.placement("dp") == Shard(0)
+                    # The record alone says which rows of the (padded) stepped tensor this rank's master holds.
+                    torch.testing.assert_close(m["expected"], m["master"], rtol=0, atol=0)
+                assert len(m["state_records"]) == 2  # exp_avg, exp_avg_sq
+                assert all(state_record == record for state_record in m["state_records"])
+            if stage == 3:  # the parameters' own rows carry the same records, and hold the stepped values
+                assert set(r["rows"]) == names
+                for seen in r["rows"].values():
+                    assert seen["record"].placement("dp") == Shard(0)
+                    # Independent of the optimizer (whose fp32 masters share these rows): the rows must be
+                    # this rank's slice, per the record, of the full stepped parameter gathered above:
+                    # a copy of the same bits.
+                    torch.testing.assert_close(seen["rows"], seen["expected"], rtol=0, atol=0)
+            else:
+                assert len(r["param_placements"]) == len(names)
+                assert all(placement == Replicate() for placement in r["param_placements"])
 
 
 class _MaybeSkip(torch.nn.Module):
@@ -123,9 +144,14 @@ def _skipped_prefetch():
     model(torch.randn(4, 6))
     hook.remove()
     expected = model.full_parameters()
-    return all(torch.equal(gathered[n], expected[f"blocks.2.{n}"]) for n in gathered)
+    return {n: (gathered[n], expected[f"blocks.2.{n}"]) for n in gathered}
 
 
 def test_an_unused_prefetch_does_not_serve_stale_parameters(distributed):
     # Without dropping the unused prefetch, block 2 would compute with its rows from before the update.
-    assert distributed.run(2, _skipped_prefetch) == [True, True]
+    results = distributed.run(2, _skipped_prefetch)
+    assert len(results) == 2
+    for per_param in results:
+        assert set(per_param) == {"weight", "bias"}  # block 2 ran and its parameters were seen
+        for name, (gathered, expected) in per_param.items():
+            assert torch.equal(gathered, expected), name

@@ -125,13 +125,16 @@ def _one_call_equals_per_rank(top_k):
     with torch.no_grad():
         y_all, _ = reference(torch.cat(xs))
         y_mine, _ = parallel(xs[rank])
-    torch.testing.assert_close(y_mine, y_all.split(TOKENS)[rank], **TOL)
-    return True
+    return y_mine, y_all.split(TOKENS)[rank].clone()
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_parallel_equals_one_call_on_all_tokens(distributed, top_k):
-    assert distributed.run(4, _one_call_equals_per_rank, top_k) == [True] * 4
+    results = distributed.run(4, _one_call_equals_per_rank, top_k)
+    assert len(results) == 4
+    for y_mine, y_expected in results:
+        assert y_mine.shape == (TOKENS, 16)
+        torch.testing.assert_close(y_mine, y_expected, **TOL)
 
 
 def _naive_capacity_moe(layer, x, capacity):

@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from polyshard.mesh import DistributedInitError, Mesh, MeshError, init_distributed
 
+from .._errors import assert_caught, caught
+
 
 def _group_sums(axes):
     """For every axis subset, all-reduce the rank over mesh.group(subset)."""
@@ -115,20 +117,22 @@ def test_to_torch_device_mesh(distributed):
 
 
 def _wrong_world_size():
-    with pytest.raises(MeshError, match="has 8 ranks but the job has 2 processes"):
-        Mesh({"dp": 4, "tp": 2})
-    with pytest.raises(MeshError, match="unknown mesh axis 'ep'"):
-        Mesh({"dp": 2}).group("ep")
+    too_big = caught(Mesh, {"dp": 4, "tp": 2})
+    unknown_axis = caught(lambda: Mesh({"dp": 2}).group("ep"))
     # Already initialised: asking again as the same rank is a no-op, as another rank an error.
     ctx = init_distributed(rank=dist.get_rank(), world_size=2)
-    assert ctx.world_size == 2 and ctx.backend == "gloo"
-    with pytest.raises(DistributedInitError, match="already running as rank"):
-        init_distributed(rank=dist.get_rank(), world_size=3)
-    return True
+    other_rank = caught(init_distributed, rank=dist.get_rank(), world_size=3)
+    return too_big, unknown_axis, (ctx.world_size, ctx.backend), other_rank
 
 
 def test_errors_inside_a_job(distributed):
-    assert distributed.run(2, _wrong_world_size) == [True, True]
+    results = distributed.run(2, _wrong_world_size)
+    assert len(results) == 2
+    for too_big, unknown_axis, same_rank, other_rank in results:
+        assert_caught(too_big, MeshError, "has 8 ranks but the job has 2 processes")
+        assert_caught(unknown_axis, MeshError, "unknown mesh axis 'ep'")
+        assert same_rank == (2, "gloo")
+        assert_caught(other_rank, DistributedInitError, "already running as rank")
 
 
 def test_init_errors_before_any_group(monkeypatch):

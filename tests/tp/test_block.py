@@ -47,8 +47,6 @@ def _mine(t, group, sequence_parallel):
 
 def _parity(sequence_parallel):
     group, ref, block, x, grad_out = _setup(sequence_parallel)
-    heads = SHAPES[dist.get_world_size(group)][1]
-    assert block.attn.num_heads == heads // dist.get_world_size(group)
 
     x_ref = x.clone().requires_grad_()
     out_ref = ref(x_ref)
@@ -56,19 +54,28 @@ def _parity(sequence_parallel):
 
     x_tp = _mine(x, group, sequence_parallel).clone().requires_grad_()
     out = block(x_tp)
-    torch.testing.assert_close(out, _mine(out_ref, group, sequence_parallel), **TOL)
     (out * _mine(grad_out, group, sequence_parallel)).sum().backward()
     synced = sync_sequence_parallel_grads(block, group)
-    assert synced == (6 if sequence_parallel else 0)  # 2 norms x (weight, bias) + 2 row-parallel biases
-    torch.testing.assert_close(x_tp.grad, _mine(x_ref.grad, group, sequence_parallel), **TOL)
-    assert_dicts_close(full_grads(block, group), full_grads(ref, group), **TOL)
-    return True
+    return {
+        "local_heads": block.attn.num_heads,
+        "out": (out.detach(), _mine(out_ref, group, sequence_parallel).detach().clone()),
+        "synced": synced,
+        "x_grad": (x_tp.grad, _mine(x_ref.grad, group, sequence_parallel).clone()),
+        "grads": (full_grads(block, group), full_grads(ref, group)),
+    }
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_block_parity(distributed, world, sequence_parallel):
-    assert distributed.run(world, _parity, sequence_parallel) == [True] * world
+    results = distributed.run(world, _parity, sequence_parallel)
+    assert len(results) == world
+    for r in results:
+        assert r["local_heads"] == SHAPES[world][1] // world
+        torch.testing.assert_close(*r["out"], **TOL)
+        assert r["synced"] == (6 if sequence_parallel else 0)  # 2 norms x (weight, bias) + 2 row-parallel biases
+        torch.testing.assert_close(*r["x_grad"], **TOL)
+        assert_dicts_close(*r["grads"], **TOL)
 
 
 def _ledger(sequence_parallel):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from polyshard.collectives import CommLedger
 from polyshard.mesh import Mesh
 from polyshard.tp import TPError, padded_size, vocab_parallel_cross_entropy
+from tests._errors import assert_caught, caught
 
 # float32 softmax/log-sum-exp whose sums are split over ranks: a few ulps of
 # difference (~1e-7 relative); a wrong target, mask or normaliser is O(0.1).
@@ -51,53 +52,73 @@ def _check(reduction, ignore_index):
         got = vocab_parallel_cross_entropy(
             local, target, group, vocab_size=VOCAB, ignore_index=ignore_index, reduction=reduction
         )
-    torch.testing.assert_close(got, want, **TOL)
     (got * upstream).sum().backward()
     padded_grad = torch.cat([ref_logits.grad, torch.zeros(N, padded_size(VOCAB, n) - VOCAB)], dim=1)
-    # Padding columns get exactly zero gradient (no probability mass).
-    torch.testing.assert_close(local.grad, padded_grad.chunk(n, dim=1)[r], **TOL)
-    # Never the full logits: a max and one (sum-exp, target-logit) pair per token, whatever V is.
-    if n > 1:
-        assert ledger.calls("all_reduce") == 2
-        assert ledger.total("all_reduce") == 3 * N * 4
-    return True
+    return {
+        "tp": n,
+        "got": got.detach(),
+        "want": want.detach(),
+        "grad": local.grad,
+        "want_grad": padded_grad.chunk(n, dim=1)[r].clone(),
+        "all_reduce": (ledger.calls("all_reduce"), ledger.total("all_reduce")),
+    }
+
+
+def _assert_matches(results, world):
+    assert len(results) == world
+    for r in results:
+        torch.testing.assert_close(r["got"], r["want"], **TOL)
+        # Padding columns get exactly zero gradient (no probability mass).
+        torch.testing.assert_close(r["grad"], r["want_grad"], **TOL)
+        # Never the full logits: a max and one (sum-exp, target-logit) pair per token, whatever V is.
+        if r["tp"] > 1:
+            calls, total = r["all_reduce"]
+            assert calls == 2
+            assert total == 3 * N * 4
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_f_cross_entropy(distributed, world, reduction):
-    assert distributed.run(world, _check, reduction, IGNORE) == [True] * world
+    _assert_matches(distributed.run(world, _check, reduction, IGNORE), world)
 
 
 def test_custom_ignore_index_that_is_a_real_id(distributed):
     # ignore_index=3 is inside the vocabulary: it must be skipped, not scored.
-    assert distributed.run(3, _check, "mean", 3) == [True] * 3
+    _assert_matches(distributed.run(3, _check, "mean", 3), 3)
 
 
 def _all_ignored():
     group = Mesh({"tp": 2}).group("tp")
     local = _my_shard(torch.randn(N, VOCAB), group)
     loss = vocab_parallel_cross_entropy(local, torch.full((N,), IGNORE), group, vocab_size=VOCAB)
-    return math.isnan(loss.item()) and math.isnan(F.cross_entropy(torch.randn(N, VOCAB), torch.full((N,), IGNORE)))
+    return loss.item(), F.cross_entropy(torch.randn(N, VOCAB), torch.full((N,), IGNORE)).item()
 
 
 def test_all_ignored_is_nan_like_torch(distributed):
-    assert distributed.run(2, _all_ignored) == [True, True]
+    results = distributed.run(2, _all_ignored)
+    assert len(results) == 2
+    for loss, torch_loss in results:
+        assert math.isnan(loss) and math.isnan(torch_loss)
 
 
 def _bad_inputs():
     group = Mesh({"tp": 2}).group("tp")
     local = torch.zeros(N, 5)
-    with pytest.raises(TPError, match="reduction='avg' is not supported; use 'mean', 'sum' or 'none'"):
-        vocab_parallel_cross_entropy(local, torch.zeros(N, dtype=torch.long), group, reduction="avg")
-    with pytest.raises(TPError, match="logits must be target's shape plus a trailing vocabulary dim"):
-        vocab_parallel_cross_entropy(local, torch.zeros(N + 1, dtype=torch.long), group)
-    with pytest.raises(TPError, match="vocab_size=7 does not fit logit shards of 5 columns on tp=2"):
-        vocab_parallel_cross_entropy(local, torch.zeros(N, dtype=torch.long), group, vocab_size=7)
-    with pytest.raises(TPError, match=r"ids outside \[0, 10\)"):
-        vocab_parallel_cross_entropy(local, torch.full((N,), 10), group, vocab_size=10)
-    return True
+    ids = torch.zeros(N, dtype=torch.long)
+    return [
+        caught(vocab_parallel_cross_entropy, local, ids, group, reduction="avg"),
+        caught(vocab_parallel_cross_entropy, local, torch.zeros(N + 1, dtype=torch.long), group),
+        caught(vocab_parallel_cross_entropy, local, ids, group, vocab_size=7),
+        caught(vocab_parallel_cross_entropy, local, torch.full((N,), 10), group, vocab_size=10),
+    ]
 
 
 def test_bad_inputs_are_typed_errors(distributed):
-    assert distributed.run(2, _bad_inputs) == [True, True]
+    results = distributed.run(2, _bad_inputs)
+    assert len(results) == 2
+    for reduction, shape, vocab_size, ids in results:
+        assert_caught(reduction, TPError, "reduction='avg' is not supported; use 'mean', 'sum' or 'none'")
+        assert_caught(shape, TPError, "logits must be target's shape plus a trailing vocabulary dim")
+        assert_caught(vocab_size, TPError, "vocab_size=7 does not fit logit shards of 5 columns on tp=2")
+        assert_caught(ids, TPError, r"ids outside \[0, 10\)")

@@ -21,6 +21,7 @@ from polyshard.tp import (
     parallelize,
     valid_tp_sizes,
 )
+from tests._errors import assert_caught, caught
 from tests.tp.models import GPT, Block, block_plan, gpt_plan
 
 
@@ -37,77 +38,110 @@ def _records():
     group = Mesh({"tp": 4}).group("tp")
     torch.manual_seed(0)
     model = parallelize(GPT(50, 32, 4, 1, max_seq=8), tp_group=group, plan=gpt_plan(sequence_parallel=True))
-    records = {name: get_placement(p) for name, p in model.named_parameters()}
-    assert all(r is not None and r.name == name for name, r in records.items())
-    tok, head = records["tok.weight"], records["head.weight"]
-    # 50 ids padded to 52 on tp=4: each rank holds 13 rows; the record keeps the real size.
-    assert (tok.global_shape, tok.padded_shape, tok.placement("tp")) == ((50, 32), (52, 32), Shard(0))
-    assert (head.global_shape, head.padded_shape, head.placement("tp")) == ((50, 32), (52, 32), Shard(0))
-    assert model.tok.weight.shape == model.head.weight.shape == (13, 32)
-    assert records["blocks.0.attn.q_proj.weight"].placement("tp") == Shard(0)
-    assert records["blocks.0.attn.q_proj.bias"].placement("tp") == Shard(0)
-    assert records["blocks.0.mlp.fc2.weight"].placement("tp") == Shard(1)
-    for replicated in ("blocks.0.mlp.fc2.bias", "blocks.0.ln_1.weight", "ln_f.bias", "pos.weight"):
-        assert records[replicated].placement("tp") == Replicate(), replicated
-    flagged = sorted(n for n, p in model.named_parameters() if is_sequence_parallel(p))
-    assert flagged == sorted(
-        ["blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.ln_2.weight", "blocks.0.ln_2.bias"]
-        + ["blocks.0.attn.o_proj.bias", "blocks.0.mlp.fc2.bias", "ln_f.weight", "ln_f.bias"]
-    )
-    assert model.blocks[0].attn.num_heads == model.blocks[0].attn.num_kv_heads == 1
-    return True
+    return {
+        "records": {name: get_placement(p) for name, p in model.named_parameters()},
+        "tok_shape": tuple(model.tok.weight.shape),
+        "head_shape": tuple(model.head.weight.shape),
+        "flagged": sorted(n for n, p in model.named_parameters() if is_sequence_parallel(p)),
+        "heads": (model.blocks[0].attn.num_heads, model.blocks[0].attn.num_kv_heads),
+    }
 
 
 def test_placement_records(distributed):
-    assert distributed.run(4, _records) == [True] * 4
+    results = distributed.run(4, _records)
+    assert len(results) == 4
+    for r in results:
+        records = r["records"]
+        assert records and all(rec is not None and rec.name == name for name, rec in records.items())
+        tok, head = records["tok.weight"], records["head.weight"]
+        # 50 ids padded to 52 on tp=4: each rank holds 13 rows; the record keeps the real size.
+        assert (tok.global_shape, tok.padded_shape, tok.placement("tp")) == ((50, 32), (52, 32), Shard(0))
+        assert (head.global_shape, head.padded_shape, head.placement("tp")) == ((50, 32), (52, 32), Shard(0))
+        assert r["tok_shape"] == r["head_shape"] == (13, 32)
+        assert records["blocks.0.attn.q_proj.weight"].placement("tp") == Shard(0)
+        assert records["blocks.0.attn.q_proj.bias"].placement("tp") == Shard(0)
+        assert records["blocks.0.mlp.fc2.weight"].placement("tp") == Shard(1)
+        for replicated in ("blocks.0.mlp.fc2.bias", "blocks.0.ln_1.weight", "ln_f.bias", "pos.weight"):
+            assert records[replicated].placement("tp") == Replicate(), replicated
+        assert r["flagged"] == sorted(
+            ["blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.ln_2.weight", "blocks.0.ln_2.bias"]
+            + ["blocks.0.attn.o_proj.bias", "blocks.0.mlp.fc2.bias", "ln_f.weight", "ln_f.bias"]
+        )
+        assert r["heads"] == (1, 1)
 
 
 def _bad_plans():
     group = Mesh({"tp": 4}).group("tp")
     block = Block(24, 6, 6)
-    with pytest.raises(PlanError, match=r"'mlp\.fc3' \(ColumnParallel.*matches no module; candidates: attn\.q_proj"):
-        parallelize(block, tp_group=group, plan={"mlp.fc3": ColumnParallel()})
-    with pytest.raises(TPShapeError, match=r"tp=4 does not divide num_heads=6 of attn; choose tp in \{1, 2, 3, 6\}"):
-        parallelize(block, tp_group=group, plan=block_plan("", sequence_parallel=False))
-    # Every check runs before anything changes: the block is still plain.
-    assert isinstance(block.attn.q_proj, nn.Linear) and block.attn.num_heads == 6
-    with pytest.raises(TPShapeError, match=r"num_kv_heads=2 of attn; choose tp in \{1, 2\}"):
-        parallelize(Block(32, 8, 2), tp_group=group, plan={"attn": ShardHeads()})
-    with pytest.raises(PlanError, match="ColumnParallel.* cannot apply to 'ln_1', a LayerNorm"):
-        parallelize(block, tp_group=group, plan={"ln_1": ColumnParallel()})
-    with pytest.raises(PlanError, match="converted by two patterns: 'mlp.fc1' and 'mlp.fc\\*'"):
-        parallelize(block, tp_group=group, plan={"mlp.fc1": ColumnParallel(), "mlp.fc*": RowParallel()})
-    with pytest.raises(PlanError, match="'mlp' has none of the head-count attributes"):
-        parallelize(block, tp_group=group, plan={"mlp": ShardHeads()})
-    with pytest.raises(PlanError, match="not a tp style such as ColumnParallel"):
-        parallelize(block, tp_group=group, plan={"mlp.fc1": "column"})
-    with pytest.raises(
-        TPShapeError, match=r"tp=4 does not divide out_features of ln_1.*=6; choose tp in \{1, 2, 3, 6\}"
-    ):
-        parallelize(nn.ModuleDict({"ln_1": nn.Linear(4, 6)}), tp_group=group, plan={"ln_1": ColumnParallel()})
-    with pytest.raises(TPShapeError, match=r"tp=4 does not divide out_features=10; choose tp in \{1, 2, 5, 10\}"):
-        ColumnParallelLinear(8, 10, tp_group=group)
-    with pytest.raises(TPShapeError, match=r"tp=4 does not divide in_features=6; choose tp in \{1, 2, 3, 6\}"):
-        RowParallelLinear(6, 8, tp_group=group)
-    assert isinstance(block.mlp.fc1, nn.Linear)
+    seen = {}
+    seen["no_match"] = caught(parallelize, block, tp_group=group, plan={"mlp.fc3": ColumnParallel()})
+    seen["heads"] = caught(parallelize, block, tp_group=group, plan=block_plan("", sequence_parallel=False))
+    seen["block_after_checks"] = (type(block.attn.q_proj), block.attn.num_heads)
+    seen["kv_heads"] = caught(parallelize, Block(32, 8, 2), tp_group=group, plan={"attn": ShardHeads()})
+    seen["layer_norm"] = caught(parallelize, block, tp_group=group, plan={"ln_1": ColumnParallel()})
+    two_patterns = {"mlp.fc1": ColumnParallel(), "mlp.fc*": RowParallel()}
+    seen["two_patterns"] = caught(parallelize, block, tp_group=group, plan=two_patterns)
+    seen["no_heads"] = caught(parallelize, block, tp_group=group, plan={"mlp": ShardHeads()})
+    seen["not_a_style"] = caught(parallelize, block, tp_group=group, plan={"mlp.fc1": "column"})
+    odd_linear = nn.ModuleDict({"ln_1": nn.Linear(4, 6)})
+    seen["out_features"] = caught(parallelize, odd_linear, tp_group=group, plan={"ln_1": ColumnParallel()})
+    seen["column_linear"] = caught(ColumnParallelLinear, 8, 10, tp_group=group)
+    seen["row_linear"] = caught(RowParallelLinear, 6, 8, tp_group=group)
+    seen["fc1_after_errors"] = type(block.mlp.fc1)
     entered = parallelize(Block(24, 6, 6), tp_group=group, plan={"attn": TPEntry()})
-    with pytest.raises(PlanError, match=r"TPEntry\(.*\) on 'attn' needs the activation as the first positional"):
-        entered.attn(x=torch.zeros(1, 4, 24))
-    # A tied embedding and head must be converted together and alike, or they would silently untie.
+    seen["keyword_input"] = caught(entered.attn, x=torch.zeros(1, 4, 24))
     tied = GPT(50, 32, 4, 1, max_seq=8)
     tied.head.weight = tied.tok.weight
-    with pytest.raises(
-        PlanError, match=r"\['tok.weight', 'head.weight'\] are one shared parameter.*only some.*\['head"
-    ):
-        parallelize(tied, tp_group=group, plan={"tok": VocabParallel()})
-    with pytest.raises(PlanError, match="splits it differently in each user"):
-        parallelize(tied, tp_group=group, plan={"tok": VocabParallel(), "head": RowParallel()})
-    assert isinstance(tied.tok, nn.Embedding) and tied.head.weight is tied.tok.weight  # untouched
-    return True
+    seen["tied_partly"] = caught(parallelize, tied, tp_group=group, plan={"tok": VocabParallel()})
+    tied_plan = {"tok": VocabParallel(), "head": RowParallel()}
+    seen["tied_differently"] = caught(parallelize, tied, tp_group=group, plan=tied_plan)
+    # Object identity cannot cross processes: report whether the two are still one parameter.
+    seen["tied_after_errors"] = (type(tied.tok), tied.head.weight is tied.tok.weight)
+    return seen
 
 
 def test_bad_plans_are_typed_errors(distributed):
-    assert distributed.run(4, _bad_plans) == [True] * 4
+    results = distributed.run(4, _bad_plans)
+    assert len(results) == 4
+    for seen in results:
+        assert_caught(
+            seen["no_match"], PlanError, r"'mlp\.fc3' \(ColumnParallel.*matches no module; candidates: attn\.q_proj"
+        )
+        assert_caught(
+            seen["heads"], TPShapeError, r"tp=4 does not divide num_heads=6 of attn; choose tp in \{1, 2, 3, 6\}"
+        )
+        # Every check runs before anything changes: the block is still plain.
+        q_proj_type, num_heads = seen["block_after_checks"]
+        assert issubclass(q_proj_type, nn.Linear) and num_heads == 6
+        assert_caught(seen["kv_heads"], TPShapeError, r"num_kv_heads=2 of attn; choose tp in \{1, 2\}")
+        assert_caught(seen["layer_norm"], PlanError, "ColumnParallel.* cannot apply to 'ln_1', a LayerNorm")
+        assert_caught(seen["two_patterns"], PlanError, "converted by two patterns: 'mlp.fc1' and 'mlp.fc\\*'")
+        assert_caught(seen["no_heads"], PlanError, "'mlp' has none of the head-count attributes")
+        assert_caught(seen["not_a_style"], PlanError, "not a tp style such as ColumnParallel")
+        assert_caught(
+            seen["out_features"],
+            TPShapeError,
+            r"tp=4 does not divide out_features of ln_1.*=6; choose tp in \{1, 2, 3, 6\}",
+        )
+        assert_caught(
+            seen["column_linear"], TPShapeError, r"tp=4 does not divide out_features=10; choose tp in \{1, 2, 5, 10\}"
+        )
+        assert_caught(
+            seen["row_linear"], TPShapeError, r"tp=4 does not divide in_features=6; choose tp in \{1, 2, 3, 6\}"
+        )
+        assert issubclass(seen["fc1_after_errors"], nn.Linear)
+        assert_caught(
+            seen["keyword_input"], PlanError, r"TPEntry\(.*\) on 'attn' needs the activation as the first positional"
+        )
+        # A tied embedding and head must be converted together and alike, or they would silently untie.
+        assert_caught(
+            seen["tied_partly"],
+            PlanError,
+            r"\['tok.weight', 'head.weight'\] are one shared parameter.*only some.*\['head",
+        )
+        assert_caught(seen["tied_differently"], PlanError, "splits it differently in each user")
+        tok_type, still_tied = seen["tied_after_errors"]
+        assert issubclass(tok_type, nn.Embedding) and still_tied  # untouched
 
 
 def _sequence_parallel_saves_less():
@@ -120,7 +154,7 @@ def _sequence_parallel_saves_less():
         block = parallelize(Block(H, 8, 8), tp_group=group, plan=block_plan("", sp))
         if sp:
             norms = [m for m in block.modules() if isinstance(m, nn.LayerNorm)]
-            assert all(is_sequence_parallel(p) for m in norms for p in m.parameters())
+            norm_flags = [is_sequence_parallel(p) for m in norms for p in m.parameters()]
         x = torch.randn(B, S // n if sp else S, H, requires_grad=True)
         total = []
 
@@ -131,10 +165,15 @@ def _sequence_parallel_saves_less():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             block(x)
         saved[sp] = sum(total)
-    # At least the two norm inputs shrink from (B, S, H) to (B, S/tp, H) float32.
-    assert saved[False] - saved[True] >= 2 * B * S * H * 4 * (n - 1) / n
-    return True
+    return {"tp": n, "shape": (B, S, H), "saved": saved, "norm_flags": norm_flags}
 
 
 def test_sequence_parallel_saves_less_activation_memory(distributed):
-    assert distributed.run(2, _sequence_parallel_saves_less) == [True, True]
+    results = distributed.run(2, _sequence_parallel_saves_less)
+    assert len(results) == 2
+    for r in results:
+        n, (B, S, H), saved = r["tp"], r["shape"], r["saved"]
+        assert n == 2
+        assert r["norm_flags"] and all(r["norm_flags"])  # every LayerNorm parameter is marked sequence-parallel
+        # At least the two norm inputs shrink from (B, S, H) to (B, S/tp, H) float32.
+        assert saved[False] - saved[True] >= 2 * B * S * H * 4 * (n - 1) / n
