@@ -1,0 +1,91 @@
+"""The services ZeroOptimizer needs from :class:`~polyshard.dp.DataParallel`, over its buckets.
+
+ZeRO-1/2 keep each rank's rows of every gradient in the buckets' reduced
+shards (:mod:`polyshard.dp.buckets`); the optimizer steps fp32 master copies
+of those rows and hands them back, and the parameters are all-gathered from
+them. This mixin answers, for one parameter, where its rows are (shard_spec,
+shard_placement), what its master starts from (master_init), what its
+reduced gradient is (grad_shard), and writes updated rows back
+(write_params). It needs from the class it is mixed into: ``queues`` (the
+buckets), ``_where`` (id(param) -> (bucket, index)), ``zero_stage``,
+``module``, ``axis``, ``_axis_of`` and ``_master_init``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.dp.buckets import Bucket
+from polyshard.dp.flat import ShardSpec, shard_record
+from polyshard.mesh import TensorPlacement, get_placement
+
+
+class BucketShards:
+    queues: list[list[Bucket]]
+    _where: dict[int, tuple[Bucket, int]]
+    _master_init: dict[int, torch.Tensor]
+    _axis_of: dict[int, Any]
+    zero_stage: int
+    module: nn.Module
+    axis: str | tuple[str, ...]
+
+    def buckets(self) -> list[Bucket]:
+        return [b for q in self.queues for b in q]
+
+    def owned_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for b in self.buckets() for n, p in zip(b.names, b.params)]
+
+    def shard_spec(self, param: nn.Parameter) -> ShardSpec:
+        bucket, index = self._where[id(param)]
+        return bucket.layout.specs[index]
+
+    def master_init(self, param: nn.Parameter) -> torch.Tensor:
+        """fp32 values of this rank's rows of ``param`` (all of it at stage 0)."""
+        if id(param) in self._master_init:
+            return self._master_init.pop(id(param))
+        bucket, index = self._where[id(param)]
+        rank = dist.get_rank(bucket.group) if self.zero_stage else 0
+        return self.shard_spec(param).shard_of(param.detach().float(), rank)
+
+    def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
+        if self.zero_stage == 0:
+            return get_placement(param) or TensorPlacement(name, tuple(param.shape))
+        return shard_record(get_placement(param), name, self.shard_spec(param), self._axis_of.get(id(param), self.axis))
+
+    def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
+        bucket, index = self._where[id(param)]
+        return bucket.grad_shard(index)
+
+    def write_params(self, values: Mapping[int, torch.Tensor]) -> None:
+        """Set parameters from updated rows (keyed by ``id(param)``); stages 1/2 all-gather them."""
+        with torch.no_grad():
+            if self.zero_stage == 0:
+                for p in (p for b in self.buckets() for p in b.params):
+                    p.copy_(values[id(p)])
+                return
+            pending = [self._gather_bucket(b, values) for b in self.buckets()]
+            for bucket, full, work in pending:
+                work.wait()
+                for index, p in enumerate(bucket.params):
+                    p.copy_(bucket.layout.unpack(full, index))
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors this rank holds for parameters and gradients (for :func:`polyshard.dp.bytes_held`)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads += [t for b in self.buckets() for t in b.tensors()]
+        return {"params": list(self.module.parameters()), "grads": grads}
+
+    @staticmethod
+    def _gather_bucket(bucket: Bucket, values):
+        dtype, device = bucket.params[0].dtype, bucket.params[0].device
+        shard = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=device)
+        for index, p in enumerate(bucket.params):
+            bucket.layout.shard_view(shard, index).copy_(values[id(p)])
+        full = torch.empty(bucket.layout.numel, dtype=dtype, device=device)
+        return bucket, full, ops.all_gather_flat(full, shard, bucket.group, async_op=True)
