@@ -24,9 +24,9 @@ from polyshard.pp import (
 from tests.pp import models
 
 
-def _run_step(name, m, virtual=1, backward_context=None, builders=None):
+def _run_step(name, m, virtual_stages=1, backward_context=None, builders=None):
     p, rank = dist.get_world_size(), dist.get_rank()
-    schedule = make_schedule(name, p, m, virtual)
+    schedule = make_schedule(name, p, m, virtual_stages)
     stages = build_stages(builders or models.builders(), schedule.num_stages, schedule.stages_of(rank))
     executor = PipelineExecutor(stages, schedule, models.loss_fn, backward_context=backward_context)
     x, y = models.batch(0, 2 * m)
@@ -72,7 +72,7 @@ def test_rank_builds_only_its_stage(distributed):
         assert real_builds == [2 * rank, 2 * rank + 1]  # only this rank's layers were ever materialised
 
 
-def _hook_entries(name, m, virtual):
+def _hook_entries(name, m, virtual_stages):
     entries = []
 
     @contextlib.contextmanager
@@ -80,14 +80,14 @@ def _hook_entries(name, m, virtual):
         entries.append(1)
         yield
 
-    schedule, stages, _ = _run_step(name, m, virtual, backward_context=no_sync)
+    schedule, stages, _ = _run_step(name, m, virtual_stages, backward_context=no_sync)
     # one weight-gradient action per (stage, microbatch); the hook skips only the last
     return len(entries), len(stages) * m - 1
 
 
-@pytest.mark.parametrize(("name", "virtual"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
-def test_backward_context_wraps_all_but_last_backward(distributed, name, virtual):
-    for entered, expected in distributed.run(2, _hook_entries, name, 4, virtual):
+@pytest.mark.parametrize(("name", "virtual_stages"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_backward_context_wraps_all_but_last_backward(distributed, name, virtual_stages):
+    for entered, expected in distributed.run(2, _hook_entries, name, 4, virtual_stages):
         assert entered == expected
 
 
@@ -129,8 +129,8 @@ def test_p2p_volume(distributed):
     assert rank1 == (m, m * microbatch_bytes, m + 1)  # gradients out, activations (+ header) in
 
 
-def _timeline(name, m, virtual):
-    schedule, _, result = _run_step(name, m, virtual)
+def _timeline(name, m, virtual_stages):
+    schedule, _, result = _run_step(name, m, virtual_stages)
     whole = gather_timeline(result.timeline, schedule)
     compute = [s for s in whole.spans if s.kind != "X"]
     ordered = True
@@ -254,9 +254,9 @@ def test_bad_batch_and_deadlocking_schedule(distributed):
     distributed.run(2, _deadlocking_executor)
 
 
-def _forward_only(name, m, virtual):
+def _forward_only(name, m, virtual_stages):
     p, rank = dist.get_world_size(), dist.get_rank()
-    schedule = make_schedule(name, p, m, virtual)
+    schedule = make_schedule(name, p, m, virtual_stages)
     stages = build_stages(models.builders(), schedule.num_stages, schedule.stages_of(rank))
     executor = PipelineExecutor(stages, schedule, models.loss_fn)
     outputs = []
@@ -266,11 +266,11 @@ def _forward_only(name, m, virtual):
     return outputs
 
 
-@pytest.mark.parametrize("name, world, m, virtual", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])
-def test_forward_only_runs_any_batch_through_the_stages(distributed, name, world, m, virtual):
-    results = distributed.run(world, _forward_only, name, m, virtual)
+@pytest.mark.parametrize("name, world, m, virtual_stages", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])
+def test_forward_only_runs_any_batch_through_the_stages(distributed, name, world, m, virtual_stages):
+    results = distributed.run(world, _forward_only, name, m, virtual_stages)
     reference = models.reference()
-    holder = (world * virtual - 1) % world  # the rank holding the last stage
+    holder = (world * virtual_stages - 1) % world  # the rank holding the last stage
     for rank, outputs in enumerate(results):
         if rank != holder:
             assert outputs == [None, None, None]

@@ -31,16 +31,16 @@ def test_gpipe_and_1f1b_bubble_and_peak(name):
         assert list(result.peak_activations) == expected_peak, (p, m)
 
 
-@pytest.mark.parametrize("virtual", [2, 3])
-def test_interleaved_bubble(virtual):
+@pytest.mark.parametrize("virtual_stages", [2, 3])
+def test_interleaved_bubble(virtual_stages):
     for p, m in SIZES:
         if m % p:
             with pytest.raises(ScheduleError, match=f"multiple of the pipeline ranks num_ranks={p}"):
-                make_schedule("interleaved", p, m, virtual)
+                make_schedule("interleaved", p, m, virtual_stages)
             continue
-        result = simulate(make_schedule("interleaved", p, m, virtual))
+        result = simulate(make_schedule("interleaved", p, m, virtual_stages))
         # each chunk is 1/v of a layer stack but costs 1 here, so the ideal time is v*m*3 per rank
-        assert abs(result.bubble_fraction - (p - 1) / (virtual * m + p - 1)) < EXACT, (p, m)
+        assert abs(result.bubble_fraction - (p - 1) / (virtual_stages * m + p - 1)) < EXACT, (p, m)
 
 
 def test_zb_h1_bubble_is_a_third_of_1f1b():
@@ -109,7 +109,7 @@ def test_bad_arguments():
         make_schedule("1f1b", 2, 0)
     with pytest.raises(ScheduleError, match=r"choose num_microbatches in \{4, 8, 12, \.\.\.\}"):
         make_schedule("interleaved", 4, 6, 2)
-    with pytest.raises(ScheduleError, match="virtual=2 needs 'interleaved'"):
+    with pytest.raises(ScheduleError, match="virtual_stages=2 needs 'interleaved'"):
         make_schedule("gpipe", 2, 2, 2)
 
 

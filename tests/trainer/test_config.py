@@ -56,7 +56,7 @@ def test_bad_fields(raw, message):
         ({"model": {"num_heads": 6, "hidden": 48}, "parallel": {"tp": 4}}, 4, "choose tp in \\[1, 2, 3, 6\\]"),
         ({"model": {"num_kv_heads": 2}, "parallel": {"tp": 4}}, 4, "model.num_kv_heads=2; choose tp in \\[1, 2\\]"),
         ({"model": {"context_length": 30}, "parallel": {"tp": 4, "sequence_parallel": True}}, 4, "sequence parallel"),
-        ({"model": {"num_layers": 2}, "parallel": {"pp": 8}}, 8, "use at most 4 chunks"),
+        ({"model": {"num_layers": 2}, "parallel": {"pp": 8}}, 8, "use at most 4 stages"),
         (
             {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}},
             2,
@@ -77,7 +77,7 @@ def test_bad_fields(raw, message):
         ({"model": {"kind": "moe-gpt", "num_experts": 6}, "parallel": {"ep": 4}}, 4, "choose ep in \\[1, 2, 3, 6\\]"),
         ({"parallel": {"dp": 2, "microbatches": 3}, "training": {"global_batch_size": 16}}, 2, "multiple of 6"),
         ({"parallel": {"pp": 2, "stage_layers": [3, 2]}}, 2, "layer counts that add up to 6"),
-        ({"parallel": {"pp": 2, "stage_layers": [6]}}, 2, "must give 2 pipeline chunks"),
+        ({"parallel": {"pp": 2, "stage_layers": [6]}}, 2, "must give 2 pipeline stages"),
         (
             {"model": {"kind": "moe-gpt"}, "parallel": {"ep": 2, "zero_stage": 3}},
             2,

@@ -120,7 +120,7 @@ def _sequence_parallel_norms(config):
     train_data, _ = make_loaders(config, mesh)
     for _ in range(3):
         train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-2)
-    return {n: p.detach().float().clone() for n, p in engine.chunks[0].named_parameters() if is_sequence_parallel(p)}
+    return {n: p.detach().float().clone() for n, p in engine.stages[0].named_parameters() if is_sequence_parallel(p)}
 
 
 def test_sequence_parallel_norms_stay_replicated_under_bf16(distributed, corpus):
@@ -207,7 +207,7 @@ def _eval_twice(config, out):
     _, val = make_loaders(config, mesh)
     batch = split_batch(config, val.next_batch())
     first, second = evaluate(engine, *batch), evaluate(engine, *batch)
-    return first, second, all(c.training for c in engine.chunks.values())
+    return first, second, all(c.training for c in engine.stages.values())
 
 
 def test_evaluation_runs_without_dropout(distributed, corpus):

@@ -55,12 +55,12 @@ def _avoid_expert_zero(router, active):
 def _expert_weights(engine):
     """Global expert weights (name -> (E_local, ...) rows of this rank's experts)."""
     out = {}
-    for index, chunk in engine.chunks.items():
+    for index, stage in engine.stages.items():
         names = engine.global_names(index)
         if engine.config.parallel.zero_stage == 3:
             full = engine.wrappers[index].full_parameters()  # collective over the dp group
         else:
-            full = {n: p.detach() for n, p in chunk.named_parameters()}
+            full = {n: p.detach() for n, p in stage.named_parameters()}
         out.update({names[n]: t.clone() for n, t in full.items() if ".experts." in n})
     return out
 
@@ -73,8 +73,8 @@ def _run(config):
     torch.manual_seed(config.training.seed)
     engine = build_engine(config, mesh)
     active = [False]
-    for chunk in engine.chunks.values():
-        for module in chunk.modules():
+    for stage in engine.stages.values():
+        for module in stage.modules():
             if isinstance(module, MoELayer):
                 _avoid_expert_zero(module.router, active)
     train_data, _ = make_loaders(config, mesh)

@@ -68,14 +68,14 @@ Step = Action | Exchange
 class Schedule:
     """Per-rank compute order of one training step (what a schedule function returns).
 
-    ``actions[r]`` lists rank r's F/B/W actions in the order it runs them. ``virtual``
-    model stages live on each rank, so the model has ``num_ranks * virtual`` stages.
+    ``actions[r]`` lists rank r's F/B/W actions in the order it runs them. ``virtual_stages``
+    model stages live on each rank, so the model has ``num_ranks * virtual_stages`` stages.
     """
 
     name: str
     num_ranks: int
     num_microbatches: int
-    virtual: int
+    virtual_stages: int
     actions: tuple[tuple[Action, ...], ...]
     split_backward: frozenset[tuple[int, int]] = field(init=False)
 
@@ -85,17 +85,17 @@ class Schedule:
 
     @property
     def num_stages(self) -> int:
-        return self.num_ranks * self.virtual
+        return self.num_ranks * self.virtual_stages
 
     def rank_of(self, stage: int) -> int:
         return stage % self.num_ranks
 
     def stages_of(self, rank: int) -> list[int]:
-        return [rank + chunk * self.num_ranks for chunk in range(self.virtual)]
+        return [rank + chunk * self.num_ranks for chunk in range(self.virtual_stages)]
 
     def grid(self) -> str:
         """One line per rank: its compute actions in order."""
-        with_stage = self.virtual > 1
+        with_stage = self.virtual_stages > 1
         return "\n".join(
             f"rank {r}: " + " ".join(a.short(with_stage) for a in actions) for r, actions in enumerate(self.actions)
         )

@@ -51,8 +51,8 @@ def _peer_schedule(name, modules: Mapping[int, nn.Module], num_stages: int, m: i
 
 def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
     p, rank = dist.get_world_size(), dist.get_rank()
-    virtual = 2 if name == "interleaved" else 1
-    schedule = make_schedule(name, p, args.microbatches, virtual)
+    virtual_stages = 2 if name == "interleaved" else 1
+    schedule = make_schedule(name, p, args.microbatches, virtual_stages)
     builders = [lambda i=i: _layer(i, args.hidden) for i in range(args.layers)]
     ours = build_stages(builders, schedule.num_stages, schedule.stages_of(rank))
     theirs = copy.deepcopy(ours)
@@ -75,7 +75,7 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
 
     ours_s, peer_s = time_interleaved(run_ours, run_peer, iters=args.iters, warmup=2)
     match = _matches(state, ours, theirs, last)
-    case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual}" if virtual > 1 else "")
+    case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual_stages}" if virtual_stages > 1 else "")
     theory = simulate(schedule).bubble_fraction
     timelines = []
     for _ in range(3):  # a single step's bubble is noisy on a shared machine: keep the median of three

@@ -126,7 +126,7 @@ class PipelineExecutor:
             spans.append(Span(self.rank, str(step), kind, start, time.perf_counter()))
         for work, _ in self.pending_sends:
             work.wait()
-        timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual > 1)
+        timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
         return StepResult(self.loss, timeline, self.peak)
 
     def forward_only(self, inputs: torch.Tensor | None, on_output: Callable[[torch.Tensor], T]) -> T | None:
@@ -257,4 +257,4 @@ def gather_timeline(
         for step, (start, end) in zip(steps, every[rank].tolist()):
             kind = "X" if isinstance(step, Exchange) else step.kind
             spans.append(Span(rank, str(step), kind, start, end))
-    return Timeline(schedule.num_ranks, tuple(spans), with_stage=schedule.virtual > 1)
+    return Timeline(schedule.num_ranks, tuple(spans), with_stage=schedule.virtual_stages > 1)

@@ -23,8 +23,12 @@ from polyshard.pp.actions import Action, Schedule
 from polyshard.pp.errors import ScheduleError
 
 
-def _check(num_ranks: int, num_microbatches: int, virtual: int = 1) -> None:
-    for name, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches), ("virtual", virtual)):
+def _check(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    for name, value in (
+        ("num_ranks", num_ranks),
+        ("num_microbatches", num_microbatches),
+        ("virtual_stages", virtual_stages),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
 
@@ -56,15 +60,15 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     return _make("1f1b", p, m, 1, per_rank)
 
 
-def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual: int = 2) -> Schedule:
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int = 2) -> Schedule:
     """Megatron's interleaved 1F1B: rank r runs stages r, r+p, ..., r+(v-1)p.
 
     Microbatches go through the chunks in groups of p: forward slot k is chunk
     (k // p) % v of microbatch (k // (p*v))*p + k % p; backward slots visit the
     chunks in reverse. Rank r warms up with 2(p-r-1) + (v-1)p forwards.
     """
-    _check(num_ranks, num_microbatches, virtual)
-    p, m, v = num_ranks, num_microbatches, virtual
+    _check(num_ranks, num_microbatches, virtual_stages)
+    p, m, v = num_ranks, num_microbatches, virtual_stages
     if m % p:
         choices = ", ".join(str(p * i) for i in range(1, 4))
         raise ScheduleError(
@@ -152,15 +156,17 @@ def forward_only(schedule: Schedule) -> Schedule:
     on the whole batch (one microbatch: nothing is kept for a backward, so nothing to interleave).
     Evaluation and inference run this; it is deadlock-free for any placement (stages run in order)."""
     per_rank = [[Action("F", stage, 0) for stage in schedule.stages_of(r)] for r in range(schedule.num_ranks)]
-    return _make(f"{schedule.name} (forward only)", schedule.num_ranks, 1, schedule.virtual, per_rank)
+    return _make(f"{schedule.name} (forward only)", schedule.num_ranks, 1, schedule.virtual_stages, per_rank)
 
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> Schedule:
-    """Look a schedule up by name; ``virtual`` is used by ``interleaved`` only (and must be 1 otherwise)."""
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """Look a schedule up by name; ``virtual_stages`` is used by ``interleaved`` only (and must be 1 otherwise)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if name == "interleaved":
-        return interleaved_1f1b(num_ranks, num_microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"schedule {name!r} has one stage per rank; virtual={virtual} needs 'interleaved'")
+        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ScheduleError(
+            f"schedule {name!r} has one stage per rank; virtual_stages={virtual_stages} needs 'interleaved'"
+        )
     return SCHEDULES[name](num_ranks, num_microbatches)

@@ -172,7 +172,7 @@ def simulate(
     total = max(run.clock) if run.clock else 0.0
     busy = sum(s.end - s.start for s in run.spans)
     bubble = 1.0 - busy / (schedule.num_ranks * total) if total > 0 else 0.0
-    timeline = Timeline(schedule.num_ranks, tuple(run.spans), with_stage=schedule.virtual > 1)
+    timeline = Timeline(schedule.num_ranks, tuple(run.spans), with_stage=schedule.virtual_stages > 1)
     return SimResult(schedule, program, total, bubble, tuple(run.peak), timeline)
 
 

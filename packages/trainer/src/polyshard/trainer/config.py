@@ -130,7 +130,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
+    """Model stages per pipeline rank (interleaved schedule)."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches and gradient accumulation)."""
     stage_layers: list[int] | None = None

@@ -72,17 +72,17 @@ def _check_tensor_parallel(config: Config) -> None:
 
 def _check_pipeline(config: Config) -> None:
     model, par = config.model, config.parallel
-    chunks = par.pp * par.virtual_stages
+    stages = par.pp * par.virtual_stages
     # The embedding and the head are pipeline layers too: num_layers blocks + 2.
     layers = model.num_layers + 2
-    if chunks > layers:
+    if stages > layers:
         raise ConfigError(
-            f"pp={par.pp} x virtual_stages={par.virtual_stages} = {chunks} pipeline chunks but the model has only "
-            f"{layers} layers (embedding, {model.num_layers} blocks, head); use at most {layers} chunks"
+            f"pp={par.pp} x virtual_stages={par.virtual_stages} = {stages} pipeline stages but the model has only "
+            f"{layers} layers (embedding, {model.num_layers} blocks, head); use at most {layers} stages"
         )
-    if par.stage_layers is not None and (len(par.stage_layers) != chunks or sum(par.stage_layers) != layers):
+    if par.stage_layers is not None and (len(par.stage_layers) != stages or sum(par.stage_layers) != layers):
         raise ConfigError(
-            f"parallel.stage_layers={par.stage_layers} must give {chunks} pipeline chunks (pp x virtual_stages) "
+            f"parallel.stage_layers={par.stage_layers} must give {stages} pipeline stages (pp x virtual_stages) "
             f"layer counts that add up to {layers} (embedding, {model.num_layers} blocks, head)"
         )
     if par.schedule == "interleaved" and par.microbatches % par.pp:
@@ -95,7 +95,7 @@ def _check_pipeline(config: Config) -> None:
 def _check_experts(config: Config) -> None:
     model, par = config.model, config.parallel
     if model.kind == "moe-gpt" and par.ep > 1 and par.zero_stage == 3:
-        # ZeRO-3 shards every parameter of a chunk over dp x ep, but each ep rank holds different experts.
+        # ZeRO-3 shards every parameter of a stage over dp x ep, but each ep rank holds different experts.
         raise ConfigError(
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"

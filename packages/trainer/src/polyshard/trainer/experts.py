@@ -40,8 +40,8 @@ from polyshard.trainer.parallelize import Engine
 def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:
     return [
         (index, name, module)
-        for index, chunk in engine.chunks.items()
-        for name, module in chunk.named_modules()
+        for index, stage in engine.stages.items()
+        for name, module in stage.named_modules()
         if isinstance(module, MoELayer)
     ]
 

@@ -107,18 +107,18 @@ def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tup
 
 
 def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
-    """Forward only, in eval mode (no dropout), chunk by chunk across the pipeline, over this data rank's
+    """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
     ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss and accuracy (ViT)
     over every example of every data rank: parts of different sizes weigh by their size."""
-    for chunk in engine.chunks.values():
-        chunk.eval()
+    for stage in engine.stages.values():
+        stage.eval()
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, examples
     try:
         for batch in batches:
             totals += _evaluate(engine, *(t.to(engine.device) for t in batch))
     finally:
-        for chunk in engine.chunks.values():
-            chunk.train()
+        for stage in engine.stages.values():
+            stage.train()
     # Only the last stage's tp-rank-0 holds results (tp ranks hold equal copies); one all-reduce adds them up.
     if not (engine.holds_last_stage and engine.mesh.coord("tp") == 0):
         totals.zero_()

@@ -16,7 +16,7 @@ from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Decay matrices; leave biases, norms and embeddings undecayed (as GPT-2 and nanoGPT do).
 
-    ``named``: (model name, parameter) pairs. Model names, not chunk-local ones, decide: a
+    ``named``: (model name, parameter) pairs. Model names, not stage-local ones, decide: a
     pipeline's copy of a tied embedding is named as the embedding, and is not decayed either.
     """
     decay, no_decay = [], []

@@ -6,11 +6,11 @@ The mesh axes are ``pp x dp x ep x tp`` (tp fastest). The order matters:
    (:func:`polyshard.tp.parallelize`), so every rank starts from the same
    seeded weights and keeps its slice; names stay global.
 2. **EP** keeps this rank's experts (:func:`polyshard.ep.apply_expert_parallel`).
-3. **PP** cuts ``model.layers`` into contiguous chunks (balanced by parameter
+3. **PP** cuts ``model.layers`` into contiguous stages (balanced by parameter
    count) and keeps this rank's; one :class:`polyshard.pp.PipelineExecutor`
    runs every step, even with one stage, so microbatching and gradient
    accumulation have a single code path.
-4. **DP/ZeRO** wraps each chunk: :class:`polyshard.dp.DataParallel` (stages
+4. **DP/ZeRO** wraps each stage: :class:`polyshard.dp.DataParallel` (stages
    0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
    Non-expert gradients average over dp x ep (every data rank); expert
    gradients reduce over dp only and are divided by dp x ep, because each
@@ -95,7 +95,7 @@ def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
 
 
 def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list[range]:
-    """Global layer indices of each pipeline chunk: ``parallel.stage_layers`` when given, else
+    """Global layer indices of each pipeline stage: ``parallel.stage_layers`` when given, else
     balanced by :func:`layer_costs` of the global parameter ``shapes`` (this rank-independent
     split is what every rank, ``--dry-run`` and the offline resharder agree on)."""
     par = config.parallel
@@ -125,24 +125,24 @@ class Engine:
 
     config: Config
     mesh: Mesh
-    chunks: dict[int, nn.Module]  # pipeline chunk index -> the plain chunk (nn.Sequential of layers)
-    layer_ids: dict[int, range]  # pipeline chunk index -> its global layer indices
-    wrappers: dict[int, DataParallelWrapper]  # pipeline chunk index -> its data-parallel wrapper
+    stages: dict[int, nn.Module]  # pipeline stage index -> the plain stage (nn.Sequential of layers)
+    layer_ids: dict[int, range]  # pipeline stage index -> its global layer indices
+    wrappers: dict[int, DataParallelWrapper]  # pipeline stage index -> its data-parallel wrapper
     optimizers: list
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
 
     @property
     def device(self) -> torch.device:
-        return next(p for chunk in self.chunks.values() for p in chunk.parameters()).device
+        return next(p for stage in self.stages.values() for p in stage.parameters()).device
 
     @property
     def holds_last_stage(self) -> bool:
-        return self.executor.schedule.num_stages - 1 in self.chunks
+        return self.executor.schedule.num_stages - 1 in self.stages
 
     @property
     def holds_first_stage(self) -> bool:
-        return 0 in self.chunks
+        return 0 in self.stages
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None."""
@@ -167,13 +167,13 @@ class Engine:
         self._sum_tied_copies()
 
     def tied_copies(self) -> dict[str, list[tuple[int, nn.Parameter]]]:
-        """Tied weight name -> (chunk index, parameter) of every copy this rank holds. A tied pair
-        in one chunk is one parameter; in two chunks (first and last pipeline stage) each holds a copy."""
+        """Tied weight name -> (stage index, parameter) of every copy this rank holds. A tied pair
+        in one stage is one parameter; in two stages (first and last pipeline stage) each holds a copy."""
         tied = set(tied_names(self.config.model).values())
         out: dict[str, list[tuple[int, nn.Parameter]]] = {}
-        for index, chunk in self.chunks.items():
+        for index, stage in self.stages.items():
             names = self.global_names(index)
-            for local, p in chunk.named_parameters():
+            for local, p in stage.named_parameters():
                 if names[local] in tied and p.requires_grad:  # a frozen tied weight needs no sync
                     out.setdefault(names[local], []).append((index, p))
         return out
@@ -183,7 +183,7 @@ class Engine:
         copies' gradients (already averaged over the data ranks), so the copies, stepped alike from
         equal values, stay equal, and each equals the one tensor a single process would train."""
         if self.executor.schedule.num_stages == 1:
-            return  # the tied pair is one parameter of the only chunk
+            return  # the tied pair is one parameter of the only stage
         for name, copies in sorted(self.tied_copies().items()):
             grads = [self.wrappers[index].grad_shard(p) for index, p in copies]
             index, param = copies[0]
@@ -229,28 +229,28 @@ class Engine:
         for wrapper in self.wrappers.values():
             wrapper.zero_grad(set_to_none=True)
 
-    def global_names(self, chunk_index: int) -> dict[str, str]:
+    def global_names(self, stage_index: int) -> dict[str, str]:
         """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
-        return global_names(self.chunks[chunk_index], self.layer_ids[chunk_index], tied_names(self.config.model))
+        return global_names(self.stages[stage_index], self.layer_ids[stage_index], tied_names(self.config.model))
 
 
-def global_names(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+def global_names(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
     """Chunk-local names -> model names; a copy of a tied weight takes the weight's own name
     (``aliases``: alias -> name, see :func:`polyshard.trainer.models.tied_names`)."""
     aliases = aliases or {}
     out = {}
-    for name, _ in chunk.named_parameters():
+    for name, _ in stage.named_parameters():
         local, _, rest = name.partition(".")
         model_name = f"layers.{layer_ids[int(local)]}.{rest}"
         out[name] = aliases.get(model_name, model_name)
     return out
 
 
-def _name_records_globally(chunk: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:
+def _name_records_globally(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:
     """Give every parameter a record under its model name and pipeline layer, so records (and
-    checkpoints) never carry a chunk-local name, whichever strategies touched it."""
-    names = global_names(chunk, layer_ids, aliases)
-    for local, param in chunk.named_parameters():
+    checkpoints) never carry a stage-local name, whichever strategies touched it."""
+    names = global_names(stage, layer_ids, aliases)
+    for local, param in stage.named_parameters():
         record = get_placement(param)
         if record is None:
             record = TensorPlacement(names[local], tuple(param.shape))
@@ -267,7 +267,7 @@ def _no_sync_all(wrappers):
     return context
 
 
-def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> DataParallelWrapper:
+def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataParallelWrapper:
     par = config.parallel
     mp = None
     if config.training.precision == "bf16":
@@ -276,14 +276,14 @@ def _wrap_data_parallel(chunk: nn.Module, config: Config, mesh: Mesh) -> DataPar
     # gradient-norm clip know a ZeRO shard is split over each.
     data_group, data_axes = mesh.group(("dp", "ep")), ("dp", "ep")
     if par.zero_stage == 3:
-        return FullyShardedDataParallel(chunk, group=data_group, blocks=list(chunk), mixed_precision=mp, axis=data_axes)
+        return FullyShardedDataParallel(stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=data_axes)
     sets = []
-    experts = expert_parameters(chunk) if config.model.kind == "moe-gpt" else []
+    experts = expert_parameters(stage) if config.model.kind == "moe-gpt" else []
     if experts:
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
         sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
     return DataParallel(
-        chunk, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
+        stage, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
     )
 
 
@@ -345,16 +345,16 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
     del full, skeleton
     aliases = tied_names(config.model)
-    _untie_across_chunks(model, aliases, {i: s for s in mine for i in bounds[s]})
+    _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
-    chunks = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
-    for s, chunk in chunks.items():
-        _name_records_globally(chunk, bounds[s], aliases)
-    wrappers = {s: _wrap_data_parallel(chunk, config, mesh) for s, chunk in chunks.items()}
-    optimizers = [_optimizer(w, config, global_names(chunks[s], bounds[s], aliases)) for s, w in wrappers.items()]
+    stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
+    for s, stage in stages.items():
+        _name_records_globally(stage, bounds[s], aliases)
+    wrappers = {s: _wrap_data_parallel(stage, config, mesh) for s, stage in stages.items()}
+    optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases)) for s, w in wrappers.items()]
     executor = PipelineExecutor(
         wrappers,
         schedule,
@@ -365,7 +365,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     return Engine(
         config,
         mesh,
-        chunks,
+        stages,
         {s: bounds[s] for s in mine},
         wrappers,
         optimizers,
@@ -374,13 +374,13 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     )
 
 
-def _untie_across_chunks(model: nn.Module, aliases: Mapping[str, str], chunk_of: Mapping[int, int]) -> None:
-    """A tied pair whose users fall in two chunks of this rank (both wrapped, so both stepped) becomes
-    two equal parameters, one per chunk; :meth:`Engine._sum_tied_copies` keeps them equal. (A rank
+def _untie_across_stages(model: nn.Module, aliases: Mapping[str, str], stage_of: Mapping[int, int]) -> None:
+    """A tied pair whose users fall in two stages of this rank (both wrapped, so both stepped) becomes
+    two equal parameters, one per stage; :meth:`Engine._sum_tied_copies` keeps them equal. (A rank
     holding only the alias's layer already has its own copy: ``build_model`` drew it for that rank.)"""
     for alias, name in aliases.items():
-        alias_chunk, name_chunk = chunk_of.get(layer_of(alias)), chunk_of.get(layer_of(name))
-        if alias_chunk is None or name_chunk is None or alias_chunk == name_chunk:
+        alias_stage, name_stage = stage_of.get(layer_of(alias)), stage_of.get(layer_of(name))
+        if alias_stage is None or name_stage is None or alias_stage == name_stage:
             continue
         module_name, _, attr = alias.partition(".")[2].partition(".")[2].rpartition(".")
         module = model.layers[str(layer_of(alias))].get_submodule(module_name)

@@ -25,29 +25,29 @@ from polyshard.trainer.parallelize import Engine
 
 
 def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch.Tensor]:
-    """Global name -> this rank's tensor for a chunk's parameters (ZeRO-3: this rank's rows)."""
+    """Global name -> this rank's tensor for a stage's parameters (ZeRO-3: this rank's rows)."""
     names = engine.global_names(index)
     if engine.config.parallel.zero_stage == 3:
         return {names[n]: v for n, v in engine.wrappers[index].local_shards().items()}
-    return {names[n]: p for n, p in engine.chunks[index].named_parameters()}
+    return {names[n]: p for n, p in engine.stages[index].named_parameters()}
 
 
 def optimizer_entries(engine: Engine):
     """(global name, the tensor the optimizer steps, its inner optimizer, master or None) per parameter."""
     for index, optimizer in zip(engine.wrappers, engine.optimizers):
         names = engine.global_names(index)
-        by_id = {id(p): names[n] for n, p in engine.chunks[index].named_parameters()}
+        by_id = {id(p): names[n] for n, p in engine.stages[index].named_parameters()}
         if isinstance(optimizer, ZeroOptimizer):
             for param_id, master in optimizer.masters.items():
                 yield by_id[param_id], master, optimizer.optimizer, master
         else:
-            for n, p in engine.chunks[index].named_parameters():
+            for n, p in engine.stages[index].named_parameters():
                 yield names[n], p, optimizer, None
 
 
 def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
     out = {}
-    for index in engine.chunks:
+    for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
             out[f"model/{name}"] = LocalTensor(tensor.detach(), get_placement(tensor))
     for name, stepped, optimizer, master in optimizer_entries(engine):
@@ -67,7 +67,7 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
 
     :func:`polyshard.trainer.reshard.load_into` cuts them from a checkpoint of any layout.
     """
-    for index in engine.chunks:
+    for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
             tensor.copy_(tensors[f"model/{name}"])
     for name, stepped, optimizer, master in optimizer_entries(engine):
