@@ -7,15 +7,8 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import Replicate, Shard, TensorPlacement
-from polyshard.trainer.checkpoint import (
-    CheckpointError,
-    LocalTensor,
-    latest_checkpoint,
-    load_rank,
-    read_index,
-    save_checkpoint,
-    verify_files,
-)
+from polyshard.trainer.checkpoint import LocalTensor, latest_checkpoint, load_rank, save_checkpoint
+from polyshard.trainer.checkpoint_format import CheckpointError, read_index, verify_files
 
 
 def _save_two_steps(root):

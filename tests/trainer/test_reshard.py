@@ -12,12 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint import CheckpointError, latest_checkpoint, read_index, step_dir
+from polyshard.trainer.checkpoint import latest_checkpoint
+from polyshard.trainer.checkpoint_format import CheckpointError, Source, read_index, step_dir
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
 from polyshard.trainer.records import plan_ranks
-from polyshard.trainer.reshard import Source, reshard, target_config
+from polyshard.trainer.reshard import reshard, target_config
 
 STEPS = 4
 SAVE_AT = 2

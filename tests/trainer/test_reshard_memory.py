@@ -9,7 +9,7 @@ import textwrap
 import torch
 from safetensors.torch import save_file
 
-from polyshard.trainer.checkpoint import FORMAT_VERSION, rank_file, sha256
+from polyshard.trainer.checkpoint_format import FORMAT_VERSION, rank_file, sha256
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.models import build_model
 
@@ -54,7 +54,8 @@ def test_peak_memory_is_bounded_by_the_block_not_the_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import json
-        from polyshard.trainer.reshard import Source, reshard, target_config
+        from polyshard.trainer.checkpoint_format import Source
+        from polyshard.trainer.reshard import reshard, target_config
 
         def status(field):
             for line in open("/proc/self/status"):

@@ -9,7 +9,8 @@ import typer
 
 def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder.")) -> None:
     """Print mesh, step, parameter names, global shapes and sizes; verify every checksum."""
-    from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint
+    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.export import describe
 
     try:
@@ -24,7 +25,8 @@ def export(
     out: Path = typer.Argument(..., help="The consolidated .safetensors file to write."),
 ) -> None:
     """Write one safetensors file the plain model loads with load_state_dict(strict=True)."""
-    from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint
+    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.export import export as export_checkpoint
 
     try:
@@ -62,11 +64,12 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
     from polyshard.mesh import MeshError, PlacementError
-    from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint
+    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint_format import CheckpointError, Source
     from polyshard.trainer.config import apply_overrides
     from polyshard.trainer.errors import ConfigError
-    from polyshard.trainer.reshard import Source, target_config
     from polyshard.trainer.reshard import reshard as reshard_checkpoint
+    from polyshard.trainer.reshard import target_config
 
     parallel: dict = {}
     if zero_stage is not None:
@@ -84,7 +87,8 @@ def reshard(
         folder = find_checkpoint(src)
         source = Source(folder)
         config = target_config(source, parse_mesh(mesh), parallel)
-        report = reshard_checkpoint(folder, dst, config, max_block_bytes=int(max_block_mb * 2**20))
+        # The Source verified every file's sha256 once; reshard reads through it.
+        report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20))
     except (ConfigError, CheckpointError, MeshError, PlacementError) as err:
         typer.echo(f"reshard error: {err}", err=True)
         raise typer.Exit(2) from err

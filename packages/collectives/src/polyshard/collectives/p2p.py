@@ -22,8 +22,8 @@ import torch.distributed as dist
 from polyshard.collectives.errors import CollectiveError
 from polyshard.collectives.ledger import record
 
-_MAX_DIMS = 8
-_DTYPES = [
+MAX_DIMS = 8
+DTYPES = [  # what a shape header can announce (pipelines reuse the table)
     torch.float32,
     torch.float16,
     torch.bfloat16,
@@ -52,18 +52,18 @@ def recv(buffer: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
     return buffer
 
 
-HEADER_NUMEL = 2 + _MAX_DIMS
+HEADER_NUMEL = 2 + MAX_DIMS
 """Elements of the int64 header that carries a tensor's dtype and shape ahead of it."""
 
 
 def header_of(tensor: torch.Tensor) -> torch.Tensor:
     """The header announcing ``tensor``'s dtype and shape (on its device), for :func:`buffer_for`."""
-    if tensor.dim() > _MAX_DIMS:
-        raise CollectiveError(f"send_with_meta supports up to {_MAX_DIMS} dims, got {tensor.dim()}")
-    if tensor.dtype not in _DTYPES:
-        raise CollectiveError(f"send_with_meta cannot send dtype {tensor.dtype}; supported: {_DTYPES}")
+    if tensor.dim() > MAX_DIMS:
+        raise CollectiveError(f"send_with_meta supports up to {MAX_DIMS} dims, got {tensor.dim()}")
+    if tensor.dtype not in DTYPES:
+        raise CollectiveError(f"send_with_meta cannot send dtype {tensor.dtype}; supported: {DTYPES}")
     header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
-    header[0] = _DTYPES.index(tensor.dtype)
+    header[0] = DTYPES.index(tensor.dtype)
     header[1] = tensor.dim()
     header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return header.to(tensor.device)
@@ -72,7 +72,7 @@ def header_of(tensor: torch.Tensor) -> torch.Tensor:
 def buffer_for(header: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     """An empty tensor of the dtype and shape a received :func:`header_of` announces."""
     values = header.tolist()
-    dtype, ndim = _DTYPES[values[0]], values[1]
+    dtype, ndim = DTYPES[values[0]], values[1]
     return torch.empty(values[2 : 2 + ndim], dtype=dtype, device=device)
 
 

@@ -23,8 +23,8 @@ from polyshard.collectives import ops, p2p
 from polyshard.pp.actions import Schedule
 from polyshard.pp.errors import StageShapeError
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
-MAX_DIMS = 8
+DTYPES = p2p.DTYPES  # one table of the dtypes a header can announce
+MAX_DIMS = p2p.MAX_DIMS
 Meta = tuple[tuple[int, ...], torch.dtype]
 
 

@@ -15,9 +15,6 @@ resharding reads; it never needs the model or a process group.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,12 +26,17 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from polyshard.mesh import TensorPlacement
-
-FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
+from polyshard.trainer.checkpoint_format import (
+    CheckpointError,
+    make_index,
+    publish,
+    rank_entry,
+    rank_file,
+    read_index,
+    sha256,
+    step_dir,
+    verify_files,
+)
 
 
 @dataclass(frozen=True)
@@ -43,22 +45,6 @@ class LocalTensor:
 
     tensor: torch.Tensor
     placement: TensorPlacement | None = None
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -88,39 +74,14 @@ def save_checkpoint(
     path = tmp / rank_file(rank)
     # clone(): safetensors refuses tensors that share memory (ZeRO-3's fp32 masters are its shards).
     save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
-    entry = {
-        "file": path.name,
-        "sha256": sha256(path),
-        "tensors": {name: (t.placement.to_json() if t.placement is not None else None) for name, t in tensors.items()},
-        "extra": dict(extra or {}),
-    }
+    entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
     entries = _gather(entry)
     if rank == 0:
-        index = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "mesh": dict(mesh_axes),
-            "world_size": len(entries),
-            "ranks": entries,
-        }
-        if config is not None:
-            index["config"] = dict(config)
-        publish(tmp, final, index)
+        publish(tmp, final, make_index(step, mesh_axes, entries, config))
         if keep is not None:
             _prune(Path(root), keep)
     _barrier()
     return final
-
-
-def publish(tmp: Path, final: Path, index: dict) -> None:
-    """Write ``index.json`` into the finished temporary folder ``tmp`` and rename it to ``final``."""
-    with open(tmp / "index.json", "w") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -145,32 +106,6 @@ def find_checkpoint(path: str | Path) -> Path:
         if found is not None:
             return found
     raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
-
-
-def read_index(folder: str | Path) -> dict:
-    folder = Path(folder)
-    index_path = folder / "index.json"
-    if not index_path.is_file():
-        raise CheckpointError(f"{index_path} is missing: {folder} is not a complete checkpoint")
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index_path} is not valid JSON: {err}") from err
-    if index.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{index_path} has format {index.get('format')}, expected {FORMAT_VERSION}")
-    return index
-
-
-def verify_files(folder: str | Path, index: dict, ranks: list[int] | None = None) -> None:
-    """Check the sha256 of each rank file (all when ``ranks`` is None) before any tensor is used."""
-    folder = Path(folder)
-    for rank in ranks if ranks is not None else range(index["world_size"]):
-        entry = index["ranks"][rank]
-        path = folder / entry["file"]
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing from the checkpoint")
-        if sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{path} does not match its sha256 in index.json: truncated or modified")
 
 
 def load_rank(folder: str | Path, rank: int, index: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:

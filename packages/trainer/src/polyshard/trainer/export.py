@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from polyshard.trainer.checkpoint_format import MODEL, Source
 from polyshard.trainer.models import tied_names
-from polyshard.trainer.reshard import MODEL, Source
 
 
 def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, save_checkpoint
+from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint, save_checkpoint
+from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
 from polyshard.trainer.experts import keep_idle_experts
@@ -30,7 +31,7 @@ from polyshard.trainer.models import build_model
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
-from polyshard.trainer.reshard import Source, load_into
+from polyshard.trainer.reshard import load_into
 from polyshard.trainer.state import state_tensors
 
 

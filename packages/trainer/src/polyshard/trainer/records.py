@@ -28,12 +28,10 @@ from polyshard.ep import planned_expert_placement
 from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
+from polyshard.trainer.checkpoint_format import MASTER, model_key, optim_key
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import tied_names
 from polyshard.trainer.parallelize import keeps_masters, layer_of, pipeline_bounds, tp_plan
-
-# Optimizer state saved per parameter besides the moments: ZeRO's (and bf16's) fp32 master copy.
-MASTER = "master"
 
 
 def model_dtype(config: Config) -> torch.dtype:
@@ -120,16 +118,16 @@ def plan_ranks(
             if not users[name] & layers:
                 continue
             param_record, state_record = placed[name]
-            tensors[f"model/{name}"] = Planned(param_record, param_record.local_shape(sizes), model_dtype(config))
+            tensors[model_key(name)] = Planned(param_record, param_record.local_shape(sizes), model_dtype(config))
             state_shape = state_record.local_shape(sizes)
             if keeps_masters(config):
-                tensors[f"optim/{name}/{MASTER}"] = Planned(state_record, state_shape, torch.float32)
+                tensors[optim_key(name, MASTER)] = Planned(state_record, state_shape, torch.float32)
             for key, (dtype, shape) in sorted(optim_state.get(name, {}).items()):
                 if key == MASTER:
                     continue
                 if len(shape) == 0:  # AdamW's step counter: one number, the same everywhere
-                    tensors[f"optim/{name}/{key}"] = Planned(None, (), dtype)
+                    tensors[optim_key(name, key)] = Planned(None, (), dtype)
                 else:
-                    tensors[f"optim/{name}/{key}"] = Planned(state_record, state_shape, dtype)
+                    tensors[optim_key(name, key)] = Planned(state_record, state_shape, dtype)
         out.append(tensors)
     return out

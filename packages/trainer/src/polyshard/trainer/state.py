@@ -1,12 +1,7 @@
 """What a rank saves and restores: its parameters, optimizer state, RNG and data position.
 
-Tensor keys are global and self-describing::
-
-    model/layers.3.attn.q_proj.weight          this rank's piece (tp slice, ZeRO-3 rows ...)
-    optim/layers.3.attn.q_proj.weight/master   ZeRO's fp32 master rows (when the optimizer keeps them)
-    optim/layers.3.attn.q_proj.weight/exp_avg  AdamW state, shaped like the parameter or its rows
-    rng/torch                                  this process's CPU generator
-
+Tensor keys follow :mod:`polyshard.trainer.checkpoint_format` (``model/<name>``,
+``optim/<name>/<state>``, ``rng/torch``).
 Each carries its placement record into the checkpoint index. Restoring into
 the same layout is exact: on CPU a resumed run's losses equal an
 uninterrupted run's bit for bit. Restoring into another layout goes through
@@ -21,6 +16,7 @@ from torch import nn
 from polyshard.dp import ZeroOptimizer
 from polyshard.mesh import get_placement
 from polyshard.trainer.checkpoint import LocalTensor
+from polyshard.trainer.checkpoint_format import MASTER, RNG, model_key, optim_key
 from polyshard.trainer.parallelize import Engine
 
 
@@ -49,15 +45,15 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
     out = {}
     for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
-            out[f"model/{name}"] = LocalTensor(tensor.detach(), get_placement(tensor))
+            out[model_key(name)] = LocalTensor(tensor.detach(), get_placement(tensor))
     for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:
-            out[f"optim/{name}/master"] = LocalTensor(master.detach(), get_placement(master))
+            out[optim_key(name, MASTER)] = LocalTensor(master.detach(), get_placement(master))
         for key, value in optimizer.state.get(stepped, {}).items():
             # A plain AdamW's moments have no record of their own: they are laid out like the parameter.
             record = (get_placement(value) or get_placement(stepped)) if value.dim() else None
-            out[f"optim/{name}/{key}"] = LocalTensor(value.detach(), record)
-    out["rng/torch"] = LocalTensor(torch.get_rng_state())
+            out[optim_key(name, key)] = LocalTensor(value.detach(), record)
+    out[RNG] = LocalTensor(torch.get_rng_state())
     return out
 
 
@@ -69,15 +65,15 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
     """
     for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
-            tensor.copy_(tensors[f"model/{name}"])
+            tensor.copy_(tensors[model_key(name)])
     for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:
-            master.copy_(tensors[f"optim/{name}/master"])
-        prefix = f"optim/{name}/"
-        keys = [k for k in tensors if k.startswith(prefix) and k != prefix + "master"]
+            master.copy_(tensors[optim_key(name, MASTER)])
+        prefix = optim_key(name, "")
+        keys = [k for k in tensors if k.startswith(prefix) and k != optim_key(name, MASTER)]
         # Moments live on the parameter's device; AdamW keeps its step counter on the CPU.
         state = {k[len(prefix) :]: tensors[k].to(stepped.device if tensors[k].dim() else "cpu") for k in keys}
         if state:
             optimizer.state[stepped] = state
-    if "rng/torch" in tensors:
-        torch.set_rng_state(tensors["rng/torch"])
+    if RNG in tensors:
+        torch.set_rng_state(tensors[RNG])
