@@ -86,6 +86,8 @@ TIED_LAYOUTS = [
     pytest.param(2, {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}, id="pp2-interleaved"),
     pytest.param(4, {"tp": 2, "pp": 2, "microbatches": 2}, id="tp2xpp2"),
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
+    # three stages and fewer microbatches than stages; the tied copies' gradients as ZeRO-1 rows
+    pytest.param(3, {"pp": 3, "microbatches": 2, "zero_stage": 1}, id="pp3-m2-zero1"),
     pytest.param(4, {"pp": 2, "dp": 2, "zero_stage": 2, "microbatches": 2}, id="dp2xpp2-zero2"),
     pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
 ]
