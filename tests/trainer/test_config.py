@@ -103,3 +103,46 @@ def test_override_syntax_errors(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(tmp_path / "bad.toml")
     assert _cfg(training={"steps": 5}).training.steps == 5
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('training.lr="fast"', r"training.lr='fast' must be a finite number"),
+        ("training.lr=fast", r"training.lr='fast' must be a finite number"),
+        ("training.lr=nan", r"training.lr=nan must be a finite number"),
+        ("training.lr=inf", r"training.lr=inf must be a finite number"),
+        ("training.grad_clip=nan", r"training.grad_clip=nan must be a finite number"),
+        ("training.weight_decay=-1", r"training.weight_decay=-1.0 must be >= 0"),
+        ("training.warmup_steps=1.5", r"training.warmup_steps=1.5 must be an integer"),
+        ("training.beta1=1.5", r"training.beta1=1.5 must be in \[0, 1\)"),
+        ("training.eval_batches=-1", r"training.eval_batches=-1 must be >= 0"),
+        ("logging.every=0", r"logging.every=0 must be an integer >= 1"),
+        ("model.capacity_factor=-1", r"model.capacity_factor=-1.0 must be > 0"),
+        ("model.patch_size=0", r"model.patch_size=0 must be an integer >= 1"),
+        ("parallel.dp=2.0", r"parallel.dp=2.0 must be an integer"),
+        ("parallel.stage_layers=[1,true]", r"parallel.stage_layers=\[1, True\] must be a list of integers"),
+        ("model.tie_embeddings=maybe", r"model.tie_embeddings='maybe' must be true or false"),
+    ],
+)
+def test_every_field_is_checked_for_type_and_range(override, message):
+    # Before: "lr=fast" failed inside the workers with "'<=' not supported ...", nan/inf and a
+    # negative weight decay trained to the end, and warmup_steps=1.5 was taken as is.
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_overrides_parse_with_the_fields_type():
+    # Before: "False" was not TOML, stayed the string "False", and a non-empty string is true.
+    for text, expected in [("False", False), ("false", False), ("0", False), ("True", True), ("1", True)]:
+        config = load_config(None, [f"model.tie_embeddings={text}", f"data.shuffle={text}"])
+        assert config.model.tie_embeddings is expected and config.data.shuffle is expected
+    assert load_config(None, ["training.lr=1"]).training.lr == 1.0 and isinstance(
+        load_config(None, ["training.lr=1"]).training.lr, float
+    )
+
+
+def test_a_key_outside_any_section_is_named(tmp_path):
+    (tmp_path / "c.toml").write_text("steps = 5\n[training]\nlr = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"steps = 5 stands outside any \[section\]; put it under \[training\]"):
+        load_config(tmp_path / "c.toml")

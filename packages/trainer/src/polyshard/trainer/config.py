@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,8 +80,14 @@ class ModelConfig:
         _check_choice("model.kind", self.kind, MODEL_KINDS)
         if self.preset is not None:
             _check_choice("model.preset", self.preset, list(PRESETS))
-        for name in ("vocab_size", "context_length", "hidden", "num_layers", "num_heads", "mlp_ratio"):
+        sizes = ("vocab_size", "context_length", "hidden", "num_layers", "num_heads", "mlp_ratio", "num_experts")
+        for name in (*sizes, "top_k", "image_size", "patch_size", "channels", "num_classes"):
             _check_positive(f"model.{name}", getattr(self, name))
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(
+                f"model.capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or unset for dropless"
+            )
+        _check_at_least("model.aux_loss_weight", self.aux_loss_weight, 0.0)
         if self.hidden % self.num_heads:
             raise ConfigError(
                 f"model.hidden={self.hidden} is not a multiple of model.num_heads={self.num_heads}; "
@@ -201,8 +208,19 @@ class TrainingConfig:
         _check_choice("training.precision", self.precision, PRECISIONS)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= training.min_lr ({self.min_lr}) <= training.lr ({self.lr}) and lr > 0")
-        if self.warmup_steps < 0 or self.grad_clip < 0:
-            raise ConfigError("training.warmup_steps and training.grad_clip must be >= 0")
+        for name in (
+            "warmup_steps",
+            "grad_clip",
+            "weight_decay",
+            "eval_every",
+            "eval_batches",
+            "sample_tokens",
+            "seed",
+        ):
+            _check_at_least(f"training.{name}", getattr(self, name), 0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"training.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -240,6 +258,11 @@ class LoggingConfig:
     peak_tflops: float | None = None
     """Peak TFLOP/s per process for MFU (`polyshard bench matmul` measures it)."""
 
+    def __post_init__(self):
+        _check_positive("logging.every", self.every)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0, or unset")
+
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
@@ -267,6 +290,11 @@ def _check_positive(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")
 
 
+def _check_at_least(name: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise ConfigError(f"{name}={value!r} must be >= {low}")
+
+
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r}; choose one of {list(choices)}")
@@ -278,9 +306,58 @@ def _unknown(kind: str, key: str, known: Sequence[str]) -> ConfigError:
     return ConfigError(f"unknown {kind} {key!r}{hint}")
 
 
+# -- types ---------------------------------------------------------------------
+_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
+def _field_type(section: str, key: str) -> str | None:
+    """The declared type of ``section.key`` as written ('int', 'float | None', 'list[int] | None')."""
+    cls = SECTIONS.get(section)
+    fields = {f.name: f.type for f in dataclasses.fields(cls)} if cls else {}
+    annotation = fields.get(key)
+    return annotation if isinstance(annotation, str) or annotation is None else annotation.__name__
+
+
+def _fits(value: Any, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "list[int]":
+        return isinstance(value, list) and all(_fits(v, "int") for v in value)
+    raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here
+
+
+def check_type(section: str, key: str, value: Any) -> Any:
+    """``value`` as ``section.key``'s declared type (an int where a float is declared becomes a float);
+    a :class:`ConfigError` naming the field and the expected type otherwise. NaN and infinities are
+    never valid numbers."""
+    declared = _field_type(section, key)
+    if declared is None:
+        return value
+    kinds = [k.strip() for k in declared.split("|")]
+    if value is None and "None" in kinds:
+        return None
+    for kind in (k for k in kinds if k != "None"):
+        if _fits(value, kind):
+            return float(value) if kind == "float" else value
+    wanted = " or ".join(_TYPE_WORDS.get(k, "a list of integers" if k == "list[int]" else "unset") for k in kinds)
+    raise ConfigError(f"{section}.{key}={value!r} must be {wanted}")
+
+
 # -- parsing -------------------------------------------------------------------
-def _parse_value(text: str) -> Any:
-    """A TOML value (3e-4, true, "x", [1, 2]) or, failing that, the bare string."""
+_BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "on": True, "off": False}
+
+
+def _parse_value(text: str, declared: str | None = None) -> Any:
+    """An override's value as the field's type: a bool from true/false/1/0 in any case, else a TOML
+    value (3e-4, "x", [1, 2]); a bare word stays a string (for string fields)."""
+    if declared is not None and declared.split("|")[0].strip() == "bool" and text.lower() in _BOOLS:
+        return _BOOLS[text.lower()]
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -289,7 +366,8 @@ def _parse_value(text: str) -> Any:
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` strings to a raw config dict (a new dict is returned)."""
-    out = {section: dict(values) for section, values in raw.items()}
+    # A top-level key that is no table (steps = 5 above every [section]) stays as it is: from_dict names it.
+    out = {section: dict(values) if isinstance(values, Mapping) else values for section, values in raw.items()}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.lr=3e-4")
@@ -297,7 +375,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         if path.count(".") != 1:
             raise ConfigError(f"override {path!r} must name section.key, e.g. training.lr")
         section, key = path.split(".")
-        out.setdefault(section, {})[key] = _parse_value(value.strip())
+        out.setdefault(section, {})[key] = _parse_value(value.strip(), _field_type(section, key))
     return out
 
 
@@ -305,15 +383,20 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     """Build a :class:`Config`; unknown sections or keys are errors with a suggestion."""
     sections = {}
     for section, values in raw.items():
+        if section not in SECTIONS and not isinstance(values, Mapping):
+            homes = [name for name, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
+            where = f"; put it under [{homes[0]}]" if homes else ""
+            raise ConfigError(f"{section} = {values!r} stands outside any [section]{where}")
         if section not in SECTIONS:
             raise _unknown("config section", section, list(SECTIONS))
         if not isinstance(values, Mapping):
-            raise ConfigError(f"[{section}] must be a table of key = value pairs")
+            raise ConfigError(f"[{section}] must be a table of key = value pairs, not {values!r}")
         cls = SECTIONS[section]
         known = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in known:
                 raise _unknown(f"key in [{section}]", key, known)
+        values = {key: check_type(section, key, value) for key, value in values.items()}
         if section == "model" and values.get("preset") in PRESETS:
             values = {**PRESETS[values["preset"]], **values}  # explicit keys override the preset
         try:
