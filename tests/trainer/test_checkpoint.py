@@ -68,3 +68,65 @@ def test_unfinished_folders_are_not_checkpoints(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         read_index(tmp_path / "step_00000030")
+
+
+def _one_rank_checkpoint(root):
+    """A small complete checkpoint written without processes (one rank)."""
+    record = TensorPlacement("w", (4, 3), (("tp", Replicate()),))
+    tensors = {"model/w": LocalTensor(torch.arange(12.0).reshape(4, 3), record)}
+    return save_checkpoint(root, 1, tensors, mesh_axes={"tp": 1})
+
+
+def _craft(folder, change):
+    index = json.loads((folder / "index.json").read_text())
+    change(index)
+    (folder / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda i: i["ranks"][0].update(file="../../elsewhere/x.safetensors"), "is not a bare file name"),
+        (lambda i: i["ranks"][0].update(file="/etc/passwd"), "is not a bare file name"),
+        (lambda i: i["ranks"][0].update(file=".."), "is not a bare file name"),
+        (lambda i: i.update(world_size=3), "'world_size' 3, the mesh"),
+        (lambda i: i.update(mesh={"tp": 2}), "the mesh {'tp': 2} and the rank entries disagree"),
+        (lambda i: i["ranks"][0].pop("tensors"), "lacks 'file', 'sha256' or 'tensors'"),
+        (lambda i: i.update(ranks="all"), "disagree"),
+        (lambda i: i.update(step="ten"), "'step' is 'ten'"),
+        (lambda i: i["ranks"][0]["tensors"]["model/w"].update(global_shape=[10**12, 64]), "larger than all its"),
+        (lambda i: i["ranks"][0]["tensors"]["model/w"].pop("placements"), "record of 'model/w' is malformed"),
+        (lambda i: i["ranks"][0]["tensors"].update({"model/ghost": None}), "holds no tensor 'model/ghost'"),
+    ],
+)
+def test_a_crafted_index_is_refused_before_anything_is_read(tmp_path, change, message):
+    from polyshard.trainer.checkpoint_format import Source
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes(b"not yours")
+    folder = _one_rank_checkpoint(tmp_path / "run")
+    _craft(folder, change)
+    with pytest.raises(CheckpointError, match=message):
+        Source(folder)  # what inspect, export, reshard and --resume open
+
+
+def test_a_link_out_of_the_folder_is_refused(tmp_path):
+    folder = _one_rank_checkpoint(tmp_path / "run")
+    (tmp_path / "secret.safetensors").write_bytes((folder / "rank_00000.safetensors").read_bytes())
+    (folder / "rank_00000.safetensors").unlink()
+    (folder / "rank_00000.safetensors").symlink_to(tmp_path / "secret.safetensors")
+    with pytest.raises(CheckpointError, match="leads outside"):
+        read_index(folder)
+
+
+def test_export_refuses_a_folder_or_a_missing_parent_and_leaves_nothing(tmp_path):
+    from polyshard.trainer.export import export
+
+    folder = _one_rank_checkpoint(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="is a folder; give the file to write"):
+        export(folder, tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist; create it"):
+        export(folder, tmp_path / "missing" / "model.safetensors")
+    assert export(folder, tmp_path / "model.safetensors").is_file()
+    assert not list(tmp_path.glob("*.tmp"))

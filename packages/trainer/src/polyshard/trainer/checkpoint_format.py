@@ -23,6 +23,7 @@ holder). Nothing is pickled; a folder appears only when complete (:func:`publish
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -35,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from polyshard.mesh import MeshLayout, TensorPlacement
+from polyshard.mesh import MeshLayout, PlacementError, TensorPlacement
 from polyshard.trainer.config import Config, from_dict
 
 FORMAT_VERSION = 1
@@ -110,9 +111,38 @@ def read_index(folder: str | Path) -> dict:
         index = json.loads(index_path.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{index_path} is not valid JSON: {err}") from err
-    if index.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{index_path} has format {index.get('format')}, expected {FORMAT_VERSION}")
+    if not isinstance(index, dict) or index.get("format") != FORMAT_VERSION:
+        found = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise CheckpointError(f"{index_path} has format {found}, expected {FORMAT_VERSION}")
+    _check_index(folder, index_path, index)
     return index
+
+
+def _check_index(folder: Path, index_path: Path, index: dict) -> None:
+    """An index is untrusted input: its shape is checked before any file it names is opened. Rank
+    files must be bare names of files inside ``folder`` (no path, no link out of it)."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{index_path}: {what}; the index is damaged or was not written by polyshard")
+
+    mesh, ranks = index.get("mesh"), index.get("ranks")
+    if not isinstance(index.get("step"), int) or isinstance(index.get("step"), bool) or index["step"] < 0:
+        raise bad(f"'step' is {index.get('step')!r}, not a step number")
+    if not isinstance(mesh, dict) or not all(isinstance(n, int) and n >= 1 for n in mesh.values()):
+        raise bad(f"'mesh' is {mesh!r}, not axis sizes")
+    if not isinstance(ranks, list) or index.get("world_size") != len(ranks) or len(ranks) != math.prod(mesh.values()):
+        raise bad(f"'world_size' {index.get('world_size')!r}, the mesh {mesh} and the rank entries disagree")
+    inside = folder.resolve()
+    for rank, entry in enumerate(ranks):
+        if not isinstance(entry, dict) or not {"file", "sha256", "tensors"} <= set(entry):
+            raise bad(f"rank {rank}'s entry lacks 'file', 'sha256' or 'tensors'")
+        name = entry["file"]
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise bad(f"rank {rank}'s file {name!r} is not a bare file name inside the checkpoint folder")
+        if (folder / name).resolve().parent != inside:
+            raise bad(f"rank {rank}'s file {name!r} leads outside {folder}")
+        if not isinstance(entry["tensors"], dict) or not isinstance(entry.get("extra", {}), dict):
+            raise bad(f"rank {rank}'s 'tensors' or 'extra' is not a table")
 
 
 def verify_files(folder: str | Path, index: dict, ranks: list[int] | None = None) -> None:
@@ -155,6 +185,17 @@ class Piece:
     dtype: torch.dtype
 
 
+@contextlib.contextmanager
+def _opened(path: Path):
+    """A safetensors file opened for lazy reads; a damaged one is a CheckpointError naming it."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from err
+    with handle as f:
+        yield f
+
+
 class Source:
     """A verified checkpoint, opened to read any region of any of its global tensors."""
 
@@ -166,17 +207,30 @@ class Source:
         self.sizes = self.layout.as_dict()
         self.pieces: dict[str, list[Piece]] = {}
         for rank, entry in enumerate(self.index["ranks"]):
-            with safe_open(str(self.folder / entry["file"]), framework="pt") as f:
+            path = self.folder / entry["file"]
+            with _opened(path) as f:
                 for key, record in entry["tensors"].items():
+                    if key not in f.keys():
+                        raise CheckpointError(f"{path} holds no tensor {key!r}, which index.json lists for it")
                     stored = f.get_slice(key)
+                    try:
+                        placement = TensorPlacement.from_json(record) if record is not None else None
+                    except (KeyError, TypeError, ValueError, AttributeError, PlacementError) as err:
+                        raise CheckpointError(
+                            f"{self.folder}/index.json: the record of {key!r} is malformed: {err}"
+                        ) from err
                     self.pieces.setdefault(key, []).append(
-                        Piece(
-                            rank,
-                            TensorPlacement.from_json(record) if record is not None else None,
-                            tuple(stored.get_shape()),
-                            _DTYPES[stored.get_dtype()],
-                        )
+                        Piece(rank, placement, tuple(stored.get_shape()), _DTYPES[stored.get_dtype()])
                     )
+        for key, pieces in self.pieces.items():
+            # The records say how big each tensor is; the files say how much was stored. A record that
+            # claims more than all pieces together hold is refused before anything is allocated.
+            claimed = math.prod(self.global_shape(key))
+            if claimed > sum(math.prod(p.shape) for p in pieces):
+                raise CheckpointError(
+                    f"{self.folder}/index.json: {key!r} claims a global shape {list(self.global_shape(key))} "
+                    "larger than all its saved pieces together"
+                )
 
     @functools.cached_property
     def config(self) -> Config:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from polyshard.trainer.checkpoint_format import MODEL, Source
+from polyshard.trainer.checkpoint_format import MODEL, CheckpointError, Source
 from polyshard.trainer.models import tied_names
 
 
@@ -37,10 +37,20 @@ def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:
 def export(folder: str | Path, destination: str | Path) -> Path:
     """Write the consolidated weights of ``folder`` to one safetensors file (temp file, then rename)."""
     destination = Path(destination)
+    if destination.is_dir():
+        raise CheckpointError(
+            f"{destination} is a folder; give the file to write, e.g. {destination / 'model.safetensors'}"
+        )
+    if not destination.parent.is_dir():
+        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
     state = consolidate(folder)
     tmp = destination.with_name(destination.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    tmp.rename(destination)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+        tmp.rename(destination)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
     return destination
 
 
