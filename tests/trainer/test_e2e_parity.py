@@ -309,3 +309,61 @@ def test_evaluation_covers_the_whole_split_with_a_partial_last_batch(distributed
     for loss, _, _ in results:
         # the mean over all 11 sequences, weighted by part size; only the order of float sums differs
         assert loss == pytest.approx(reference, rel=2e-6)
+
+
+def _diverging(config, out):
+    from polyshard.trainer.errors import NonFiniteError
+
+    try:
+        train(config, Mesh(config.parallel.mesh_axes), out, log=True)
+    except NonFiniteError as err:
+        return str(err)
+    return None
+
+
+def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, corpus, tmp_path):
+    # Before: lr=1e30 trained to the end with NaN losses, exit code 0, and NaN weights replaced the
+    # good checkpoints.
+    import json
+
+    import torch
+
+    from polyshard.trainer.export import consolidate
+
+    config = _config(corpus, dp=2)
+    training = dataclasses.replace(config.training, lr=1e30, min_lr=0.0, warmup_steps=0, steps=8)
+    config = dataclasses.replace(
+        config, training=training, checkpoint=dataclasses.replace(config.checkpoint, every=1, keep=8)
+    )
+    errors = distributed.run(2, _diverging, config, tmp_path)
+    assert errors[0] is not None and errors[0] == errors[1]  # every rank stopped at the same step
+    assert "non-finite" in errors[0] or "weights hold NaN" in errors[0]
+    for folder in sorted((tmp_path / "checkpoints").glob("step_*")):
+        assert all(bool(torch.isfinite(t).all()) for t in consolidate(folder).values()), folder
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) < 8  # it stopped early
+
+
+def _nan_on_one_rank(config):
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.parallelize import build_engine
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    train_data, _ = make_loaders(config, mesh)
+    before = {n: p.detach().clone() for n, p in engine.stages[0].named_parameters()}
+    head = engine.stages[0][-1].proj.weight
+    if mesh.rank == 1:  # a faulty device: one rank's gradient turns NaN
+        head.register_hook(lambda grad: grad * float("nan"))
+    loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-2)
+    unchanged = all(torch.equal(p, before[n]) for n, p in engine.stages[0].named_parameters())
+    return loss, norm, unchanged
+
+
+def test_nan_on_one_rank_stops_every_rank_from_updating(distributed, corpus):
+    import math
+
+    results = distributed.run(2, _nan_on_one_rank, _config(corpus, dp=2))
+    for loss, norm, unchanged in results:
+        assert math.isfinite(loss) and math.isnan(norm)  # the reduced norm carries the NaN everywhere
+        assert unchanged  # no rank stepped

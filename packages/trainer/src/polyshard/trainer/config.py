@@ -201,11 +201,17 @@ class TrainingConfig:
     """Global batches per evaluation, from the start of the validation split; 0 evaluates all of it."""
     sample_tokens: int = 200
     """Tokens of text to sample from the GPT at the end (0 disables)."""
+    on_nonfinite: str = "skip"
+    """A step whose loss or gradient norm is NaN or infinite: 'skip' it (no rank updates) or 'stop' the run."""
+    nonfinite_patience: int = 3
+    """With on_nonfinite = 'skip': stop after this many non-finite steps in a row."""
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size"):
             _check_positive(f"training.{name}", getattr(self, name))
         _check_choice("training.precision", self.precision, PRECISIONS)
+        _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _check_positive("training.nonfinite_patience", self.nonfinite_patience)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= training.min_lr ({self.min_lr}) <= training.lr ({self.lr}) and lr > 0")
         for name in (

@@ -11,3 +11,8 @@ class DataError(ValueError):
 
 class TiedWeightError(RuntimeError):
     """A tied weight whose copies cannot be kept equal (one copy got no gradient in a step)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training met NaN or infinite losses, gradients or weights and stopped; the message says at which
+    step and what to change. No checkpoint holds the non-finite values."""

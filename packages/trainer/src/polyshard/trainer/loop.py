@@ -24,6 +24,7 @@ from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint, sav
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
+from polyshard.trainer.errors import NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
@@ -183,24 +184,42 @@ def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) ->
     return None
 
 
-def train_step(
-    engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float
-) -> tuple[torch.Tensor | None, float]:
+def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
-    gradient reductions, one global-norm clip, AdamW. Returns (this rank's loss or None, the norm)."""
+    gradient reductions, one global-norm clip, AdamW. Returns (the mean loss over every data rank,
+    the gradient norm before clipping), the same on every rank.
+
+    Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
+    infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
+    scale) and the caller decides whether to go on. No extra collective is needed to agree.
+    """
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    loss = engine.forward_backward(inputs, targets)
+    loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     axis_sizes = engine.mesh.layout.as_dict()
     grad_norm = clip_grad_norm(gradients, engine.config.training.grad_clip, axis_sizes, tied_copies)
-    with keep_idle_experts(engine):
-        for optimizer in engine.optimizers:
-            optimizer.step()
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        with keep_idle_experts(engine):
+            for optimizer in engine.optimizers:
+                optimizer.step()
     engine.zero_grad()
     return loss, grad_norm
+
+
+def _weights_finite(engine: Engine) -> bool:
+    """Whether every rank's parameters are finite (one all-reduce of a flag)."""
+    if engine.config.parallel.zero_stage == 3:  # the rows live outside the (freed) parameters
+        tensors = [t for w in engine.wrappers.values() for t in w.local_shards().values()]
+    else:
+        tensors = [t for stage in engine.stages.values() for t in stage.parameters() if t.is_floating_point()]
+    tensors += [master for opt in engine.optimizers for master in getattr(opt, "masters", {}).values()]
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+    flag = torch.tensor([1.0 if finite else 0.0], device=engine.device)
+    ops.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def train(
@@ -234,6 +253,7 @@ def train(
     flops_per_step = tokens_per_step * model_flops_per_token(
         num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
     )
+    nonfinite = 0  # non-finite steps in a row
     for step in range(start, train_cfg.steps):
         started = time.perf_counter()
         lr = lr_at(
@@ -244,8 +264,8 @@ def train(
             total_steps=train_cfg.steps,
         )
         inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
-        loss, grad_norm = train_step(engine, inputs, targets, lr)
-        loss_value = data_rank_mean(engine, loss)
+        loss_value, grad_norm = train_step(engine, inputs, targets, lr)
+        nonfinite = 0 if math.isfinite(loss_value) and math.isfinite(grad_norm) else nonfinite + 1
         result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         seconds = time.perf_counter() - started
@@ -256,6 +276,8 @@ def train(
             "lr": lr,
             "tokens_per_s": tokens_per_step / seconds,
         }
+        if nonfinite:
+            record["skipped"] = "non-finite loss or gradient norm: no rank updated"
         if config.logging.peak_tflops:
             record["mfu"] = flops_per_step / seconds / (config.logging.peak_tflops * 1e12 * dist.get_world_size())
         last = step + 1 == train_cfg.steps
@@ -271,9 +293,22 @@ def train(
             peaks = ops.all_gather(peak, 0)  # collective: every rank's peak
             record["peak_memory_bytes_per_rank"] = peaks.tolist()
             metrics.write(record)
+        elif nonfinite:
+            metrics.write(record)  # a skipped step is always on record
         progress.update(step, loss_value, record["tokens_per_s"])
+        if nonfinite and (train_cfg.on_nonfinite == "stop" or nonfinite >= train_cfg.nonfinite_patience):
+            raise NonFiniteError(
+                f"step {step + 1}: loss {loss_value} and gradient norm {grad_norm}, non-finite for {nonfinite} "
+                f"step(s) in a row; no rank updated in them and no checkpoint holds them. Lower training.lr "
+                f"(now {train_cfg.lr}) or warm up longer, then resume from the last checkpoint"
+            )
         every = config.checkpoint.every
         if last or (every and (step + 1) % every == 0):
+            if not _weights_finite(engine):  # finite gradients can still step weights to inf (lr=1e30)
+                raise NonFiniteError(
+                    f"step {step + 1}: the weights hold NaN or infinite values; the checkpoint was not written "
+                    f"and the earlier ones are kept. Lower training.lr (now {train_cfg.lr}) and resume"
+                )
             extra = {"data": train_data.state_dict(), "losses": result.losses}
             save_checkpoint(
                 checkpoints,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
+from polyshard.trainer.errors import NonFiniteError
 from polyshard.trainer.loop import train
 
 
@@ -29,12 +31,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = Path(args.out)
     try:
         mesh = Mesh(config.parallel.mesh_axes)
-        result = train(config, mesh, out, resume=args.resume, init_from=args.init_from)
+        try:
+            result = train(config, mesh, out, resume=args.resume, init_from=args.init_from)
+        except NonFiniteError as err:  # every rank raises it at the same step
+            if ctx.rank == 0:
+                (out / "summary.json").write_text(json.dumps({"ended": "non-finite", "error": str(err)}, indent=1))
+                print(f"training stopped: {err}", file=sys.stderr, flush=True)
+            dist.barrier()
+            raise SystemExit(3) from None
         if ctx.rank == 0:
             if result.sample is not None:
                 print(f"--- sample ---\n{result.sample}\n--------------")
             summary = result.summary(config.training.steps)
-            (out / "summary.json").write_text(json.dumps({"losses": result.losses, "summary": summary}, indent=1))
+            record = {"ended": "completed", "losses": result.losses, "summary": summary}
+            (out / "summary.json").write_text(json.dumps(record, indent=1))
             print(summary, flush=True)
         dist.barrier()
     finally:
