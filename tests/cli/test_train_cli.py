@@ -82,3 +82,36 @@ def test_init_from_a_missing_checkpoint_stops_before_any_process(tmp_path):
     both = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=120)
     assert both.returncode == 2 and "not both" in both.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_out_file_or_a_resume_without_checkpoints_stops_before_any_process(tmp_path):
+    # Before: both were accepted and failed inside the workers with tracebacks.
+    config = ROOT / "apps/configs/gpt-tiny-dp.toml"
+    (tmp_path / "file").write_text("not a folder")
+    as_file = subprocess.run(
+        POLYSHARD + ["train", str(config), "--out", str(tmp_path / "file")], capture_output=True, text=True, timeout=120
+    )
+    assert as_file.returncode == 2 and "--out" in as_file.stderr and "is a file" in as_file.stderr
+    nothing = subprocess.run(
+        POLYSHARD + ["train", str(config), "--out", str(tmp_path / "run"), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert nothing.returncode == 2 and "--resume: no complete checkpoint under" in nothing.stderr
+    assert "Traceback" not in as_file.stderr + nothing.stderr and not (tmp_path / "run").exists()
+
+
+def test_inspect_of_a_run_falls_back_past_a_corrupt_newest_checkpoint(distributed, tmp_path):
+    distributed.run(2, _save_small, str(tmp_path))
+    older = next(tmp_path.glob("step_*"))
+    newer = tmp_path / "step_00000002"
+    import shutil
+
+    shutil.copytree(older, newer)
+    (newer / "rank_00000.safetensors").write_bytes(b"damaged")
+    result = subprocess.run(POLYSHARD + ["inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"skipping {newer}" in result.stderr and f"checkpoint {older}" in result.stdout
+    named = subprocess.run(POLYSHARD + ["inspect", str(newer)], capture_output=True, text=True, timeout=120)
+    assert named.returncode == 2  # a step folder named by the user is taken as named, never replaced

@@ -367,3 +367,23 @@ def test_nan_on_one_rank_stops_every_rank_from_updating(distributed, corpus):
     for loss, norm, unchanged in results:
         assert math.isfinite(loss) and math.isnan(norm)  # the reduced norm carries the NaN everywhere
         assert unchanged  # no rank stepped
+
+
+def _resume_past_a_corrupt_checkpoint(config, out):
+    mesh = Mesh(config.parallel.mesh_axes)
+    whole = train(config, mesh, out / "whole", log=False).losses
+    every = dataclasses.replace(config.checkpoint, every=1, keep=5)
+    half = dataclasses.replace(
+        config, training=dataclasses.replace(config.training, steps=STEPS // 2), checkpoint=every
+    )
+    train(half, mesh, out / "split", log=False)
+    newest = sorted((out / "split" / "checkpoints").glob("step_*"))[-1]
+    (newest / "rank_00000.safetensors").write_bytes(b"damaged")  # the last save was lost
+    resumed = train(dataclasses.replace(config, checkpoint=every), mesh, out / "split", log=False, resume=True)
+    return whole, resumed.losses
+
+
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(distributed, corpus, tmp_path):
+    # Before: --resume failed on the corrupt newest checkpoint although an older one was intact.
+    whole, resumed = distributed.run(1, _resume_past_a_corrupt_checkpoint, _config(corpus), tmp_path)[0]
+    assert resumed == whole  # bitwise: from the step before, with its data position and RNG

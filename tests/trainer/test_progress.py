@@ -18,3 +18,17 @@ def test_terminal_progress_redraws_one_line(capsys):
         progress.update(step, 2.0, 10.0)
     out = capsys.readouterr().out
     assert out.count("\r") == 3 and out.count("\n") == 1 and "[########################] step 3/3" in out
+
+
+def test_a_resumed_log_drops_the_steps_after_its_checkpoint(tmp_path):
+    from polyshard.trainer.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True)
+    for step in range(1, 6):  # the run crashed after step 5; its last checkpoint is step 3
+        log.write({"step": step, "loss": 1.0 / step})
+    resumed = MetricsLog(tmp_path, enabled=True, resume_from=3)
+    for step in range(4, 7):
+        resumed.write({"step": step, "loss": 1.0 / step})
+    # Before: steps 4 and 5 stood twice. Now the log equals an uninterrupted run's.
+    assert [r["step"] for r in resumed.records()] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in MetricsLog(tmp_path, enabled=True).records()] == []  # a fresh run starts empty

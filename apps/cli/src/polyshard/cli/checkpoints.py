@@ -9,12 +9,12 @@ import typer
 
 def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder.")) -> None:
     """Print mesh, step, parameter names, global shapes and sizes; verify every checksum."""
-    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint import open_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.export import describe
 
     try:
-        typer.echo(describe(find_checkpoint(ckpt)))
+        typer.echo(describe(open_checkpoint(ckpt, _report_skip)))
     except CheckpointError as err:
         typer.echo(f"checkpoint error: {err}", err=True)
         raise typer.Exit(2) from err
@@ -25,15 +25,19 @@ def export(
     out: Path = typer.Argument(..., help="The consolidated .safetensors file to write."),
 ) -> None:
     """Write one safetensors file the plain model loads with load_state_dict(strict=True)."""
-    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint import open_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.export import export as export_checkpoint
 
     try:
-        typer.echo(f"wrote {export_checkpoint(find_checkpoint(ckpt), out)}")
+        typer.echo(f"wrote {export_checkpoint(open_checkpoint(ckpt, _report_skip), out)}")
     except CheckpointError as err:
         typer.echo(f"checkpoint error: {err}", err=True)
         raise typer.Exit(2) from err
+
+
+def _report_skip(folder: Path, err: Exception) -> None:
+    typer.echo(f"skipping {folder}: {err}", err=True)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -64,8 +68,8 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
     from polyshard.mesh import MeshError, PlacementError
-    from polyshard.trainer.checkpoint import find_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError, Source
+    from polyshard.trainer.checkpoint import open_checkpoint
+    from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import apply_overrides
     from polyshard.trainer.errors import ConfigError
     from polyshard.trainer.reshard import reshard as reshard_checkpoint
@@ -84,8 +88,7 @@ def reshard(
         if set(extra) - {"parallel"}:
             raise ConfigError("reshard changes only the layout: --set takes parallel.<key>=<value> only")
         parallel.update(extra.get("parallel", {}))
-        folder = find_checkpoint(src)
-        source = Source(folder)
+        source = open_checkpoint(src, _report_skip)
         config = target_config(source, parse_mesh(mesh), parallel)
         # The Source verified every file's sha256 once; reshard reads through it.
         report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20))

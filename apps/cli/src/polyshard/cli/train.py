@@ -29,7 +29,7 @@ def train(
     ),
 ) -> None:
     """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
-    from polyshard.trainer.checkpoint import find_checkpoint
+    from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
@@ -41,6 +41,13 @@ def train(
             raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
         if init_from is not None:
             find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
+        out = out or Path("runs") / config.stem
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is a file; give the folder the run writes into")
+        if resume and latest_checkpoint(out / "checkpoints") is None:
+            raise CheckpointError(
+                f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start"
+            )
         parsed = load_config(config, overrides)
         nodes = _nodes(torchrun)
         per_node = nproc if nproc is not None else parsed.parallel.world_size // nodes
@@ -52,7 +59,6 @@ def train(
     if dry_run:
         typer.echo(describe(parsed))
         return
-    out = out or Path("runs") / config.stem
     args = ["--config", str(config.resolve()), "--out", str(out.resolve())]
     for item in overrides:
         args += ["--set", item]

@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from polyshard.mesh import TensorPlacement
 from polyshard.trainer.checkpoint_format import (
     CheckpointError,
+    Source,
     make_index,
     publish,
     rank_entry,
@@ -94,6 +95,27 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (temporary folders are ignored)."""
     done = sorted(p for p in Path(root).glob("step_*") if (p / "index.json").exists())
     return done[-1] if done else None
+
+
+def open_checkpoint(path: str | Path, on_skip=None) -> Source:
+    """``path``'s checkpoint, opened and verified. A step folder is taken as named; under a run folder
+    (or its ``checkpoints/``) the newest *valid* one is taken, and each newer one that fails
+    verification is reported to ``on_skip(folder, error)`` and passed over, so a corrupt last save
+    does not lose the run."""
+    path = Path(path)
+    if (path / "index.json").exists():
+        return Source(path)
+    for root in (path, path / "checkpoints"):
+        done = sorted(p for p in root.glob("step_*") if (p / "index.json").exists()) if root.is_dir() else []
+        for folder in reversed(done):
+            try:
+                return Source(folder)
+            except CheckpointError as err:
+                if on_skip is not None:
+                    on_skip(folder, err)
+        if done:
+            raise CheckpointError(f"no checkpoint under {root} is valid; the newest failed as reported above")
+    raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -19,13 +19,17 @@ from polyshard.trainer.checkpoint_format import MODEL, CheckpointError, Source
 from polyshard.trainer.models import tied_names
 
 
-def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:
+def _opened(checkpoint: str | Path | Source) -> Source:
+    return checkpoint if isinstance(checkpoint, Source) else Source(checkpoint)
+
+
+def consolidate(folder: str | Path | Source) -> dict[str, torch.Tensor]:
     """The unsharded model weights saved in ``folder`` (verified first; nothing is half-loaded).
 
     A tied weight is saved once; its other names (the output head of tied
     embeddings) get equal copies, so the plain model loads with ``strict=True``.
     """
-    source = Source(folder)
+    source = _opened(folder)
     state = {key[len(MODEL) :]: source.whole(key) for key in sorted(source.pieces) if key.startswith(MODEL)}
     aliases = tied_names(source.config.model) if "config" in source.index else {}
     for alias, name in aliases.items():
@@ -34,7 +38,7 @@ def consolidate(folder: str | Path) -> dict[str, torch.Tensor]:
     return dict(sorted(state.items()))
 
 
-def export(folder: str | Path, destination: str | Path) -> Path:
+def export(folder: str | Path | Source, destination: str | Path) -> Path:
     """Write the consolidated weights of ``folder`` to one safetensors file (temp file, then rename)."""
     destination = Path(destination)
     if destination.is_dir():
@@ -54,9 +58,9 @@ def export(folder: str | Path, destination: str | Path) -> Path:
     return destination
 
 
-def describe(folder: str | Path) -> str:
+def describe(folder: str | Path | Source) -> str:
     """Mesh, step, every model tensor's global shape and size; checksums verified."""
-    source = Source(folder)
+    source = _opened(folder)
     lines = [
         f"checkpoint {source.folder}",
         f"step {source.step}, mesh {source.index['mesh']}, {source.index['world_size']} rank files, sha256 verified",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint, save_checkpoint
+from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
@@ -148,9 +148,11 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> to
     return result if result is not None else torch.zeros(3, dtype=torch.float64)
 
 
-def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoader, result: RunResult, log: bool) -> int:
-    """Continue from the checkpoint ``folder``, saved on this mesh or any other; returns its step."""
-    source = Source(folder)
+def _load(
+    engine: Engine, config: Config, source: Source, train_data: ShardedLoader, result: RunResult, log: bool
+) -> int:
+    """Continue from the checkpoint ``source``, saved on this mesh or any other; returns its step."""
+    folder = source.folder
     load_into(engine, source)
     extra = source.extra()
     train_data.load_state_dict(extra["data"])
@@ -171,16 +173,21 @@ def _load(engine: Engine, config: Config, folder: Path, train_data: ShardedLoade
     return source.step
 
 
-def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) -> Path | None:
-    """The checkpoint a run starts from: ``init_from`` (a step folder or a folder of them), or with
-    ``resume`` the latest complete one under ``out/checkpoints``; None for a fresh start."""
+def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) -> Source | None:
+    """The checkpoint a run starts from, opened and verified: ``init_from`` (a step folder or a folder
+    of them), or with ``resume`` the newest valid one under ``out/checkpoints`` (newer ones that fail
+    verification are named and passed over); None for a fresh start."""
+
+    def skipped(folder: Path, err: Exception) -> None:
+        if dist.get_rank() == 0:
+            print(f"skipping {folder}: {err}", flush=True)
+
     if init_from is not None:
-        return find_checkpoint(init_from)
+        return open_checkpoint(init_from, skipped)
     if resume:
-        found = latest_checkpoint(out / "checkpoints")
-        if found is None:
+        if latest_checkpoint(out / "checkpoints") is None:
             raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}")
-        return found
+        return open_checkpoint(out / "checkpoints", skipped)
     return None
 
 
@@ -245,9 +252,9 @@ def train(
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
-    folder = checkpoint_to_load(out, resume, init_from)
-    start = _load(engine, config, folder, train_data, result, log) if folder is not None else 0
-    metrics = MetricsLog(out, enabled=rank0 and log, append=resume)
+    source = checkpoint_to_load(out, resume, init_from)
+    start = _load(engine, config, source, train_data, result, log) if source is not None else 0
+    metrics = MetricsLog(out, enabled=rank0 and log, resume_from=start if resume else None)
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
     flops_per_step = tokens_per_step * model_flops_per_token(

@@ -30,13 +30,20 @@ def peak_memory_bytes() -> int:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, *, enabled: bool, append: bool = False):
+    """``metrics.jsonl``: one JSON record a line. ``resume_from=K`` keeps the records of steps up to K
+    and drops later ones, written after the checkpoint the run resumes from, so the log of a run that
+    crashed and resumed equals the log of one that did not; None starts a new log."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, resume_from: int | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
-                self.path.write_text("")
+            kept = [] if resume_from is None or not self.path.exists() else self.records()
+            lines = [json.dumps(r) + "\n" for r in kept if r.get("step", 0) <= (resume_from or 0)]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(lines))
+            tmp.replace(self.path)  # atomic: a crash here leaves the old log whole
 
     def write(self, record: dict) -> None:
         if self.enabled:
