@@ -70,6 +70,30 @@ def test_subsets_differing_by_size_one_axes_share_groups(distributed):
         assert calls == 2 and aliased and data_ranks == [0, 1]
 
 
+def _short_timeout():
+    import time
+
+    mesh = Mesh({"dp": 3}, timeout_s=1.0)
+    pair = mesh.group_at("dp", [0, 1])  # a group of its own (the whole dp axis is the world group)
+    if mesh.rank != 0:
+        if mesh.rank == 1:
+            time.sleep(3.0)  # a rank that stopped answering
+        return None
+    started = time.monotonic()
+    try:
+        dist.barrier(group=pair)  # rank 1 is asleep: must time out after 1 s, not hang
+    except Exception as err:  # gloo reports a timeout as a RuntimeError
+        return type(err).__name__, time.monotonic() - started
+    return "no timeout", time.monotonic() - started
+
+
+def test_mesh_groups_use_the_given_timeout(distributed):
+    result = distributed.run(3, _short_timeout, timeout_s=60)
+    assert result[1:] == [None, None]
+    kind, seconds = result[0]
+    assert kind != "no timeout" and seconds < 3.0  # the 1 s limit fired before the peer woke up
+
+
 def _ends_of_each_pipeline():
     mesh = Mesh({"pp": 3, "tp": 2})
     group = mesh.group_at("pp", [2, 0])

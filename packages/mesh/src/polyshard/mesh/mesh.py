@@ -20,6 +20,7 @@ See :mod:`polyshard.mesh.layout` for the rank arithmetic.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 
 import torch
@@ -37,7 +38,7 @@ class Mesh:
     product of the axis sizes. Sizes of 1 are allowed on every axis.
     """
 
-    def __init__(self, axes: AxisSpec | MeshLayout, *, backend: str | None = None):
+    def __init__(self, axes: AxisSpec | MeshLayout, *, backend: str | None = None, timeout_s: float | None = None):
         self.layout = axes if isinstance(axes, MeshLayout) else MeshLayout(axes)
         if not dist.is_available() or not dist.is_initialized():
             raise MeshError(
@@ -54,6 +55,8 @@ class Mesh:
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._partial: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
         self._backend = backend
+        # new_group's default is the backend's timeout, not init_process_group's: pass it to every group.
+        self._timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
         # Subsets that differ only by axes of size 1 hold the same ranks: create each distinct set of
         # groups once and alias the rest (dp2 x tp2 x pp2 with ep=1 needs 7 sets, not 15).
         created: dict[tuple[str, ...], dist.ProcessGroup] = {}
@@ -70,7 +73,7 @@ class Mesh:
                 # The whole world, in rank order: reuse the default group.
                 group = dist.group.WORLD
             else:
-                group = dist.new_group(ranks, backend=backend)
+                group = dist.new_group(ranks, backend=backend, timeout=self._timeout)
             if self.rank in ranks:
                 mine = group
         assert mine is not None  # every rank lies in exactly one group per subset
@@ -125,7 +128,9 @@ class Mesh:
             for ranks in self.layout.groups(axis):
                 members = [r for r in ranks if self.layout.coords(r)[axis] in wanted]
                 whole = len(members) == self.layout.world_size
-                group = dist.group.WORLD if whole else dist.new_group(members, backend=self._backend)
+                group = (
+                    dist.group.WORLD if whole else dist.new_group(members, backend=self._backend, timeout=self._timeout)
+                )
                 if self.rank in members:
                     mine = group
             self._partial[key] = mine

@@ -140,6 +140,8 @@ class ParallelConfig:
     """Model stages per pipeline rank (interleaved schedule)."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches and gradient accumulation)."""
+    timeout_s: float = 600.0
+    """Seconds any collective may wait for a peer before the job fails (a stopped or lost rank)."""
     stage_layers: list[int] | None = None
     """Pipeline layers per stage, e.g. [3, 2, 2, 1] (embedding and head count as layers); None balances by size."""
 
@@ -147,6 +149,8 @@ class ParallelConfig:
         for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
+        if not self.timeout_s > 0:
+            raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
         if self.stage_layers is not None and (

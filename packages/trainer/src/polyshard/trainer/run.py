@@ -26,11 +26,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--init-from", default=None)
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    ctx = init_distributed(mesh_axes=config.parallel.mesh_axes)
+    ctx = init_distributed(mesh_axes=config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)
     try:
-        mesh = Mesh(config.parallel.mesh_axes)
+        mesh = Mesh(config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
         try:
             result = train(config, mesh, out, resume=args.resume, init_from=args.init_from)
         except NonFiniteError as err:  # every rank raises it at the same step
