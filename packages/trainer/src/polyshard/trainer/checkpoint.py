@@ -85,15 +85,20 @@ def save_checkpoint(
     return final
 
 
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """The complete checkpoints under ``root``, oldest first (temporary folders are ignored)."""
+    root = Path(root)
+    return sorted(p for p in root.glob("step_*") if (p / "index.json").exists()) if root.is_dir() else []
+
+
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step_*") if (p / "index.json").exists())
-    for old in done[:-keep]:
+    for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``root`` (temporary folders are ignored)."""
-    done = sorted(p for p in Path(root).glob("step_*") if (p / "index.json").exists())
+    """The newest complete checkpoint under ``root``."""
+    done = complete_checkpoints(root)
     return done[-1] if done else None
 
 
@@ -106,15 +111,16 @@ def open_checkpoint(path: str | Path, on_skip=None) -> Source:
     if (path / "index.json").exists():
         return Source(path)
     for root in (path, path / "checkpoints"):
-        done = sorted(p for p in root.glob("step_*") if (p / "index.json").exists()) if root.is_dir() else []
+        done = complete_checkpoints(root)
         for folder in reversed(done):
             try:
                 return Source(folder)
             except CheckpointError as err:
                 if on_skip is not None:
                     on_skip(folder, err)
+                last = err
         if done:
-            raise CheckpointError(f"no checkpoint under {root} is valid; the newest failed as reported above")
+            raise CheckpointError(f"no checkpoint under {root} is valid; the oldest failed with: {last}")
     raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
 
 
@@ -124,7 +130,7 @@ def find_checkpoint(path: str | Path) -> Path:
     if (path / "index.json").exists():
         return path
     for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root) if root.is_dir() else None
+        found = latest_checkpoint(root)
         if found is not None:
             return found
     raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
