@@ -1,8 +1,10 @@
 """Start N local worker processes through torchrun (``torch.distributed.run``).
 
 torchrun is the same launcher that carries a job to many nodes; locally we
-pin the rendezvous to 127.0.0.1 and one intra-op thread per worker so N
-workers share the cores without oversubscribing them.
+pin the rendezvous to 127.0.0.1 (listening on loopback only, see ``agent.py``)
+and one intra-op thread per worker so N workers share the cores without
+oversubscribing them. Ctrl-C stops the agent and every worker; this process
+waits for them, so none outlives the command.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str], torchrun_args
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "polyshard.cli.agent",
         *defaults,
         f"--nproc-per-node={nproc}",
         *torchrun_args,
@@ -44,4 +46,18 @@ def run_local(nproc: int, module: str, args: Sequence[str], torchrun_args: Seque
     """Run ``python -m module args`` on ``nproc`` ranks of this node; return the exit code."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(torchrun_command(nproc, module, args, torchrun_args), env=env)
+    agent = subprocess.Popen(torchrun_command(nproc, module, args, torchrun_args), env=env)
+    try:
+        return agent.wait()
+    except KeyboardInterrupt:  # the terminal sent SIGINT to the agent and the workers too
+        try:
+            agent.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            agent.kill()  # its workers die with it (parent-death signal)
+            agent.wait()
+        print("interrupted: every process stopped; the last complete checkpoint is intact", file=sys.stderr)
+        return 130
+
+
+# How long the agent gets to stop its workers after Ctrl-C before it is killed.
+STOP_GRACE_S = 10
