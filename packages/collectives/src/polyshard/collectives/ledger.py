@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from polyshard.collectives.flight import note
+
 _ACTIVE: list[CommLedger] = []
 
 
@@ -99,8 +101,11 @@ def ring_wire_bytes(op: str, nbytes: int, n: int) -> float:
     return bus_factor(op, n) * nbytes
 
 
-def record(op: str, group: dist.ProcessGroup | None, nbytes: int, wire_bytes: float | None = None) -> None:
-    """Report one call to every open ledger (cheap when none is open)."""
+def record(
+    op: str, group: dist.ProcessGroup | None, nbytes: int, wire_bytes: float | None = None, peer: int | None = None
+) -> None:
+    """Report one call to every open ledger (cheap when none is open) and to the flight recorder."""
+    note(op, group, peer)
     if not _ACTIVE:
         return
     ranks = group_ranks(group)

@@ -41,13 +41,13 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
-    record("send", group, _nbytes(tensor))
+    record("send", group, _nbytes(tensor), peer=dst)
     dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
 def recv(buffer: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into ``buffer`` (whose shape and dtype the sender agreed to) and return it."""
-    record("recv", group, _nbytes(buffer), wire_bytes=0.0)
+    record("recv", group, _nbytes(buffer), wire_bytes=0.0, peer=src)
     dist.recv(buffer, src=src, group=group)
     return buffer
 
@@ -109,10 +109,10 @@ def exchange(
     ops = []
     sends = [(tensor.contiguous(), dst) for tensor, dst in sends]
     for tensor, dst in sends:
-        record("send", group, _nbytes(tensor))
+        record("send", group, _nbytes(tensor), peer=dst)
         ops.append(dist.P2POp(dist.isend, tensor, dst, group))
     for buffer, src in recvs:
-        record("recv", group, _nbytes(buffer), wire_bytes=0.0)
+        record("recv", group, _nbytes(buffer), wire_bytes=0.0, peer=src)
         ops.append(dist.P2POp(dist.irecv, buffer, src, group))
     if not ops:
         return []
