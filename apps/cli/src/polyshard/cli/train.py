@@ -20,6 +20,12 @@ def train(
     init_from: Path | None = typer.Option(
         None, "--init-from", help="Continue from this checkpoint (any mesh) and write the new run to --out."
     ),
+    stop_at: int | None = typer.Option(
+        None,
+        "--stop-at",
+        help="End at this step with a checkpoint, keeping the schedule of training.steps (a preemption window); "
+        "--resume later continues exactly as an uninterrupted run.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
     torchrun: list[str] = typer.Option(
         [],
@@ -36,6 +42,8 @@ def train(
     from polyshard.trainer.errors import ConfigError
     from polyshard.trainer.plan import describe
 
+    if stop_at is not None:
+        overrides = [*overrides, f"training.stop_at={stop_at}"]
     try:
         if resume and init_from is not None:
             raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")

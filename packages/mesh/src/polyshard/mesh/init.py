@@ -90,6 +90,8 @@ def init_distributed(
 
     if store is None and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         raise DistributedInitError("MASTER_ADDR and MASTER_PORT must be set (torchrun sets them) or pass store=")
+    if store is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        store = _attempt_store(rank, world_size, timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -99,3 +101,22 @@ def init_distributed(
         device_id=device if backend == "nccl" else None,
     )
     return DistributedContext(rank, world_size, local_rank, backend, device)
+
+
+def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """torchrun's store, with keys under this attempt's prefix.
+
+    When torchrun restarts a failed worker group (``--max-restarts``) the new workers meet in the
+    same store, which still holds the old workers' addresses; without a prefix per attempt they
+    would connect to the dead processes. torchrun counts attempts in TORCHELASTIC_RESTART_COUNT.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"polyshard/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)

@@ -8,7 +8,8 @@ Layout of ``<dir>/step_00000100/``::
 
 Every rank writes its file into ``.tmp-step_00000100``; once all are written
 rank 0 writes the index and renames the folder into place, so a reader never
-sees a half-written checkpoint. Nothing is pickled. The placement records
+sees a half-written checkpoint (the next save removes a temporary folder a
+killed save left behind). Nothing is pickled. The placement records
 (global name, global shape, Replicate/Shard per mesh axis) are what offline
 resharding reads; it never needs the model or a process group.
 """
@@ -38,6 +39,7 @@ from polyshard.trainer.checkpoint_format import (
     step_dir,
     verify_files,
 )
+from polyshard.trainer.faults import inject
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,14 @@ def save_checkpoint(
     final = step_dir(Path(root), step)
     tmp = final.parent / f".tmp-{final.name}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in Path(root).glob(".tmp-step_*"):  # left by a save that was killed midway
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     path = tmp / rank_file(rank)
     # clone(): safetensors refuses tensors that share memory (ZeRO-3's fp32 masters are its shards).
     save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
+    inject("save", step, rank)
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
     entries = _gather(entry)
     if rank == 0:

@@ -209,6 +209,12 @@ class TrainingConfig:
     """A step whose loss or gradient norm is NaN or infinite: 'skip' it (no rank updates) or 'stop' the run."""
     nonfinite_patience: int = 3
     """With on_nonfinite = 'skip': stop after this many non-finite steps in a row."""
+    stop_at: int = 0
+    """End the run after this step with a checkpoint (0: after `steps`). The learning-rate schedule still
+    spans `steps`, so a run resumed from there continues exactly as an uninterrupted one (preemption windows)."""
+    consistency_every: int = 100
+    """Every N steps (and before each checkpoint) check that data-parallel replicas hold bitwise equal
+    parameters: one all-gather of a checksum per rank; a replica that drifted stops the run (0 disables)."""
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size"):
@@ -226,11 +232,20 @@ class TrainingConfig:
             "eval_batches",
             "sample_tokens",
             "seed",
+            "stop_at",
+            "consistency_every",
         ):
             _check_at_least(f"training.{name}", getattr(self, name), 0)
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"training.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
+        if self.stop_at > self.steps:
+            raise ConfigError(f"training.stop_at={self.stop_at} is past training.steps={self.steps}; give 1..steps")
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends at: `stop_at` when given, else `steps`."""
+        return self.stop_at or self.steps
 
 
 @dataclass(kw_only=True, frozen=True)

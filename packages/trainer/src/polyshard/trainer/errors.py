@@ -16,3 +16,8 @@ class TiedWeightError(RuntimeError):
 class NonFiniteError(RuntimeError):
     """Training met NaN or infinite losses, gradients or weights and stopped; the message says at which
     step and what to change. No checkpoint holds the non-finite values."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Data-parallel replicas hold different parameters (silent data corruption); the message names
+    the ranks. Raised on every rank of the group at the same step, before anything is saved."""

@@ -27,6 +27,8 @@ from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode,
 from polyshard.trainer.errors import NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
+from polyshard.trainer.faults import inject
+from polyshard.trainer.integrity import check_replicas, weights_finite
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model
 from polyshard.trainer.optim import clip_grad_norm, lr_at
@@ -216,19 +218,6 @@ def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: 
     return loss, grad_norm
 
 
-def _weights_finite(engine: Engine) -> bool:
-    """Whether every rank's parameters are finite (one all-reduce of a flag)."""
-    if engine.config.parallel.zero_stage == 3:  # the rows live outside the (freed) parameters
-        tensors = [t for w in engine.wrappers.values() for t in w.local_shards().values()]
-    else:
-        tensors = [t for stage in engine.stages.values() for t in stage.parameters() if t.is_floating_point()]
-    tensors += [master for opt in engine.optimizers for master in getattr(opt, "masters", {}).values()]
-    finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
-    flag = torch.tensor([1.0 if finite else 0.0], device=engine.device)
-    ops.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def train(
     config: Config,
     mesh: Mesh,
@@ -261,7 +250,8 @@ def train(
         num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
     )
     nonfinite = 0  # non-finite steps in a row
-    for step in range(start, train_cfg.steps):
+    end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
+    for step in range(start, end):
         started = time.perf_counter()
         lr = lr_at(
             step,
@@ -271,6 +261,7 @@ def train(
             total_steps=train_cfg.steps,
         )
         inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
+        inject("step", step + 1, mesh.rank)
         loss_value, grad_norm = train_step(engine, inputs, targets, lr)
         nonfinite = 0 if math.isfinite(loss_value) and math.isfinite(grad_norm) else nonfinite + 1
         result.losses.append(loss_value)
@@ -309,9 +300,13 @@ def train(
                 f"step(s) in a row; no rank updated in them and no checkpoint holds them. Lower training.lr "
                 f"(now {train_cfg.lr}) or warm up longer, then resume from the last checkpoint"
             )
-        every = config.checkpoint.every
-        if last or (every and (step + 1) % every == 0):
-            if not _weights_finite(engine):  # finite gradients can still step weights to inf (lr=1e30)
+        every, saving = config.checkpoint.every, step + 1 == end
+        saving = saving or bool(every and (step + 1) % every == 0)
+        check = train_cfg.consistency_every
+        if saving or (check and (step + 1) % check == 0):
+            check_replicas(engine, step + 1)  # a drifted replica stops the run before it is saved
+        if saving:
+            if not weights_finite(engine):  # finite gradients can still step weights to inf (lr=1e30)
                 raise NonFiniteError(
                     f"step {step + 1}: the weights hold NaN or infinite values; the checkpoint was not written "
                     f"and the earlier ones are kept. Lower training.lr (now {train_cfg.lr}) and resume"
@@ -326,8 +321,10 @@ def train(
                 config=dataclasses.asdict(config),
                 keep=config.checkpoint.keep,
             )
+            inject("saved", step + 1, mesh.rank)
 
-    if config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens and rank0:
+    finished = end == train_cfg.steps
+    if finished and config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens and rank0:
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
         # unsharded weights from it with the same placement-driven code `polyshard export` uses.
         state = consolidate(latest_checkpoint(checkpoints))

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
 
+from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
+from polyshard.trainer.checkpoint import latest_checkpoint
 from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
-from polyshard.trainer.errors import NonFiniteError
+from polyshard.trainer.errors import NonFiniteError, ReplicaMismatchError
+from polyshard.trainer.heartbeat import Heartbeat
+from polyshard.trainer.lifetime import die_with_parent, quiet_interrupts
 from polyshard.trainer.loop import train
 
 
@@ -25,30 +30,71 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-from", default=None)
     args = parser.parse_args(argv)
+    die_with_parent()  # no worker trains on after its launcher is gone
+    quiet_interrupts()
     config = load_config(args.config, args.overrides)
     ctx = init_distributed(mesh_axes=config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)
+    resume, init_from = args.resume, args.init_from
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and latest_checkpoint(out / "checkpoints") is not None:
+        # torchrun restarted the worker group after a failure: continue from the latest complete
+        # checkpoint, the same path as --resume (the metrics log is cut back to it).
+        resume, init_from = True, None
+        if ctx.rank == 0:
+            print(f"restart {restart} of the worker group: resuming from the latest checkpoint", flush=True)
+    heartbeat, mesh = Heartbeat(ctx.rank, ctx.world_size), None
     try:
         mesh = Mesh(config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
-        try:
-            result = train(config, mesh, out, resume=args.resume, init_from=args.init_from)
-        except NonFiniteError as err:  # every rank raises it at the same step
-            if ctx.rank == 0:
-                (out / "summary.json").write_text(json.dumps({"ended": "non-finite", "error": str(err)}, indent=1))
-                print(f"training stopped: {err}", file=sys.stderr, flush=True)
-            dist.barrier()
-            raise SystemExit(3) from None
+        result = train(config, mesh, out, resume=resume, init_from=init_from)
+    except (NonFiniteError, ReplicaMismatchError) as err:  # every rank raises it at the same step
         if ctx.rank == 0:
-            if result.sample is not None:
-                print(f"--- sample ---\n{result.sample}\n--------------")
-            summary = result.summary(config.training.steps)
-            record = {"ended": "completed", "losses": result.losses, "summary": summary}
-            (out / "summary.json").write_text(json.dumps(record, indent=1))
-            print(summary, flush=True)
+            ended = "non-finite" if isinstance(err, NonFiniteError) else "replicas-differ"
+            _write_summary(out, {"ended": ended, "error": str(err)})
+            print(f"training stopped: {err}", file=sys.stderr, flush=True)
         dist.barrier()
-    finally:
         dist.destroy_process_group()
+        raise SystemExit(3) from None
+    except Exception as err:
+        if is_comm_failure(err):
+            _report_comm_failure(err, mesh, heartbeat, out, config.parallel.timeout_s)
+        raise
+    if ctx.rank == 0:
+        if result.sample is not None:
+            print(f"--- sample ---\n{result.sample}\n--------------")
+        last = config.training.last_step
+        summary = result.summary(last)
+        ended = "completed" if last == config.training.steps else f"stopped at step {last} (training.stop_at)"
+        _write_summary(out, {"ended": ended, "losses": result.losses, "summary": summary})
+        print(summary, flush=True)
+    heartbeat.stop()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _write_summary(out: Path, record: dict) -> None:
+    """``summary.json``, replaced whole (several ranks may report one failure at once)."""
+    tmp = out / f".summary.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out / "summary.json")
+
+
+def _report_comm_failure(err: Exception, mesh: Mesh | None, heartbeat: Heartbeat, out: Path, timeout_s) -> None:
+    """A collective timed out or lost a peer: say which call, group and ranks, and which ranks stopped
+    beating, then exit at once (code 4). The process group cannot be torn down cleanly with a peer
+    missing, so this rank does not try; torchrun sees the exit and stops every other worker."""
+    message = describe_failure(err, mesh.name_of if mesh is not None else None)
+    silent = heartbeat.stale_ranks()
+    if silent:
+        ages = ", ".join(f"rank {r} for {age:.0f} s" for r, age in sorted(silent.items()))
+        message += f". No heartbeat from {ages}: stopped, dead or stuck there; look at that rank first"
+    message += f" (parallel.timeout_s={timeout_s})"
+    print(f"communication failure: {message}", file=sys.stderr, flush=True)
+    try:
+        _write_summary(out, {"ended": "communication failure", "error": message, "silent_ranks": sorted(silent)})
+    finally:
+        os._exit(4)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Checks on the weights themselves: finite before they are saved, equal across data-parallel replicas.
+
+Data-parallel replicas apply the same averaged gradients to the same weights, so they hold bitwise
+equal parameters. A replica that drifts (a faulty device, a reduction it missed) trains on silently
+and its errors reach every checkpoint; a checksum per rank, gathered over the dp group, finds it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops
+from polyshard.trainer.errors import ReplicaMismatchError
+
+# A float's bits read as a signed integer of the same width, so a checksum sees every bit.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(tensors) -> int:
+    """Sum of the tensors' bit patterns (as integers, in int64 with wrap-around): equal tensors give
+    equal sums on any rank, and any single changed element changes the sum."""
+    total = torch.zeros((), dtype=torch.int64)
+    for t in tensors:
+        if t.numel():
+            bits = t.detach().contiguous().view(_BITS[t.element_size()])
+            total += bits.to(torch.int64).sum().cpu()
+    return int(total)
+
+
+def check_replicas(engine, step: int) -> None:
+    """Raise :class:`ReplicaMismatchError` on every rank of a dp group whose replicas' parameters
+    differ, naming the ranks that differ from the majority. One all-gather of one int64 per rank.
+
+    ZeRO-3 keeps no replicas (each dp rank holds its own rows), so there is nothing to compare."""
+    par = engine.config.parallel
+    if par.dp == 1 or par.zero_stage == 3:
+        return
+    mine = checksum(p for stage in engine.stages.values() for p in stage.parameters())
+    group = engine.mesh.group("dp")
+    sums = ops.all_gather(torch.tensor([mine], dtype=torch.int64, device=engine.device), 0, group).tolist()
+    if len(set(sums)) == 1:
+        return
+    ranks = engine.mesh.ranks_in_group("dp")
+    majority, count = Counter(sums).most_common(1)[0]
+    if count * 2 > len(sums):
+        odd = [r for r, s in zip(ranks, sums) if s != majority]
+        who = f"rank(s) {odd} differ from the other {count} replica(s)"
+    else:
+        who = f"no majority among ranks {ranks} (checksums {sums})"
+    raise ReplicaMismatchError(
+        f"step {step}: data-parallel replicas hold different parameters: {who}. A faulty device or a "
+        f"missed reduction; this step was not saved. Resume from the last checkpoint, away from those ranks' "
+        f"devices if the fault repeats"
+    )
+
+
+def weights_finite(engine) -> bool:
+    """Whether every rank's parameters (and fp32 masters) are finite: one all-reduce of a flag."""
+    if engine.config.parallel.zero_stage == 3:  # the rows live outside the (freed) parameters
+        tensors = [t for w in engine.wrappers.values() for t in w.local_shards().values()]
+    else:
+        tensors = [t for stage in engine.stages.values() for t in stage.parameters() if t.is_floating_point()]
+    tensors += [master for opt in engine.optimizers for master in getattr(opt, "masters", {}).values()]
+    finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+    flag = torch.tensor([1.0 if finite else 0.0], device=engine.device)
+    ops.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
