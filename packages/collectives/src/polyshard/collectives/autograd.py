@@ -25,6 +25,7 @@ is the identity.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,16 +33,18 @@ import torch.distributed as dist
 from polyshard.collectives import ops
 
 
+# ctx is Any in every Function here: forward keeps its arguments on it as attributes,
+# which torch's FunctionCtx does not declare.
 class _CopyTo(torch.autograd.Function):
     """forward: identity / backward: all-reduce (Megatron's f)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous().clone()
         ops.all_reduce(grad, ctx.group)
         return grad, None
@@ -51,13 +54,13 @@ class _ReduceFrom(torch.autograd.Function):
     """forward: all-reduce / backward: identity (Megatron's g)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         out = x.contiguous().clone()
         ops.all_reduce(out, group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -65,12 +68,12 @@ class _GatherFrom(torch.autograd.Function):
     """forward: all-gather along dim / backward: split along dim."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return ops.all_gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ops.split(grad, ctx.dim, ctx.group), None, None
 
 
@@ -78,12 +81,12 @@ class _ScatterTo(torch.autograd.Function):
     """forward: split along dim / backward: all-gather along dim."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return ops.split(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ops.all_gather(grad, ctx.dim, ctx.group), None, None
 
 
@@ -91,12 +94,12 @@ class _ReduceScatter(torch.autograd.Function):
     """forward: reduce-scatter along dim / backward: all-gather along dim."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return ops.reduce_scatter(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ops.all_gather(grad, ctx.dim, ctx.group), None, None
 
 
@@ -104,12 +107,12 @@ class _AllGather(torch.autograd.Function):
     """forward: all-gather along dim / backward: reduce-scatter along dim."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return ops.all_gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return ops.reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
@@ -117,49 +120,56 @@ class _AllToAll(torch.autograd.Function):
     """forward: all-to-all with splits / backward: the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, output_split_sizes, input_split_sizes, group):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
         ctx.splits, ctx.group = (list(output_split_sizes), list(input_split_sizes)), group
         return ops.all_to_all(x, output_split_sizes, input_split_sizes, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         output_split_sizes, input_split_sizes = ctx.splits
         # What arrived from rank j goes back to rank j.
         return ops.all_to_all(grad, input_split_sizes, output_split_sizes, ctx.group), None, None, None
 
 
+# Function.apply is untyped in torch (it returns what forward returns), hence the ignores below.
 def _trivial(group: dist.ProcessGroup | None) -> bool:
     return dist.get_world_size(group) == 1
 
 
 def copy_to(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
-    return x if _trivial(group) else _CopyTo.apply(x, group)
+    return x if _trivial(group) else _CopyTo.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def reduce_from(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
-    return x if _trivial(group) else _ReduceFrom.apply(x, group)
+    return x if _trivial(group) else _ReduceFrom.apply(x, group)  # type: ignore[no-untyped-call]
 
 
 def gather_from(x: torch.Tensor, dim: int = -1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather along ``dim`` forward; keep this rank's piece of the gradient backward."""
-    return x if _trivial(group) else _GatherFrom.apply(x, dim, group)
+    return x if _trivial(group) else _GatherFrom.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
 def scatter_to(x: torch.Tensor, dim: int = -1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's piece along ``dim`` forward; all-gather the gradient backward."""
-    return x if _trivial(group) else _ScatterTo.apply(x, dim, group)
+    return x if _trivial(group) else _ScatterTo.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward; all-gather backward (sequence-parallel exit)."""
-    return x if _trivial(group) else _ReduceScatter.apply(x, dim, group)
+    return x if _trivial(group) else _ReduceScatter.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
 def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather along ``dim`` forward; reduce-scatter backward (sequence-parallel entry)."""
-    return x if _trivial(group) else _AllGather.apply(x, dim, group)
+    return x if _trivial(group) else _AllGather.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
 def all_to_all(
@@ -171,4 +181,4 @@ def all_to_all(
     """Uneven all-to-all of rows (dim 0); backward returns each gradient row to its sender."""
     if _trivial(group):
         return x
-    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)
+    return _AllToAll.apply(x, output_split_sizes, input_split_sizes, group)  # type: ignore[no-untyped-call,no-any-return]

@@ -68,8 +68,13 @@ def _make_op(op: str, size: int, n: int, device: torch.device) -> Callable[[], o
 
 
 def run_benchmark(
-    op_names: Sequence[str], sizes: Sequence[int], *, warmup: int = 2, iters: int = 10, device=None
-) -> list[dict]:
+    op_names: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    warmup: int = 2,
+    iters: int = 10,
+    device: torch.device | None = None,
+) -> list[benchmark.Record]:
     """Time every op at every size on the world group; every rank gets the same records."""
     n = dist.get_world_size()
     device = device or torch.device("cpu")
@@ -114,7 +119,7 @@ COLUMNS = (
 )
 
 
-def format_table(records: Sequence[dict]) -> str:
+def format_table(records: Sequence[benchmark.Record]) -> str:
     return benchmark.format_table(records, COLUMNS)
 
 

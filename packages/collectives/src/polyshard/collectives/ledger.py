@@ -29,6 +29,9 @@ from polyshard.collectives.flight import note
 
 _ACTIVE: list[CommLedger] = []
 
+GroupFilter = dist.ProcessGroup | tuple[int, ...] | None
+"""Which entries a query sums: those of a group, of a tuple of global ranks, or of every group (None)."""
+
 
 @dataclass
 class LedgerEntry:
@@ -47,14 +50,14 @@ def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 class CommLedger:
     """Context manager that records communication while it is open."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.entries: dict[tuple[str, tuple[int, ...]], LedgerEntry] = {}
 
     def __enter__(self) -> CommLedger:
         _ACTIVE.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _ACTIVE.remove(self)
 
     def _add(self, op: str, ranks: tuple[int, ...], nbytes: int, wire_bytes: float) -> None:
@@ -63,18 +66,18 @@ class CommLedger:
         entry.bytes += nbytes
         entry.wire_bytes += wire_bytes
 
-    def _select(self, op: str | None, group: dist.ProcessGroup | tuple[int, ...] | None):
+    def _select(self, op: str | None, group: GroupFilter) -> list[LedgerEntry]:
         ranks = None if group is None else (group if isinstance(group, tuple) else group_ranks(group))
         return [e for (o, r), e in self.entries.items() if (op is None or o == op) and (ranks is None or r == ranks)]
 
-    def calls(self, op: str | None = None, group=None) -> int:
+    def calls(self, op: str | None = None, group: GroupFilter = None) -> int:
         return sum(e.calls for e in self._select(op, group))
 
-    def total(self, op: str | None = None, group=None) -> int:
+    def total(self, op: str | None = None, group: GroupFilter = None) -> int:
         """Sum of ``bytes`` for ``op`` (all ops when None) on ``group`` (all groups when None)."""
         return sum(e.bytes for e in self._select(op, group))
 
-    def wire(self, op: str | None = None, group=None) -> float:
+    def wire(self, op: str | None = None, group: GroupFilter = None) -> float:
         """Sum of ``wire_bytes`` (bytes this rank sends under the ring algorithm)."""
         return sum(e.wire_bytes for e in self._select(op, group))
 

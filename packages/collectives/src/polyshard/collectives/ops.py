@@ -9,7 +9,7 @@ because gloo cannot exchange tensors of different sizes with it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,18 +30,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# torch leaves its collectives' return type out (a Work when async_op, else None): hence the ignores below.
 def all_reduce(
     tensor: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
-):
+) -> dist.Work | None:
     """In-place all-reduce; returns the work handle when ``async_op``."""
     record("all_reduce", group, _nbytes(tensor))
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
-def all_reduce_coalesced(tensors, group: dist.ProcessGroup | None = None, divide_by: int = 1) -> None:
+def all_reduce_coalesced(
+    tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None, divide_by: int = 1
+) -> None:
     """Sum each tensor in place over ``group`` (then divide by ``divide_by``) with one all-reduce:
     flatten them into one buffer, reduce it, copy the pieces back. Tensors may be non-contiguous
     views (a gradient inside a bucket); they share one dtype."""
@@ -56,10 +59,12 @@ def all_reduce_coalesced(tensors, group: dist.ProcessGroup | None = None, divide
         tensor.copy_(piece.view_as(tensor))
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False):
+def broadcast(
+    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
     """In-place broadcast from global rank ``src``."""
     record("broadcast", group, _nbytes(tensor))
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
 def check_divisible(size: int, n: int, what: str) -> None:
@@ -85,10 +90,10 @@ def all_gather(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | No
 
 def all_gather_flat(
     out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-):
+) -> dist.Work | None:
     """All-gather equal 1-D shards into ``out`` (n x shard numel); for flat ZeRO buffers."""
     record("all_gather", group, _nbytes(out))
-    return dist.all_gather_single(out, tensor, group=group, async_op=async_op)
+    return dist.all_gather_single(out, tensor, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
 def reduce_scatter(
@@ -119,10 +124,10 @@ def reduce_scatter_flat(
     group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
-):
+) -> dist.Work | None:
     """Reduce-scatter a flat buffer of n equal pieces into ``out``; for flat ZeRO buffers."""
     record("reduce_scatter", group, _nbytes(tensor))
-    return dist.reduce_scatter_single(out, tensor, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(out, tensor, op=op, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
 def split(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:

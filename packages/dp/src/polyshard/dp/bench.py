@@ -14,6 +14,7 @@ optimizer state), counted from the live tensors on both sides.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -21,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer, bytes_held
-from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh import DistributedContext
+from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
 
 HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
@@ -42,7 +44,9 @@ def make_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH_PER_RANK, HIDDEN, generator=g), torch.randn(BATCH_PER_RANK, HIDDEN, generator=g)
 
 
-def step_fn(model, optimizer, finish=None):
+def step_fn(
+    model: nn.Module, optimizer: torch.optim.Optimizer | ZeroOptimizer, finish: Callable[[], None] | None = None
+) -> Callable[[], float]:
     """One training step on a fixed batch; returns the local loss."""
     x, y = make_batch(0)
 
@@ -62,7 +66,7 @@ def _world() -> dist.ProcessGroup:
     return cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional; initialised here
 
 
-def losses_match(ours, peer) -> bool:
+def losses_match(ours: Callable[[], float], peer: Callable[[], float]) -> bool:
     ours_losses = torch.tensor([ours() for _ in range(CHECK_STEPS)])
     peer_losses = torch.tensor([peer() for _ in range(CHECK_STEPS)])
     return bool(torch.allclose(ours_losses, peer_losses, rtol=LOSS_RTOL, atol=LOSS_ATOL))
@@ -71,7 +75,7 @@ def losses_match(ours, peer) -> bool:
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of parameters, gradients and optimizer state this rank holds (DTensors counted locally)."""
 
-    def local(t):
+    def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
@@ -79,7 +83,7 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def bench_ddp(iters: int) -> dict:
+def bench_ddp(iters: int) -> Record:
     from torch.nn.parallel import DistributedDataParallel
 
     ours_model = DataParallel(make_model(), group=_world(), bucket_cap_mb=25)
@@ -100,7 +104,7 @@ def bench_ddp(iters: int) -> dict:
     )
 
 
-def bench_zero1(iters: int) -> dict:
+def bench_zero1(iters: int) -> Record:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -121,7 +125,7 @@ def bench_zero1(iters: int) -> dict:
     )
 
 
-def bench_fsdp(iters: int) -> dict:
+def bench_fsdp(iters: int) -> Record:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -146,17 +150,17 @@ def bench_fsdp(iters: int) -> dict:
     )
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
     args = parser.parse_args(argv)
 
-    def measure(ctx) -> list[dict]:
+    def measure(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
         return [bench_ddp(args.iters), bench_zero1(args.iters), bench_fsdp(args.iters)]
 
-    def report(records: list[dict]) -> None:
+    def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']}: held bytes per rank ours {r['ours_held_bytes']:,} peer {r['peer_held_bytes']:,}")

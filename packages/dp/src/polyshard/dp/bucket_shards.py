@@ -14,7 +14,7 @@ buckets), ``_where`` (id(param) -> (bucket, index)), ``zero_stage``,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,10 +82,11 @@ class BucketShards:
         return {"params": list(self.module.parameters()), "grads": grads}
 
     @staticmethod
-    def _gather_bucket(bucket: Bucket, values):
+    def _gather_bucket(bucket: Bucket, values: Mapping[int, torch.Tensor]) -> tuple[Bucket, torch.Tensor, dist.Work]:
         dtype, device = bucket.params[0].dtype, bucket.params[0].device
         shard = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=device)
         for index, p in enumerate(bucket.params):
             bucket.layout.shard_view(shard, index).copy_(values[id(p)])
         full = torch.empty(bucket.layout.numel, dtype=dtype, device=device)
-        return bucket, full, ops.all_gather_flat(full, shard, bucket.group, async_op=True)
+        work = ops.all_gather_flat(full, shard, bucket.group, async_op=True)
+        return bucket, full, cast(dist.Work, work)  # async_op: always a handle

@@ -10,7 +10,7 @@ when some parameter got no gradient on some rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -48,7 +48,16 @@ class Bucket:
     reduction and keeps only the shard.
     """
 
-    def __init__(self, params, names, *, group, stage: int, reduce_dtype: torch.dtype, divide_by: int):
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        names: Iterable[str],
+        *,
+        group: dist.ProcessGroup,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        divide_by: int,
+    ):
         self.params, self.names = list(params), list(names)
         self.group, self.stage, self.divide_by = group, stage, divide_by
         self.reduce_dtype = reduce_dtype

@@ -23,8 +23,9 @@ buckets, not in ``p.grad`` (which stays None): step with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from polyshard.dp.errors import DataParallelError, GradSyncError
 from polyshard.dp.flat import ShardSpec
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
+
+_Reduction = tuple[list[tuple[str, nn.Parameter]], dist.ProcessGroup, int]
+"""Parameters reduced together: ((name, param) list, group, divide_by)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ class DataParallel(BucketShards, nn.Module):
                     p.register_post_accumulate_grad_hook(self._make_hook(queue))
 
     # -- construction ---------------------------------------------------------
-    def _resolve_sets(self, named, param_sets):
+    def _resolve_sets(self, named: list[tuple[str, nn.Parameter]], param_sets: Sequence[ParamSet]) -> list[_Reduction]:
         """[(named params, group, divide_by)]: the explicit sets, then everything else on ``self.group``."""
         claimed: dict[int, str] = {}
         self._axis_of: dict[int, str | tuple[str, ...]] = {}  # parameters whose group spans other axes
@@ -143,7 +147,7 @@ class DataParallel(BucketShards, nn.Module):
         sets.append((rest, self.group, dist.get_world_size(self.group)))
         return [s for s in sets if s[0]]
 
-    def _stash_masters(self, sets) -> dict[int, torch.Tensor]:
+    def _stash_masters(self, sets: list[_Reduction]) -> dict[int, torch.Tensor]:
         """fp32 copies of this rank's rows, taken before the cast to the compute dtype."""
         if self.mixed_precision is None:
             return {}
@@ -156,7 +160,9 @@ class DataParallel(BucketShards, nn.Module):
                 p.data = p.data.to(compute_dtype(p, self.mixed_precision))
         return stash
 
-    def _build_buckets(self, set_params, set_group, divide_by, cap_bytes) -> list[Bucket]:
+    def _build_buckets(
+        self, set_params: list[tuple[str, nn.Parameter]], set_group: dist.ProcessGroup, divide_by: int, cap_bytes: int
+    ) -> list[Bucket]:
         params = [p for _, p in set_params]
         buckets = []
         for indices in assign_buckets(params, cap_bytes):
@@ -181,7 +187,7 @@ class DataParallel(BucketShards, nn.Module):
         return buckets
 
     # -- the step ---------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             # A rank whose backward ends up producing no gradient must still join this step's
             # reductions in finish_grad_sync, or the ranks that did would wait for it forever.
@@ -208,7 +214,7 @@ class DataParallel(BucketShards, nn.Module):
                 for b, value in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(value.view_as(b))
 
-    def _make_hook(self, queue: list[Bucket]):
+    def _make_hook(self, queue: list[Bucket]) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
             self._grads_pending = True
             if not self._sync_enabled:
@@ -237,7 +243,7 @@ class DataParallel(BucketShards, nn.Module):
             bucket.launch()
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the next one outside reduces the sum."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:

@@ -19,7 +19,8 @@ so the full gradients are never kept.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
 from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.dp.units import Unit
-from polyshard.mesh import get_placement
+from polyshard.mesh import TensorPlacement, get_placement
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -73,7 +74,7 @@ class FullyShardedDataParallel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._callback_queued = False
 
-    def _unit(self, named, axis) -> Unit:
+    def _unit(self, named: list[tuple[str, nn.Parameter]], axis: str | tuple[str, ...]) -> Unit:
         p = named[0][1]
         return Unit(
             named,
@@ -83,7 +84,9 @@ class FullyShardedDataParallel(nn.Module):
             axis=axis,
         )
 
-    def _make_units(self, named, blocks, axis) -> list[Unit]:
+    def _make_units(
+        self, named: list[tuple[str, nn.Parameter]], blocks: list[nn.Module], axis: str | tuple[str, ...]
+    ) -> list[Unit]:
         name_of = {id(p): n for n, p in named}
         # A parameter used by several blocks (a tied embedding and output head) must stay gathered from
         # the first user's forward to the last user's backward: it belongs to the root unit, which
@@ -106,7 +109,7 @@ class FullyShardedDataParallel(nn.Module):
         return units
 
     # -- forward ------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.mixed_precision is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
         if self.root is not None:
@@ -118,14 +121,14 @@ class FullyShardedDataParallel(nn.Module):
         if self.prefetch and i + 1 < len(self.block_units):
             self.block_units[i + 1].start_gather()
 
-    def _post_forward(self, i: int, output) -> None:
+    def _post_forward(self, i: int, output: object) -> None:
         self.block_units[i].free()
         if not torch.is_grad_enabled():
             return
         tensors = [t for t in _tensors(output) if t.requires_grad]
         fired: list[bool] = []
 
-        def pre_backward(grad):
+        def pre_backward(grad: torch.Tensor) -> torch.Tensor:
             if not fired:  # once per backward even when the block has several outputs
                 fired.append(True)
                 self._pre_backward(i)
@@ -170,7 +173,7 @@ class FullyShardedDataParallel(nn.Module):
         self._callback_queued = False
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accepted for symmetry with DataParallel (e.g. a pipeline executor's hook); changes nothing.
 
         ZeRO-3 reduce-scatters after every backward and sums the shards, so
@@ -200,7 +203,7 @@ class FullyShardedDataParallel(nn.Module):
         unit, _ = self._where[id(param)]
         return unit.master_init.pop(id(param))
 
-    def shard_placement(self, param: nn.Parameter, name: str):
+    def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
         return shard_record(get_placement(param), name, self.shard_spec(param), self.axis)
 
     def grad_shard(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -235,7 +238,7 @@ class FullyShardedDataParallel(nn.Module):
         return {"params": params, "grads": grads}
 
 
-def _tensors(output):
+def _tensors(output: object) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):

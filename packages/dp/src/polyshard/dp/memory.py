@@ -16,11 +16,16 @@ count zero.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from polyshard.dp.wrapper import DataParallelWrapper
+
+if TYPE_CHECKING:
+    from polyshard.dp.optimizer import ZeroOptimizer
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer_state
 
 
-def _storage_bytes(tensors, seen: set[int]) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
@@ -46,18 +51,18 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
     return total
 
 
-def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     tensors = [p for group in optimizer.param_groups for p in group["params"]]
     for state in optimizer.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
 
 
-def bytes_held(model: DataParallelWrapper, optimizer) -> MemoryReport:
+def bytes_held(model: DataParallelWrapper, optimizer: torch.optim.Optimizer | ZeroOptimizer) -> MemoryReport:
     """Measure ``model`` (a polyshard.dp wrapper) and ``optimizer`` (a ZeroOptimizer or torch optimizer)."""
     held = model.memory_tensors()
     seen: set[int] = set()
     params = _storage_bytes(held["params"], seen)
     grads = _storage_bytes(held["grads"], seen)
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))  # a ZeroOptimizer's inner one
     return MemoryReport(params, grads, _storage_bytes(_optimizer_tensors(inner), seen))

@@ -10,6 +10,7 @@ gradients from losing bits; bf16 halves the bytes on the wire).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     """dtype gradients are reduced in; None means ``param_dtype``."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field_name in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field_name)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -43,7 +44,7 @@ def reduce_dtype(param: torch.Tensor, mixed_precision: MixedPrecision | None) ->
     return mixed_precision.reduce_dtype or mixed_precision.param_dtype
 
 
-def cast_inputs(value, dtype: torch.dtype):
+def cast_inputs(value: Any, dtype: torch.dtype) -> Any:
     """Cast floating tensors in (nested tuples/lists/dicts of) forward inputs to ``dtype``."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value

@@ -19,6 +19,9 @@ for those rows only.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -51,7 +54,7 @@ class ZeroOptimizer:
                 "build it on model.parameters() (the wrapped model's trainable parameters)"
             )
 
-    def _master_for(self, param: nn.Parameter, owned) -> nn.Parameter:
+    def _master_for(self, param: nn.Parameter, owned: dict[int, tuple[str, nn.Parameter]]) -> nn.Parameter:
         if id(param) not in owned:
             raise UnownedParameterError(
                 f"the optimizer holds a tensor of shape {tuple(param.shape)} that the data-parallel wrapper "
@@ -68,11 +71,11 @@ class ZeroOptimizer:
         return master
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @property
-    def state(self):
+    def state(self) -> defaultdict[torch.Tensor, Any]:
         return self.optimizer.state
 
     @torch.no_grad()
@@ -99,5 +102,5 @@ class ZeroOptimizer:
         for master in self.masters.values():
             master.grad = None
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

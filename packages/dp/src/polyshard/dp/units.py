@@ -23,7 +23,15 @@ from polyshard.mesh import get_placement, set_placement
 class Unit:
     """Parameters of one block (or the root's leftovers) on one dp group."""
 
-    def __init__(self, named_params, *, group, dtype: torch.dtype, reduce_dtype: torch.dtype, axis):
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        axis: str | tuple[str, ...],
+    ):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group, self.reduce_dtype = group, reduce_dtype

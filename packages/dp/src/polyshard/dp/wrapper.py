@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -26,9 +26,9 @@ class DataParallelWrapper(Protocol):
     module: nn.Module
     """The wrapped model (its parameters keep their names)."""
 
-    def __call__(self, *args, **kwargs): ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
-    def no_sync(self) -> AbstractContextManager:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate locally; the next one outside reduces (pipelines enter it)."""
         ...
 

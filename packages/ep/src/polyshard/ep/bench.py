@@ -19,16 +19,18 @@ import contextlib
 import copy
 import statistics
 import time
-from typing import cast
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
-from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
@@ -37,11 +39,11 @@ MATCH_RTOL, MATCH_ATOL = 1e-4, 1e-5
 
 
 @contextlib.contextmanager
-def timed_all_to_all(totals: list[float]):
+def timed_all_to_all(totals: list[float]) -> Iterator[None]:
     """Time every ``ops.all_to_all`` call (the autograd all-to-all and the counts exchange use it)."""
     original = ops.all_to_all
 
-    def timed(*args, **kwargs):
+    def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
         start = time.perf_counter()
         out = original(*args, **kwargs)
         totals.append(time.perf_counter() - start)
@@ -54,16 +56,18 @@ def timed_all_to_all(totals: list[float]):
         ops.all_to_all = original
 
 
-def _step(layer, x, target, group=None):
+def _step(
+    layer: nn.Module, x: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     layer.zero_grad(set_to_none=True)
     y, aux = layer(x)
     ((y * target).sum(dim=-1).mean() + aux).backward()
     if group is not None:
         sync_gradients(layer, group)
-    return y.detach()
+    return y.detach()  # type: ignore[no-any-return]  # nn.Module.__call__ returns Any in torch's stubs
 
 
-def _case(args, top_k: int) -> dict:
+def _case(args: argparse.Namespace, top_k: int) -> Record:
     p, rank = dist.get_world_size(), dist.get_rank()
     group = cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional; initialised here
     torch.manual_seed(0)
@@ -98,7 +102,9 @@ def _case(args, top_k: int) -> dict:
     )
 
 
-def _all_to_all_fraction(layer, x, target, group, iters: int) -> float:
+def _all_to_all_fraction(
+    layer: nn.Module, x: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, iters: int
+) -> float:
     fractions = []
     for _ in range(iters):
         totals: list[float] = []
@@ -112,7 +118,7 @@ def _all_to_all_fraction(layer, x, target, group, iters: int) -> float:
     return float(result)
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
@@ -122,7 +128,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
 
-    def report(records: list[dict]) -> None:
+    def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
             print(

@@ -32,7 +32,7 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE, 2202.08906); 0 turns it off."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k"):
             if getattr(self, name) < 1:
                 raise MoEConfigError(f"{name}={getattr(self, name)} must be a positive integer")

@@ -18,6 +18,7 @@ communication); any group of size P > 1 exchanges tokens over it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,7 @@ def _regroup_order(recv_counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(row_expert, stable=True)
 
 
-def _exchange_counts(send_counts: torch.Tensor, local_experts: int, group) -> torch.Tensor:
+def _exchange_counts(send_counts: torch.Tensor, local_experts: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """(E,) my counts per expert -> (P, E_local): every rank's counts for my experts (the small all-to-all)."""
     ep_size = ep_size_of(group)
     if ep_size == 1:
@@ -138,7 +139,9 @@ def _exchange_counts(send_counts: torch.Tensor, local_experts: int, group) -> to
     return ops.all_to_all(send_counts, splits, splits, group).view(ep_size, local_experts)
 
 
-def _exchange_rows(rows: torch.Tensor, output_splits, input_splits, group) -> torch.Tensor:
+def _exchange_rows(
+    rows: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
     """Autograd all-to-all of rows; the identity without expert parallelism."""
     if ep_size_of(group) == 1:
         return rows

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.ep.config import MoEConfig
-from polyshard.ep.dispatch import combine, dispatch
+from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
 from polyshard.ep.router import (
     Router,
@@ -97,7 +97,15 @@ class MoELayer(nn.Module):
         return seen
 
 
-def _metrics(experts, keep, num_experts, meta, balance, router_z, aux) -> MoEMetrics:
+def _metrics(
+    experts: torch.Tensor,
+    keep: torch.Tensor | None,
+    num_experts: int,
+    meta: DispatchMeta,
+    balance: torch.Tensor,
+    router_z: torch.Tensor,
+    aux: torch.Tensor,
+) -> MoEMetrics:
     dropped = 0 if keep is None else int((~keep).sum())
     dropped_tokens = 0 if keep is None else int((~keep.any(dim=1)).sum())
     return MoEMetrics(

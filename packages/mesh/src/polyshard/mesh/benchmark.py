@@ -16,11 +16,15 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from polyshard.mesh.init import DistributedContext, init_distributed
+
+Record = dict[str, Any]
+"""One benchmark result, a JSON object: a case name, timings, and whatever the benchmark adds."""
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -55,7 +59,7 @@ def time_interleaved(
     return statistics.median(ours_times), statistics.median(peer_times)
 
 
-def comparison_record(case: str, ours_s: float, peer_s: float, outputs_match: bool, **extra) -> dict:
+def comparison_record(case: str, ours_s: float, peer_s: float, outputs_match: bool, **extra: object) -> Record:
     """The record every ``polyshard bench`` writes: ratio = ours_s / peer_s."""
     return {
         "case": case,
@@ -67,7 +71,7 @@ def comparison_record(case: str, ours_s: float, peer_s: float, outputs_match: bo
     }
 
 
-Column = tuple[str, int, Callable[[dict], str]]
+Column = tuple[str, int, Callable[[Record], str]]
 """(header, width, cell text from a record); the first column is left-aligned, the rest right."""
 
 COMPARISON_COLUMNS: tuple[Column, ...] = (
@@ -79,7 +83,7 @@ COMPARISON_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def format_table(records: Sequence[dict], columns: Sequence[Column] = COMPARISON_COLUMNS) -> str:
+def format_table(records: Sequence[Record], columns: Sequence[Column] = COMPARISON_COLUMNS) -> str:
     """One header line and one line per record."""
 
     def line(cells: Sequence[str]) -> str:
@@ -89,7 +93,7 @@ def format_table(records: Sequence[dict], columns: Sequence[Column] = COMPARISON
     return "\n".join([line([h for h, _, _ in columns])] + [line([cell(r) for _, _, cell in columns]) for r in records])
 
 
-def write_records(records: Sequence[dict], path: str | None, columns: Sequence[Column] = COMPARISON_COLUMNS) -> None:
+def write_records(records: Sequence[Record], path: str | None, columns: Sequence[Column] = COMPARISON_COLUMNS) -> None:
     """Print the table and, when ``path`` is given, write the records as JSON (call on rank 0)."""
     print(format_table(records, columns), flush=True)
     if path:
@@ -98,8 +102,8 @@ def write_records(records: Sequence[dict], path: str | None, columns: Sequence[C
 
 
 def run_bench(
-    measure: Callable[[DistributedContext], list[dict]],
-    report: Callable[[list[dict]], None],
+    measure: Callable[[DistributedContext], list[Record]],
+    report: Callable[[list[Record]], None],
     *,
     backend: str | None = None,
 ) -> None:

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from polyshard.mesh.errors import MeshError
 from polyshard.mesh.layout import AxisSpec, MeshLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class Mesh:
@@ -153,7 +157,7 @@ class Mesh:
         return SubMesh(self, self.layout.normalize_axes(axes))
 
     # -- interop --------------------------------------------------------------
-    def to_torch_device_mesh(self, device_type: str | None = None):
+    def to_torch_device_mesh(self, device_type: str | None = None) -> DeviceMesh:
         """PyTorch's ``DeviceMesh`` with the same axes and rank layout.
 
         It builds its own process groups (collective over every rank), so call

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ class TensorPlacement:
     layer: int | None = None
     padded_shape: tuple[int, ...] | None = field(default=None)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
         if self.padded_shape is not None:
             object.__setattr__(self, "padded_shape", tuple(int(s) for s in self.padded_shape))
@@ -131,7 +132,7 @@ class TensorPlacement:
             start[placement.dim] += coords[axis] * length[placement.dim]
         return tuple(slice(s, s + n) for s, n in zip(start, length))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
             "name": self.name,
             "global_shape": list(self.global_shape),
@@ -144,7 +145,7 @@ class TensorPlacement:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping) -> TensorPlacement:
+    def from_json(cls, data: Mapping[str, Any]) -> TensorPlacement:
         return cls(
             name=data["name"],
             global_shape=tuple(data["global_shape"]),

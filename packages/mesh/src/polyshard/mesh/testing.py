@@ -128,7 +128,7 @@ class WorkerPool:
                 raise WorkerFailure(f"rank {rank} did not join the process group in {_STARTUP_TIMEOUT_S}s")
             conn.recv()
 
-    def run(self, fn: Callable, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
         if self.closed:
             raise WorkerFailure("this pool was closed after an earlier failure")
@@ -192,10 +192,12 @@ class WorkerPool:
 class PoolCache:
     """One live :class:`WorkerPool` per world size, restarted after a failure."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._pools: dict[int, WorkerPool] = {}
 
-    def run(self, world_size: int, fn: Callable, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        self, world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         pool = self._pools.get(world_size)
         if pool is None or pool.closed:
             pool = self._pools[world_size] = WorkerPool(world_size)

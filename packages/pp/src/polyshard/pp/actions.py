@@ -79,7 +79,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     split_backward: frozenset[tuple[int, int]] = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         split = {(a.stage, a.microbatch) for rank in self.actions for a in rank if a.kind == "W"}
         object.__setattr__(self, "split_backward", frozenset(split))
 

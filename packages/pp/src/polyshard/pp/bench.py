@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -23,11 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh import DistributedContext
+from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages
 from polyshard.pp.schedules import make_schedule
 from polyshard.pp.simulator import simulate
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 # float32 with the same microbatches; only the order of the gradient sums differs
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
@@ -41,15 +46,18 @@ def _layer(index: int, hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
 
 
-def _peer_schedule(name, modules: Mapping[int, nn.Module], num_stages: int, m: int):
+def _peer_schedule(
+    name: str, modules: Mapping[int, nn.Module], num_stages: int, m: int
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
     from torch.distributed import pipelining
 
     stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
-    cls = getattr(pipelining, PEERS[name])
-    return cls(stages if name == "interleaved" else stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+    cls = getattr(pipelining, PEERS[name])  # looked up by name, so mypy cannot tell which schedule it builds
+    peer = cls(stages if name == "interleaved" else stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+    return cast("PipelineScheduleSingle | PipelineScheduleMulti", peer)
 
 
-def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
+def _case(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Record:
     p, rank = dist.get_world_size(), dist.get_rank()
     virtual_stages = 2 if name == "interleaved" else 1
     schedule = make_schedule(name, p, args.microbatches, virtual_stages)
@@ -59,17 +67,17 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
     executor = PipelineExecutor(ours, schedule, F.mse_loss)
     peer = _peer_schedule(name, theirs, schedule.num_stages, args.microbatches)
     first, last = 0 in ours, schedule.num_stages - 1 in ours
-    state = {}
+    state: dict[str, Any] = {}  # "ours": our StepResult, "peer_loss": the peer's loss (None off the last stage)
 
-    def run_ours():
+    def run_ours() -> None:
         for mod in ours.values():
             mod.zero_grad()
         state["ours"] = executor.step(x if first else None, y if last else None)
 
-    def run_peer():
+    def run_peer() -> None:
         for mod in theirs.values():
             mod.zero_grad()
-        losses = []
+        losses: list[torch.Tensor] = []
         peer.step(*([x] if first else []), target=y if last else None, losses=losses)
         state["peer_loss"] = torch.stack(losses).mean() if losses else None
 
@@ -89,19 +97,22 @@ def _case(name: str, args, x: torch.Tensor, y: torch.Tensor) -> dict:
     return comparison_record(case, ours_s, peer_s, match, **extra)
 
 
-def _matches(state, ours, theirs, last) -> bool:
+def _matches(state: dict[str, Any], ours: Mapping[int, nn.Module], theirs: Mapping[int, nn.Module], last: bool) -> bool:
     ok = True
     if last:
         ok = torch.allclose(state["ours"].loss, state["peer_loss"], rtol=MATCH_RTOL, atol=MATCH_ATOL)
     for s in ours:
         for a, b in zip(ours[s].parameters(), theirs[s].parameters()):
-            ok = ok and torch.allclose(a.grad, b.grad, rtol=MATCH_RTOL, atol=MATCH_ATOL)
+            # Both ran a backward, so every gradient is set.
+            ok = ok and torch.allclose(
+                cast(torch.Tensor, a.grad), cast(torch.Tensor, b.grad), rtol=MATCH_RTOL, atol=MATCH_ATOL
+            )
     flag = torch.tensor([1.0 if ok else 0.0])
     ops.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank agrees on the verdict
     return bool(flag.item())
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--layers", type=int, default=8)
@@ -113,12 +124,12 @@ def main(argv=None) -> None:
     parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
     args = parser.parse_args(argv)
 
-    def measure(ctx) -> list[dict]:
+    def measure(ctx: DistributedContext) -> list[Record]:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randn(args.batch, args.hidden, generator=g)
         return [_case(name, args, x, y) for name in args.schedules.split(",")]
 
-    def report(records: list[dict]) -> None:
+    def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  theory {r['bubble_theory']:.3f}")

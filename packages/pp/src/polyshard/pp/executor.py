@@ -28,18 +28,18 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops, p2p
-from polyshard.pp.actions import Action, Exchange, Schedule
+from polyshard.pp.actions import Action, Exchange, Schedule, Step
 from polyshard.pp.errors import ScheduleError, StageShapeError
 from polyshard.pp.lowering import lower
 from polyshard.pp.schedules import forward_only
-from polyshard.pp.shapes import infer_shapes
+from polyshard.pp.shapes import Meta, infer_shapes
 from polyshard.pp.simulator import simulate
 from polyshard.pp.timeline import Span, Timeline
 
@@ -63,7 +63,7 @@ class PipelineExecutor:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         group: dist.ProcessGroup | None = None,
         *,
-        backward_context: Callable[[], AbstractContextManager] | None = None,
+        backward_context: Callable[[], AbstractContextManager[object]] | None = None,
     ):
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.num_ranks:
@@ -78,15 +78,15 @@ class PipelineExecutor:
         self.backward_context = backward_context
         self.steps = lower(schedule)[self.rank]
         self.peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
-        self.shapes: dict[int, tuple] = {}  # stage -> (input meta, output meta), inferred on the first step
+        self.shapes: dict[int, tuple[Meta, Meta]] = {}  # stage -> (input meta, output meta), inferred on the first step
         # State of the step in progress (set by step()):
         self.microbatches: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
         self.loss: torch.Tensor | None = None
-        self.pending_sends: list = []
+        self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
-        self.forward_steps: tuple | None = None  # the forward-only program, lowered on first use
+        self.forward_steps: tuple[Step, ...] | None = None  # the forward-only program, lowered on first use
         weight_steps = [i for i, s in enumerate(self.steps) if isinstance(s, Action) and self._touches_weights(s)]
         self.last_weight_step = weight_steps[-1] if weight_steps else -1
 
@@ -112,9 +112,12 @@ class PipelineExecutor:
         if not self.shapes:
             first = self.microbatches[0] if self.microbatches else None
             self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
-        self.mail: dict[tuple, torch.Tensor] = {}  # message key -> tensor, for local hand-offs and receives
-        self.stored: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (input, output or loss)
-        self.awaiting_w: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (output, output grad) for W
+        # message key -> tensor, for local hand-offs and receives
+        self.mail: dict[tuple[str, int, int], torch.Tensor] = {}
+        # (stage, mb) -> (input, output or loss)
+        self.stored: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (stage, mb) -> (output, output grad) for W
+        self.awaiting_w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.loss, self.peak, self.pending_sends, spans = None, 0, [], []
         for index, step in enumerate(self.steps):
             start = time.perf_counter()
@@ -139,7 +142,7 @@ class PipelineExecutor:
             raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
         if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
             self.forward_steps = lower(forward_only(self.schedule))[self.rank]
-        mail: dict[tuple, torch.Tensor] = {}
+        mail: dict[tuple[str, int, int], torch.Tensor] = {}
         result, pending = None, []
         with torch.no_grad():
             for step in self.forward_steps:
@@ -156,7 +159,9 @@ class PipelineExecutor:
             work.wait()
         return result
 
-    def _exchange_with_headers(self, step: Exchange, mail: dict) -> list:
+    def _exchange_with_headers(
+        self, step: Exchange, mail: dict[tuple[str, int, int], torch.Tensor]
+    ) -> list[tuple[dist.Work, torch.Tensor]]:
         """An exchange whose receivers do not know the shapes: headers first, then the tensors."""
         sends, recvs = [], []
         for op in step.ops:
@@ -227,7 +232,7 @@ class PipelineExecutor:
         else:
             torch.autograd.backward(y, grad)
         if stage > 0:
-            self.mail[("B", stage, k)] = x.grad
+            self.mail[("B", stage, k)] = cast(torch.Tensor, x.grad)  # x is a received activation that requires grad
 
     def _weight_grad(self, stage: int, k: int) -> None:
         y, grad = self.awaiting_w.pop((stage, k))

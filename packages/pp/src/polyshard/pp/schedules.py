@@ -122,7 +122,9 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     return _make("zb-h1", p, m, 1, per_rank)
 
 
-def _zb_h1_choice(r: int, p: int, m: int, count: dict[str, int], finished: dict, tick: int) -> Action | None:
+def _zb_h1_choice(
+    r: int, p: int, m: int, count: dict[str, int], finished: dict[tuple[str, int, int], int], tick: int
+) -> Action | None:
     """What idle rank r runs at ``tick``: ready B, else F within the in-flight bound, else a deferred W."""
 
     def done(kind: str, stage: int, k: int) -> bool:

@@ -37,7 +37,7 @@ def _header(meta: Meta | None, device: torch.device) -> torch.Tensor:
     return header.to(device)  # NCCL sends only device tensors
 
 
-def _checked_meta(y, stage: int) -> Meta:
+def _checked_meta(y: object, stage: int) -> Meta:
     """The (shape, dtype) a stage sends on, if the header can describe it."""
     if not isinstance(y, torch.Tensor):
         raise StageShapeError(f"stage {stage} returned {type(y).__name__}; a pipeline stage must return one tensor")

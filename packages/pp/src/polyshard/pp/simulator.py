@@ -80,7 +80,7 @@ class _Run:
         self.schedule, self.program, self.costs, self.comm_cost = schedule, program, costs, comm_cost
         p = schedule.num_ranks
         self.pc, self.clock = [0] * p, [0.0] * p
-        self.posted: dict[tuple, float] = {}  # message key -> time its send was posted
+        self.posted: dict[tuple[str, int, int], float] = {}  # message key -> time its send was posted
         self.finished: dict[tuple[str, int, int], float] = {}
         self.in_flight, self.peak = [0] * p, [0] * p
         self.spans: list[Span] = []

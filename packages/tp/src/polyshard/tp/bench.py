@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from polyshard.mesh import Mesh
-from polyshard.mesh.benchmark import comparison_record, run_bench, time_interleaved, write_records
-from polyshard.tp.examples import MLP, Block
+from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
+from polyshard.tp.examples import MLP, Attention, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 B, S, H, HEADS = 4, 128, 256, 8
 
 
-def _ours(model: nn.Module, tp_group, prefix: str) -> nn.Module:
+def _ours(model: nn.Module, tp_group: dist.ProcessGroup | None, prefix: str) -> nn.Module:
     plan: dict[str, Style | list[Style]] = {f"{prefix}fc1": ColumnParallel(), f"{prefix}fc2": RowParallel()}
     if prefix:
         plan |= {
@@ -40,28 +44,35 @@ def _ours(model: nn.Module, tp_group, prefix: str) -> nn.Module:
     return parallelize(model, tp_group=tp_group, plan=plan)
 
 
-def _peer(model: nn.Module, device_mesh, prefix: str) -> nn.Module:
+def _peer(model: nn.Module, device_mesh: DeviceMesh, prefix: str) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     plan = {f"{prefix}fc1": ColwiseParallel(), f"{prefix}fc2": RowwiseParallel()}
     if prefix:
         plan |= {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"attn.o_proj": RowwiseParallel()}
-        attn = model.get_submodule("attn")
+        attn = cast(Attention, model.get_submodule("attn"))  # the Block case's attention
         attn.num_heads //= device_mesh.size()  # as torchtitan does: local heads
         attn.num_kv_heads //= device_mesh.size()
     return parallelize_module(model, device_mesh, plan)
 
 
-def _step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor):
+def _step(model: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward + backward; returns the output and the input gradient."""
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     out = model(x)
     out.backward(grad_out)
-    return out.detach(), x.grad
+    return out.detach(), cast(torch.Tensor, x.grad)  # backward just set it
 
 
-def run_case(name: str, make, prefix: str, tp_group, device_mesh, iters: int) -> dict:
+def run_case(
+    name: str,
+    make: Callable[[], nn.Module],
+    prefix: str,
+    tp_group: dist.ProcessGroup | None,
+    device_mesh: DeviceMesh,
+    iters: int,
+) -> Record:
     torch.manual_seed(0)
     plain = make()
     ours, peer = _ours(copy.deepcopy(plain), tp_group, prefix), _peer(copy.deepcopy(plain), device_mesh, prefix)
@@ -76,7 +87,7 @@ def run_case(name: str, make, prefix: str, tp_group, device_mesh, iters: int) ->
     return comparison_record(f"{name} tp={n} B={B} S={S} H={H}", ours_s, peer_s, match)
 
 
-def run_all(iters: int) -> list[dict]:
+def run_all(iters: int) -> list[Record]:
     from torch.distributed.device_mesh import init_device_mesh
 
     n = dist.get_world_size()

@@ -38,7 +38,14 @@ from polyshard.tp.shard import (
 )
 
 
-def _full_linear(in_features, out_features, bias, source, device, dtype) -> nn.Linear:
+def _full_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    source: nn.Linear | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> nn.Linear:
     if source is not None:
         return source
     # nn.Linear's own init (kaiming-uniform weight, uniform bias) draws the same numbers for any tp.
@@ -73,8 +80,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_dim: int = 1,
         axis: str = "tp",
         source: nn.Linear | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         tp = tp_size(tp_group)
@@ -135,8 +142,8 @@ class RowParallelLinear(nn.Module):
         sequence_dim: int = 1,
         axis: str = "tp",
         source: nn.Linear | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if source is not None:

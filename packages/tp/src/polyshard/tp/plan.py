@@ -36,8 +36,11 @@ from polyshard.tp.styles import Style
 
 _MAX_LISTED = 30
 
+Plan = Mapping[str, Style | list[Style] | tuple[Style, ...]]
+"""Module-name pattern -> the style, or the styles in order, to apply to the modules it matches."""
 
-def _resolve(model: nn.Module, plan: Mapping) -> list[tuple[str, nn.Module, Style]]:
+
+def _resolve(model: nn.Module, plan: Plan) -> list[tuple[str, nn.Module, Style]]:
     """(module name, module, style) for every match, in plan order; unmatched patterns are errors."""
     modules = dict(model.named_modules())
     modules.pop("", None)
@@ -67,11 +70,13 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _styles(styles) -> list:
+def _styles(styles: Style | list[Style] | tuple[Style, ...]) -> list[Style]:
     return list(styles) if isinstance(styles, (list, tuple)) else [styles]
 
 
-def _check_shared(model: nn.Module, work, tp: int) -> dict[int, list[tuple[str, str]]]:
+def _check_shared(
+    model: nn.Module, work: list[tuple[str, nn.Module, Style]], tp: int
+) -> dict[int, list[tuple[str, str]]]:
     """Parameters that several modules share (a tied embedding and output head), by ``id``:
     the (module name, parameter name) of each user. A shared parameter stays one parameter
     only if every user is converted with the same layout; anything else would silently untie it."""
@@ -105,7 +110,7 @@ def _check_shared(model: nn.Module, work, tp: int) -> dict[int, list[tuple[str, 
     return shared
 
 
-def planned_placement(plan: Mapping, name: str, shape: tuple[int, ...], tp: int, axis: str = "tp") -> TensorPlacement:
+def planned_placement(plan: Plan, name: str, shape: tuple[int, ...], tp: int, axis: str = "tp") -> TensorPlacement:
     """The record :func:`parallelize` with ``plan`` gives the parameter ``name`` (full ``shape``) on
     ``tp`` ranks, computed from names alone: no model, no process group. Checkpoint resharding uses
     it to lay out a checkpoint for a tp size nobody has trained on yet."""
@@ -130,7 +135,7 @@ def name_placements(model: nn.Module, axis: str = "tp") -> None:
         set_placement(param, dataclasses.replace(record, name=name))
 
 
-def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None, plan: Mapping, axis: str = "tp") -> nn.Module:
+def parallelize(model: nn.Module, *, tp_group: dist.ProcessGroup | None, plan: Plan, axis: str = "tp") -> nn.Module:
     """Apply ``plan`` to ``model`` in place over ``tp_group`` and return it.
 
     Every style is checked against every match before anything changes, so a

@@ -36,7 +36,9 @@ from polyshard.collectives import all_gather, copy_to, ops, reduce_from, reduce_
 from polyshard.tp.shard import is_sequence_parallel
 
 
-def enter_region(x: torch.Tensor, tp_group, sequence_parallel: bool = False, sequence_dim: int = 1) -> torch.Tensor:
+def enter_region(
+    x: torch.Tensor, tp_group: dist.ProcessGroup | None, sequence_parallel: bool = False, sequence_dim: int = 1
+) -> torch.Tensor:
     """forward: identity, or all-gather (B, S/tp, H) -> (B, S, H) with SP /
     backward: all-reduce, or reduce-scatter with SP."""
     if sequence_parallel:
@@ -44,7 +46,9 @@ def enter_region(x: torch.Tensor, tp_group, sequence_parallel: bool = False, seq
     return copy_to(x, tp_group)
 
 
-def leave_region(y: torch.Tensor, tp_group, sequence_parallel: bool = False, sequence_dim: int = 1) -> torch.Tensor:
+def leave_region(
+    y: torch.Tensor, tp_group: dist.ProcessGroup | None, sequence_parallel: bool = False, sequence_dim: int = 1
+) -> torch.Tensor:
     """forward: all-reduce of partial sums, or reduce-scatter (B, S, H) -> (B, S/tp, H) with SP /
     backward: identity, or all-gather with SP."""
     if sequence_parallel:
@@ -52,7 +56,7 @@ def leave_region(y: torch.Tensor, tp_group, sequence_parallel: bool = False, seq
     return reduce_from(y, tp_group)
 
 
-def split_sequence(x: torch.Tensor, tp_group, sequence_dim: int = 1) -> torch.Tensor:
+def split_sequence(x: torch.Tensor, tp_group: dist.ProcessGroup | None, sequence_dim: int = 1) -> torch.Tensor:
     """forward: keep this rank's piece (B, S, H) -> (B, S/tp, H) / backward: all-gather.
 
     Where a replicated activation (e.g. token + position embeddings) enters the

@@ -47,7 +47,9 @@ def padded_size(size: int, tp: int) -> int:
     return math.ceil(size / tp) * tp
 
 
-def take_shard(full: torch.Tensor, dim: int, tp_group: dist.ProcessGroup | None, padded: int | None = None):
+def take_shard(
+    full: torch.Tensor, dim: int, tp_group: dist.ProcessGroup | None, padded: int | None = None
+) -> torch.Tensor:
     """This rank's contiguous piece of ``full`` along ``dim``, zero-padding the dim to ``padded`` first."""
     if padded is not None and padded > full.shape[dim]:
         pad_shape = list(full.shape)
@@ -58,7 +60,14 @@ def take_shard(full: torch.Tensor, dim: int, tp_group: dist.ProcessGroup | None,
     return full.chunk(tp, dim=dim)[tp_rank(tp_group)].detach().clone()
 
 
-def record_shard(param: torch.Tensor, name: str, global_shape, dim: int, axis: str, padded_shape=None) -> None:
+def record_shard(
+    param: torch.Tensor,
+    name: str,
+    global_shape: tuple[int, ...],
+    dim: int,
+    axis: str,
+    padded_shape: tuple[int, ...] | None = None,
+) -> None:
     """Attach 'sharded along ``dim`` over ``axis``' to ``param``."""
     if padded_shape is not None and tuple(padded_shape) == tuple(global_shape):
         padded_shape = None
@@ -92,7 +101,9 @@ def gather_full_tensor(
     return full.narrow(dim, 0, placement.global_shape[dim]).clone()
 
 
-def gather_full_state(model: torch.nn.Module, tp_group: dist.ProcessGroup | None, axis: str = "tp") -> dict:
+def gather_full_state(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None, axis: str = "tp"
+) -> dict[str, torch.Tensor]:
     """The unsharded ``state_dict`` of a tensor-parallel ``model``, the same on every rank.
 
     Keys are those of the original (unconverted) model, since :func:`parallelize`

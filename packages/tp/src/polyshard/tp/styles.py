@@ -8,8 +8,10 @@ matched one's place (a new layer, or the same module with hooks/flags).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from polyshard.mesh import Placement, Replicate, Shard
@@ -19,6 +21,9 @@ from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.regions import enter_region, split_sequence
 from polyshard.tp.shard import check_divides, mark_sequence_parallel, padded_size, record_replicate, tp_size
 from polyshard.tp.vocab import VocabParallelEmbedding
+
+ParamLayout = tuple[Placement, tuple[int, ...] | None]
+"""A parameter's placement over the tp axis and its padded shape (None when unpadded)."""
 
 
 class Style:
@@ -34,10 +39,10 @@ class Style:
         if not self.accepts(module):
             raise PlanError(f"{self} cannot apply to {name!r}, a {type(module).__name__}")
 
-    def apply(self, module: nn.Module, name: str, tp_group, axis: str) -> nn.Module:
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
         raise NotImplementedError
 
-    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> tuple[Placement, tuple | None]:
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
         """How ``apply`` lays out the matched module's parameter ``param`` (full ``shape``) over tp ranks:
         (placement, padded shape or None). Offline tools (checkpoint resharding) read layouts from
         here without building the model; styles that do not split parameters replicate them."""
@@ -53,17 +58,19 @@ class ColumnParallel(Style):
     input_entered: bool = False
     replaces = True
 
-    def accepts(self, module):
+    def accepts(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear)
 
-    def check(self, module, name, tp):
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
         super().check(module, name, tp)
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
         check_divides(module.out_features, tp, f"out_features of {name}")
 
-    def param_placement(self, param, shape, tp):
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
         return Shard(0), None  # weight (out, in) and bias (out,): output features split
 
-    def apply(self, module, name, tp_group, axis):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
         return ColumnParallelLinear(
             module.in_features,
             module.out_features,
@@ -84,17 +91,19 @@ class RowParallel(Style):
     sequence_parallel: bool = False
     replaces = True
 
-    def accepts(self, module):
+    def accepts(self, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear)
 
-    def check(self, module, name, tp):
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
         super().check(module, name, tp)
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
         check_divides(module.in_features, tp, f"in_features of {name}")
 
-    def param_placement(self, param, shape, tp):
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
         return (Shard(1), None) if param == "weight" else (Replicate(), None)  # the bias is added after the sum
 
-    def apply(self, module, name, tp_group, axis):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
         return RowParallelLinear(
             module.in_features,
             module.out_features,
@@ -121,14 +130,14 @@ class VocabParallel(Style):
     gather_output: bool = False
     replaces = True
 
-    def accepts(self, module):
+    def accepts(self, module: nn.Module) -> bool:
         return isinstance(module, (nn.Embedding, nn.Linear))
 
-    def param_placement(self, param, shape, tp):
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
         padded = (padded_size(shape[0], tp), *shape[1:])  # vocabulary rows (embedding, head weight and bias)
         return Shard(0), (padded if padded != tuple(shape) else None)
 
-    def apply(self, module, name, tp_group, axis):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
         if isinstance(module, nn.Embedding):
             return VocabParallelEmbedding(
                 module.num_embeddings,
@@ -138,6 +147,7 @@ class VocabParallel(Style):
                 axis=axis,
                 source=module,
             )
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Embedding and nn.Linear through
         return ColumnParallelLinear(
             module.in_features,
             module.out_features,
@@ -158,14 +168,14 @@ class SequenceParallel(Style):
     their gradients over the tp group; the module itself is unchanged.
     """
 
-    def apply(self, module, name, tp_group, axis):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
         for param_name, param in module.named_parameters():
             record_replicate(param, f"{name}.{param_name}", axis)
             mark_sequence_parallel(param)
         return module
 
 
-def _first_input(args: tuple, name: str, style: Style) -> None:
+def _first_input(args: tuple[object, ...], name: str, style: Style) -> None:
     if not args or not isinstance(args[0], torch.Tensor):
         got = type(args[0]).__name__ if args else "no positional arguments"
         raise PlanError(f"{style} on {name!r} needs the activation as the first positional argument; got {got}")
@@ -183,8 +193,8 @@ class TPEntry(Style):
     sequence_parallel: bool = False
     sequence_dim: int = 1
 
-    def apply(self, module, name, tp_group, axis):
-        def hook(_module, args):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             _first_input(args, name, self)
             return (enter_region(args[0], tp_group, self.sequence_parallel, self.sequence_dim), *args[1:])
 
@@ -202,8 +212,8 @@ class SplitSequence(Style):
 
     sequence_dim: int = 1
 
-    def apply(self, module, name, tp_group, axis):
-        def hook(_module, args):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
             _first_input(args, name, self)
             return (split_sequence(args[0], tp_group, self.sequence_dim), *args[1:])
 
@@ -224,10 +234,10 @@ class ShardHeads(Style):
 
     attrs: tuple[str, ...] = HEAD_ATTRS
 
-    def _present(self, module):
+    def _present(self, module: nn.Module) -> list[str]:
         return [a for a in self.attrs if isinstance(getattr(module, a, None), int)]
 
-    def check(self, module, name, tp):
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
         present = self._present(module)
         if not present:
             ints = [k for k, v in vars(module).items() if isinstance(v, int) and not k.startswith("_")]
@@ -237,7 +247,7 @@ class ShardHeads(Style):
             heads_per_rank(query, getattr(module, attr), tp, where=name)
         heads_per_rank(query, None, tp, where=name)
 
-    def apply(self, module, name, tp_group, axis):
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
         for attr in self._present(module):
             setattr(module, attr, getattr(module, attr) // tp_size(tp_group))
         return module

@@ -9,6 +9,8 @@ Shapes: B batch, S sequence, E embedding size, N = B*S tokens, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,8 +46,8 @@ class VocabParallelEmbedding(nn.Module):
         sequence_dim: int = 1,
         axis: str = "tp",
         source: nn.Embedding | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         full = source or nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
@@ -94,7 +96,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, tp_group, vocab_start, vocab_size, ignore_index):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        vocab_start: int,
+        vocab_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
         local_vocab = logits.shape[-1]  # logits: (N, Vp/tp), target: (N,)
         ctx.input_dtype = logits.dtype
         columns = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
@@ -116,10 +126,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))  # reuse the exp buffer
         ctx.save_for_backward(softmax, local_target, mine, valid)
-        return loss
+        return loss  # type: ignore[no-any-return]  # unpacking stats (a Tensor) is untyped in torch
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         softmax, local_target, mine, valid = ctx.saved_tensors
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
@@ -167,7 +177,8 @@ def vocab_parallel_cross_entropy(
     if bool(out_of_range.any()):
         raise TPError(f"target holds ids outside [0, {vocab_size}) that are not ignore_index={ignore_index}")
     vocab_start = tp_rank(tp_group) * local_vocab
-    loss = _VocabParallelCrossEntropy.apply(
+    # Function.apply is untyped in torch; it returns forward's per-token loss.
+    loss: torch.Tensor = _VocabParallelCrossEntropy.apply(  # type: ignore[no-untyped-call]
         logits.reshape(-1, local_vocab), target.reshape(-1), tp_group, vocab_start, vocab_size, ignore_index
     )
     if reduction == "none":
