@@ -143,14 +143,14 @@ class Mesh:
     def name_of(self, group: dist.ProcessGroup | None) -> str:
         """What a group of this mesh is, for messages: its axes ("dp", "pp x tp"), "world", or
         "pp [0, 3]" for a ``group_at``; "unnamed" for a group the mesh did not create."""
-        group = dist.group.WORLD if group is None else group
+        wanted = dist.group.WORLD if group is None else group
         for axes, mine in self._groups.items():  # the fewest axes first: plain dp's "dp", not "world"
-            if mine is group:
+            if mine is wanted:
                 return " x ".join(a for a in axes if self.layout.size(a) > 1) or "world"
-        for (axis, coords), mine in self._partial.items():
-            if mine is group:
+        for (axis, coords), partial in self._partial.items():
+            if partial is wanted:
                 return f"{axis} {list(coords)}"
-        return "world" if group is dist.group.WORLD else "unnamed"
+        return "world" if wanted is dist.group.WORLD else "unnamed"
 
     def submesh(self, axes: str | Iterable[str]) -> SubMesh:
         """The mesh of an axis subset, containing this rank, sharing this mesh's groups."""
