@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -35,11 +36,13 @@ def train(
     ),
 ) -> None:
     """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
+    from polyshard.trainer import faults
     from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer.data import check_text_source
+    from polyshard.trainer.errors import ConfigError, DataError
     from polyshard.trainer.plan import describe
 
     if stop_at is not None:
@@ -60,8 +63,16 @@ def train(
         nodes = _nodes(torchrun)
         per_node = nproc if nproc is not None else parsed.parallel.world_size // nodes
         validate(parsed, world_size=per_node * nodes)
-    except (ConfigError, CheckpointError) as err:  # before any process starts
-        kind = "config" if isinstance(err, ConfigError) else "checkpoint"
+        if parsed.model.kind != "vit":
+            check_text_source(
+                parsed.data.source,
+                parsed.model.context_length,
+                parsed.data.val_fraction,
+                parsed.training.global_batch_size,
+            )
+        faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
+    except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
+        kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
         typer.echo(f"{kind} error: {err}", err=True)
         raise typer.Exit(2) from err
     if dry_run:

@@ -14,9 +14,10 @@ import torch.distributed as dist
 from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.trainer.checkpoint import latest_checkpoint
+from polyshard.trainer.checkpoint_format import CheckpointError
 from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
-from polyshard.trainer.errors import NonFiniteError, ReplicaMismatchError
+from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError
 from polyshard.trainer.heartbeat import Heartbeat
 from polyshard.trainer.lifetime import die_with_parent, quiet_interrupts
 from polyshard.trainer.loop import train
@@ -56,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.barrier()
         dist.destroy_process_group()
         raise SystemExit(3) from None
+    except (ConfigError, DataError, CheckpointError) as err:  # a user's mistake the launcher could not see
+        print(f"{type(err).__name__} on rank {ctx.rank}: {err}", file=sys.stderr, flush=True)
+        os._exit(2)  # torchrun stops the other ranks, which may be waiting for this one
     except Exception as err:
         if is_comm_failure(err):
             _report_comm_failure(err, mesh, heartbeat, out, config.parallel.timeout_s)

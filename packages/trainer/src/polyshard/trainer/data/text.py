@@ -51,6 +51,41 @@ def _raw_text(source: str) -> datasets.Dataset:
     return datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
 
 
+def _local_files(source: str) -> list[Path] | None:
+    """The text files a built-in or local source reads; None for a dataset name (checked when loaded)."""
+    if source == "shakespeare":
+        return shakespeare_files()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise DataError(f"data.source={source!r} is a folder with no .txt files")
+        return files
+    if path.exists():
+        return [path]
+    if "/" in source and not path.parent.exists() or source.endswith(".txt"):
+        raise DataError(f"data.source={source!r}: no such file or folder; give 'shakespeare', a .txt file or folder")
+    return None
+
+
+def check_text_source(source: str, context_length: int, val_fraction: float, global_batch: int) -> None:
+    """Before any process starts: a local source must exist and hold at least one global batch of
+    ``context_length + 1``-token examples in each split (the counts :func:`packed_splits` will make)."""
+    files = _local_files(source)
+    if files is None:
+        return
+    tokens = sum(f.stat().st_size for f in files) + len(files) - 1  # documents joined by newlines
+    count = tokens // (context_length + 1)
+    num_val = max(1, int(round(count * val_fraction)))
+    for split, examples in (("training", count - num_val), ("validation", num_val)):
+        if examples < global_batch:
+            raise DataError(
+                f"data.source={source!r} holds {tokens} tokens: {examples} {split} examples of "
+                f"model.context_length+1={context_length + 1} tokens, fewer than one global batch of {global_batch}; "
+                f"use a shorter context, a smaller training.global_batch_size or more data"
+            )
+
+
 def packed_splits(source: str, context_length: int, val_fraction: float) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, validation) datasets of ``tokens`` rows, each ``context_length + 1`` long."""
     raw = _raw_text(source)

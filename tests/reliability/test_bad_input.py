@@ -1,0 +1,109 @@
+"""Bad configurations and command lines: each stops `polyshard train` with exit code 2 and a one-line
+message naming the field, before any worker starts, nothing written; also under `python -O` (no check
+relies on `assert`). Before: some were accepted and failed in the workers with tracebacks after
+8-20 s, some ran to the end with a wrong result (lr=inf, grad_clip=nan, warmup_steps=1.5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "apps/configs"
+DP = "gpt-tiny-dp.toml"
+
+# (config, extra arguments, environment, text the message must hold)
+CASES = [
+    (DP, ["--set", "model.tie_embeddings=maybe"], {}, "model.tie_embeddings='maybe' must be true or false"),
+    (DP, ["--set", "data.shuffle=2"], {}, "data.shuffle=2 must be true or false"),
+    (DP, ["--set", "training.lr=fast"], {}, "training.lr='fast' must be a finite number"),
+    (DP, ["--set", "training.lr=nan"], {}, "training.lr=nan must be a finite number"),
+    (DP, ["--set", "training.lr=inf"], {}, "training.lr=inf must be a finite number"),
+    (DP, ["--set", "training.lr=-1"], {}, "training.lr (-1.0)"),
+    (DP, ["--set", "training.beta1=1.5"], {}, "training.beta1=1.5 must be in [0, 1)"),
+    (DP, ["--set", "training.beta2=-0.1"], {}, "training.beta2=-0.1 must be in [0, 1)"),
+    (DP, ["--set", "logging.every=0"], {}, "logging.every=0"),
+    (DP, ["--set", "training.eval_batches=-1"], {}, "training.eval_batches=-1"),
+    (DP, ["--set", "model.context_length=2000000"], {}, "model.context_length+1=2000001"),
+    (DP, ["--set", "model.vocab_size=100"], {}, "model.vocab_size=100"),
+    (DP, ["--set", "training.grad_clip=nan"], {}, "training.grad_clip=nan"),
+    (DP, ["--set", "training.weight_decay=-1"], {}, "training.weight_decay=-1"),
+    (DP, ["--set", "training.warmup_steps=1.5"], {}, "training.warmup_steps=1.5 must be an integer"),
+    (DP, ["--set", "training.steps=0"], {}, "training.steps=0"),
+    (DP, ["--set", "training.global_batch_size=3"], {}, "training.global_batch_size=3 does not split"),
+    (DP, ["--set", "parallel.tp=3"], {}, "parallel.tp=3 does not divide model.num_heads=4"),
+    (DP, ["--set", "parallel.dp=0"], {}, "parallel.dp=0"),
+    (DP, ["--set", "parallel.pp=100"], {}, "pp=100"),
+    (DP, ["--set", "training.precision=fp8"], {}, "training.precision='fp8'"),
+    (DP, ["--set", "training.on_nonfinite=ignore"], {}, "training.on_nonfinite='ignore'"),
+    (DP, ["--set", "training.stop_at=1000"], {}, "training.stop_at=1000"),
+    (DP, ["--set", "parallel.timeout_s=0"], {}, "parallel.timeout_s=0"),
+    (DP, ["--set", "parallel.timeout_s=nan"], {}, "parallel.timeout_s=nan"),
+    (DP, ["--set", "checkpoint.keep=0"], {}, "checkpoint.keep >= 1"),
+    (DP, ["--set", "data.val_fraction=1.5"], {}, "data.val_fraction=1.5"),
+    (DP, ["--set", "training.lrr=1"], {}, "did you mean 'lr'"),
+    (DP, ["--set", "foo.bar=1"], {}, "unknown config section 'foo'"),
+    (DP, ["--set", "training.lr"], {}, "must look like section.key=value"),
+    (DP, ["--set", "model.preset=huge"], {}, "model.preset='huge'"),
+    (DP, ["--set", "data.source=/nonexistent/file.txt"], {}, "data.source='/nonexistent/file.txt': no such file"),
+    (DP, ["--set", "training.seed=-1"], {}, "training.seed=-1"),
+    (DP, ["--set", "model.num_heads=0"], {}, "model.num_heads=0"),
+    (DP, ["--set", "model.dropout=1.5"], {}, "model.dropout=1.5"),
+    (DP, ["--set", "training.consistency_every=-2"], {}, "training.consistency_every=-2"),
+    (DP, ["--nproc", "3"], {}, "use --nproc 2"),
+    (DP, ["--stop-at", "-1"], {}, "training.stop_at=-1"),
+    (DP, ["--torchrun=--nnodes=1:x"], {}, "--nnodes=1:x"),
+    (DP, [], {"POLYSHARD_FAULT": "explode@3:1"}, "POLYSHARD_FAULT='explode@3:1'"),
+    ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
+    ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
+    ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),
+    ("top-level.toml", [], {}, "lr = 0.1 stands outside any [section]"),
+    ("broken.toml", [], {}, "not valid TOML"),
+]
+
+
+def run_cases(tmp: str) -> list[tuple[int, str, bool]]:
+    """Each case through the CLI in this process: (exit code, output, whether --out was created)."""
+    from typer.testing import CliRunner
+
+    from polyshard.cli.main import app
+
+    tmp_path = Path(tmp)
+    (tmp_path / "top-level.toml").write_text('lr = 0.1\n[model]\npreset = "tiny"\n')
+    (tmp_path / "broken.toml").write_text("[model\npreset = tiny\n")
+    results = []
+    for i, (config, args, env, _) in enumerate(CASES):
+        path = tmp_path / config if (tmp_path / config).exists() else CONFIGS / config
+        out = tmp_path / f"run{i}"
+        result = CliRunner().invoke(app, ["train", str(path), "--out", str(out), *args], env=env)
+        results.append((result.exit_code, result.output, out.exists()))
+    return results
+
+
+def _check(results) -> None:
+    assert len(results) == len(CASES) >= 30
+    for (config, args, env, expected), (code, output, created) in zip(CASES, results):
+        case = f"{config} {args} {env}"
+        assert code == 2, f"{case}: exit {code}\n{output}"
+        assert expected in output, f"{case}: {output!r} does not name the field"
+        # One line of ours, or typer's usage box for a malformed option.
+        assert "Traceback" not in output and len(output.strip().splitlines()) <= 8, f"{case}: {output}"
+        assert not created, f"{case}: the run folder was created"
+
+
+def test_every_bad_input_stops_before_launch_naming_the_field(tmp_path):
+    _check(run_cases(str(tmp_path)))
+
+
+def test_the_same_checks_hold_under_python_O(tmp_path):
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); "
+        "from tests.reliability.test_bad_input import run_cases; print(json.dumps(run_cases(sys.argv[2])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    _check(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -1,0 +1,97 @@
+"""Silent faults inside a step: a replica whose weights drifted, a NaN on one rank only.
+
+Data-parallel replicas must stay bitwise equal; a checksum all-gathered over the dp group finds the
+one that drifted (a faulty device, a missed reduction) and every rank stops naming it. A NaN that
+appears on one rank reaches every rank through the loss and gradient-norm all-reduces, so no rank
+updates its weights: they all keep the same, finite values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict
+
+
+def _config(corpus, **parallel):
+    return from_dict(
+        {
+            "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
+            "parallel": parallel,
+            "training": {"steps": 4, "global_batch_size": 6, "eval_every": 0},
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+def _drift_one_replica(config, drifted_rank):
+    import torch.distributed as dist
+
+    from polyshard.trainer.errors import ReplicaMismatchError
+    from polyshard.trainer.integrity import check_replicas
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.parallelize import build_engine
+
+    engine = build_engine(config, Mesh(config.parallel.mesh_axes))
+    train_data, _ = make_loaders(config, engine.mesh)
+    train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-3)
+    check_replicas(engine, 1)  # equal after a real step: no error
+    if dist.get_rank() == drifted_rank:
+        weight = next(engine.stages[0].parameters())
+        with torch.no_grad():  # one bit of one element: the smallest possible drift
+            bits = weight.view(torch.int32)
+            bits.view(-1)[7] ^= 1
+    try:
+        check_replicas(engine, 2)
+    except ReplicaMismatchError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_replica_that_drifted_is_found_and_named(distributed, corpus, zero_stage):
+    errors = distributed.run(3, _drift_one_replica, _config(corpus, dp=3, zero_stage=zero_stage), 2)
+    assert all(e is not None and e == errors[0] for e in errors)  # every rank stops at the same check
+    assert "step 2" in errors[0] and "rank(s) [2] differ from the other 2 replica(s)" in errors[0]
+
+
+def _nan_on_one_rank(config):
+    import torch.distributed as dist
+
+    from polyshard.trainer.integrity import weights_finite
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.parallelize import build_engine
+
+    engine = build_engine(config, Mesh(config.parallel.mesh_axes))
+    train_data, _ = make_loaders(config, engine.mesh)
+    before = _weights(engine)
+    stage = engine.stages[0]
+    hook = None
+    if dist.get_rank() == 1:  # only rank 1's activations turn NaN
+        first = next(m for m in stage.modules() if isinstance(m, torch.nn.Embedding))
+        hook = first.register_forward_hook(lambda module, args, out: out * float("nan"))
+    loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-3)
+    if hook is not None:
+        hook.remove()
+    after = _weights(engine)
+    unchanged = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    return loss, norm, unchanged, weights_finite(engine)
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    """This rank's weights: its rows under ZeRO-3 (the parameters themselves are freed between steps)."""
+    if engine.config.parallel.zero_stage == 3:
+        return {n: t.clone() for n, t in engine.wrappers[0].local_shards().items()}
+    return {n: p.detach().clone() for n, p in engine.stages[0].named_parameters()}
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_a_nan_on_one_rank_stops_every_rank_from_updating(distributed, corpus, zero_stage):
+    results = distributed.run(2, _nan_on_one_rank, _config(corpus, dp=2, zero_stage=zero_stage))
+    for loss, norm, unchanged, finite in results:
+        assert loss != loss or norm != norm  # NaN: every rank sees the reduced value
+        assert unchanged and finite  # no rank stepped; nothing non-finite could be saved
+    assert str(results[0][:2]) == str(results[1][:2])  # both ranks agree on the step's numbers
