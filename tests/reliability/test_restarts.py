@@ -39,7 +39,7 @@ def _same_run(out, reference) -> None:
 def test_a_worker_killed_mid_step_is_restarted_and_resumes(uninterrupted, tmp_path):
     done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": "step@5:1"})
     assert done.returncode == 0, done.stderr
-    assert "restart 1 of the worker group: resuming" in done.stdout
+    assert "restart 1 of the worker group (2 processes" in done.stdout
     assert "continuing from" in done.stdout and "step_00000004" in done.stdout
     _same_run(tmp_path, uninterrupted)
 

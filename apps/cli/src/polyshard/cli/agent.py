@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from polyshard.trainer.lifetime import die_with_parent
 
@@ -48,7 +49,11 @@ def loopback_tcp_store(
     if is_master and master_listen_fd is None and host_name in LOOPBACK:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError as err:  # another agent on this machine hosts it: torch then joins as a client
+            listener.close()
+            raise RuntimeError(f"127.0.0.1:{port} is taken: {err}") from err
         listener.listen(1024)
         master_listen_fd = listener.detach()  # the store owns the socket from here on
     return dist.TCPStore(
@@ -76,6 +81,11 @@ def main() -> None:
     # their store through these module attributes.
     static_tcp_rendezvous.TCPStore = loopback_tcp_store
     c10d_rendezvous_backend.TCPStore = loopback_tcp_store
+    # The c10d backend's node 0 also serves the workers' store, at --local-addr (127.0.0.1 for two
+    # "nodes" on one machine): loopback only there too.
+    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_tcp_store(
+        addr, port, is_master=True, multi_tenant=True
+    )
     if hasattr(signal, "SIGCONT"):
         SubprocessHandler.close = _wake_then_close(SubprocessHandler.close)
     from torch.distributed.run import parse_args, run

@@ -59,10 +59,17 @@ def train(
             raise CheckpointError(
                 f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start"
             )
-        parsed = load_config(config, overrides)
-        nodes = _nodes(torchrun)
-        per_node = nproc if nproc is not None else parsed.parallel.world_size // nodes
-        validate(parsed, world_size=per_node * nodes)
+        low, high = _nodes(torchrun)
+        if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
+            nproc = load_config(config, overrides).parallel.world_size // low
+        if nproc < 1:
+            raise ConfigError(f"--nproc {nproc}: give at least one process per node")
+        # Every size an elastic job may take must be a valid mesh.
+        sizes = {nodes: load_config(config, overrides, world_size=nproc * nodes) for nodes in range(low, high + 1)}
+        if low != high and sizes[low].parallel.dp == sizes[high].parallel.dp:
+            raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
+        for nodes, parsed in sizes.items():
+            validate(parsed, world_size=nproc * nodes)
         if parsed.model.kind != "vit":
             check_text_source(
                 parsed.data.source,
@@ -85,14 +92,16 @@ def train(
         args.append("--resume")
     if init_from is not None:
         args += ["--init-from", str(init_from.resolve())]
-    raise typer.Exit(run_local(per_node, "polyshard.trainer.run", args, torchrun))
+    raise typer.Exit(run_local(nproc, "polyshard.trainer.run", args, torchrun))
 
 
-def _nodes(torchrun_args: list[str]) -> int:
+def _nodes(torchrun_args: list[str]) -> tuple[int, int]:
+    """torchrun's --nnodes: N, or MIN:MAX for an elastic job (1 when not given)."""
     for arg in torchrun_args:
         if arg.startswith("--nnodes="):
             value = arg.split("=", 1)[1]
-            if not value.isdigit() or int(value) < 1:
-                raise typer.BadParameter(f"--nnodes={value}: give a fixed number of nodes", param_hint="--torchrun")
-            return int(value)
-    return 1
+            parts = value.split(":")
+            if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+                raise typer.BadParameter(f"--nnodes={value}: give N or MIN:MAX nodes", param_hint="--torchrun")
+            return int(parts[0]), int(parts[-1])
+    return 1, 1

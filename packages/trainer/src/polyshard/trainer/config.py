@@ -123,7 +123,8 @@ class ModelConfig:
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     dp: int = 1
-    """Data-parallel replicas (or ZeRO shards)."""
+    """Data-parallel replicas (or ZeRO shards). "auto" in a file or --set: whatever the other axes leave of
+    the processes present (elastic jobs); the global batch stays, each data rank takes a larger part."""
     tp: int = 1
     """Tensor-parallel ranks (neighbouring ranks; the fastest mesh axis)."""
     pp: int = 1
@@ -404,8 +405,25 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return out
 
 
-def from_dict(raw: Mapping[str, Any]) -> Config:
-    """Build a :class:`Config`; unknown sections or keys are errors with a suggestion."""
+def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
+    """``parallel.dp = "auto"``: the processes left after the other axes, ``world_size / (tp x pp x ep)``."""
+    others = {axis: parallel.get(axis, 1) for axis in ("tp", "pp", "ep")}
+    for axis, size in others.items():
+        _check_positive(f"parallel.{axis}", size)
+    if world_size is None:
+        raise ConfigError("parallel.dp='auto' needs the number of processes; give --nproc")
+    rest = math.prod(others.values())
+    if world_size % rest:
+        raise ConfigError(
+            f"parallel.dp='auto': {world_size} processes do not split into tp x pp x ep = {rest}; "
+            f"run a multiple of {rest} processes"
+        )
+    return world_size // rest
+
+
+def from_dict(raw: Mapping[str, Any], world_size: int | None = None) -> Config:
+    """Build a :class:`Config`; unknown sections or keys are errors with a suggestion. ``world_size``
+    (the processes present) resolves ``parallel.dp = "auto"``."""
     sections = {}
     for section, values in raw.items():
         if section not in SECTIONS and not isinstance(values, Mapping):
@@ -421,6 +439,8 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
         for key in values:
             if key not in known:
                 raise _unknown(f"key in [{section}]", key, known)
+        if section == "parallel" and values.get("dp") == "auto":
+            values = {**values, "dp": auto_dp(values, world_size)}
         values = {key: check_type(section, key, value) for key, value in values.items()}
         if section == "model" and values.get("preset") in PRESETS:
             values = {**PRESETS[values["preset"]], **values}  # explicit keys override the preset
@@ -431,8 +451,11 @@ def from_dict(raw: Mapping[str, Any]) -> Config:
     return Config(**sections)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Read a TOML file (or the defaults when ``path`` is None) and apply overrides."""
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), *, world_size: int | None = None
+) -> Config:
+    """Read a TOML file (or the defaults when ``path`` is None) and apply overrides; ``world_size``
+    resolves ``parallel.dp = "auto"``."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -442,4 +465,4 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: not valid TOML: {err}") from err
-    return from_dict(apply_overrides(raw, overrides))
+    return from_dict(apply_overrides(raw, overrides), world_size)

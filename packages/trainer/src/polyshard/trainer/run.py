@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     die_with_parent()  # no worker trains on after its launcher is gone
     quiet_interrupts()
-    config = load_config(args.config, args.overrides)
+    # torchrun's WORLD_SIZE: after an elastic restart it counts the processes present now.
+    config = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
     ctx = init_distributed(mesh_axes=config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)
@@ -44,7 +45,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         # checkpoint, the same path as --resume (the metrics log is cut back to it).
         resume, init_from = True, None
         if ctx.rank == 0:
-            print(f"restart {restart} of the worker group: resuming from the latest checkpoint", flush=True)
+            print(
+                f"restart {restart} of the worker group ({ctx.world_size} processes, mesh "
+                f"{config.parallel.mesh_axes}): resuming from the latest checkpoint",
+                flush=True,
+            )
     heartbeat, mesh = Heartbeat(ctx.rank, ctx.world_size), None
     try:
         mesh = Mesh(config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
