@@ -44,7 +44,7 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
         job.communicate()
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_ctrl_c_stops_every_process_and_keeps_the_checkpoints(tmp_path):
     from polyshard.trainer.checkpoint import open_checkpoint
 

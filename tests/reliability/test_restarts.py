@@ -36,35 +36,9 @@ def _same_run(out, reference) -> None:
         assert torch.equal(mine[name], theirs[name]), name
 
 
-def test_a_worker_killed_mid_step_is_restarted_and_resumes(uninterrupted, tmp_path):
-    done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": "step@5:1"})
-    assert done.returncode == 0, done.stderr
-    assert "restart 1 of the worker group (2 processes" in done.stdout
-    assert "continuing from" in done.stdout and "step_00000004" in done.stdout
-    _same_run(tmp_path, uninterrupted)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", ["save@4:1", "saved@4:0"])
-def test_a_worker_killed_while_saving_or_after_is_restarted_and_resumes(uninterrupted, tmp_path, fault):
-    done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": fault})
-    assert done.returncode == 0, done.stderr
-    assert "restart 1 of the worker group" in done.stdout
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # a half-written save was cleaned up
-    _same_run(tmp_path, uninterrupted)
-
-
-@pytest.mark.slow
-def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted, tmp_path):
-    crashed = train(tmp_path, *SHORT, env={"POLYSHARD_FAULT": "save@6:1"})
-    assert crashed.returncode != 0
-    assert (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir()  # the save it died in
-    resumed = train(tmp_path, *SHORT, "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    _same_run(tmp_path, uninterrupted)
-
-
-def test_stop_at_then_resume_equals_an_uninterrupted_run(uninterrupted, tmp_path):
+def test_a_preempted_run_whose_worker_is_then_killed_equals_an_uninterrupted_run(uninterrupted, tmp_path):
+    # A job is preempted at step 3 (--stop-at), resumed, and loses a worker mid-step 5; torchrun
+    # restarts the group, which resumes from step 4's checkpoint. Nothing shows in the result.
     first = train(tmp_path, *SHORT, "--stop-at", "3")
     assert first.returncode == 0, first.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -72,6 +46,29 @@ def test_stop_at_then_resume_equals_an_uninterrupted_run(uninterrupted, tmp_path
     assert (tmp_path / "checkpoints" / "step_00000003").is_dir()  # saved where it stopped
     # The learning rate followed the 8-step schedule, not a 3-step one.
     assert [m[3] for m in metrics(tmp_path)] == [m[3] for m in metrics(uninterrupted)[:3]]
-    rest = train(tmp_path, *SHORT, "--resume")
+    rest = train(tmp_path, *SHORT, "--resume", "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": "step@5:1"})
     assert rest.returncode == 0, rest.stderr
+    assert "continuing from" in rest.stdout and "step_00000003" in rest.stdout
+    assert "restart 1 of the worker group (2 processes" in rest.stdout
+    assert "step_00000004" in rest.stdout.split("restart 1")[1]  # the restart resumed from step 4
+    _same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("fault", ["step@5:1", "save@4:1", "saved@4:0"])
+def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes(uninterrupted, tmp_path, fault):
+    done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": fault})
+    assert done.returncode == 0, done.stderr
+    assert "restart 1 of the worker group" in done.stdout
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # a half-written save was cleaned up
+    _same_run(tmp_path, uninterrupted)
+
+
+@pytest.mark.chaos
+def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted, tmp_path):
+    crashed = train(tmp_path, *SHORT, env={"POLYSHARD_FAULT": "save@6:1"})
+    assert crashed.returncode != 0
+    assert (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir()  # the save it died in
+    resumed = train(tmp_path, *SHORT, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
     _same_run(tmp_path, uninterrupted)
