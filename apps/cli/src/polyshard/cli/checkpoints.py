@@ -22,15 +22,28 @@ def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint ste
 
 def export(
     ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder."),
-    out: Path = typer.Argument(..., help="The consolidated .safetensors file to write."),
+    out: Path = typer.Argument(..., help="The .safetensors file to write (--format hf: the new folder)."),
+    format: str = typer.Option(
+        "polyshard", "--format", help="polyshard: one file of the plain model's weights; hf: a transformers folder."
+    ),
 ) -> None:
-    """Write one safetensors file the plain model loads with load_state_dict(strict=True)."""
+    """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
+    or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2)."""
     from polyshard.trainer.checkpoint import open_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.export import consolidate
     from polyshard.trainer.export import export as export_checkpoint
+    from polyshard.trainer.hf import write_hf
 
+    if format not in ("polyshard", "hf"):
+        raise typer.BadParameter(f"{format!r}: choose polyshard or hf", param_hint="--format")
     try:
-        typer.echo(f"wrote {export_checkpoint(open_checkpoint(ckpt, _report_skip), out)}")
+        source = open_checkpoint(ckpt, _report_skip)
+        if format == "hf":
+            written = write_hf(consolidate(source), source.config.model, out)
+        else:
+            written = export_checkpoint(source, out)
+        typer.echo(f"wrote {written}")
     except CheckpointError as err:
         typer.echo(f"checkpoint error: {err}", err=True)
         raise typer.Exit(2) from err

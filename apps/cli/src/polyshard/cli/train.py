@@ -18,8 +18,11 @@ def train(
     resume: bool = typer.Option(
         False, "--resume", help="Continue from the latest complete checkpoint in --out (saved on any mesh)."
     ),
-    init_from: Path | None = typer.Option(
-        None, "--init-from", help="Continue from this checkpoint (any mesh) and write the new run to --out."
+    init_from: str | None = typer.Option(
+        None,
+        "--init-from",
+        help="Start from this checkpoint (any mesh), or from a Hugging Face GPT-2 folder as hf:DIR; "
+        "the new run goes to --out.",
     ),
     stop_at: int | None = typer.Option(
         None,
@@ -43,6 +46,7 @@ def train(
     from polyshard.trainer.constraints import validate
     from polyshard.trainer.data import check_text_source
     from polyshard.trainer.errors import ConfigError, DataError
+    from polyshard.trainer.hf import PREFIX, check_matches
     from polyshard.trainer.plan import describe
 
     if stop_at is not None:
@@ -50,7 +54,8 @@ def train(
     try:
         if resume and init_from is not None:
             raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
-        if init_from is not None:
+        hf_folder = _hf_folder(init_from)
+        if init_from is not None and hf_folder is None:
             find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
         out = out or Path("runs") / config.stem
         if out.exists() and not out.is_dir():
@@ -70,6 +75,8 @@ def train(
             raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
         for nodes, parsed in sizes.items():
             validate(parsed, world_size=nproc * nodes)
+        if hf_folder is not None:
+            check_matches(hf_folder, parsed.model)
         if parsed.model.kind != "vit":
             check_text_source(
                 parsed.data.source,
@@ -91,7 +98,7 @@ def train(
     if resume:
         args.append("--resume")
     if init_from is not None:
-        args += ["--init-from", str(init_from.resolve())]
+        args += ["--init-from", f"{PREFIX}{hf_folder.resolve()}" if hf_folder else str(Path(init_from).resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.trainer.run", args, torchrun))
 
 
@@ -105,3 +112,10 @@ def _nodes(torchrun_args: list[str]) -> tuple[int, int]:
                 raise typer.BadParameter(f"--nnodes={value}: give N or MIN:MAX nodes", param_hint="--torchrun")
             return int(parts[0]), int(parts[-1])
     return 1, 1
+
+
+def _hf_folder(init_from: str | None) -> Path | None:
+    """The folder of ``--init-from hf:DIR``; None for a polyshard checkpoint."""
+    from polyshard.trainer.hf import PREFIX
+
+    return Path(init_from[len(PREFIX) :]) if init_from is not None and init_from.startswith(PREFIX) else None

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
+from polyshard.trainer import hf
 from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
@@ -175,15 +176,20 @@ def _load(
     return source.step
 
 
-def checkpoint_to_load(out: Path, resume: bool, init_from: str | Path | None) -> Source | None:
+def checkpoint_to_load(
+    config: Config, out: Path, resume: bool, init_from: str | Path | None
+) -> Source | hf.HFSource | None:
     """The checkpoint a run starts from, opened and verified: ``init_from`` (a step folder or a folder
-    of them), or with ``resume`` the newest valid one under ``out/checkpoints`` (newer ones that fail
-    verification are named and passed over); None for a fresh start."""
+    of them, or ``hf:DIR``, a Hugging Face model folder: weights only, from step 0), or with
+    ``resume`` the newest valid one under ``out/checkpoints`` (newer ones that fail verification
+    are named and passed over); None for a fresh start."""
 
     def skipped(folder: Path, err: Exception) -> None:
         if dist.get_rank() == 0:
             print(f"skipping {folder}: {err}", flush=True)
 
+    if init_from is not None and str(init_from).startswith(hf.PREFIX):
+        return hf.HFSource(str(init_from)[len(hf.PREFIX) :], config)
     if init_from is not None:
         return open_checkpoint(init_from, skipped)
     if resume:
@@ -241,8 +247,14 @@ def train(
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
-    source = checkpoint_to_load(out, resume, init_from)
-    start = _load(engine, config, source, train_data, result, log) if source is not None else 0
+    source = checkpoint_to_load(config, out, resume, init_from)
+    start = 0
+    if isinstance(source, hf.HFSource):
+        load_into(engine, source)  # weights only: the optimizer, data and step start fresh
+        if log and rank0:
+            print(f"initialised from the Hugging Face model in {source.folder}", flush=True)
+    elif source is not None:
+        start = _load(engine, config, source, train_data, result, log)
     metrics = MetricsLog(out, enabled=rank0 and log, resume_from=start if resume else None)
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length

@@ -1,0 +1,209 @@
+"""Hugging Face GPT-2 in and out. A tiny GPT-2 is built with `transformers` (random weights, saved
+with save_pretrained; nothing is downloaded), imported onto several meshes, scored, saved, and
+written back in the Hugging Face format.
+
+Tolerances: the import itself is exact (a copy of regions), so weights compare bitwise. Logits and
+losses are float32 computations done in another order than transformers' (fused vs separate q/k/v
+matmuls, SDPA kernels, vocab-parallel softmax), so they agree to float32 round-off: 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyshard.mesh import Mesh
+from polyshard.trainer.checkpoint_format import CheckpointError
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.hf import HFSource, hf_state, model_settings, write_hf
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUND_OFF = 1e-5
+
+
+def _save_gpt2(folder: Path, tie: bool) -> Path:
+    config = transformers.GPT2Config(
+        vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=tie,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # GPT-2 starts its biases and norms at 0 and 1; make every tensor count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return {tie: _save_gpt2(tmp_path_factory.mktemp("gpt2"), tie=tie) for tie in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def gpt2(folders):
+    return folders[True]
+
+
+def _config(folder: Path, corpus: str, **parallel):
+    return from_dict(
+        {
+            "model": model_settings(folder),
+            "parallel": parallel,
+            "training": {"steps": 3, "global_batch_size": 4, "eval_every": 0},
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (4, 13), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits_and_loss(folder: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    return logits, float(loss)
+
+
+def _import_score_save(config, folder, out):
+    from polyshard.trainer.checkpoint import save_checkpoint
+    from polyshard.trainer.loop import evaluate_batches
+    from polyshard.trainer.parallelize import build_engine
+    from polyshard.trainer.reshard import load_into
+    from polyshard.trainer.state import state_tensors
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    load_into(engine, HFSource(folder, config))
+    tokens = _tokens()
+    data_ranks = config.parallel.dp * config.parallel.ep
+    part = tokens.chunk(data_ranks)[mesh.group_rank(("dp", "ep"))]
+    loss, _ = evaluate_batches(engine, [(part[:, :-1], part[:, 1:])])
+    save_checkpoint(out, 0, state_tensors(engine), mesh_axes=config.parallel.mesh_axes, config=_asdict(config))
+    return loss
+
+
+def _asdict(config):
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+LAYOUTS = {
+    "one": (True, {}),
+    "tp2": (True, {"tp": 2}),
+    "pp2": (True, {"pp": 2}),
+    "dp2xtp2": (True, {"dp": 2, "tp": 2}),
+    "tp2xpp2": (True, {"tp": 2, "pp": 2}),
+    "dp2-zero3": (True, {"dp": 2, "zero_stage": 3}),
+    "untied-one": (False, {}),
+    "untied-tp2xpp2": (False, {"tp": 2, "pp": 2}),  # the head's own weight, vocab-parallel on the last stage
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
+    from polyshard.trainer.export import consolidate
+    from polyshard.trainer.models import build_model
+
+    tie, parallel = LAYOUTS[layout]
+    gpt2 = folders[tie]
+    config = _config(gpt2, corpus, **parallel)
+    losses = distributed.run(config.parallel.world_size, _import_score_save, config, gpt2, tmp_path)
+    hf_logits, hf_loss = _hf_logits_and_loss(gpt2)
+    assert losses == pytest.approx([hf_loss] * len(losses), rel=ROUND_OFF)  # every rank, every layout
+    state = consolidate(next(tmp_path.glob("step_*")))
+    # Import then export, with no training between: the original tensors, bit for bit.
+    from safetensors.torch import load_file
+
+    original = {k: v for k, v in load_file(gpt2 / "model.safetensors").items() if not k.endswith(".attn.bias")}
+    exported = hf_state(state, config.model)
+    assert exported.keys() == original.keys() - ({"lm_head.weight"} if config.model.tie_embeddings else set())
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, original[name]), name
+    model = build_model(config.model)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits = model.eval()(_tokens()[:, :-1])
+    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+
+
+def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
+    """polyshard train --init-from hf:DIR on dp2 x tp2, then export --format hf: transformers loads it
+    with no missing or unexpected keys, and its logits are polyshard's."""
+    from polyshard.trainer.checkpoint import latest_checkpoint
+    from polyshard.trainer.export import consolidate
+    from polyshard.trainer.models import build_model
+
+    settings = model_settings(gpt2)
+    toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+    toml += "[parallel]\ndp = 2\ntp = 2\n[training]\nsteps = 3\nglobal_batch_size = 4\neval_every = 0\n"
+    toml += f"sample_tokens = 0\n[data]\nsource = {json.dumps(corpus)}\n"
+    (tmp_path / "c.toml").write_text(toml)
+    polyshard = [sys.executable, "-m", "polyshard.cli.main"]
+    run = tmp_path / "run"
+    train = [*polyshard, "train", str(tmp_path / "c.toml"), "--out", str(run), "--init-from", f"hf:{gpt2}"]
+    done = subprocess.run(train, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "initialised from the Hugging Face model" in done.stdout
+    out = tmp_path / "hf-out"
+    exported = subprocess.run(
+        [*polyshard, "export", str(run), str(out), "--format", "hf"], capture_output=True, text=True
+    )
+    assert exported.returncode == 0, exported.stderr
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    state = consolidate(latest_checkpoint(run / "checkpoints"))
+    ours = build_model(from_dict({"model": settings}).model)
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        theirs = loaded.eval()(_tokens()[:, :-1]).logits
+        mine = ours.eval()(_tokens()[:, :-1])
+    torch.testing.assert_close(theirs, mine, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert not torch.equal(state["layers.0.tok.weight"], _hf_weight(gpt2, "transformer.wte.weight"))  # it trained
+
+
+def _hf_weight(folder: Path, name: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")[name]
+
+
+def test_a_folder_that_does_not_fit_is_refused_naming_what(gpt2, corpus, tmp_path):
+    config = _config(gpt2, corpus)
+    other = from_dict({**_asdict(config), "model": {**_asdict(config)["model"], "hidden": 64}})
+    with pytest.raises(CheckpointError, match="--set model.hidden=32"):
+        HFSource(gpt2, other)
+    # A folder missing a tensor and holding a stray one: both are listed.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((gpt2 / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(gpt2 / "model.safetensors")
+    tensors.pop("transformer.h.1.mlp.c_fc.bias")
+    tensors["transformer.h.1.extra"] = torch.zeros(2)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"missing \['transformer.h.1.mlp.c_fc.bias'\].*\['transformer.h.1.extra'\]"
+    ):
+        HFSource(broken, config)
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):
+        model_settings(llama)
+    with pytest.raises(CheckpointError, match="exists"):
+        write_hf({}, config.model, gpt2)  # never over an existing folder
