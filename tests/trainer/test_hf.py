@@ -144,6 +144,7 @@ def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
     """polyshard train --init-from hf:DIR on dp2 x tp2, then export --format hf: transformers loads it
     with no missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.trainer.checkpoint import latest_checkpoint
+    from polyshard.trainer.data import decode
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.models import build_model
 
@@ -173,6 +174,15 @@ def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
         mine = ours.eval()(_tokens()[:, :-1])
     torch.testing.assert_close(theirs, mine, rtol=ROUND_OFF, atol=ROUND_OFF)
     assert not torch.equal(state["layers.0.tok.weight"], _hf_weight(gpt2, "transformer.wte.weight"))  # it trained
+    # polyshard generate gathers the same weights: greedy (top-k 1) sampling is the model's argmax path.
+    generate = [*polyshard, "generate", str(run), "--prompt", "the king", "--tokens", "6", "--top-k", "1"]
+    sampled = subprocess.run(generate, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr
+    tokens = torch.tensor([list(b"the king")])
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.cat([tokens, ours(tokens)[:, -1:].argmax(-1)], dim=1)
+    assert sampled.stdout.rstrip("\n") == decode(tokens[0].tolist())
 
 
 def _hf_weight(folder: Path, name: str) -> torch.Tensor:

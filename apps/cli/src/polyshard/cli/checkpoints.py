@@ -49,6 +49,37 @@ def export(
         raise typer.Exit(2) from err
 
 
+def generate(
+    ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder (any mesh)."),
+    prompt: str = typer.Option("ROMEO:", "--prompt", help="Text to continue."),
+    tokens: int = typer.Option(200, "--tokens", min=1, help="New tokens to sample."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, help="Softmax temperature (0: greedy)."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the k likeliest tokens (0: all)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the sampling generator."),
+) -> None:
+    """Sample text from a GPT checkpoint: its shards are gathered on one process, as export does."""
+    import math
+
+    from polyshard.trainer.checkpoint import open_checkpoint
+    from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.export import consolidate
+    from polyshard.trainer.loop import sample_text
+
+    if not math.isfinite(temperature):
+        raise typer.BadParameter("give a finite temperature", param_hint="--temperature")
+    try:
+        source = open_checkpoint(ckpt, _report_skip)
+        if source.config.model.kind not in ("gpt", "moe-gpt"):
+            raise CheckpointError(f"{source.folder} holds a {source.config.model.kind!r} model; generate needs a GPT")
+        text = sample_text(
+            source.config, consolidate(source), tokens, prompt, temperature=temperature, top_k=top_k, seed=seed
+        )
+    except CheckpointError as err:
+        typer.echo(f"checkpoint error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(text)
+
+
 def _report_skip(folder: Path, err: Exception) -> None:
     typer.echo(f"skipping {folder}: {err}", err=True)
 

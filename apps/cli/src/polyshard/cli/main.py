@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from polyshard.cli.checkpoints import export, inspect, reshard
+from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.train import train
@@ -19,6 +19,7 @@ app.command("train")(train)
 app.command("inspect")(inspect)
 app.command("export")(export)
 app.command("reshard")(reshard)
+app.command("generate")(generate)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 

@@ -346,11 +346,21 @@ def train(
     return result
 
 
-def sample_text(config: Config, state: dict[str, torch.Tensor], new_tokens: int, prompt: str = "ROMEO:") -> str:
-    """Generate from the unsharded weights on one process."""
+def sample_text(
+    config: Config,
+    state: dict[str, torch.Tensor],
+    new_tokens: int,
+    prompt: str = "ROMEO:",
+    *,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+) -> str:
+    """Generate from the unsharded weights on one process (byte-level tokens)."""
     model = build_model(config.model)
     model.load_state_dict(state, strict=True)
     model.eval()
     tokens = torch.tensor([encode(prompt)])
-    out = model.generate(tokens, new_tokens, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     return decode(out[0].tolist())

@@ -26,7 +26,15 @@ def encode(text: str) -> list[int]:
 
 
 def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+    """Bytes back to text; a token past the byte range (a larger vocabulary) shows as U+FFFD."""
+    text, run = [], bytearray()
+    for t in (int(t) for t in tokens):
+        if t < VOCAB_SIZE:
+            run.append(t)
+            continue
+        text.append(run.decode("utf-8", errors="replace") + "\ufffd")
+        run = bytearray()
+    return "".join(text) + run.decode("utf-8", errors="replace")
 
 
 def _raw_text(source: str) -> datasets.Dataset:

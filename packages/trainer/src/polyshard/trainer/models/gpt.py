@@ -72,11 +72,17 @@ class GPT(nn.Module):
         return x
 
     @torch.no_grad()
-    def generate(self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 1.0, generator=None):
-        """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens)."""
+    def generate(
+        self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 1.0, top_k: int = 0, generator=None
+    ):
+        """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
+        ``top_k`` > 0 samples among the k likeliest tokens only."""
         tokens = prompt
         for _ in range(new_tokens):
             logits = self(tokens[:, -self.context_length :])[:, -1, :] / max(temperature, 1e-5)
+            if 0 < top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits.float(), dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return tokens
