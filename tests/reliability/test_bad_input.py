@@ -27,7 +27,7 @@ CASES = [
     (DP, ["--set", "logging.every=0"], {}, "logging.every=0"),
     (DP, ["--set", "training.eval_batches=-1"], {}, "training.eval_batches=-1"),
     (DP, ["--set", "model.context_length=2000000"], {}, "model.context_length+1=2000001"),
-    (DP, ["--set", "model.vocab_size=100"], {}, "model.vocab_size=100"),
+    (DP, ["--set", "model.vocab_size=100"], {}, "past model.vocab_size=100; use vocab_size >= "),
     (DP, ["--set", "training.grad_clip=nan"], {}, "training.grad_clip=nan"),
     (DP, ["--set", "training.weight_decay=-1"], {}, "training.weight_decay=-1"),
     (DP, ["--set", "training.warmup_steps=1.5"], {}, "training.warmup_steps=1.5 must be an integer"),

@@ -83,6 +83,7 @@ def train(
                 parsed.model.context_length,
                 parsed.data.val_fraction,
                 parsed.training.global_batch_size,
+                parsed.model.vocab_size,
             )
         faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from polyshard.mesh import divisors
 from polyshard.trainer.config import Config
-from polyshard.trainer.data.text import VOCAB_SIZE
 from polyshard.trainer.errors import ConfigError
 
 
@@ -36,11 +35,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"model.kind='vit' trains on images; set data.source='digits' (got {config.data.source!r})")
     if model.kind != "vit" and config.data.source == "digits":
         raise ConfigError("data.source='digits' is an image dataset; it needs model.kind='vit'")
-    if model.kind != "vit" and model.vocab_size < VOCAB_SIZE:
-        raise ConfigError(
-            f"model.vocab_size={model.vocab_size} is smaller than the byte-level tokenizer's {VOCAB_SIZE} tokens; "
-            f"use vocab_size >= {VOCAB_SIZE}"
-        )
 
 
 def _check_tensor_parallel(config: Config) -> None:

@@ -76,12 +76,22 @@ def _local_files(source: str) -> list[Path] | None:
     return None
 
 
-def check_text_source(source: str, context_length: int, val_fraction: float, global_batch: int) -> None:
-    """Before any process starts: a local source must exist and hold at least one global batch of
-    ``context_length + 1``-token examples in each split (the counts :func:`packed_splits` will make)."""
+def check_text_source(
+    source: str, context_length: int, val_fraction: float, global_batch: int, vocab_size: int
+) -> None:
+    """Before any process starts: a local source must exist, its bytes must be tokens of the model's
+    vocabulary, and it must hold at least one global batch of ``context_length + 1``-token examples in
+    each split (the counts :func:`packed_splits` will make)."""
     files = _local_files(source)
     if files is None:
         return
+    if vocab_size < VOCAB_SIZE:  # a small vocabulary fits only data whose bytes stay below it
+        top = max((int(np.fromfile(f, dtype=np.uint8).max(initial=0)) for f in files), default=0)
+        if top >= vocab_size:
+            raise DataError(
+                f"data.source={source!r} holds byte {top}, past model.vocab_size={vocab_size}; "
+                f"use vocab_size >= {top + 1} ({VOCAB_SIZE} fits any text)"
+            )
     tokens = sum(f.stat().st_size for f in files) + len(files) - 1  # documents joined by newlines
     count = tokens // (context_length + 1)
     num_val = max(1, int(round(count * val_fraction)))
