@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/tp packages/pp packages/dp packages/ep packages/trainer apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test demo lint format clean
+.PHONY: setup test test-long demo lint format clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Whole jobs that take minutes each (faults, hangs, elastic nodes, Hugging Face round trips); CI runs them too.
+test-long: setup
+	$(BIN)/python -m pytest -q -m long
 
 DEMO_CONFIG := apps/configs/gpt-shakespeare-3d.toml
 # The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample.

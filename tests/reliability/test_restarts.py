@@ -36,6 +36,7 @@ def _same_run(out, reference) -> None:
         assert torch.equal(mine[name], theirs[name]), name
 
 
+@pytest.mark.long
 def test_a_preempted_run_whose_worker_is_then_killed_equals_an_uninterrupted_run(uninterrupted, tmp_path):
     # A job is preempted at step 3 (--stop-at), resumed, and loses a worker mid-step 5; torchrun
     # restarts the group, which resumes from step 4's checkpoint. Nothing shows in the result.
@@ -54,7 +55,7 @@ def test_a_preempted_run_whose_worker_is_then_killed_equals_an_uninterrupted_run
     _same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.chaos
+@pytest.mark.long
 @pytest.mark.parametrize("fault", ["step@5:1", "save@4:1", "saved@4:0"])
 def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes(uninterrupted, tmp_path, fault):
     done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": fault})
@@ -64,7 +65,7 @@ def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes
     _same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.chaos
+@pytest.mark.long
 def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, env={"POLYSHARD_FAULT": "save@6:1"})
     assert crashed.returncode != 0

@@ -140,6 +140,7 @@ def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path
     torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
 
 
+@pytest.mark.long
 def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
     """polyshard train --init-from hf:DIR on dp2 x tp2, then export --format hf: transformers loads it
     with no missing or unexpected keys, and its logits are polyshard's."""
