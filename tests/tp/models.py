@@ -20,7 +20,7 @@ from polyshard.tp import (
     VocabParallel,
     gather_full_tensor,
 )
-from polyshard.tp.examples import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
+from polyshard.tp.transformer import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
 
 
 class GPT(nn.Module):
@@ -46,11 +46,11 @@ def block_plan(prefix: str, sequence_parallel: bool) -> dict:
         f"{prefix}attn": [TPEntry(**sp), ShardHeads()],
         f"{prefix}attn.[qkv]_proj": ColumnParallel(input_entered=True),
         f"{prefix}attn.o_proj": RowParallel(**sp),
-        f"{prefix}mlp.fc1": ColumnParallel(**sp),
-        f"{prefix}mlp.fc2": RowParallel(**sp),
+        f"{prefix}mlp.fc_in": ColumnParallel(**sp),
+        f"{prefix}mlp.fc_out": RowParallel(**sp),
     }
     if sequence_parallel:
-        plan[f"{prefix}ln_*"] = SequenceParallel()
+        plan[f"{prefix}norm*"] = SequenceParallel()
     return plan
 
 

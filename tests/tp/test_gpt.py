@@ -60,7 +60,7 @@ def _run_float64(axes, sequence_parallel, tie):
     if tie:
         ref.head.weight = ref.tok.weight  # GPT-2's tied input embedding and output head
     model = parallelize(copy.deepcopy(ref), tp_group=group, plan=gpt_plan(sequence_parallel))
-    assert get_placement(model.blocks[1].mlp.fc1.weight).name == "blocks.1.mlp.fc1.weight"
+    assert get_placement(model.blocks[1].mlp.fc_in.weight).name == "blocks.1.mlp.fc_in.weight"
 
     start = copy.deepcopy(ref.state_dict())
     ref_losses = _train(ref, lambda logits, t: F.cross_entropy(logits.reshape(-1, VOCAB), t.reshape(-1)))

@@ -60,12 +60,12 @@ def test_placement_records(distributed):
         assert r["tok_shape"] == r["head_shape"] == (13, 32)
         assert records["blocks.0.attn.q_proj.weight"].placement("tp") == Shard(0)
         assert records["blocks.0.attn.q_proj.bias"].placement("tp") == Shard(0)
-        assert records["blocks.0.mlp.fc2.weight"].placement("tp") == Shard(1)
-        for replicated in ("blocks.0.mlp.fc2.bias", "blocks.0.ln_1.weight", "ln_f.bias", "pos.weight"):
+        assert records["blocks.0.mlp.fc_out.weight"].placement("tp") == Shard(1)
+        for replicated in ("blocks.0.mlp.fc_out.bias", "blocks.0.norm1.weight", "ln_f.bias", "pos.weight"):
             assert records[replicated].placement("tp") == Replicate(), replicated
         assert r["flagged"] == sorted(
-            ["blocks.0.ln_1.weight", "blocks.0.ln_1.bias", "blocks.0.ln_2.weight", "blocks.0.ln_2.bias"]
-            + ["blocks.0.attn.o_proj.bias", "blocks.0.mlp.fc2.bias", "ln_f.weight", "ln_f.bias"]
+            ["blocks.0.norm1.weight", "blocks.0.norm1.bias", "blocks.0.norm2.weight", "blocks.0.norm2.bias"]
+            + ["blocks.0.attn.o_proj.bias", "blocks.0.mlp.fc_out.bias", "ln_f.weight", "ln_f.bias"]
         )
         assert r["heads"] == (1, 1)
 
@@ -78,16 +78,16 @@ def _bad_plans():
     seen["heads"] = caught(parallelize, block, tp_group=group, plan=block_plan("", sequence_parallel=False))
     seen["block_after_checks"] = (type(block.attn.q_proj), block.attn.num_heads)
     seen["kv_heads"] = caught(parallelize, Block(32, 8, 2), tp_group=group, plan={"attn": ShardHeads()})
-    seen["layer_norm"] = caught(parallelize, block, tp_group=group, plan={"ln_1": ColumnParallel()})
-    two_patterns = {"mlp.fc1": ColumnParallel(), "mlp.fc*": RowParallel()}
+    seen["layer_norm"] = caught(parallelize, block, tp_group=group, plan={"norm1": ColumnParallel()})
+    two_patterns = {"mlp.fc_in": ColumnParallel(), "mlp.fc_*": RowParallel()}
     seen["two_patterns"] = caught(parallelize, block, tp_group=group, plan=two_patterns)
     seen["no_heads"] = caught(parallelize, block, tp_group=group, plan={"mlp": ShardHeads()})
-    seen["not_a_style"] = caught(parallelize, block, tp_group=group, plan={"mlp.fc1": "column"})
-    odd_linear = nn.ModuleDict({"ln_1": nn.Linear(4, 6)})
-    seen["out_features"] = caught(parallelize, odd_linear, tp_group=group, plan={"ln_1": ColumnParallel()})
+    seen["not_a_style"] = caught(parallelize, block, tp_group=group, plan={"mlp.fc_in": "column"})
+    odd_linear = nn.ModuleDict({"norm1": nn.Linear(4, 6)})
+    seen["out_features"] = caught(parallelize, odd_linear, tp_group=group, plan={"norm1": ColumnParallel()})
     seen["column_linear"] = caught(ColumnParallelLinear, 8, 10, tp_group=group)
     seen["row_linear"] = caught(RowParallelLinear, 6, 8, tp_group=group)
-    seen["fc1_after_errors"] = type(block.mlp.fc1)
+    seen["fc_in_after_errors"] = type(block.mlp.fc_in)
     entered = parallelize(Block(24, 6, 6), tp_group=group, plan={"attn": TPEntry()})
     seen["keyword_input"] = caught(entered.attn, x=torch.zeros(1, 4, 24))
     tied = GPT(50, 32, 4, 1, max_seq=8)
@@ -114,14 +114,14 @@ def test_bad_plans_are_typed_errors(distributed):
         q_proj_type, num_heads = seen["block_after_checks"]
         assert issubclass(q_proj_type, nn.Linear) and num_heads == 6
         assert_caught(seen["kv_heads"], TPShapeError, r"num_kv_heads=2 of attn; choose tp in \{1, 2\}")
-        assert_caught(seen["layer_norm"], PlanError, "ColumnParallel.* cannot apply to 'ln_1', a LayerNorm")
-        assert_caught(seen["two_patterns"], PlanError, "converted by two patterns: 'mlp.fc1' and 'mlp.fc\\*'")
+        assert_caught(seen["layer_norm"], PlanError, "ColumnParallel.* cannot apply to 'norm1', a LayerNorm")
+        assert_caught(seen["two_patterns"], PlanError, "converted by two patterns: 'mlp.fc_in' and 'mlp.fc_\\*'")
         assert_caught(seen["no_heads"], PlanError, "'mlp' has none of the head-count attributes")
         assert_caught(seen["not_a_style"], PlanError, "not a tp style such as ColumnParallel")
         assert_caught(
             seen["out_features"],
             TPShapeError,
-            r"tp=4 does not divide out_features of ln_1.*=6; choose tp in \{1, 2, 3, 6\}",
+            r"tp=4 does not divide out_features of norm1.*=6; choose tp in \{1, 2, 3, 6\}",
         )
         assert_caught(
             seen["column_linear"], TPShapeError, r"tp=4 does not divide out_features=10; choose tp in \{1, 2, 5, 10\}"
@@ -129,7 +129,7 @@ def test_bad_plans_are_typed_errors(distributed):
         assert_caught(
             seen["row_linear"], TPShapeError, r"tp=4 does not divide in_features=6; choose tp in \{1, 2, 3, 6\}"
         )
-        assert issubclass(seen["fc1_after_errors"], nn.Linear)
+        assert issubclass(seen["fc_in_after_errors"], nn.Linear)
         assert_caught(
             seen["keyword_input"], PlanError, r"TPEntry\(.*\) on 'attn' needs the activation as the first positional"
         )

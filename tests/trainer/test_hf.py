@@ -218,3 +218,25 @@ def test_a_folder_that_does_not_fit_is_refused_naming_what(gpt2, corpus, tmp_pat
         model_settings(llama)
     with pytest.raises(CheckpointError, match="exists"):
         write_hf({}, config.model, gpt2)  # never over an existing folder
+
+
+def test_a_sharded_folder_reads_like_one_file(gpt2, corpus, tmp_path):
+    """save_pretrained above max_shard_size writes model.safetensors.index.json and several files;
+    every region read from them equals the single file's."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt2)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    config = _config(gpt2, corpus)
+    whole, sharded = HFSource(gpt2, config), HFSource(tmp_path, config)
+    for name in whole.sources:
+        key = "model/" + name
+        shape = whole.global_shape(key)
+        assert sharded.global_shape(key) == shape
+        start = tuple(n // 3 for n in shape)  # an inner region, as a tp or ZeRO rank would read
+        size = tuple(max(1, n // 2) for n in shape)
+        assert torch.equal(sharded.read(key, start, size, torch.float32), whole.read(key, start, size, torch.float32))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["transformer.wte.weight"] = "../elsewhere.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="must be a bare name"):
+        HFSource(tmp_path, config)

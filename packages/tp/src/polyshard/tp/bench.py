@@ -23,9 +23,9 @@ from torch import nn
 
 from polyshard.mesh import Mesh
 from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
-from polyshard.tp.examples import MLP, Attention, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
+from polyshard.tp.transformer import MLP, Attention, Block
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +34,7 @@ B, S, H, HEADS = 4, 128, 256, 8
 
 
 def _ours(model: nn.Module, tp_group: dist.ProcessGroup | None, prefix: str) -> nn.Module:
-    plan: dict[str, Style | list[Style]] = {f"{prefix}fc1": ColumnParallel(), f"{prefix}fc2": RowParallel()}
+    plan: dict[str, Style | list[Style]] = {f"{prefix}fc_in": ColumnParallel(), f"{prefix}fc_out": RowParallel()}
     if prefix:
         plan |= {
             "attn": [TPEntry(), ShardHeads()],
@@ -47,7 +47,7 @@ def _ours(model: nn.Module, tp_group: dist.ProcessGroup | None, prefix: str) -> 
 def _peer(model: nn.Module, device_mesh: DeviceMesh, prefix: str) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan = {f"{prefix}fc1": ColwiseParallel(), f"{prefix}fc2": RowwiseParallel()}
+    plan = {f"{prefix}fc_in": ColwiseParallel(), f"{prefix}fc_out": RowwiseParallel()}
     if prefix:
         plan |= {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"attn.o_proj": RowwiseParallel()}
         attn = cast(Attention, model.get_submodule("attn"))  # the Block case's attention

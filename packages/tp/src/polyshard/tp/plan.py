@@ -10,12 +10,12 @@ and the ``SequenceParallel()`` lines for plain tensor parallelism)::
 
     sp = dict(sequence_parallel=True)
     plan = {
-        "blocks.*.ln_*": SequenceParallel(),                    # norms run on a sequence shard
+        "blocks.*.norm*": SequenceParallel(),                   # norms run on a sequence shard
         "blocks.*.attn": [TPEntry(**sp), ShardHeads()],         # one entry for q, k and v
         "blocks.*.attn.[qkv]_proj": ColumnParallel(input_entered=True),
         "blocks.*.attn.o_proj": RowParallel(**sp),
-        "blocks.*.mlp.fc1": ColumnParallel(**sp),
-        "blocks.*.mlp.fc2": RowParallel(**sp),
+        "blocks.*.mlp.fc_in": ColumnParallel(**sp),
+        "blocks.*.mlp.fc_out": RowParallel(**sp),
     }
     parallelize(model, tp_group=mesh.group("tp"), plan=plan)
 """

@@ -14,8 +14,8 @@ from torch import nn
 from polyshard.ep import MoEConfig
 from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.models.gpt import GPT
+from polyshard.trainer.models.init import init_weights
 from polyshard.trainer.models.moe import MoEMLP
-from polyshard.trainer.models.transformer import init_weights
 from polyshard.trainer.models.vit import ViT
 
 

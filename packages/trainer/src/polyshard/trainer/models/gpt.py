@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.trainer.models.transformer import Block
+from polyshard.tp.transformer import Block
 
 
 class Embedding(nn.Module):

@@ -1,9 +1,15 @@
-"""The transformer block shared by the GPT and the ViT: pre-norm attention + MLP.
+"""The transformer block as plain PyTorch: pre-norm attention + MLP, no parallelism inside.
+
+These are the modules tensor parallelism converts (:func:`polyshard.tp.parallelize` with a plan
+that names ``attn.[qkv]_proj``, ``attn.o_proj``, ``mlp.fc_in``, ``mlp.fc_out``), the ones tp's
+benchmark and tests use, and the ones the trainer's GPT and ViT are built from: one block, one
+place.
 
 Shapes: B batch, S sequence, H hidden, D head dim, N query heads, K key/value heads.
 
-Attention reshapes with ``-1`` heads, so a tensor-parallel rank whose q/k/v
-projections hold N/tp and K/tp heads runs the same code unchanged.
+Attention reshapes with ``-1`` heads, so a tensor-parallel rank whose q/k/v projections hold N/tp
+and K/tp heads runs the same code unchanged. ``nn.Module.__call__`` returns Any in torch's stubs,
+hence the ignores on the forwards' returns.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, *, causal: bool, dropout: float = 0.0):
+    """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads."""
+
+    def __init__(
+        self, hidden: int, num_heads: int, num_kv_heads: int | None = None, *, causal: bool = True, dropout: float = 0.0
+    ):
         super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden // num_heads
         self.causal, self.dropout = causal, dropout
@@ -39,17 +50,20 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return self.o_proj(y.transpose(1, 2).flatten(2))
+        return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, mlp_hidden: int):
+    """fc_out(gelu(fc_in(x))) with GPT-2's tanh GELU; ``mlp_hidden`` defaults to 4 x hidden."""
+
+    def __init__(self, hidden: int, mlp_hidden: int | None = None):
         super().__init__()
+        mlp_hidden = mlp_hidden or 4 * hidden
         self.fc_in = nn.Linear(hidden, mlp_hidden)
         self.fc_out = nn.Linear(mlp_hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
@@ -64,10 +78,10 @@ class Block(nn.Module):
         self,
         hidden: int,
         num_heads: int,
-        num_kv_heads: int,
-        mlp_ratio: int,
+        num_kv_heads: int | None = None,
+        mlp_ratio: int = 4,
         *,
-        causal: bool,
+        causal: bool = True,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
     ):
@@ -81,22 +95,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(self._forward, x, use_reentrant=False)  # type: ignore[no-any-return]
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.mlp(self.norm2(x)))
-
-
-def init_weights(module: nn.Module, num_layers: int, generator: torch.Generator | None = None) -> None:
-    """GPT-2 initialisation: N(0, 0.02), output projections scaled by 1/sqrt(2 x layers)."""
-    for name, p in module.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif "norm" in name:
-            nn.init.ones_(p)
-        elif name.endswith(("o_proj.weight", "fc_out.weight", "experts.w2")):
-            nn.init.normal_(p, std=0.02 / (2 * num_layers) ** 0.5, generator=generator)
-        else:
-            nn.init.normal_(p, std=0.02, generator=generator)
+        return x + self.drop(self.mlp(self.norm2(x)))  # type: ignore[no-any-return]
