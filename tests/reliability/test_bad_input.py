@@ -60,6 +60,7 @@ CASES = [
     (DP, ["--set", "parallel.dp=auto", "--set", "parallel.tp=2", "--nproc", "3"], {}, "do not split into tp x pp"),
     (DP, ["--torchrun=--nnodes=1:2"], {}, "--nnodes=1:2 (elastic) needs parallel.dp='auto'"),
     (DP, ["--nproc", "0"], {}, "--nproc 0"),
+    (DP, ["--init-from", "hf:/nonexistent/gpt2"], {}, "/nonexistent/gpt2 holds no config.json"),
     ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),

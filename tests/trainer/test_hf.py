@@ -240,3 +240,25 @@ def test_a_sharded_folder_reads_like_one_file(gpt2, corpus, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="must be a bare name"):
         HFSource(tmp_path, config)
+
+
+def test_export_shards_above_the_size_limit_and_transformers_loads_it(gpt2, corpus, tmp_path):
+    from safetensors.torch import load_file
+
+    config = _config(gpt2, corpus)
+    source = HFSource(gpt2, config)
+    state = {name: source.read("model/" + name, (0,) * len(s), s, torch.float32) for name, s in _shapes(source)}
+    state["layers.3.proj.weight"] = state["layers.0.tok.weight"]  # the tied head, as consolidate gives it
+    out = write_hf(state, config.model, tmp_path / "sharded", max_shard_bytes=20_000)
+    files = sorted(out.glob("model-*.safetensors"))
+    assert len(files) > 2 and (out / "model.safetensors.index.json").exists()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    original = load_file(gpt2 / "model.safetensors")
+    for name, tensor in loaded.state_dict().items():
+        if name in original:
+            assert torch.equal(tensor, original[name]), name
+
+
+def _shapes(source):
+    return [(name, source.global_shape("model/" + name)) for name in source.sources]

@@ -27,6 +27,19 @@ def test_describe_lists_every_group():
     assert "pp x dp x tp" in text and "memory per rank (estimate)" in text
 
 
+def test_model_states_count_the_heaviest_pipeline_rank_and_the_tied_copy():
+    # Before: num_params / pp, which misses a tied head's copy of the embedding on the last stage.
+    import re
+
+    config = from_dict({"model": {"preset": "tiny", "tie_embeddings": True}, "parallel": {"pp": 2}})
+    text = describe(config)
+    stages = [int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) parameters\)", text)]
+    assert sum(stages) > parameter_count(config)  # the copy is counted once more
+    assert f"heaviest pipeline rank holds {max(stages):,}" in text
+    states = float(re.search(r"model states ([\d,.]+) MiB", text).group(1).replace(",", ""))
+    assert states == pytest.approx(model_state_bytes_per_rank(config, max(stages)) / 2**20, abs=0.05)
+
+
 def test_a_tied_head_weighs_in_the_pipeline_split():
     from polyshard.trainer.parallelize import pipeline_bounds
 

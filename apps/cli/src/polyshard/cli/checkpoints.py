@@ -26,6 +26,9 @@ def export(
     format: str = typer.Option(
         "polyshard", "--format", help="polyshard: one file of the plain model's weights; hf: a transformers folder."
     ),
+    max_shard_mb: float = typer.Option(
+        5120.0, "--max-shard-mb", min=1.0, help="--format hf: weights above this many MiB go into several files."
+    ),
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2)."""
@@ -40,7 +43,7 @@ def export(
     try:
         source = open_checkpoint(ckpt, _report_skip)
         if format == "hf":
-            written = write_hf(consolidate(source), source.config.model, out)
+            written = write_hf(consolidate(source), source.config.model, out, int(max_shard_mb * 2**20))
         else:
             written = export_checkpoint(source, out)
         typer.echo(f"wrote {written}")

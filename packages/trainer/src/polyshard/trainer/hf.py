@@ -289,9 +289,13 @@ def hf_config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-def write_hf(state: Mapping[str, torch.Tensor], model: ModelConfig, destination: str | Path) -> Path:
-    """Write a Hugging Face folder (``config.json``, ``model.safetensors``) into ``destination``, which
-    must not exist yet; it is built under a temporary name and renamed, so it is whole or absent."""
+def write_hf(
+    state: Mapping[str, torch.Tensor], model: ModelConfig, destination: str | Path, max_shard_bytes: int = 5 << 30
+) -> Path:
+    """Write a Hugging Face folder into ``destination``, which must not exist yet: ``config.json`` and
+    ``model.safetensors``, or above ``max_shard_bytes`` the shards ``model-00001-of-0000N.safetensors``
+    with ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). It is built under a
+    temporary name and renamed, so it is whole or absent."""
     destination = Path(destination)
     if destination.exists():
         raise CheckpointError(f"{destination} exists; give a new folder for the Hugging Face model")
@@ -302,7 +306,18 @@ def write_hf(state: Mapping[str, torch.Tensor], model: ModelConfig, destination:
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, names in enumerate(shards, start=1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, file))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         tmp.rename(destination)
     except BaseException:
         for file in tmp.iterdir():
@@ -310,3 +325,17 @@ def write_hf(state: Mapping[str, torch.Tensor], model: ModelConfig, destination:
         tmp.rmdir()
         raise
     return destination
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names in file order, cut into groups of at most ``max_bytes`` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups

@@ -28,9 +28,11 @@ def parameter_count(config: Config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_state_bytes_per_rank(config: Config, num_params: int) -> float:
+def model_state_bytes_per_rank(config: Config, rank_params: int) -> float:
+    """Weights, gradients and AdamW state of ``rank_params`` parameters (what one pipeline rank holds:
+    all its stages, a tied head's copy included) on one rank, after tp and ZeRO split them."""
     par = config.parallel
-    local = num_params / (par.tp * par.pp)
+    local = rank_params / par.tp
     weight, grad, optim = (2, 2, 12) if config.training.precision == "bf16" else (4, 4, 8)
     n = par.dp * par.ep  # ZeRO shards over every data rank
     if par.zero_stage >= 1:
@@ -76,17 +78,20 @@ def describe(config: Config) -> str:
     costs = layer_costs(shapes, tied_names(config.model))  # a tied head holds its copy of the embedding
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
     lines.append(f"pipeline ({par.schedule}, {par.microbatches} microbatches; layer 0 embeds, the last is the head):")
+    per_pp_rank: dict[int, int] = {}
     for stage, layers in enumerate(pipeline_bounds(config, shapes)):
         count = sum(costs[i] for i in layers)
+        per_pp_rank[schedule.rank_of(stage)] = per_pp_rank.get(schedule.rank_of(stage), 0) + count
         lines.append(
             f"  stage {stage} on pp rank {schedule.rank_of(stage)}: layers {layers.start}-{layers.stop - 1} "
             f"({count:,} parameters)"
         )
     num_params = parameter_count(config)
-    states = model_state_bytes_per_rank(config, num_params)
+    heaviest = max(per_pp_rank.values())  # pipeline ranks hold unequal shares; the largest sets the need
+    states = model_state_bytes_per_rank(config, heaviest)
     acts = activation_bytes_per_rank(config)
     lines += [
-        f"model: {config.model.kind}, {num_params:,} parameters",
+        f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}",
         f"memory per rank (estimate): model states {states / 2**20:,.1f} MiB "
         f"(ZeRO-{par.zero_stage}, {config.training.precision}), activations {acts / 2**20:,.1f} MiB, "
         f"total {(states + acts) / 2**20:,.1f} MiB",
