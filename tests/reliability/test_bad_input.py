@@ -61,6 +61,7 @@ CASES = [
     (DP, ["--torchrun=--nnodes=1:2"], {}, "--nnodes=1:2 (elastic) needs parallel.dp='auto'"),
     (DP, ["--nproc", "0"], {}, "--nproc 0"),
     (DP, ["--init-from", "hf:/nonexistent/gpt2"], {}, "/nonexistent/gpt2 holds no config.json"),
+    (DP, ["--set", "data.tokenizer=/nonexistent/tok.json"], {}, "data.tokenizer='/nonexistent/tok.json': no"),
     ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),

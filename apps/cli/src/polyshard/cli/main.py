@@ -9,6 +9,7 @@ import typer
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
 from polyshard.cli.schedule import schedule_command
+from polyshard.cli.tokenizer import tokenizer_command
 from polyshard.cli.train import train
 
 app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.", no_args_is_help=True)
@@ -20,6 +21,7 @@ app.command("inspect")(inspect)
 app.command("export")(export)
 app.command("reshard")(reshard)
 app.command("generate")(generate)
+app.command("tokenizer")(tokenizer_command)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
 

@@ -84,6 +84,7 @@ def train(
                 parsed.data.val_fraction,
                 parsed.training.global_batch_size,
                 parsed.model.vocab_size,
+                parsed.data.tokenizer,
             )
         faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts

@@ -257,6 +257,9 @@ class DataConfig:
     """Share of the data held out for validation."""
     shuffle: bool = True
     """Shuffle training examples (seeded by training.seed)."""
+    tokenizer: str = "bytes"
+    """'bytes' (each UTF-8 byte a token), or a tokenizer.json (or a folder holding one, e.g. a Hugging Face
+    model's) read with the tokenizers library; `polyshard tokenizer` trains a byte-level BPE."""
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:

