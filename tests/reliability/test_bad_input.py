@@ -62,6 +62,8 @@ CASES = [
     (DP, ["--nproc", "0"], {}, "--nproc 0"),
     (DP, ["--init-from", "hf:/nonexistent/gpt2"], {}, "/nonexistent/gpt2 holds no config.json"),
     (DP, ["--set", "data.tokenizer=/nonexistent/tok.json"], {}, "data.tokenizer='/nonexistent/tok.json': no"),
+    (DP, ["--set", "model.norm=batch"], {}, "model.norm='batch'; choose one of ['layer', 'rms']"),
+    (DP, ["--set", "model.positions=rope", "--set", "model.hidden=60", "--set", "model.num_heads=4"], {}, "even"),
     ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),

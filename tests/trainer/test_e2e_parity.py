@@ -27,7 +27,11 @@ DENSE_RTOL = 2e-5
 MOE_RTOL = 2e-4
 
 
-def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, **parallel):
+# Llama's architecture on the small GPT: RMSNorm, SwiGLU, rotary positions, no biases, 2 kv heads (GQA).
+LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+
+
+def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llama=False, **parallel):
     return from_dict(
         {
             "model": {
@@ -38,6 +42,7 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, **pa
                 "context_length": 16,
                 "aux_loss_weight": aux_loss_weight,
                 "tie_embeddings": tie_embeddings,
+                **(LLAMA if llama else {}),
             },
             "parallel": parallel,
             "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 2, "eval_every": 0},
@@ -60,6 +65,7 @@ def reference(distributed, corpus, tmp_path_factory):
     refs = {kind: distributed.run(1, _train, _config(corpus, kind), out)[0] for kind in ("gpt", "moe-gpt")}
     refs["moe-gpt-no-aux"] = distributed.run(1, _train, _config(corpus, "moe-gpt", aux_loss_weight=0.0), out)[0]
     refs["tied"] = distributed.run(1, _train, _config(corpus, tie_embeddings=True), out)[0]
+    refs["llama"] = distributed.run(1, _train, _config(corpus, llama=True), out)[0]
     return refs
 
 
@@ -91,6 +97,24 @@ TIED_LAYOUTS = [
     pytest.param(4, {"pp": 2, "dp": 2, "zero_stage": 2, "microbatches": 2}, id="dp2xpp2-zero2"),
     pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
 ]
+
+
+LLAMA_LAYOUTS = [
+    pytest.param(2, {"dp": 2}, id="dp2"),
+    pytest.param(2, {"tp": 2}, id="tp2-gqa"),  # one kv head per tp rank
+    pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
+    pytest.param(2, {"pp": 2, "microbatches": 2}, id="pp2"),
+    pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
+    pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
+]
+
+
+@pytest.mark.parametrize("world, parallel", LLAMA_LAYOUTS)
+def test_llama_losses_match_one_process(distributed, corpus, reference, tmp_path, world, parallel):
+    results = distributed.run(world, _train, _config(corpus, llama=True, **parallel), tmp_path)
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx(reference["llama"], rel=DENSE_RTOL)  # losses and pre-clip grad norms
+    assert results[0][STEPS - 1] < results[0][0]  # it learns
 
 
 @pytest.mark.parametrize("world, parallel", TIED_LAYOUTS)

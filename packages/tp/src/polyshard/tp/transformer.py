@@ -20,21 +20,43 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2104.09864) of ``x`` (B, N, S, D), in the half-split
+    layout Llama and Hugging Face use: dims i and i + D/2 form a pair rotated by pos x theta^(-2i/D).
+    Positions are 0..S-1 of the sequence this call sees (attention always sees whole sequences)."""
+    d, s = x.shape[-1], x.shape[-2]
+    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (S, D/2)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (S, D)
+    x32 = x.float()
+    half = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
+    return (x32 * cos + half * sin).to(x.dtype)
+
+
 class Attention(nn.Module):
-    """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads."""
+    """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
+    rotary positions on q and k when ``rope_theta`` is given (Llama); ``bias`` on the projections (GPT-2)."""
 
     def __init__(
-        self, hidden: int, num_heads: int, num_kv_heads: int | None = None, *, causal: bool = True, dropout: float = 0.0
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        causal: bool = True,
+        dropout: float = 0.0,
+        bias: bool = True,
+        rope_theta: float | None = None,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden // num_heads
-        self.causal, self.dropout = causal, dropout
-        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim)
-        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden)
+        self.causal, self.dropout, self.rope_theta = causal, dropout, rope_theta
+        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
@@ -42,6 +64,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        if self.rope_theta is not None:
+            q, k = rotate(q, self.rope_theta), rotate(k, self.rope_theta)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -56,20 +80,46 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """fc_out(gelu(fc_in(x))) with GPT-2's tanh GELU; ``mlp_hidden`` defaults to 4 x hidden."""
 
-    def __init__(self, hidden: int, mlp_hidden: int | None = None):
+    def __init__(self, hidden: int, mlp_hidden: int | None = None, *, bias: bool = True):
         super().__init__()
         mlp_hidden = mlp_hidden or 4 * hidden
-        self.fc_in = nn.Linear(hidden, mlp_hidden)
-        self.fc_out = nn.Linear(mlp_hidden, hidden)
+        self.fc_in = nn.Linear(hidden, mlp_hidden, bias=bias)
+        self.fc_out = nn.Linear(mlp_hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))  # type: ignore[no-any-return]
 
 
+class SwiGLU(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) (Shazeer 2002.05202), Llama's MLP, without biases.
+    Under tp, gate and up split by columns and down by rows: each rank's share is a whole SwiGLU."""
+
+    def __init__(self, hidden: int, mlp_hidden: int, *, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, mlp_hidden, bias=bias)
+        self.up_proj = nn.Linear(hidden, mlp_hidden, bias=bias)
+        self.down_proj = nn.Linear(mlp_hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+
+
+NORMS = ("layer", "rms")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def norm_layer(kind: str, hidden: int, eps: float = 1e-5) -> nn.Module:
+    """LayerNorm (GPT-2) or RMSNorm (Llama) over the hidden dim."""
+    if kind not in NORMS:
+        raise ValueError(f"norm {kind!r}: choose one of {NORMS}")
+    return nn.LayerNorm(hidden, eps=eps) if kind == "layer" else nn.RMSNorm(hidden, eps=eps)
+
+
 class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
 
-    With ``checkpoint_activations`` only the block's input is kept for backward;
+    GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
+    ``rope_theta``. With ``checkpoint_activations`` only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation.
     """
@@ -84,13 +134,26 @@ class Block(nn.Module):
         causal: bool = True,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
+        norm: str = "layer",
+        activation: str = "gelu",
+        bias: bool = True,
+        rope_theta: float | None = None,
+        mlp_hidden: int | None = None,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: choose one of {ACTIVATIONS}")
         self.checkpoint_activations = checkpoint_activations
-        self.norm1 = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, num_heads, num_kv_heads, causal=causal, dropout=dropout)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = MLP(hidden, mlp_ratio * hidden)
+        self.norm1 = norm_layer(norm, hidden, norm_eps)
+        self.attn = Attention(
+            hidden, num_heads, num_kv_heads, causal=causal, dropout=dropout, bias=bias, rope_theta=rope_theta
+        )
+        self.norm2 = norm_layer(norm, hidden, norm_eps)
+        width = mlp_hidden or mlp_ratio * hidden
+        self.mlp: nn.Module = (
+            MLP(hidden, width, bias=bias) if activation == "gelu" else SwiGLU(hidden, width, bias=bias)
+        )
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,25 @@ from polyshard.mesh import divisors
 from polyshard.trainer.errors import ConfigError
 
 MODEL_KINDS = ("gpt", "moe-gpt", "vit")
-PRESETS: dict[str, dict[str, int]] = {
+# Llama's architecture on the GPT: RMSNorm, SwiGLU, rotary positions, no biases.
+LLAMA: dict[str, Any] = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False}
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"hidden": 64, "num_layers": 4, "num_heads": 4, "context_length": 64},
     "small": {"hidden": 256, "num_layers": 6, "num_heads": 8, "context_length": 256},
     "gpt2-124m": {"hidden": 768, "num_layers": 12, "num_heads": 12, "context_length": 1024, "vocab_size": 50257},
-}
+    "llama-tiny": {
+        **LLAMA, "hidden": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "context_length": 64,
+        "mlp_hidden": 176,
+    },
+    "llama-3.2-1b": {
+        **LLAMA, "hidden": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
+        "mlp_hidden": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "tie_embeddings": True,
+    },
+    "llama-3-8b": {
+        **LLAMA, "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
+        "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+    },
+}  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 PRECISIONS = ("fp32", "bf16")
 
@@ -40,7 +54,8 @@ class ModelConfig:
     kind: str = "gpt"
     """gpt (decoder-only language model), moe-gpt (its mixture-of-experts variant) or vit (image classifier)."""
     preset: str | None = None
-    """tiny, small or gpt2-124m: sets hidden, num_layers, num_heads, context_length (keys given here win)."""
+    """tiny, small, gpt2-124m, llama-tiny, llama-3.2-1b or llama-3-8b: sets the sizes (and for Llama the
+    architecture below); keys given here win."""
     vocab_size: int = 256
     """Tokens in the vocabulary; 256 for the byte-level tokenizer."""
     context_length: int = 64
@@ -59,6 +74,18 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     dropout: float = 0.0
     """Dropout probability on attention and MLP outputs."""
+    norm: str = "layer"
+    """layer (LayerNorm, GPT-2) or rms (RMSNorm, Llama)."""
+    activation: str = "gelu"
+    """The MLP: gelu (GPT-2's tanh GELU) or swiglu (Llama's gated SiLU, three matrices)."""
+    positions: str = "learned"
+    """learned (a position table, GPT-2) or rope (rotary embeddings on q and k, Llama)."""
+    bias: bool = True
+    """Biases in the attention and MLP projections (GPT-2 has them, Llama not)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (positions = rope); Llama 3 uses 500000."""
+    mlp_hidden: int | None = None
+    """MLP width; None means mlp_ratio x hidden (Llama's intermediate_size)."""
     num_experts: int = 4
     """Experts per MoE layer (moe-gpt)."""
     top_k: int = 2
@@ -98,6 +125,18 @@ class ModelConfig:
                 f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
                 f"choose one of {divisors(self.num_heads)}"
             )
+        _check_choice("model.norm", self.norm, ("layer", "rms"))
+        _check_choice("model.activation", self.activation, ("gelu", "swiglu"))
+        _check_choice("model.positions", self.positions, ("learned", "rope"))
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
+        if self.positions == "rope" and (self.hidden // self.num_heads) % 2:
+            raise ConfigError(
+                f"model.positions='rope' rotates pairs of dims: the head dim hidden/num_heads="
+                f"{self.hidden // self.num_heads} must be even"
+            )
+        if self.mlp_hidden is not None:
+            _check_positive("model.mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.kind == "moe-gpt" and not 1 <= self.top_k <= self.num_experts:
@@ -111,6 +150,10 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.hidden
 
     @property
     def sequence_length(self) -> int:

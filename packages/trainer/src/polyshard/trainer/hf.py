@@ -87,14 +87,23 @@ def check_matches(folder: str | Path, model: ModelConfig) -> None:
         "mlp_ratio": model.mlp_ratio,
         "tie_embeddings": model.tie_embeddings,
     }
-    if model.kv_heads != model.num_heads:
-        raise CheckpointError(f"{folder}: GPT-2 has no grouped-query attention; unset model.num_kv_heads")
+    _check_gpt2_architecture(model, str(folder))
     wrong = {k: v for k, v in wanted.items() if ours[k] != v}
     if wrong:
         fixes = " ".join(
             f"--set model.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}" for k, v in wrong.items()
         )
         raise CheckpointError(f"{folder} holds a model with other settings; train it with {fixes}")
+
+
+def _check_gpt2_architecture(model: ModelConfig, where: str) -> None:
+    gpt2 = {"norm": "layer", "activation": "gelu", "positions": "learned", "bias": True, "mlp_hidden": None}
+    other = {k: getattr(model, k) for k, v in gpt2.items() if getattr(model, k) != v}
+    if model.kind != "gpt" or model.kv_heads != model.num_heads or other:
+        raise CheckpointError(
+            f"{where}: GPT-2 is a dense GPT with LayerNorm, GELU, learned positions, biases and no grouped-query "
+            f"attention; this model differs ({other or model.kind}); Llama-shaped models are not supported yet"
+        )
 
 
 def _toml(value: object) -> str:
@@ -254,8 +263,7 @@ def _weight_files(folder: Path) -> dict[str, str]:
 
 def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """Our unsharded weights (:func:`polyshard.trainer.export.consolidate`) in GPT-2's names and layouts."""
-    if model.kind != "gpt" or model.kv_heads != model.num_heads:
-        raise CheckpointError("the Hugging Face export writes GPT-2: a dense GPT without grouped-query attention")
+    _check_gpt2_architecture(model, "the Hugging Face export")
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, list[torch.Tensor]] = {}
     for ours, source in _gpt2_sources(model).items():

@@ -77,7 +77,11 @@ def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
         plan[f"{b}.attn"] = [TPEntry(sequence_parallel=sp), ShardHeads()]
         plan[f"{b}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
         plan[f"{b}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
-        if model.kind != "moe-gpt":
+        if model.kind != "moe-gpt" and model.activation == "swiglu":  # gate and up split alike, by columns
+            plan[f"{b}.mlp.gate_proj"] = ColumnParallel(sequence_parallel=sp)
+            plan[f"{b}.mlp.up_proj"] = ColumnParallel(sequence_parallel=sp)
+            plan[f"{b}.mlp.down_proj"] = RowParallel(sequence_parallel=sp)
+        elif model.kind != "moe-gpt":
             plan[f"{b}.mlp.fc_in"] = ColumnParallel(sequence_parallel=sp)
             plan[f"{b}.mlp.fc_out"] = RowParallel(sequence_parallel=sp)
         if sp:

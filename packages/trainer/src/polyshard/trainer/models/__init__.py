@@ -91,6 +91,12 @@ def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale
             tie_embeddings=config.tie_embeddings,
             dropout=config.dropout,
             checkpoint_activations=checkpoint_activations,
+            norm=config.norm,
+            activation=config.activation,
+            positions=config.positions,
+            bias=config.bias,
+            rope_theta=config.rope_theta,
+            mlp_hidden=config.mlp_width,
         )
         if config.kind == "moe-gpt":
             moe = MoEConfig(

@@ -11,29 +11,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.tp.transformer import Block
+from polyshard.tp.transformer import Block, norm_layer
 
 
 class Embedding(nn.Module):
-    """Token + learned position embedding: (B, S) int -> (B, S, H)."""
+    """Token embedding, plus a learned position table unless positions are rotary: (B, S) int -> (B, S, H)."""
 
-    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0):
+    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0, learned=True):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, hidden)
-        self.pos = nn.Embedding(context_length, hidden)
+        self.pos = nn.Embedding(context_length, hidden) if learned else None
         self.drop = nn.Dropout(dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.tok(tokens) + self.pos(positions))
+        x = self.tok(tokens)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.drop(x)
 
 
 class LMHead(nn.Module):
     """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
 
-    def __init__(self, hidden: int, vocab_size: int):
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer"):
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = norm_layer(norm, hidden)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,14 +56,29 @@ class GPT(nn.Module):
         tie_embeddings: bool = False,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
+        norm: str = "layer",
+        activation: str = "gelu",
+        positions: str = "learned",
+        bias: bool = True,
+        rope_theta: float = 10000.0,
+        mlp_hidden: int | None = None,
     ):
         super().__init__()
         self.context_length = context_length
         kv_heads = num_kv_heads or num_heads
-        recompute = {"dropout": dropout, "checkpoint_activations": checkpoint_activations}
-        blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **recompute) for _ in range(num_layers)]
-        self.layers = nn.ModuleList([Embedding(vocab_size, context_length, hidden, dropout), *blocks])
-        self.layers.append(LMHead(hidden, vocab_size))
+        block = {
+            "dropout": dropout,
+            "checkpoint_activations": checkpoint_activations,
+            "norm": norm,
+            "activation": activation,
+            "bias": bias,
+            "rope_theta": rope_theta if positions == "rope" else None,
+            "mlp_hidden": mlp_hidden,
+        }
+        blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
+        embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
+        self.layers = nn.ModuleList([embedding, *blocks])
+        self.layers.append(LMHead(hidden, vocab_size, norm))
         if tie_embeddings:
             self.layers[-1].proj.weight = self.layers[0].tok.weight
 

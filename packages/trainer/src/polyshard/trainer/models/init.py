@@ -7,13 +7,13 @@ from torch import nn
 
 
 def init_weights(module: nn.Module, num_layers: int, generator: torch.Generator | None = None) -> None:
-    """GPT-2 initialisation: N(0, 0.02), output projections scaled by 1/sqrt(2 x layers)."""
+    """GPT-2 initialisation (Llama's too): N(0, 0.02), output projections scaled by 1/sqrt(2 x layers)."""
     for name, p in module.named_parameters():
         if name.endswith("bias"):
             nn.init.zeros_(p)
         elif "norm" in name:
             nn.init.ones_(p)
-        elif name.endswith(("o_proj.weight", "fc_out.weight", "experts.w2")):
+        elif name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight", "experts.w2")):
             nn.init.normal_(p, std=0.02 / (2 * num_layers) ** 0.5, generator=generator)
         else:
             nn.init.normal_(p, std=0.02, generator=generator)
