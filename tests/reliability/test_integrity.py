@@ -55,7 +55,15 @@ def _drift_one_replica(config, drifted_rank):
 def test_a_replica_that_drifted_is_found_and_named(distributed, corpus, zero_stage):
     errors = distributed.run(3, _drift_one_replica, _config(corpus, dp=3, zero_stage=zero_stage), 2)
     assert all(e is not None and e == errors[0] for e in errors)  # every rank stops at the same check
-    assert "step 2" in errors[0] and "rank(s) [2] differ from the other 2 replica(s)" in errors[0]
+    assert "step 2" in errors[0] and "rank(s) [2] differ from the other replicas" in errors[0]
+
+
+def test_every_rank_stops_when_one_dp_group_drifted(distributed, corpus):
+    # dp2 x tp2: only the dp group of tp rank 1 drifts; the other group must stop at the same check
+    # (before: it went on into the next collective alone and the job hung).
+    errors = distributed.run(4, _drift_one_replica, _config(corpus, dp=2, tp=2), 3)
+    assert all(e is not None and e == errors[0] for e in errors)
+    assert "ranks [1, 3] disagree with no majority" in errors[0]
 
 
 def _nan_on_one_rank(config):

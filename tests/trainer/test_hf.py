@@ -262,3 +262,21 @@ def test_export_shards_above_the_size_limit_and_transformers_loads_it(gpt2, corp
 
 def _shapes(source):
     return [(name, source.global_shape("model/" + name)) for name in source.sources]
+
+
+def test_the_hubs_gpt2_model_names_read_like_the_lm_head_models(gpt2, corpus, tmp_path):
+    """The Hub's "gpt2" holds GPT2Model's names (h.0..., wte, ln_f: no "transformer." prefix)."""
+    from safetensors.torch import load_file, save_file
+
+    bare = {k.removeprefix("transformer."): v for k, v in load_file(gpt2 / "model.safetensors").items()}
+    bare.pop("lm_head.weight", None)
+    (tmp_path / "config.json").write_text((gpt2 / "config.json").read_text())
+    save_file(bare, str(tmp_path / "model.safetensors"))
+    config = _config(gpt2, corpus)
+    whole, hub = HFSource(gpt2, config), HFSource(tmp_path, config)
+    for name, shape in _shapes(whole):
+        key = "model/" + name
+        assert torch.equal(
+            hub.read(key, (0,) * len(shape), shape, torch.float32),
+            whole.read(key, (0,) * len(shape), shape, torch.float32),
+        )

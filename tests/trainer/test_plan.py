@@ -38,6 +38,8 @@ def test_model_states_count_the_heaviest_pipeline_rank_and_the_tied_copy():
     assert f"heaviest pipeline rank holds {max(stages):,}" in text
     states = float(re.search(r"model states ([\d,.]+) MiB", text).group(1).replace(",", ""))
     assert states == pytest.approx(model_state_bytes_per_rank(config, max(stages)) / 2**20, abs=0.05)
+    one_rank = from_dict({"model": {"preset": "tiny", "tie_embeddings": True}})  # one tensor, no copy
+    assert f"heaviest pipeline rank holds {parameter_count(one_rank):,}" in describe(one_rank)
 
 
 def test_a_tied_head_weighs_in_the_pipeline_split():

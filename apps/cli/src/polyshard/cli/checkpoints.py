@@ -65,11 +65,14 @@ def generate(
 
     from polyshard.trainer.checkpoint import open_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.errors import DataError
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.loop import sample_text
 
     if not math.isfinite(temperature):
         raise typer.BadParameter("give a finite temperature", param_hint="--temperature")
+    if not prompt:
+        raise typer.BadParameter("give some text to continue", param_hint="--prompt")
     try:
         source = open_checkpoint(ckpt, _report_skip)
         if source.config.model.kind not in ("gpt", "moe-gpt"):
@@ -77,8 +80,8 @@ def generate(
         text = sample_text(
             source.config, consolidate(source), tokens, prompt, temperature=temperature, top_k=top_k, seed=seed
         )
-    except CheckpointError as err:
-        typer.echo(f"checkpoint error: {err}", err=True)
+    except (CheckpointError, DataError) as err:
+        typer.echo(f"{'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}", err=True)
         raise typer.Exit(2) from err
     typer.echo(text)
 

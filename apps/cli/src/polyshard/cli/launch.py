@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 
 
@@ -29,6 +30,9 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str], torchrun_args
     if not given & {"--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr", "--master_addr"}:
         # One node: rendezvous on loopback at a free port.
         defaults = ["--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}"]
+    if not given & {"--rdzv-id", "--rdzv_id"}:
+        # A job id of its own: checkpoints record it, and only a restart of this job resumes by itself.
+        defaults.append(f"--rdzv-id={uuid.uuid4().hex}")
     return [
         sys.executable,
         "-m",

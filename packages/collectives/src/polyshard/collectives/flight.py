@@ -41,7 +41,18 @@ def is_comm_failure(err: BaseException) -> bool:
     if not isinstance(err, RuntimeError):
         return False
     text = str(err).lower()
-    return any(sign in text for sign in _SIGNS) and (_failing_call(err) is not None or bool(RECENT))
+    # The message alone is not enough (any error may mention a timeout): it must have come out of a
+    # torch.distributed call, directly or through a wait() on a handle one of ours posted.
+    return any(sign in text for sign in _SIGNS) and (_failing_call(err) is not None or _waited_on_work(err))
+
+
+def _waited_on_work(err: BaseException) -> bool:
+    tb = err.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "wait" or "/polyshard/collectives/" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _failing_call(err: BaseException) -> Posted | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -90,8 +91,8 @@ def init_distributed(
 
     if store is None and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         raise DistributedInitError("MASTER_ADDR and MASTER_PORT must be set (torchrun sets them) or pass store=")
-    if store is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        store = _attempt_store(rank, world_size, timeout_s)
+    if store is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        store = _torchrun_store(rank, world_size, timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -103,15 +104,48 @@ def init_distributed(
     return DistributedContext(rank, world_size, local_rank, backend, device)
 
 
-def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
-    """torchrun's store, with keys under this attempt's prefix.
+LOOPBACK = ("127.0.0.1", "localhost")
 
-    When torchrun restarts a failed worker group (``--max-restarts``) the new workers meet in the
-    same store, which still holds the old workers' addresses; without a prefix per attempt they
-    would connect to the dead processes. torchrun counts attempts in TORCHELASTIC_RESTART_COUNT.
+
+def tcp_store(
+    host_name: str,
+    port: int,
+    world_size: int | None = None,
+    is_master: bool = False,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+    wait_for_workers: bool = True,
+    multi_tenant: bool = False,
+    master_listen_fd: int | None = None,
+    use_libuv: bool = True,
+) -> dist.TCPStore:
+    """``dist.TCPStore`` with the same arguments, except that a server for a loopback address listens
+    on loopback only (torch's server listens on every network interface whatever the address)."""
+    if is_master and master_listen_fd is None and host_name in LOOPBACK:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", port))
+        except OSError as err:  # another process hosts it; the caller may join as a client
+            listener.close()
+            raise RuntimeError(f"127.0.0.1:{port} is taken: {err}") from err
+        listener.listen(1024)
+        master_listen_fd = listener.detach()  # the store owns the socket from here on
+    return dist.TCPStore(
+        host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant, master_listen_fd, use_libuv
+    )
+
+
+def _torchrun_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The store a torchrun worker group meets in.
+
+    With one agent (the static one-node rendezvous) the agent hosts it, and a restarted worker group
+    (``--max-restarts``) meets in the same store, which still holds the old workers' addresses: its
+    keys go under a prefix per attempt (the agent counts attempts in TORCHELASTIC_RESTART_COUNT for
+    all its workers alike). Otherwise rank 0 hosts a new one each round (polyshard's agent asks torch
+    for that), bound to loopback when the address is loopback.
     """
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
-    store = dist.TCPStore(
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = tcp_store(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world_size,
@@ -119,4 +153,6 @@ def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
         timeout=datetime.timedelta(seconds=timeout_s),
         multi_tenant=True,
     )
-    return dist.PrefixStore(f"polyshard/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    if not agent_hosts:
+        return store
+    return dist.PrefixStore(f"polyshard/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -43,10 +43,10 @@ def _check_tensor_parallel(config: Config) -> None:
         if value % tp:
             valid = divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; choose tp in {valid}")
-    if (model.mlp_ratio * model.hidden) % tp:
+    if model.kind != "moe-gpt" and model.mlp_width % tp:  # an MoE's experts are not split by tp
         raise ConfigError(
-            f"parallel.tp={tp} does not divide the MLP width {model.mlp_ratio * model.hidden}; "
-            f"choose tp in {divisors(model.mlp_ratio * model.hidden)}"
+            f"parallel.tp={tp} does not divide the MLP width {model.mlp_width}; "
+            f"choose tp in {divisors(model.mlp_width)}"
         )
     if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
         # Norm weights under SP need their gradients summed over tp after backward, but ZeRO

@@ -27,7 +27,6 @@ online reshard reads a polyshard checkpoint. Export: :func:`write_hf` writes ``c
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from safetensors.torch import save_file
 
 from polyshard.trainer.checkpoint_format import MASTER, MODEL, OPTIM, CheckpointError
 from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.models import build_model
 
 PREFIX = "hf:"
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -117,13 +117,19 @@ class HFSource:
     def __init__(self, folder: str | Path, config: Config):
         self.folder = Path(folder)
         check_matches(self.folder, config.model)
-        self.files = _weight_files(self.folder)
+        stored = _weight_files(self.folder)
+        # GPT2Model's files (the Hub's "gpt2") name the tensors without the "transformer." of
+        # GPT2LMHeadModel's: read both under the longer names.
+        self.stored = {_canonical(name): name for name in stored}
+        self.files = {_canonical(name): file for name, file in stored.items()}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name, file in self.files.items():
             with safe_open(str(self.folder / file), "pt") as f:
-                if name not in f.keys():
-                    raise CheckpointError(f"{self.folder / file} holds no tensor {name!r}, which the index lists")
-                self.shapes[name] = tuple(f.get_slice(name).get_shape())
+                if self.stored[name] not in f.keys():
+                    raise CheckpointError(
+                        f"{self.folder / file} holds no tensor {self.stored[name]!r}, which the index lists"
+                    )
+                self.shapes[name] = tuple(f.get_slice(self.stored[name]).get_shape())
         self.sources = _gpt2_sources(config.model)
         needed = {s.name for s in self.sources.values()}
         missing = sorted(needed - set(self.shapes))
@@ -132,10 +138,14 @@ class HFSource:
             raise CheckpointError(
                 f"{self.folder} is not the GPT-2 these settings describe: missing {missing}, unexpected {unexpected}"
             )
+        skeleton = build_model(config.model, layers=())  # the meta device: shapes only
+        wanted = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
         for ours, source in self.sources.items():
-            saved = self.shapes[source.name]
-            if math.prod(self.global_shape(MODEL + ours)) > math.prod(saved):
-                raise CheckpointError(f"{self.folder}: {source.name} is {list(saved)}, too small for {ours}")
+            if self.global_shape(MODEL + ours) != wanted[ours]:
+                raise CheckpointError(
+                    f"{self.folder}: {source.name} is {list(self.shapes[source.name])}, which does not make "
+                    f"{ours} {list(wanted[ours])}; config.json and the weights disagree"
+                )
 
     # -- what load_into asks of a source --------------------------------------------------------------
     def resolve(self, key: str) -> str:
@@ -165,7 +175,7 @@ class HFSource:
         if any(hi <= lo for lo, hi in want):
             return out  # all padding
         with safe_open(str(self.folder / self.files[source.name]), "pt") as f:
-            stored = f.get_slice(source.name)
+            stored = f.get_slice(self.stored[source.name])
             if source.transposed:
                 (r0, r1), (c0, c1) = want
                 block = stored[c0:c1, source.offset + r0 : source.offset + r1].T
@@ -182,6 +192,10 @@ class HFSource:
 
     def rng_piece(self, coords: Mapping[str, int]) -> None:
         return None
+
+
+def _canonical(name: str) -> str:
+    return "transformer." + name if name.startswith(("h.", "wte.", "wpe.", "ln_f.")) else name
 
 
 def _gpt2_sources(model: ModelConfig) -> dict[str, _Source]:
@@ -311,6 +325,10 @@ def write_hf(
         raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
     tensors = hf_state(state, model)
     tmp = destination.with_name(f".tmp-{destination.name}")
+    if tmp.is_dir():  # left by an export that was killed
+        for file in tmp.iterdir():
+            file.unlink()
+        tmp.rmdir()
     tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")

@@ -31,8 +31,10 @@ def checksum(tensors) -> int:
 
 
 def check_replicas(engine, step: int) -> None:
-    """Raise :class:`ReplicaMismatchError` on every rank of a dp group whose replicas' parameters
-    differ, naming the ranks that differ from the majority. One all-gather of one int64 per rank.
+    """Raise :class:`ReplicaMismatchError` on every rank when the replicas of any dp group hold different
+    parameters, naming the ranks that differ from their group's majority. One all-gather of one int64
+    per rank over dp, then one all-reduce of a per-rank flag over the world, so every rank stops at
+    the same check (a rank that went on alone would wait in the next collective forever).
 
     ZeRO-3 keeps no replicas (each dp rank holds its own rows), so there is nothing to compare."""
     par = engine.config.parallel
@@ -41,15 +43,23 @@ def check_replicas(engine, step: int) -> None:
     mine = checksum(p for stage in engine.stages.values() for p in stage.parameters())
     group = engine.mesh.group("dp")
     sums = ops.all_gather(torch.tensor([mine], dtype=torch.int64, device=engine.device), 0, group).tolist()
-    if len(set(sums)) == 1:
-        return
     ranks = engine.mesh.ranks_in_group("dp")
-    majority, count = Counter(sums).most_common(1)[0]
-    if count * 2 > len(sums):
-        odd = [r for r, s in zip(ranks, sums) if s != majority]
-        who = f"rank(s) {odd} differ from the other {count} replica(s)"
-    else:
-        who = f"no majority among ranks {ranks} (checksums {sums})"
+    # Per global rank: 1 differs from its group's majority, 2 its group has no majority.
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=engine.device)
+    if len(set(sums)) > 1:
+        majority, count = Counter(sums).most_common(1)[0]
+        for rank, value in zip(ranks, sums):
+            if count * 2 <= len(sums):
+                flags[rank] = 2
+            elif value != majority:
+                flags[rank] = 1
+    ops.all_reduce(flags, op=dist.ReduceOp.MAX)
+    odd, unsure = (torch.nonzero(flags == v).flatten().tolist() for v in (1, 2))
+    if not odd and not unsure:
+        return
+    who = f"rank(s) {odd} differ from the other replicas of their dp group" if odd else ""
+    if unsure:
+        who += ("; " if who else "") + f"ranks {unsure} disagree with no majority"
     raise ReplicaMismatchError(
         f"step {step}: data-parallel replicas hold different parameters: {who}. A faulty device or a "
         f"missed reduction; this step was not saved. Resume from the last checkpoint, away from those ranks' "

@@ -10,7 +10,9 @@ Read one step from top to bottom in :func:`train`:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader, digits_splits, packed_splits
 from polyshard.trainer.data.tokenizer import load_tokenizer
-from polyshard.trainer.errors import NonFiniteError
+from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
 from polyshard.trainer.faults import inject
@@ -202,6 +204,24 @@ def checkpoint_to_load(
     return None
 
 
+def job_id() -> str | None:
+    """The torchrun job this process belongs to (its rendezvous id; every restart of the job keeps it)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def saved_by_this_job(out: Path) -> bool:
+    """Whether the newest complete checkpoint under ``out`` was written by this torchrun job: a
+    restarted worker group (after a crash, or an elastic change of nodes) continues from it."""
+    latest = latest_checkpoint(out / "checkpoints")
+    if latest is None or job_id() is None:
+        return False
+    try:
+        ranks = json.loads((latest / "index.json").read_text()).get("ranks", [])
+        return bool(ranks) and ranks[0].get("extra", {}).get("job") == job_id()
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False  # an unreadable index: the normal resume path reports it
+
+
 def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
     gradient reductions, one global-norm clip, AdamW. Returns (the mean loss over every data rank,
@@ -266,6 +286,11 @@ def train(
     )
     nonfinite = 0  # non-finite steps in a row
     end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
+    if train_cfg.stop_at and train_cfg.stop_at <= start:
+        raise ConfigError(
+            f"training.stop_at={train_cfg.stop_at}, but the run continues from step {start}; "
+            f"give a later step or drop --stop-at"
+        )
     for step in range(start, end):
         started = time.perf_counter()
         lr = lr_at(
@@ -326,7 +351,7 @@ def train(
                     f"step {step + 1}: the weights hold NaN or infinite values; the checkpoint was not written "
                     f"and the earlier ones are kept. Lower training.lr (now {train_cfg.lr}) and resume"
                 )
-            extra = {"data": train_data.state_dict(), "losses": result.losses}
+            extra = {"data": train_data.state_dict(), "losses": result.losses, "job": job_id()}
             save_checkpoint(
                 checkpoints,
                 step + 1,
@@ -364,7 +389,7 @@ def sample_text(
     model.load_state_dict(state, strict=True)
     model.eval()
     tokenizer = load_tokenizer(config.data.tokenizer)
-    tokens = torch.tensor([tokenizer.encode(prompt)])
+    tokens = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -16,6 +16,8 @@ figures are the usual estimates:
 
 from __future__ import annotations
 
+import math
+
 from polyshard.mesh import MeshLayout
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
@@ -87,6 +89,12 @@ def describe(config: Config) -> str:
             f"({count:,} parameters)"
         )
     num_params = parameter_count(config)
+    bounds = pipeline_bounds(config, shapes)
+    owner = {i: schedule.rank_of(stage) for stage, layers in enumerate(bounds) for i in layers}
+    for alias, name in tied_names(config.model).items():
+        first, last = int(name.split(".")[1]), int(alias.split(".")[1])
+        if owner[first] == owner[last]:  # one pipeline rank holds both: one tensor, not a copy
+            per_pp_rank[owner[last]] -= math.prod(shapes[name])
     heaviest = max(per_pp_rank.values())  # pipeline ranks hold unequal shares; the largest sets the need
     states = model_state_bytes_per_rank(config, heaviest)
     acts = activation_bytes_per_rank(config)

@@ -13,14 +13,13 @@ import torch.distributed as dist
 
 from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
-from polyshard.trainer.checkpoint import latest_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError
 from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError
 from polyshard.trainer.heartbeat import Heartbeat
 from polyshard.trainer.lifetime import die_with_parent, quiet_interrupts
-from polyshard.trainer.loop import train
+from polyshard.trainer.loop import saved_by_this_job, train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -39,12 +38,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)
     resume, init_from = args.resume, args.init_from
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart and latest_checkpoint(out / "checkpoints") is not None:
-        # torchrun restarted the worker group after a failure: continue from the latest complete
-        # checkpoint, the same path as --resume (the metrics log is cut back to it).
+    if saved_by_this_job(out):
+        # torchrun restarted the worker group (a crash, or nodes lost or joined): continue from the
+        # latest checkpoint this job wrote, the same path as --resume (the metrics log is cut back to
+        # it). Every rank reads the same index, so all decide alike, whatever their restart counts.
         resume, init_from = True, None
         if ctx.rank == 0:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
             print(
                 f"restart {restart} of the worker group ({ctx.world_size} processes, mesh "
                 f"{config.parallel.mesh_axes}): resuming from the latest checkpoint",
