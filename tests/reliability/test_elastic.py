@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -23,6 +24,11 @@ JOB = [
     *("--set", "training.sample_tokens=0", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=10"),
     *("--set", "parallel.timeout_s=20"),
 ]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -54,7 +60,11 @@ def test_a_job_that_loses_a_node_continues_on_the_rest(tmp_path):
         *("--torchrun=--rdzv-id=elastic", "--torchrun=--local-addr=127.0.0.1", "--torchrun=--max-restarts=3"),
         "--torchrun=--rdzv-conf=last_call_timeout=5",
     ]
-    survivor, lost = (subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab")
+    # The node at the rendezvous endpoint hosts the rendezvous store and must be the one that stays
+    # (as on a cluster, where the endpoint is a stable host): start it first and let it bind.
+    survivor = subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: _listening(port), 120, "the rendezvous endpoint")
+    lost = subprocess.Popen(node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000004" / "index.json").exists(), 240, "step 4's checkpoint")
         for pid in [lost.pid, *_descendants(lost.pid)]:  # the node is gone at once, agent and workers
