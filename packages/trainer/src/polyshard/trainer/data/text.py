@@ -19,7 +19,7 @@ from polyshard.trainer.data.corpus import shakespeare_files
 from polyshard.trainer.data.tokenizer import BYTES, ByteTokenizer, load_tokenizer
 from polyshard.trainer.errors import DataError
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = ByteTokenizer.vocab_size  # one byte, one token
 
 
 def encode(text: str) -> list[int]:
