@@ -68,6 +68,7 @@ def generate(
     from polyshard.trainer.errors import DataError
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.loop import sample_text
+    from polyshard.trainer.models import spec_of
 
     if not math.isfinite(temperature):
         raise typer.BadParameter("give a finite temperature", param_hint="--temperature")
@@ -75,8 +76,9 @@ def generate(
         raise typer.BadParameter("give some text to continue", param_hint="--prompt")
     try:
         source = open_checkpoint(ckpt, _report_skip)
-        if source.config.model.kind not in ("gpt", "moe-gpt"):
-            raise CheckpointError(f"{source.folder} holds a {source.config.model.kind!r} model; generate needs a GPT")
+        if not spec_of(source.config.model).task.generates_text:
+            kind = source.config.model.kind
+            raise CheckpointError(f"{source.folder} holds a {kind!r} model, which makes no text; generate needs a GPT")
         text = sample_text(
             source.config, consolidate(source), tokens, prompt, temperature=temperature, top_k=top_k, seed=seed
         )

@@ -44,9 +44,9 @@ def train(
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
-    from polyshard.trainer.data import check_text_source
     from polyshard.trainer.errors import ConfigError, DataError
     from polyshard.trainer.hf import PREFIX, check_matches
+    from polyshard.trainer.models import spec_of
     from polyshard.trainer.plan import describe
 
     if stop_at is not None:
@@ -77,15 +77,7 @@ def train(
             validate(parsed, world_size=nproc * nodes)
         if hf_folder is not None:
             check_matches(hf_folder, parsed.model)
-        if parsed.model.kind != "vit":
-            check_text_source(
-                parsed.data.source,
-                parsed.model.context_length,
-                parsed.data.val_fraction,
-                parsed.training.global_batch_size,
-                parsed.model.vocab_size,
-                parsed.data.tokenizer,
-            )
+        spec_of(parsed.model).task.check_data(parsed)
         faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
         kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")

@@ -25,7 +25,6 @@ import tomllib
 from polyshard.mesh import divisors
 from polyshard.trainer.errors import ConfigError
 
-MODEL_KINDS = ("gpt", "moe-gpt", "vit")
 # Llama's architecture on the GPT: RMSNorm, SwiGLU, rotary positions, no biases.
 LLAMA: dict[str, Any] = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -104,7 +103,9 @@ class ModelConfig:
     """Output classes (vit)."""
 
     def __post_init__(self):
-        _check_choice("model.kind", self.kind, MODEL_KINDS)
+        from polyshard.trainer.models import SPECS  # the families import this module
+
+        _check_choice("model.kind", self.kind, list(SPECS))
         if self.preset is not None:
             _check_choice("model.preset", self.preset, list(PRESETS))
         sizes = ("vocab_size", "context_length", "hidden", "num_layers", "num_heads", "mlp_ratio", "num_experts")
@@ -139,13 +140,7 @@ class ModelConfig:
             _check_positive("model.mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if self.kind == "moe-gpt" and not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"model.top_k={self.top_k} must be between 1 and model.num_experts={self.num_experts}")
-        if self.kind == "vit" and self.image_size % self.patch_size:
-            raise ConfigError(
-                f"model.image_size={self.image_size} is not a multiple of model.patch_size={self.patch_size}; "
-                f"choose patch_size in {divisors(self.image_size)}"
-            )
+        SPECS[self.kind].check_model(self)
 
     @property
     def kv_heads(self) -> int:
@@ -157,10 +152,10 @@ class ModelConfig:
 
     @property
     def sequence_length(self) -> int:
-        """Tokens per example the transformer sees (patches + class token for the ViT)."""
-        if self.kind == "vit":
-            return (self.image_size // self.patch_size) ** 2 + 1
-        return self.context_length
+        """Positions per example the transformer sees (patches + class token for the ViT)."""
+        from polyshard.trainer.models import spec_of
+
+        return spec_of(self).sequence_length(self)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from polyshard.mesh import divisors
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models import spec_of
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -23,6 +24,9 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_tensor_parallel(config)
     _check_pipeline(config)
     _check_experts(config)
+    spec = spec_of(model)
+    spec.check(config)  # the family's own constraints
+    spec.task.check_config(config)
     data_ranks = par.dp * par.ep
     per_step = data_ranks * par.microbatches
     if train.global_batch_size % per_step:
@@ -31,10 +35,6 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"dp x ep = {data_ranks} data ranks x {par.microbatches} microbatches; "
             f"use a multiple of {per_step}"
         )
-    if model.kind == "vit" and config.data.source not in ("digits",):
-        raise ConfigError(f"model.kind='vit' trains on images; set data.source='digits' (got {config.data.source!r})")
-    if model.kind != "vit" and config.data.source == "digits":
-        raise ConfigError("data.source='digits' is an image dataset; it needs model.kind='vit'")
 
 
 def _check_tensor_parallel(config: Config) -> None:
@@ -43,22 +43,12 @@ def _check_tensor_parallel(config: Config) -> None:
         if value % tp:
             valid = divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; choose tp in {valid}")
-    if model.kind != "moe-gpt" and model.mlp_width % tp:  # an MoE's experts are not split by tp
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide the MLP width {model.mlp_width}; "
-            f"choose tp in {divisors(model.mlp_width)}"
-        )
     if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
         # Norm weights under SP need their gradients summed over tp after backward, but ZeRO
         # reduce-scatters gradients during backward and keeps no full .grad to sum.
         raise ConfigError(
             f"parallel.sequence_parallel with parallel.zero_stage={config.parallel.zero_stage} is not supported; "
             "use zero_stage=0 with sequence parallelism, or turn sequence_parallel off"
-        )
-    if config.parallel.sequence_parallel and model.kind == "moe-gpt":
-        raise ConfigError(
-            "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
-            "would see different tokens); turn sequence_parallel off"
         )
     if config.parallel.sequence_parallel and model.sequence_length % tp:
         # Offer only sizes that also pass the head and MLP checks above.
@@ -93,17 +83,7 @@ def _check_pipeline(config: Config) -> None:
 
 
 def _check_experts(config: Config) -> None:
-    model, par = config.model, config.parallel
-    if model.kind == "moe-gpt" and par.ep > 1 and par.zero_stage == 3:
-        # ZeRO-3 shards every parameter of a stage over dp x ep, but each ep rank holds different experts.
+    if config.parallel.ep > 1 and not spec_of(config.model).has_experts:
         raise ConfigError(
-            f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
-            "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
-        )
-    if par.ep > 1 and model.kind != "moe-gpt":
-        raise ConfigError(f"parallel.ep={par.ep} needs experts; set model.kind='moe-gpt' or ep=1")
-    if model.kind == "moe-gpt" and model.num_experts % par.ep:
-        raise ConfigError(
-            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
-            f"choose ep in {divisors(model.num_experts)}"
+            f"parallel.ep={config.parallel.ep} needs experts; set model.kind='moe-gpt' (a family with experts) or ep=1"
         )

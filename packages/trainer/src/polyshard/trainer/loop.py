@@ -26,7 +26,7 @@ from polyshard.trainer import hf
 from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import ShardedLoader, digits_splits, packed_splits
+from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.data.tokenizer import load_tokenizer
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
@@ -34,7 +34,7 @@ from polyshard.trainer.export import consolidate
 from polyshard.trainer.faults import inject
 from polyshard.trainer.integrity import check_replicas, weights_finite
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
-from polyshard.trainer.models import build_model
+from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
@@ -77,14 +77,7 @@ def _first_then_rest(fn):
 
 def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
     par, train = config.parallel, config.training
-    if config.model.kind == "vit":
-        splits = _first_then_rest(lambda: digits_splits(config.data.val_fraction, seed=train.seed))
-    else:
-        splits = _first_then_rest(
-            lambda: packed_splits(
-                config.data.source, config.model.context_length, config.data.val_fraction, config.data.tokenizer
-            )
-        )
+    splits = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
     data_rank, data_ranks = mesh.group_rank(("dp", "ep")), par.dp * par.ep
     batch = train.global_batch_size // data_ranks
     common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
@@ -94,10 +87,8 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
 
 
 def split_batch(config: Config, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    if config.model.kind == "vit":
-        return batch["image"], batch["label"]
-    tokens = batch["tokens"]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    """A loader batch -> (inputs, targets), as the model's task cuts it."""
+    return spec_of(config.model).task.split_batch(batch)
 
 
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
@@ -135,20 +126,20 @@ def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
     totals = totals.to(engine.device)
     ops.all_reduce(totals)
     loss, correct, count = totals.tolist()
-    return loss / count, (correct / count if engine.config.model.kind == "vit" else None)
+    return loss / count, (correct / count if spec_of(engine.config.model).task.reports_accuracy else None)
 
 
 def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(loss sum, correct, examples) of one batch on the last stage; zeros elsewhere. The pipeline's
     forward-only program runs it, so any batch size works (an empty part still runs the stages,
     whose collectives its peers need, but scores nothing)."""
-    n, vit = len(targets), engine.config.model.kind == "vit"
+    n, accuracy = len(targets), spec_of(engine.config.model).task.reports_accuracy
 
     def score(output: torch.Tensor) -> torch.Tensor:
         totals = torch.zeros(3, dtype=torch.float64)
         if n:
             totals[0] = float(engine.executor.loss_fn(output, targets)) * n
-            totals[1] = float((output.argmax(-1) == targets).sum()) if vit else 0.0
+            totals[1] = float((output.argmax(-1) == targets).sum()) if accuracy else 0.0
             totals[2] = n
         return totals
 
@@ -324,7 +315,7 @@ def train(
             val_loss, accuracy = evaluate_batches(engine, batches)
             result.val_loss = record["val_loss"] = val_loss
             record["val_perplexity"] = math.exp(min(result.val_loss, 50.0))
-            if config.model.kind == "vit":
+            if accuracy is not None:
                 result.accuracy = record["accuracy"] = accuracy
         if (step + 1) % config.logging.every == 0 or last:
             peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=engine.device)
@@ -364,7 +355,7 @@ def train(
             inject("saved", step + 1, mesh.rank)
 
     finished = end == train_cfg.steps
-    if finished and config.model.kind in ("gpt", "moe-gpt") and train_cfg.sample_tokens and rank0:
+    if finished and spec_of(config.model).task.generates_text and train_cfg.sample_tokens and rank0:
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
         # unsharded weights from it with the same placement-driven code `polyshard export` uses.
         state = consolidate(latest_checkpoint(checkpoints))

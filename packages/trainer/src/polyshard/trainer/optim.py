@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -11,20 +11,26 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
+from polyshard.trainer.models.spec import decays as default_decays
 
 
-def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices; leave biases, norms and embeddings undecayed (as GPT-2 and nanoGPT do).
+def param_groups(
+    named: Iterable[tuple[str, nn.Parameter]],
+    weight_decay: float,
+    decays: Callable[[str, nn.Parameter], bool] | None = None,
+) -> list[dict]:
+    """AdamW's two groups: the parameters ``decays`` picks (by model name) and the rest, undecayed.
 
     ``named``: (model name, parameter) pairs. Model names, not stage-local ones, decide: a
     pipeline's copy of a tied embedding is named as the embedding, and is not decayed either.
+    ``decays`` defaults to the usual rule, :func:`polyshard.trainer.models.spec.decays`.
     """
+    decays = decays or default_decays
     decay, no_decay = [], []
     for name, p in named:
         if not p.requires_grad:
             continue
-        is_embedding = any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
-        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

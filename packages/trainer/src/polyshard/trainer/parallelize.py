@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from polyshard.collectives import ops
@@ -47,52 +46,21 @@ from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
 from polyshard.tp import (
-    ColumnParallel,
-    RowParallel,
-    SequenceParallel,
-    ShardHeads,
-    SplitSequence,
-    TPEntry,
-    VocabParallel,
     is_sequence_parallel,
-    vocab_parallel_cross_entropy,
 )
 from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import TiedWeightError
-from polyshard.trainer.models import build_model, tied_names
+from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 from polyshard.trainer.optim import param_groups
 
 
 def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
-    """Megatron-style plan for the GPT/ViT layer names (``layers.{i}.attn.q_proj`` ...), for every
+    """The model family's tensor-parallel plan (over names ``layers.{i}.attn.q_proj`` ...), for every
     pipeline layer or only ``layers``."""
-    model, sp = config.model, config.parallel.sequence_parallel
-    last = model.num_layers + 1
-    blocks = [f"layers.{i}" for i in range(1, last)]
-    plan: dict = {}
-    for b in blocks:
-        plan[f"{b}.attn"] = [TPEntry(sequence_parallel=sp), ShardHeads()]
-        plan[f"{b}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
-        plan[f"{b}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
-        if model.kind != "moe-gpt" and model.activation == "swiglu":  # gate and up split alike, by columns
-            plan[f"{b}.mlp.gate_proj"] = ColumnParallel(sequence_parallel=sp)
-            plan[f"{b}.mlp.up_proj"] = ColumnParallel(sequence_parallel=sp)
-            plan[f"{b}.mlp.down_proj"] = RowParallel(sequence_parallel=sp)
-        elif model.kind != "moe-gpt":
-            plan[f"{b}.mlp.fc_in"] = ColumnParallel(sequence_parallel=sp)
-            plan[f"{b}.mlp.fc_out"] = RowParallel(sequence_parallel=sp)
-        if sp:
-            plan[f"{b}.norm[12]"] = SequenceParallel()
-    if sp:
-        plan["layers.1"] = SplitSequence()  # embeddings are replicated; the first block splits them
-    if model.kind != "vit":
-        plan["layers.0.tok"] = VocabParallel()
-        plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
-        if sp:
-            plan[f"layers.{last}.norm"] = SequenceParallel()
+    plan = spec_of(config.model).tp_plan(config.model, config.parallel.sequence_parallel)
     if layers is not None:
         plan = {pattern: style for pattern, style in plan.items() if layer_of(pattern) in layers}
     return plan
@@ -114,13 +82,8 @@ def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list
 
 
 def loss_function(config: Config, mesh: Mesh):
-    """The last stage's loss: vocabulary-parallel cross-entropy under tp, else ``F.cross_entropy``."""
-    if config.model.kind == "vit":
-        return lambda logits, labels: F.cross_entropy(logits.float(), labels)
-    if config.parallel.tp > 1:
-        tp_group, vocab = mesh.group("tp"), config.model.vocab_size
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, tp_group, vocab_size=vocab)
-    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp)."""
+    return spec_of(config.model).task.loss(config, mesh.group("tp") if config.parallel.tp > 1 else None)
 
 
 @dataclass
@@ -282,7 +245,7 @@ def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataPar
     if par.zero_stage == 3:
         return FullyShardedDataParallel(stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=data_axes)
     sets = []
-    experts = expert_parameters(stage) if config.model.kind == "moe-gpt" else []
+    experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
     if experts:
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
         sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
@@ -294,7 +257,8 @@ def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataPar
 def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str]):
     train = config.training
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
-    inner = torch.optim.AdamW(param_groups(named, train.weight_decay), lr=train.lr, betas=(train.beta1, train.beta2))
+    groups = param_groups(named, train.weight_decay, spec_of(config.model).decays)
+    inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
     if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)
@@ -303,11 +267,6 @@ def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str,
 def keeps_masters(config: Config) -> bool:
     """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
     return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
-
-
-def layer_of(name: str) -> int:
-    """The pipeline layer of a model parameter name ``layers.<i>.…``."""
-    return int(name.split(".")[1])
 
 
 def layer_costs(shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str] | None = None) -> list[int]:

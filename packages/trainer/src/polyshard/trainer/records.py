@@ -30,7 +30,7 @@ from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.checkpoint_format import MASTER, model_key, optim_key
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import tied_names
+from polyshard.trainer.models import spec_of, tied_names
 from polyshard.trainer.parallelize import keeps_masters, layer_of, pipeline_bounds, tp_plan
 
 
@@ -46,13 +46,13 @@ def base_record(config: Config, name: str, shape: Sequence[int]) -> TensorPlacem
     record = TensorPlacement(name, shape)
     if config.parallel.tp > 1:
         record = planned_placement(tp_plan(config), name, shape, config.parallel.tp)
-    if config.model.kind == "moe-gpt":
+    if spec_of(config.model).has_experts:
         record = planned_expert_placement(name, shape) or record
     return dataclasses.replace(record, layer=layer_of(name))
 
 
 def is_expert(config: Config, record: TensorPlacement) -> bool:
-    return config.model.kind == "moe-gpt" and record.placement("ep") != Replicate()
+    return spec_of(config.model).has_experts and record.placement("ep") != Replicate()
 
 
 def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:

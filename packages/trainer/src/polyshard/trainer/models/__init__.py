@@ -11,12 +11,19 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from polyshard.ep import MoEConfig
 from polyshard.trainer.config import ModelConfig
+from polyshard.trainer.models import gpt, moe, vit
 from polyshard.trainer.models.gpt import GPT
-from polyshard.trainer.models.init import init_weights
-from polyshard.trainer.models.moe import MoEMLP
+from polyshard.trainer.models.spec import BuildOptions, ModelSpec, layer_of
 from polyshard.trainer.models.vit import ViT
+
+SPECS: dict[str, ModelSpec] = {spec.kind: spec for spec in (gpt.SPEC, moe.SPEC, vit.SPEC)}
+"""Every model family by ``model.kind``; a new family adds its spec here."""
+
+
+def spec_of(config: ModelConfig) -> ModelSpec:
+    """The spec of ``config``'s family (``ModelConfig`` has already checked the kind is known)."""
+    return SPECS[config.kind]
 
 
 def build_model(
@@ -33,17 +40,21 @@ def build_model(
     ``checkpoint_activations``: blocks recompute their insides in backward. ``aux_loss_scale``: the
     gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several).
     """
+    spec = spec_of(config)
     with torch.device("meta"):
-        model = _construct(config, checkpoint_activations, aux_loss_scale)
+        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
+    ties = spec.tied(config)
     wanted = set(range(len(model.layers)) if layers is None else layers)
-    if tied_names(config) and len(model.layers) - 1 in wanted:
-        wanted.add(0)  # the head's weight is the embedding's, drawn from layer 0's generator
+    for alias, name in ties.items():  # an alias is drawn from its weight's layer's generator
+        if layer_of(alias) in wanted:
+            wanted.add(layer_of(name))
     for i in sorted(wanted):
         layer = model.layers[i].to_empty(device=device)
         with torch.no_grad():
-            init_weights(layer, config.num_layers, generator=layer_generator(seed, i, device))
-    if tied_names(config):
-        model.layers[-1].proj.weight = model.layers[0].tok.weight  # to_empty gave each its own tensor
+            spec.init(layer, config.num_layers, layer_generator(seed, i, device))
+    for alias, name in ties.items():  # to_empty gave each its own tensor: tie them again
+        module, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(name))
     return model
 
 
@@ -55,9 +66,7 @@ def tied_names(config: ModelConfig) -> dict[str, str]:
     One process holds one tensor under the name; a pipeline whose first and last
     stages differ holds a copy on each, kept equal by summing their gradients.
     """
-    if config.kind == "vit" or not getattr(config, "tie_embeddings", False):
-        return {}
-    return {f"layers.{config.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
+    return spec_of(config).tied(config)
 
 
 def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -65,52 +74,4 @@ def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
 
 
-def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale: float) -> nn.Module:
-    if config.kind == "vit":
-        return ViT(
-            image_size=config.image_size,
-            patch_size=config.patch_size,
-            channels=config.channels,
-            num_classes=config.num_classes,
-            hidden=config.hidden,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            mlp_ratio=config.mlp_ratio,
-            dropout=config.dropout,
-            checkpoint_activations=checkpoint_activations,
-        )
-    if config.kind in ("gpt", "moe-gpt"):
-        model = GPT(
-            vocab_size=config.vocab_size,
-            context_length=config.context_length,
-            hidden=config.hidden,
-            num_layers=config.num_layers,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            mlp_ratio=config.mlp_ratio,
-            tie_embeddings=config.tie_embeddings,
-            dropout=config.dropout,
-            checkpoint_activations=checkpoint_activations,
-            norm=config.norm,
-            activation=config.activation,
-            positions=config.positions,
-            bias=config.bias,
-            rope_theta=config.rope_theta,
-            mlp_hidden=config.mlp_width,
-        )
-        if config.kind == "moe-gpt":
-            moe = MoEConfig(
-                hidden=config.hidden,
-                ffn_hidden=config.mlp_ratio * config.hidden // config.top_k,  # about a dense MLP's active FLOPs
-                num_experts=config.num_experts,
-                top_k=config.top_k,
-                capacity_factor=config.capacity_factor,
-                aux_loss_coef=config.aux_loss_weight,
-            )
-            for block in model.layers[1:-1]:
-                block.mlp = MoEMLP(moe, aux_loss_scale=aux_loss_scale)
-        return model
-    raise ValueError(f"unknown model.kind {config.kind!r}")  # ModelConfig already rejects it
-
-
-__all__ = ["GPT", "ViT", "build_model", "tied_names"]
+__all__ = ["GPT", "SPECS", "BuildOptions", "ModelSpec", "ViT", "build_model", "layer_of", "spec_of", "tied_names"]

@@ -4,6 +4,10 @@
 tensor to the next (tokens (B, S) -> (B, S, H) -> ... -> logits (B, S, V)),
 so a pipeline can cut the list anywhere. ``forward`` simply runs them in
 order; the loss is computed outside the model.
+
+GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``positions="rope"``,
+``bias=False`` and grouped-query attention (the ``llama-*`` presets). :data:`SPEC` declares the
+family to the trainer.
 """
 
 from __future__ import annotations
@@ -11,7 +15,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polyshard.mesh import divisors
+from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.tp.transformer import Block, norm_layer
+from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models.spec import (
+    BuildOptions,
+    ModelSpec,
+    attention_plan,
+    mlp_plan,
+    sequence_plan,
+    split_sequence,
+)
+from polyshard.trainer.tasks import LANGUAGE
 
 
 class Embedding(nn.Module):
@@ -103,3 +120,72 @@ class GPT(nn.Module):
             probs = torch.softmax(logits.float(), dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
         return tokens
+
+
+# -- the family's spec ----------------------------------------------------------------------------------
+
+
+def build(config: ModelConfig, options: BuildOptions) -> GPT:
+    return GPT(
+        vocab_size=config.vocab_size,
+        context_length=config.context_length,
+        hidden=config.hidden,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        mlp_ratio=config.mlp_ratio,
+        tie_embeddings=config.tie_embeddings,
+        dropout=config.dropout,
+        checkpoint_activations=options.checkpoint_activations,
+        norm=config.norm,
+        activation=config.activation,
+        positions=config.positions,
+        bias=config.bias,
+        rope_theta=config.rope_theta,
+        mlp_hidden=config.mlp_width,
+    )
+
+
+def vocab_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+    """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
+    last = model.num_layers + 1
+    plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
+    plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
+    if sp:
+        plan[f"layers.{last}.norm"] = SequenceParallel()
+    return plan
+
+
+def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+    """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
+    plan: dict[str, object] = {}
+    for i in range(1, model.num_layers + 1):
+        block = f"layers.{i}"
+        plan |= attention_plan(block, sp) | mlp_plan(block, sp, model.activation) | sequence_plan(block, sp)
+    return plan | split_sequence(1, sp) | vocab_plan(model, sp)
+
+
+def tied(model: ModelConfig) -> dict[str, str]:
+    """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2)."""
+    if not model.tie_embeddings:
+        return {}
+    return {f"layers.{model.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
+
+
+def check(config: Config) -> None:
+    width, tp = config.model.mlp_width, config.parallel.tp
+    if width % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
+
+
+def hf_family(model: ModelConfig) -> str | None:
+    """GPT-2's architecture or Llama's; a mix of the two has no Hugging Face counterpart."""
+    gpt2 = {"norm": "layer", "activation": "gelu", "positions": "learned", "bias": True}
+    llama = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False}
+    ours = {key: getattr(model, key) for key in gpt2}
+    if ours == gpt2 and model.kv_heads == model.num_heads and model.mlp_hidden is None:
+        return "gpt2"
+    return "llama" if ours == llama else None
+
+
+SPEC = ModelSpec(kind="gpt", task=LANGUAGE, build=build, tp_plan=tp_plan, tied=tied, check=check, hf_family=hf_family)

@@ -14,6 +14,12 @@ import torch
 from torch import nn
 
 from polyshard.ep import MoEConfig, MoELayer
+from polyshard.mesh import divisors
+from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models import gpt
+from polyshard.trainer.models.spec import BuildOptions, ModelSpec, attention_plan, split_sequence
+from polyshard.trainer.tasks import LANGUAGE
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -43,3 +49,67 @@ class MoEMLP(nn.Module):
         y, aux = self.moe(x)
         self.last_aux_loss = float(aux.detach())
         return _AttachAuxLoss.apply(y, aux, self.aux_loss_scale) if torch.is_grad_enabled() else y
+
+
+# -- the family's spec ----------------------------------------------------------------------------------
+
+
+def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
+    """The GPT with every block's MLP an MoE layer."""
+    model = gpt.build(config, options)
+    moe = MoEConfig(
+        hidden=config.hidden,
+        ffn_hidden=config.mlp_ratio * config.hidden // config.top_k,  # about a dense MLP's active FLOPs
+        num_experts=config.num_experts,
+        top_k=config.top_k,
+        capacity_factor=config.capacity_factor,
+        aux_loss_coef=config.aux_loss_weight,
+    )
+    for block in model.layers[1:-1]:
+        block.mlp = MoEMLP(moe, aux_loss_scale=options.aux_loss_scale)
+    return model
+
+
+def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+    """Attention and vocabulary as the GPT's; the experts are not split by tp (ep splits them)."""
+    plan: dict[str, object] = {}
+    for i in range(1, model.num_layers + 1):
+        plan |= attention_plan(f"layers.{i}", sp)
+    return plan | split_sequence(1, sp) | gpt.vocab_plan(model, sp)
+
+
+def check_model(model: ModelConfig) -> None:
+    if not 1 <= model.top_k <= model.num_experts:
+        raise ConfigError(f"model.top_k={model.top_k} must be between 1 and model.num_experts={model.num_experts}")
+
+
+def check(config: Config) -> None:
+    model, par = config.model, config.parallel
+    if par.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
+            "would see different tokens); turn sequence_parallel off"
+        )
+    if par.ep > 1 and par.zero_stage == 3:
+        # ZeRO-3 shards every parameter of a stage over dp x ep, but each ep rank holds different experts.
+        raise ConfigError(
+            f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
+            "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
+        )
+    if model.num_experts % par.ep:
+        raise ConfigError(
+            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
+            f"choose ep in {divisors(model.num_experts)}"
+        )
+
+
+SPEC = ModelSpec(
+    kind="moe-gpt",
+    task=LANGUAGE,
+    build=build,
+    tp_plan=tp_plan,
+    has_experts=True,
+    tied=gpt.tied,
+    check=check,
+    check_model=check_model,
+)

@@ -10,7 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polyshard.mesh import divisors
 from polyshard.tp.transformer import Block
+from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models.spec import (
+    BuildOptions,
+    ModelSpec,
+    attention_plan,
+    mlp_plan,
+    sequence_plan,
+    split_sequence,
+)
+from polyshard.trainer.tasks import IMAGES
 
 
 class PatchEmbedding(nn.Module):
@@ -78,3 +90,60 @@ class ViT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+# -- the family's spec ----------------------------------------------------------------------------------
+
+
+def build(config: ModelConfig, options: BuildOptions) -> ViT:
+    return ViT(
+        image_size=config.image_size,
+        patch_size=config.patch_size,
+        channels=config.channels,
+        num_classes=config.num_classes,
+        hidden=config.hidden,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        mlp_ratio=config.mlp_ratio,
+        dropout=config.dropout,
+        checkpoint_activations=options.checkpoint_activations,
+    )
+
+
+def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+    """The blocks as the GPT's; the patch embedding and the small classifier head stay replicated."""
+    plan: dict[str, object] = {}
+    for i in range(1, model.num_layers + 1):
+        block = f"layers.{i}"
+        plan |= attention_plan(block, sp) | mlp_plan(block, sp, "gelu") | sequence_plan(block, sp)
+    return plan | split_sequence(1, sp)
+
+
+def sequence_length(model: ModelConfig) -> int:
+    """Patches plus the class token."""
+    return (model.image_size // model.patch_size) ** 2 + 1
+
+
+def check_model(model: ModelConfig) -> None:
+    if model.image_size % model.patch_size:
+        raise ConfigError(
+            f"model.image_size={model.image_size} is not a multiple of model.patch_size={model.patch_size}; "
+            f"choose patch_size in {divisors(model.image_size)}"
+        )
+
+
+def check(config: Config) -> None:
+    width, tp = config.model.mlp_ratio * config.model.hidden, config.parallel.tp
+    if width % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
+
+
+SPEC = ModelSpec(
+    kind="vit",
+    task=IMAGES,
+    build=build,
+    tp_plan=tp_plan,
+    check=check,
+    check_model=check_model,
+    sequence_length=sequence_length,
+)

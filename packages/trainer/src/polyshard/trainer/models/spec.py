@@ -1,0 +1,123 @@
+"""A model family, declared in one place: how to build it and everything the trainer asks of it.
+
+The trainer, the pipeline split, resharding, export and ``--dry-run`` never branch on
+``model.kind``; they ask the family's :class:`ModelSpec` (torchtitan's ``TrainSpec`` is the same
+idea). A new family is one file that defines its modules and a ``SPEC``, plus one line in
+:data:`polyshard.trainer.models.SPECS`.
+
+What a spec must keep true:
+
+* ``build`` returns a module whose ``layers`` is its ordered pipeline layers (the first takes the
+  batch's inputs, the last gives the loss's outputs), each mapping one tensor to the next, and
+  whose parameters are named ``layers.<i>.…``; it is called under the meta device and must not
+  initialise anything (``init`` does, layer by layer, from each layer's own generator).
+* ``tp_plan`` names parameters by those global names (see :mod:`polyshard.tp.plan`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from polyshard.tp import ColumnParallel, RowParallel, SequenceParallel, ShardHeads, SplitSequence, TPEntry
+from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.models.init import init_weights
+from polyshard.trainer.tasks import Task
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    checkpoint_activations: bool = False
+    """Blocks recompute their insides in backward."""
+    aux_loss_scale: float = 1.0
+    """The gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several)."""
+
+
+def _no_ties(model: ModelConfig) -> dict[str, str]:
+    return {}
+
+
+def _no_checks(config: Config) -> None:
+    return None
+
+
+def _no_hf(model: ModelConfig) -> str | None:
+    return None
+
+
+def decays(name: str, param: nn.Parameter) -> bool:
+    """The usual AdamW rule (GPT-2, nanoGPT): decay matrices; not biases, norms or embeddings."""
+    return param.dim() >= 2 and not any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str
+    """``model.kind`` in a config."""
+    task: Task
+    """Its data, how a batch splits into inputs and targets, its loss."""
+    build: Callable[[ModelConfig, BuildOptions], nn.Module]
+    """The model, uninitialised (called under the meta device)."""
+    tp_plan: Callable[[ModelConfig, bool], dict[str, object]]
+    """Tensor-parallel plan over every layer's global names; the flag is sequence parallelism."""
+    has_experts: bool = False
+    """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp."""
+    init: Callable[[nn.Module, int, torch.Generator | None], None] = init_weights
+    """Initialise one pipeline layer in place: (layer, num_layers, generator)."""
+    tied: Callable[[ModelConfig], dict[str, str]] = _no_ties
+    """Parameters that are another parameter (tied weights): alias -> name."""
+    decays: Callable[[str, nn.Parameter], bool] = decays
+    """Whether AdamW decays this parameter (by model name)."""
+    check: Callable[[Config], None] = _no_checks
+    """Family constraints against the rest of the config, before launch (a :class:`ConfigError`)."""
+    check_model: Callable[[ModelConfig], None] = lambda model: None
+    """Family constraints between ``[model]`` fields, when the section is read."""
+    sequence_length: Callable[[ModelConfig], int] = lambda model: model.context_length
+    """Positions per example the transformer sees."""
+    hf_family: Callable[[ModelConfig], str | None] = _no_hf
+    """The Hugging Face architecture its weights map to (``"gpt2"``, ``"llama"``), or None."""
+
+
+def layer_of(name: str) -> int:
+    """The pipeline layer of a model parameter name ``layers.<i>.…``."""
+    return int(name.split(".")[1])
+
+
+# -- tensor-parallel plan pieces the families share ------------------------------------------------------
+
+
+def attention_plan(block: str, sp: bool) -> dict[str, object]:
+    """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows)."""
+    return {
+        f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads()],
+        f"{block}.attn.[qkv]_proj": ColumnParallel(input_entered=True),
+        f"{block}.attn.o_proj": RowParallel(sequence_parallel=sp),
+    }
+
+
+def mlp_plan(block: str, sp: bool, activation: str) -> dict[str, object]:
+    """The MLP's first matrices by columns and its last by rows: each rank's share is a whole MLP
+    (SwiGLU's gate and up split alike)."""
+    if activation == "swiglu":
+        return {
+            f"{block}.mlp.gate_proj": ColumnParallel(sequence_parallel=sp),
+            f"{block}.mlp.up_proj": ColumnParallel(sequence_parallel=sp),
+            f"{block}.mlp.down_proj": RowParallel(sequence_parallel=sp),
+        }
+    return {
+        f"{block}.mlp.fc_in": ColumnParallel(sequence_parallel=sp),
+        f"{block}.mlp.fc_out": RowParallel(sequence_parallel=sp),
+    }
+
+
+def sequence_plan(block: str, sp: bool) -> dict[str, object]:
+    """Under sequence parallelism the norms run on a sequence shard."""
+    return {f"{block}.norm[12]": SequenceParallel()} if sp else {}
+
+
+def split_sequence(first_block: int, sp: bool) -> dict[str, object]:
+    """Embeddings are replicated over tp; under sequence parallelism the first block splits them."""
+    return {f"layers.{first_block}": SplitSequence()} if sp else {}

@@ -1,0 +1,111 @@
+"""What a model learns to do: its data, how a batch splits into inputs and targets, and its loss.
+
+A :class:`~polyshard.trainer.models.spec.ModelSpec` names one task. Two exist:
+
+* :data:`LANGUAGE`: next-token prediction on tokenized text. A row of ``context_length + 1``
+  tokens gives the inputs (all but the last) and the targets (all but the first); the loss is
+  cross-entropy over the vocabulary, vocabulary-parallel under tp.
+* :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
+  evaluation also reports accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from polyshard.tp import vocab_parallel_cross_entropy
+from polyshard.trainer.config import Config
+from polyshard.trainer.data import check_text_source, digits_splits, packed_splits
+from polyshard.trainer.errors import ConfigError
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    splits: Callable[[Config], tuple[datasets.Dataset, datasets.Dataset]]
+    """(training, validation) datasets, read on every rank (rank 0 first: it may write caches)."""
+    check_config: Callable[[Config], None]
+    """Checks of the data settings against the task (no file is read): part of ``validate``."""
+    check_data: Callable[[Config], None]
+    """Checks of the data itself before any process starts (a missing file, too few examples)."""
+    split_batch: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+    """A loader batch -> (inputs, targets)."""
+    loss: Callable[[Config, dist.ProcessGroup | None], LossFn]
+    """The last stage's loss on (outputs, targets); the tp group when tp > 1."""
+    reports_accuracy: bool = False
+    """Evaluation also counts outputs whose argmax is the target."""
+    generates_text: bool = False
+    """A model of this task samples text (the end-of-run sample, ``polyshard generate``)."""
+
+
+def _text_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
+    data = config.data
+    return packed_splits(data.source, config.model.context_length, data.val_fraction, data.tokenizer)
+
+
+def _text_settings(config: Config) -> None:
+    if config.data.source == "digits":
+        raise ConfigError(
+            f"data.source='digits' is an image dataset and model.kind={config.model.kind!r} reads text; "
+            "it needs model.kind='vit', or give a text source"
+        )
+
+
+def _check_text(config: Config) -> None:
+    check_text_source(
+        config.data.source,
+        config.model.context_length,
+        config.data.val_fraction,
+        config.training.global_batch_size,
+        config.model.vocab_size,
+        config.data.tokenizer,
+    )
+
+
+def _next_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = batch["tokens"]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+    """Cross-entropy of (B, S, V) logits against (B, S) token ids: vocabulary-parallel under tp."""
+    if tp_group is not None:
+        vocab = config.model.vocab_size
+        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, tp_group, vocab_size=vocab)
+    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _image_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
+    return digits_splits(config.data.val_fraction, seed=config.training.seed)
+
+
+def _image_settings(config: Config) -> None:
+    if config.data.source != "digits":
+        raise ConfigError(
+            f"model.kind={config.model.kind!r} trains on images; set data.source='digits' (got {config.data.source!r})"
+        )
+
+
+def _labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch["image"], batch["label"]
+
+
+def _class_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+    """Cross-entropy of (B, classes) logits; the classifier head is replicated over tp."""
+    return lambda logits, labels: F.cross_entropy(logits.float(), labels)
+
+
+def _no_check(config: Config) -> None:
+    """The built-in digits need no reading ahead."""
+
+
+LANGUAGE = Task("language", _text_splits, _text_settings, _check_text, _next_tokens, _token_loss, generates_text=True)
+IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)
