@@ -3,6 +3,9 @@ it, and a tokenizer larger than the model's vocabulary is refused before launch.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from polyshard.mesh import Mesh
@@ -54,8 +57,37 @@ def test_a_run_trains_with_the_bpe(distributed, bpe, corpus, tmp_path):
     )
     losses = distributed.run(2, _train, config, tmp_path)[0]
     assert losses[-1] < losses[0] - 0.5  # from ~ln(300) = 5.7 toward the corpus's few words
-    text = sample_text(config, consolidate(latest_checkpoint(tmp_path / "checkpoints")), 8, "the king")
+    checkpoint = latest_checkpoint(tmp_path / "checkpoints")
+    text = sample_text(config, consolidate(checkpoint), 8, "the king")
     assert text.startswith("the king") and len(text) > len("the king")
+    _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text)
+
+
+def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
+    """Each checkpoint holds the run's tokenizer.json, verified like its tensors: `polyshard generate`
+    reads it even when the file the config named is gone, and resharding carries it along."""
+    from typer.testing import CliRunner
+
+    from polyshard.cli.main import app
+    from polyshard.trainer.checkpoint_format import CheckpointError, Source
+
+    assert (checkpoint / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    moved = tmp_path / "moved" / checkpoint.name
+    shutil.copytree(checkpoint, moved)
+    index = json.loads((moved / "index.json").read_text())
+    index["config"]["data"]["tokenizer"] = str(tmp_path / "gone" / "tokenizer.json")
+    (moved / "index.json").write_text(json.dumps(index))
+    args = ["generate", str(moved), "--prompt", "the king", "--tokens", "8", "--temperature", "0.8"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == text  # the same tokens as the run's own sample (same seed and settings)
+    resharded = tmp_path / "resharded"
+    result = CliRunner().invoke(app, ["reshard", str(moved), str(resharded), "--mesh", "dp=1"])
+    assert result.exit_code == 0, result.output
+    assert (next(resharded.glob("step_*")) / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    (moved / "tokenizer.json").write_text("{}")  # tampered with
+    with pytest.raises(CheckpointError, match="tokenizer.json is missing or does not match its sha256"):
+        Source(moved)
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(bpe, corpus):

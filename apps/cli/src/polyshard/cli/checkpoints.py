@@ -64,7 +64,8 @@ def generate(
     import math
 
     from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError
+    from polyshard.trainer.data.tokenizer import load_tokenizer
     from polyshard.trainer.errors import DataError
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.loop import sample_text
@@ -79,8 +80,11 @@ def generate(
         if not spec_of(source.config.model).task.generates_text:
             kind = source.config.model.kind
             raise CheckpointError(f"{source.folder} holds a {kind!r} model, which makes no text; generate needs a GPT")
+        saved = source.asset(TOKENIZER)  # the run's own tokenizer, saved with its checkpoints
+        tokenizer = load_tokenizer(str(saved) if saved else source.config.data.tokenizer)
+        state = consolidate(source)
         text = sample_text(
-            source.config, consolidate(source), tokens, prompt, temperature=temperature, top_k=top_k, seed=seed
+            source.config, state, tokens, prompt, temperature=temperature, top_k=top_k, seed=seed, tokenizer=tokenizer
         )
     except (CheckpointError, DataError) as err:
         typer.echo(f"{'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}", err=True)

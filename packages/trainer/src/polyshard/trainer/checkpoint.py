@@ -28,8 +28,10 @@ from safetensors.torch import load_file, save_file
 
 from polyshard.mesh import TensorPlacement
 from polyshard.trainer.checkpoint_format import (
+    ASSETS,
     CheckpointError,
     Source,
+    copy_assets,
     make_index,
     publish,
     rank_entry,
@@ -59,13 +61,15 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
     keep: int | None = None,
+    assets: Mapping[str, Path] | None = None,
 ) -> Path:
     """Collectively save this rank's ``tensors``; returns the finished folder.
 
     ``extra`` (JSON-serialisable, gathered from every rank) lands in the index
     under ``"ranks"``; use it for data positions and other small state.
     ``config`` (the run's settings as a dict) lets offline tools lay the
-    checkpoint out for another mesh.
+    checkpoint out for another mesh. ``assets`` (name -> file, read on rank 0) are copied in
+    beside the tensors and verified like them: the run's tokenizer.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
@@ -82,7 +86,8 @@ def save_checkpoint(
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
     entries = _gather(entry)
     if rank == 0:
-        publish(tmp, final, make_index(step, mesh_axes, entries, config))
+        more = {ASSETS: copy_assets(assets, tmp)} if assets else {}
+        publish(tmp, final, make_index(step, mesh_axes, entries, config, **more))
         if keep is not None:
             _prune(Path(root), keep)
     _barrier()

@@ -8,7 +8,9 @@ A checkpoint is a folder ``step_00000100/``::
     rank_00001.safetensors
     index.json               {"format", "step", "mesh", "world_size", "config",
                               "ranks": [{"file", "sha256", "tensors": {key: record}, "extra"}],
+                              "assets": {file: sha256} (files the run needs besides tensors),
                               "resharded_from" (when written by reshard)}
+    tokenizer.json           an asset: the run's tokenizer, when it is not the byte tokenizer
 
 Tensor keys are global and self-describing (:func:`model_key`, :func:`optim_key`)::
 
@@ -45,6 +47,8 @@ FORMAT_VERSION = 1
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/torch"
 MASTER = "master"  # optimizer state kept besides the moments: ZeRO's (and bf16's) fp32 master copy
+ASSETS = "assets"
+TOKENIZER = "tokenizer.json"  # the run's tokenizer, saved with each checkpoint so the weights keep their meaning
 
 
 def model_key(name: str) -> str:
@@ -143,6 +147,15 @@ def _check_index(folder: Path, index_path: Path, index: dict) -> None:
             raise bad(f"rank {rank}'s file {name!r} leads outside {folder}")
         if not isinstance(entry["tensors"], dict) or not isinstance(entry.get("extra", {}), dict):
             raise bad(f"rank {rank}'s 'tensors' or 'extra' is not a table")
+    assets = index.get(ASSETS, {})
+    if not isinstance(assets, dict):
+        raise bad(f"'{ASSETS}' is {assets!r}, not a table of file names and sha256 digests")
+    rank_files = {entry["file"] for entry in ranks} | {"index.json"}
+    for name, digest in assets.items():
+        if Path(name).name != name or name in ("", ".", "..") or name in rank_files or not isinstance(digest, str):
+            raise bad(f"the asset {name!r} is not a bare file name with a sha256 digest")
+        if (folder / name).resolve().parent != inside:
+            raise bad(f"the asset {name!r} leads outside {folder}")
 
 
 def verify_files(folder: str | Path, index: dict, ranks: list[int] | None = None) -> None:
@@ -155,6 +168,11 @@ def verify_files(folder: str | Path, index: dict, ranks: list[int] | None = None
             raise CheckpointError(f"{path} is missing from the checkpoint")
         if sha256(path) != entry["sha256"]:
             raise CheckpointError(f"{path} does not match its sha256 in index.json: truncated or modified")
+    if ranks is None:
+        for name, digest in index.get(ASSETS, {}).items():
+            path = folder / name
+            if not path.is_file() or sha256(path) != digest:
+                raise CheckpointError(f"{path} is missing or does not match its sha256 in index.json")
 
 
 def rank_entry(file: str, digest: str, records: Mapping[str, TensorPlacement | None], extra: Mapping) -> dict:
@@ -173,6 +191,16 @@ def make_index(step: int, mesh: Mapping[str, int], entries: list[dict], config: 
     if config is not None:
         index["config"] = dict(config)
     return {**index, **more}
+
+
+def copy_assets(files: Mapping[str, Path], folder: Path) -> dict[str, str]:
+    """Copy ``files`` (asset name -> where it is now) into the checkpoint being written in ``folder``;
+    returns the index's ``assets`` table (name -> sha256 of the copy)."""
+    table = {}
+    for name, path in sorted(files.items()):
+        shutil.copyfile(path, folder / name)
+        table[name] = sha256(folder / name)
+    return table
 
 
 @dataclass(frozen=True)
@@ -231,6 +259,13 @@ class Source:
                     f"{self.folder}/index.json: {key!r} claims a global shape {list(self.global_shape(key))} "
                     "larger than all its saved pieces together"
                 )
+
+    def asset(self, name: str) -> Path | None:
+        """The verified asset ``name`` saved with this checkpoint (e.g. :data:`TOKENIZER`), or None."""
+        return self.folder / name if name in self.index.get(ASSETS, {}) else None
+
+    def assets(self) -> dict[str, Path]:
+        return {name: self.folder / name for name in self.index.get(ASSETS, {})}
 
     @functools.cached_property
     def config(self) -> Config:

@@ -24,10 +24,10 @@ from polyshard.collectives import ops
 from polyshard.mesh import Mesh
 from polyshard.trainer import hf
 from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
-from polyshard.trainer.checkpoint_format import CheckpointError, Source
+from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError, Source
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader
-from polyshard.trainer.data.tokenizer import load_tokenizer
+from polyshard.trainer.data.tokenizer import FileTokenizer, Tokenizer, load_tokenizer
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
@@ -275,6 +275,8 @@ def train(
     flops_per_step = tokens_per_step * model_flops_per_token(
         num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
     )
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    assets = {TOKENIZER: tokenizer.path} if isinstance(tokenizer, FileTokenizer) else {}  # saved with every checkpoint
     nonfinite = 0  # non-finite steps in a row
     end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
     if train_cfg.stop_at and train_cfg.stop_at <= start:
@@ -351,6 +353,7 @@ def train(
                 extra=extra,
                 config=dataclasses.asdict(config),
                 keep=config.checkpoint.keep,
+                assets=assets,
             )
             inject("saved", step + 1, mesh.rank)
 
@@ -359,7 +362,7 @@ def train(
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
         # unsharded weights from it with the same placement-driven code `polyshard export` uses.
         state = consolidate(latest_checkpoint(checkpoints))
-        result.sample = sample_text(config, state, train_cfg.sample_tokens)
+        result.sample = sample_text(config, state, train_cfg.sample_tokens, tokenizer=tokenizer)
     if rank0 and log:
         plot_losses(metrics.records(), out / "loss.png")
     return result
@@ -374,12 +377,13 @@ def sample_text(
     temperature: float = 0.8,
     top_k: int = 0,
     seed: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
-    """Generate from the unsharded weights on one process, with the run's tokenizer."""
+    """Generate from the unsharded weights on one process, with ``tokenizer`` (default: the config's)."""
     model = build_model(config.model)
     model.load_state_dict(state, strict=True)
     model.eval()
-    tokenizer = load_tokenizer(config.data.tokenizer)
+    tokenizer = tokenizer or load_tokenizer(config.data.tokenizer)
     tokens = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)

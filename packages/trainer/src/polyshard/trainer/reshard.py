@@ -44,11 +44,13 @@ import torch
 
 from polyshard.mesh import MeshLayout, get_placement
 from polyshard.trainer.checkpoint_format import (
+    ASSETS,
     MASTER,
     RNG,
     CheckpointError,
     Source,
     StreamWriter,
+    copy_assets,
     make_index,
     optim_key,
     publish,
@@ -163,12 +165,14 @@ def reshard(
             total += writer.data_bytes
             records = {k: p.record for k, p in plan.items()}
             entries.append(rank_entry(rank_file(rank), digest, records, source.extra()))
+        assets = {ASSETS: copy_assets(source.assets(), tmp)} if source.assets() else {}
         index = make_index(
             source.step,
             config.parallel.mesh_axes,
             entries,
             dataclasses.asdict(config),
             resharded_from={"folder": str(source.folder), "mesh": source.index["mesh"]},
+            **assets,
         )
         publish(tmp, final, index)
     except BaseException:
