@@ -55,11 +55,11 @@ class MoEMLP(nn.Module):
 
 
 def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
-    """The GPT with every block's MLP an MoE layer."""
+    """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's)."""
     model = gpt.build(config, options)
     moe = MoEConfig(
         hidden=config.hidden,
-        ffn_hidden=config.mlp_ratio * config.hidden // config.top_k,  # about a dense MLP's active FLOPs
+        ffn_hidden=config.mlp_width // config.top_k,  # about a dense MLP's active FLOPs
         num_experts=config.num_experts,
         top_k=config.top_k,
         capacity_factor=config.capacity_factor,
