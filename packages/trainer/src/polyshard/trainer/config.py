@@ -207,6 +207,22 @@ class ParallelConfig:
         return self.dp * self.ep * self.pp * self.tp
 
     @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split each global batch's examples: every coordinate on them is a data rank."""
+        return ("dp", "ep")
+
+    @property
+    def data_ranks(self) -> int:
+        """Data ranks: each takes global_batch_size / data_ranks examples per step."""
+        return self.dp * self.ep
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which a (non-expert) parameter is replicated: its gradient averages over them,
+        and ZeRO shards it over them."""
+        return ("dp", "ep")
+
+    @property
     def mesh_axes(self) -> dict[str, int]:
         """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours."""
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}

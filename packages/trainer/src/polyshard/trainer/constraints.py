@@ -27,7 +27,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
-    data_ranks = par.dp * par.ep
+    data_ranks = par.data_ranks
     per_step = data_ranks * par.microbatches
     if train.global_batch_size % per_step:
         raise ConfigError(

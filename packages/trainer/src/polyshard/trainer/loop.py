@@ -78,7 +78,7 @@ def _first_then_rest(fn):
 def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
     par, train = config.parallel, config.training
     splits = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
-    data_rank, data_ranks = mesh.group_rank(("dp", "ep")), par.dp * par.ep
+    data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
     batch = train.global_batch_size // data_ranks
     common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
     return ShardedLoader(splits[0], shuffle=config.data.shuffle, **common), ShardedLoader(
@@ -99,7 +99,7 @@ def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
         [float(value) if holder and value is not None else 0.0], dtype=torch.float64, device=engine.device
     )
     ops.all_reduce(total)
-    return float(total) / (par.dp * par.ep)
+    return float(total) / par.data_ranks
 
 
 def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:

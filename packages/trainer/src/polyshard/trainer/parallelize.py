@@ -239,9 +239,10 @@ def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataPar
     mp = None
     if config.training.precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # The data-parallel group spans dp x ep; records name both axes so checkpoints and the
-    # gradient-norm clip know a ZeRO shard is split over each.
-    data_group, data_axes = mesh.group(("dp", "ep")), ("dp", "ep")
+    # The data-parallel group spans every replica axis (dp x ep); records name each axis so
+    # checkpoints and the gradient-norm clip know a ZeRO shard is split over each.
+    data_axes = par.replica_axes
+    data_group = mesh.group(data_axes)
     if par.zero_stage == 3:
         return FullyShardedDataParallel(stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=data_axes)
     sets = []

@@ -36,7 +36,7 @@ def model_state_bytes_per_rank(config: Config, rank_params: int) -> float:
     par = config.parallel
     local = rank_params / par.tp
     weight, grad, optim = (2, 2, 12) if config.training.precision == "bf16" else (4, 4, 8)
-    n = par.dp * par.ep  # ZeRO shards over every data rank
+    n = math.prod(par.mesh_axes[axis] for axis in par.replica_axes)  # ZeRO shards over the replicas
     if par.zero_stage >= 1:
         optim /= n
     if par.zero_stage >= 2:
@@ -49,7 +49,7 @@ def model_state_bytes_per_rank(config: Config, rank_params: int) -> float:
 def activation_bytes_per_rank(config: Config) -> float:
     model, par, train = config.model, config.parallel, config.training
     s, h, a = model.sequence_length, model.hidden, model.num_heads
-    b = train.global_batch_size // (par.dp * par.ep * par.microbatches)
+    b = train.global_batch_size // (par.data_ranks * par.microbatches)
     per_layer = s * b * h * (10 + 24 / par.tp + 5 * a * s / (h * par.tp))
     if par.sequence_parallel:
         per_layer = s * b * h * (34 + 5 * a * s / h) / par.tp

@@ -59,7 +59,7 @@ def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
     """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp only, below ZeRO-3)."""
     if is_expert(config, record) and config.parallel.zero_stage < 3:
         return ("dp",)
-    return ("dp", "ep")
+    return config.parallel.replica_axes
 
 
 @dataclass(frozen=True)
