@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from polyshard.ep import MoEConfig
+from polyshard.tp.transformer import RopeScaling
 from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.models.gpt import GPT
 from polyshard.trainer.models.init import init_weights
@@ -65,6 +66,18 @@ def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
 
 
+def rope_scaling(config: ModelConfig) -> RopeScaling | None:
+    """Llama 3.1's rotary frequency scaling as ``config`` sets it; None when the factor is 1 (none)."""
+    if config.rope_scale_factor == 1.0:
+        return None
+    return RopeScaling(
+        factor=config.rope_scale_factor,
+        low_freq_factor=config.rope_low_freq_factor,
+        high_freq_factor=config.rope_high_freq_factor,
+        original_context=config.rope_original_context,
+    )
+
+
 def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale: float) -> nn.Module:
     if config.kind == "vit":
         return ViT(
@@ -78,6 +91,7 @@ def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale
             mlp_ratio=config.mlp_ratio,
             dropout=config.dropout,
             checkpoint_activations=checkpoint_activations,
+            norm_eps=config.norm_eps,
         )
     if config.kind in ("gpt", "moe-gpt"):
         model = GPT(
@@ -96,7 +110,9 @@ def _construct(config: ModelConfig, checkpoint_activations: bool, aux_loss_scale
             positions=config.positions,
             bias=config.bias,
             rope_theta=config.rope_theta,
+            rope_scaling=rope_scaling(config),
             mlp_hidden=config.mlp_width,
+            norm_eps=config.norm_eps,
         )
         if config.kind == "moe-gpt":
             moe = MoEConfig(

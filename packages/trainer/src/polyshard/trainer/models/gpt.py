@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.tp.transformer import Block, norm_layer
+from polyshard.tp.transformer import Block, RopeScaling, norm_layer
 
 
 class Embedding(nn.Module):
@@ -33,9 +33,9 @@ class Embedding(nn.Module):
 class LMHead(nn.Module):
     """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
 
-    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer"):
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5):
         super().__init__()
-        self.norm = norm_layer(norm, hidden)
+        self.norm = norm_layer(norm, hidden, norm_eps)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,9 @@ class GPT(nn.Module):
         positions: str = "learned",
         bias: bool = True,
         rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         self.context_length = context_length
@@ -73,12 +75,14 @@ class GPT(nn.Module):
             "activation": activation,
             "bias": bias,
             "rope_theta": rope_theta if positions == "rope" else None,
+            "rope_scaling": rope_scaling if positions == "rope" else None,
             "mlp_hidden": mlp_hidden,
+            "norm_eps": norm_eps,
         }
         blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
-        self.layers.append(LMHead(hidden, vocab_size, norm))
+        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
         if tie_embeddings:
             self.layers[-1].proj.weight = self.layers[0].tok.weight
 
