@@ -134,7 +134,7 @@ class HFSource:
         out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
         return out
 
-    def optim_state(self) -> dict:
+    def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
         return {}
 
     def rng_piece(self, coords: Mapping[str, int]) -> None:
@@ -242,9 +242,9 @@ def write_hf(
         else:
             weight_map = {}
             for i, names in enumerate(shards, start=1):
-                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(names, file))
+                shard = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: tensors[n] for n in names}, str(tmp / shard), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, shard))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
