@@ -42,6 +42,13 @@ def test_defaults_are_valid():
         ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),
         ({"data": {"val_fraction": 1.5}}, "strictly between 0 and 1"),
         ({"parallel": {"stage_layers": [2, 0]}}, "must be a list of layer counts >= 1"),
+        ({"model": {"norm_eps": 0}}, "model.norm_eps=0.0 must be in \\(0, 1\\)"),
+        ({"model": {"norm_eps": "1e-6"}}, "model.norm_eps='1e-6' must be a finite number"),
+        ({"model": {"preset": "llama-tiny", "rope_scale_factor": 0.5}}, "model.rope_scale_factor=0.5 must be >= 1"),
+        ({"model": {"rope_scale_factor": 8}}, "scales rotary positions, but model.positions='learned'"),
+        ({"model": {"rope_low_freq_factor": 4, "rope_high_freq_factor": 1}}, "need 0 < low < high"),
+        ({"model": {"rope_original_context": 0}}, "model.rope_original_context=0 must be an integer >= 1"),
+        ({"model": {"rope_original_context": 8192.0}}, "model.rope_original_context=8192.0 must be an integer"),
     ],
 )
 def test_bad_fields(raw, message):

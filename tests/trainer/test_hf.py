@@ -211,11 +211,13 @@ def test_a_folder_that_does_not_fit_is_refused_naming_what(gpt2, corpus, tmp_pat
         CheckpointError, match=r"missing \['transformer.h.1.mlp.c_fc.bias'\].*\['transformer.h.1.extra'\]"
     ):
         HFSource(broken, config)
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="model_type 'llama' is not supported"):
-        model_settings(llama)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(
+        CheckpointError, match=r"model_type 'mistral' is not supported; polyshard reads \['gpt2', 'llama'\]"
+    ):
+        model_settings(mistral)
     with pytest.raises(CheckpointError, match="exists"):
         write_hf({}, config.model, gpt2)  # never over an existing folder
 

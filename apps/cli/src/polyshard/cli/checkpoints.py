@@ -31,7 +31,7 @@ def export(
     ),
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
-    or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2)."""
+    or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama)."""
     from polyshard.trainer.checkpoint import open_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.export import consolidate

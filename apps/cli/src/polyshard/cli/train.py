@@ -21,7 +21,7 @@ def train(
     init_from: str | None = typer.Option(
         None,
         "--init-from",
-        help="Start from this checkpoint (any mesh), or from a Hugging Face GPT-2 folder as hf:DIR; "
+        help="Start from this checkpoint (any mesh), or from a Hugging Face GPT-2 or Llama folder as hf:DIR; "
         "the new run goes to --out.",
     ),
     stop_at: int | None = typer.Option(

@@ -14,18 +14,67 @@ hence the ignores on the forwards' returns.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (Hugging Face's ``rope_type = "llama3"``), which stretches
+    a model trained on ``original_context`` positions to ``factor`` times as many: a frequency whose
+    wavelength exceeds ``original_context / low_freq_factor`` is divided by ``factor``, one whose
+    wavelength is below ``original_context / high_freq_factor`` is kept, and those between move
+    smoothly from one to the other. Llama 3.2: factor 32, low 1, high 4, original 8192."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.factor) and self.factor >= 1.0):
+            raise ValueError(f"rope scaling factor={self.factor} must be a finite number >= 1 (1: no scaling)")
+        if not (0.0 < self.low_freq_factor < self.high_freq_factor and math.isfinite(self.high_freq_factor)):
+            raise ValueError(
+                f"rope scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
+                f"({self.high_freq_factor}); Llama 3 uses 1 and 4"
+            )
+        if self.original_context < 1:
+            raise ValueError(f"rope scaling original_context={self.original_context} must be >= 1 (Llama 3: 8192)")
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """The D/2 rotation frequencies theta^(-2i/D) in float32, computed as transformers computes them
+    (1 / theta^(2i/D), bit for bit); with ``scaling`` rescaled by exactly the rule (and the order of
+    operations) of its ``_compute_llama3_parameters``."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(torch.float32) / head_dim
+    inv = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv
+    long_wavelength, short_wavelength = scaling.original_context / low, scaling.original_context / high
+    scaled = torch.where(wavelength > long_wavelength, inv / factor, inv)  # low frequencies: slowed down
+    smooth = (scaling.original_context / wavelength - low) / (high - low)  # 0 at long, 1 at short
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= short_wavelength) & (wavelength <= long_wavelength)
+    return torch.where(between, smoothed, scaled)
+
+
+def rotate(x: torch.Tensor, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2104.09864) of ``x`` (B, N, S, D), in the half-split
-    layout Llama and Hugging Face use: dims i and i + D/2 form a pair rotated by pos x theta^(-2i/D).
+    layout Llama and Hugging Face use: dims i and i + D/2 form a pair rotated by pos x theta^(-2i/D)
+    (frequencies rescaled by ``scaling`` for Llama 3.1's long context).
     Positions are 0..S-1 of the sequence this call sees (attention always sees whole sequences)."""
     d, s = x.shape[-1], x.shape[-2]
-    inv = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    inv = rope_frequencies(d, theta, scaling, x.device)
     angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (S, D/2)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (S, D)
     x32 = x.float()
@@ -35,7 +84,8 @@ def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
-    rotary positions on q and k when ``rope_theta`` is given (Llama); ``bias`` on the projections (GPT-2)."""
+    rotary positions on q and k when ``rope_theta`` is given (Llama; ``rope_scaling`` for Llama 3.1's
+    long context); ``bias`` on the projections (GPT-2)."""
 
     def __init__(
         self,
@@ -47,12 +97,13 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         bias: bool = True,
         rope_theta: float | None = None,
+        rope_scaling: RopeScaling | None = None,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden // num_heads
-        self.causal, self.dropout, self.rope_theta = causal, dropout, rope_theta
+        self.causal, self.dropout, self.rope_theta, self.rope_scaling = causal, dropout, rope_theta, rope_scaling
         self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
@@ -65,7 +116,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
-            q, k = rotate(q, self.rope_theta), rotate(k, self.rope_theta)
+            q, k = rotate(q, self.rope_theta, self.rope_scaling), rotate(k, self.rope_theta, self.rope_scaling)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -119,7 +170,8 @@ class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
 
     GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
-    ``rope_theta``. With ``checkpoint_activations`` only the block's input is kept for backward;
+    ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is both norms' epsilon.
+    With ``checkpoint_activations`` only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation.
     """
@@ -138,6 +190,7 @@ class Block(nn.Module):
         activation: str = "gelu",
         bias: bool = True,
         rope_theta: float | None = None,
+        rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
     ):
@@ -147,7 +200,14 @@ class Block(nn.Module):
         self.checkpoint_activations = checkpoint_activations
         self.norm1 = norm_layer(norm, hidden, norm_eps)
         self.attn = Attention(
-            hidden, num_heads, num_kv_heads, causal=causal, dropout=dropout, bias=bias, rope_theta=rope_theta
+            hidden,
+            num_heads,
+            num_kv_heads,
+            causal=causal,
+            dropout=dropout,
+            bias=bias,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
         )
         self.norm2 = norm_layer(norm, hidden, norm_eps)
         width = mlp_hidden or mlp_ratio * hidden

@@ -37,11 +37,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "llama-3.2-1b": {
         **LLAMA, "hidden": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
-        "mlp_hidden": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "tie_embeddings": True,
+        "mlp_hidden": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "tie_embeddings": True, "norm_eps": 1e-5,
+        "rope_scale_factor": 32.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+        "rope_original_context": 8192,
     },
     "llama-3-8b": {
         **LLAMA, "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
-        "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+        "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
     },
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -83,6 +85,17 @@ class ModelConfig:
     """Biases in the attention and MLP projections (GPT-2 has them, Llama not)."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (positions = rope); Llama 3 uses 500000."""
+    rope_scale_factor: float = 1.0
+    """Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): frequencies with wavelengths
+    above rope_original_context / rope_low_freq_factor are divided by this; 1 means no scaling (Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """With rope scaling: wavelengths above rope_original_context / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """With rope scaling: wavelengths below rope_original_context / this are kept; those between are blended."""
+    rope_original_context: int = 8192
+    """With rope scaling: the context length the model was first trained on (Llama 3: 8192)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm (LayerNorm or RMSNorm, blocks and head); Llama 2 uses 1e-6."""
     mlp_hidden: int | None = None
     """MLP width; None means mlp_ratio x hidden (Llama's intermediate_size)."""
     num_experts: int = 4
@@ -131,6 +144,9 @@ class ModelConfig:
         _check_choice("model.positions", self.positions, ("learned", "rope"))
         if not self.rope_theta > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
+        self._check_rope_scaling()
+        if not 0.0 < self.norm_eps < 1.0:
+            raise ConfigError(f"model.norm_eps={self.norm_eps} must be in (0, 1) (1e-5; Llama 2 uses 1e-6)")
         if self.positions == "rope" and (self.hidden // self.num_heads) % 2:
             raise ConfigError(
                 f"model.positions='rope' rotates pairs of dims: the head dim hidden/num_heads="
@@ -141,6 +157,23 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         SPECS[self.kind].check_model(self)
+
+    def _check_rope_scaling(self) -> None:
+        if not 1.0 <= self.rope_scale_factor < math.inf:
+            raise ConfigError(
+                f"model.rope_scale_factor={self.rope_scale_factor} must be >= 1 (1: no scaling; Llama 3.2 uses 32)"
+            )
+        if not 0.0 < self.rope_low_freq_factor < self.rope_high_freq_factor < math.inf:
+            raise ConfigError(
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} and model.rope_high_freq_factor="
+                f"{self.rope_high_freq_factor} need 0 < low < high (Llama 3 uses 1 and 4)"
+            )
+        _check_positive("model.rope_original_context", self.rope_original_context)
+        if self.rope_scale_factor != 1.0 and self.positions != "rope":
+            raise ConfigError(
+                f"model.rope_scale_factor={self.rope_scale_factor} scales rotary positions, but model.positions="
+                f"{self.positions!r}; set positions='rope' or rope_scale_factor=1"
+            )
 
     @property
     def kv_heads(self) -> int:

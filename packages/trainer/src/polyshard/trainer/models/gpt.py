@@ -17,7 +17,7 @@ from torch import nn
 
 from polyshard.mesh import divisors
 from polyshard.tp import SequenceParallel, VocabParallel
-from polyshard.tp.transformer import Block, norm_layer
+from polyshard.tp.transformer import Block, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
@@ -50,9 +50,9 @@ class Embedding(nn.Module):
 class LMHead(nn.Module):
     """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
 
-    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer"):
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5):
         super().__init__()
-        self.norm = norm_layer(norm, hidden)
+        self.norm = norm_layer(norm, hidden, norm_eps)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,9 @@ class GPT(nn.Module):
         positions: str = "learned",
         bias: bool = True,
         rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         self.context_length = context_length
@@ -90,12 +92,14 @@ class GPT(nn.Module):
             "activation": activation,
             "bias": bias,
             "rope_theta": rope_theta if positions == "rope" else None,
+            "rope_scaling": rope_scaling if positions == "rope" else None,
             "mlp_hidden": mlp_hidden,
+            "norm_eps": norm_eps,
         }
         blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
-        self.layers.append(LMHead(hidden, vocab_size, norm))
+        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
         if tie_embeddings:
             self.layers[-1].proj.weight = self.layers[0].tok.weight
 
@@ -142,7 +146,21 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         positions=config.positions,
         bias=config.bias,
         rope_theta=config.rope_theta,
+        rope_scaling=rope_scaling(config),
         mlp_hidden=config.mlp_width,
+        norm_eps=config.norm_eps,
+    )
+
+
+def rope_scaling(config: ModelConfig) -> RopeScaling | None:
+    """Llama 3.1's rotary frequency scaling as ``config`` sets it; None when the factor is 1 (none)."""
+    if config.rope_scale_factor == 1.0:
+        return None
+    return RopeScaling(
+        factor=config.rope_scale_factor,
+        low_freq_factor=config.rope_low_freq_factor,
+        high_freq_factor=config.rope_high_freq_factor,
+        original_context=config.rope_original_context,
     )
 
 
@@ -178,14 +196,12 @@ def check(config: Config) -> None:
         raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
 
 
-def hf_family(model: ModelConfig) -> str | None:
-    """GPT-2's architecture or Llama's; a mix of the two has no Hugging Face counterpart."""
-    gpt2 = {"norm": "layer", "activation": "gelu", "positions": "learned", "bias": True}
-    llama = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False}
-    ours = {key: getattr(model, key) for key in gpt2}
-    if ours == gpt2 and model.kv_heads == model.num_heads and model.mlp_hidden is None:
-        return "gpt2"
-    return "llama" if ours == llama else None
-
-
-SPEC = ModelSpec(kind="gpt", task=LANGUAGE, build=build, tp_plan=tp_plan, tied=tied, check=check, hf_family=hf_family)
+SPEC = ModelSpec(
+    kind="gpt",
+    task=LANGUAGE,
+    build=build,
+    tp_plan=tp_plan,
+    tied=tied,
+    check=check,
+    hf_families=("gpt2", "llama"),  # polyshard.trainer.hf's name tables; the architecture fields pick one
+)

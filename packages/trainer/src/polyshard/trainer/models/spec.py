@@ -44,10 +44,6 @@ def _no_checks(config: Config) -> None:
     return None
 
 
-def _no_hf(model: ModelConfig) -> str | None:
-    return None
-
-
 def decays(name: str, param: nn.Parameter) -> bool:
     """The usual AdamW rule (GPT-2, nanoGPT): decay matrices; not biases, norms or embeddings."""
     return param.dim() >= 2 and not any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
@@ -77,8 +73,8 @@ class ModelSpec:
     """Family constraints between ``[model]`` fields, when the section is read."""
     sequence_length: Callable[[ModelConfig], int] = lambda model: model.context_length
     """Positions per example the transformer sees."""
-    hf_family: Callable[[ModelConfig], str | None] = _no_hf
-    """The Hugging Face architecture its weights map to (``"gpt2"``, ``"llama"``), or None."""
+    hf_families: tuple[str, ...] = ()
+    """The Hugging Face architectures (``model_type``) its weights can map to (``polyshard.trainer.hf``)."""
 
 
 def layer_of(name: str) -> int:

@@ -44,9 +44,9 @@ class PatchEmbedding(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    def __init__(self, hidden: int, num_classes: int):
+    def __init__(self, hidden: int, num_classes: int, norm_eps: float = 1e-5):
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = nn.LayerNorm(hidden, eps=norm_eps)
         self.proj = nn.Linear(hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,7 @@ class ViT(nn.Module):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
         checkpoint_activations: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         blocks = [
@@ -78,11 +79,16 @@ class ViT(nn.Module):
                 causal=False,
                 dropout=dropout,
                 checkpoint_activations=checkpoint_activations,
+                norm_eps=norm_eps,
             )
             for _ in range(num_layers)
         ]
         self.layers = nn.ModuleList(
-            [PatchEmbedding(image_size, patch_size, channels, hidden), *blocks, ClassifierHead(hidden, num_classes)]
+            [
+                PatchEmbedding(image_size, patch_size, channels, hidden),
+                *blocks,
+                ClassifierHead(hidden, num_classes, norm_eps),
+            ]
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -107,6 +113,7 @@ def build(config: ModelConfig, options: BuildOptions) -> ViT:
         mlp_ratio=config.mlp_ratio,
         dropout=config.dropout,
         checkpoint_activations=options.checkpoint_activations,
+        norm_eps=config.norm_eps,
     )
 
 

@@ -1,0 +1,120 @@
+"""What one Hugging Face model family declares, and typed reads of its untrusted ``config.json``.
+
+A :class:`Family` is a small record of functions: ``config.json`` -> polyshard's ``[model]``
+settings, our parameter names -> where each lives in the family's files, and back. The reader
+and writer in :mod:`polyshard.trainer.hf.folder` know nothing of any one family; a model-spec
+registry can point a model kind at one of these records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyshard.trainer.checkpoint_format import CheckpointError
+from polyshard.trainer.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our tensors lives in a Hugging Face file: its name; whether it is stored transposed
+    (GPT-2's ``Conv1D`` keeps ``x @ W``'s W, a ``Linear`` weight transposed); and, when ``parts``
+    of our tensors sit side by side along the stored tensor's last dim (GPT-2's fused q, k, v in
+    ``c_attn``), the offset of this one there."""
+
+    name: str
+    transposed: bool = False
+    offset: int = 0
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family polyshard reads and writes."""
+
+    model_type: str
+    """``config.json``'s model_type, e.g. ``llama``."""
+    title: str
+    """The family's name in messages, e.g. ``Llama``."""
+    settings: Callable[[Mapping[str, Any], str], dict[str, object]]
+    """A validated ``config.json`` (its path for messages) -> polyshard's ``[model]`` settings."""
+    differences: Callable[[ModelConfig], dict[str, object]]
+    """The settings a model would need to change to be of this family (empty: it is)."""
+    sources: Callable[[ModelConfig], dict[str, Source]]
+    """Our parameter name -> where it lives in the family's files."""
+    config: Callable[[ModelConfig], dict[str, object]]
+    """The ``config.json`` written for a model of this family."""
+    base_prefix: str
+    """The prefix the causal-LM class adds to the base model's names (``transformer.``, ``model.``)."""
+    base_names: tuple[str, ...]
+    """Name starts of a base-model file (the Hub's ``gpt2``), read as if they had ``base_prefix``."""
+    buffers: tuple[str, ...] = ()
+    """Name ends of saved buffers that hold no weights (skipped when reading)."""
+    at_most: frozenset[str] = field(default_factory=frozenset)
+    """Settings ours may undershoot: a rotary model trains on sequences up to the folder's context."""
+
+    def canonical(self, name: str) -> str:
+        return self.base_prefix + name if name.startswith(self.base_names) else name
+
+
+def setting(model: ModelConfig, key: str) -> object:
+    """``model``'s effective value of a ``[model]`` setting: unset kv heads are all heads, an unset MLP
+    width is mlp_ratio x hidden."""
+    if key == "num_kv_heads":
+        return model.kv_heads
+    if key == "mlp_hidden":
+        return model.mlp_width
+    return getattr(model, key)
+
+
+def shape_differences(model: ModelConfig, shape: Mapping[str, object]) -> dict[str, object]:
+    """The entries of ``shape`` (setting -> required value) that ``model`` does not have."""
+    return {key: value for key, value in shape.items() if setting(model, key) != value}
+
+
+# -- typed reads of config.json (untrusted: every value checked before use) ----------------------------
+_MISSING = object()
+
+
+def read_int(hf: Mapping[str, Any], key: str, where: str, *, default: Any = _MISSING, low: int = 1) -> int:
+    """An integer >= ``low``; ``default`` when the key is absent or null (required without one)."""
+    value = _get(hf, key, where, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise CheckpointError(f"{where}: {key}={value!r} must be an integer >= {low}")
+    return value
+
+
+def read_number(
+    hf: Mapping[str, Any], key: str, where: str, *, default: Any = _MISSING, above: float, below: float = math.inf
+) -> float:
+    """A finite number strictly between ``above`` and ``below``."""
+    value = _get(hf, key, where, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not above < value < below:
+        bounds = f"> {above}" if below == math.inf else f"in ({above}, {below})"
+        raise CheckpointError(f"{where}: {key}={value!r} must be a finite number {bounds}")
+    return float(value)
+
+
+def read_bool(hf: Mapping[str, Any], key: str, where: str, *, default: bool) -> bool:
+    value = _get(hf, key, where, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key}={value!r} must be true or false")
+    return value
+
+
+def require(hf: Mapping[str, Any], key: str, where: str, fine: tuple[object, ...], why: str) -> None:
+    """``key`` absent, null, or one of ``fine`` (compared with its JSON type: true is not 1)."""
+    value = hf.get(key)
+    if value is not None and not any(type(value) is type(ok) and value == ok for ok in fine):
+        raise CheckpointError(f"{where}: {key}={value!r} is not supported ({why}); polyshard reads {fine[0]!r}")
+
+
+def _get(hf: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
+    value = hf.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise CheckpointError(f"{where}: {key} is missing; a Hugging Face config.json names it")
+        return default
+    return value
