@@ -82,6 +82,26 @@ def rotate(x: torch.Tensor, theta: float, scaling: RopeScaling | None = None) ->
     return (x32 * cos + half * sin).to(x.dtype)
 
 
+class CoreAttention(nn.Module):
+    """Attention's inner product: softmax(q k^T / sqrt(D)) v over (B, N, S, D) heads, causal or not, with
+    grouped-query attention when k and v hold fewer heads. No parameters: a parallelism that splits the
+    sequence (context parallelism's ring attention) swaps this module and nothing else."""
+
+    def __init__(self, *, causal: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.causal, self.dropout = causal, dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=self.causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
     rotary positions on q and k when ``rope_theta`` is given (Llama; ``rope_scaling`` for Llama 3.1's
@@ -103,7 +123,8 @@ class Attention(nn.Module):
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = hidden // num_heads
-        self.causal, self.dropout, self.rope_theta, self.rope_scaling = causal, dropout, rope_theta, rope_scaling
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.core = CoreAttention(causal=causal, dropout=dropout)
         self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
@@ -117,14 +138,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
             q, k = rotate(q, self.rope_theta, self.rope_scaling), rotate(k, self.rope_theta, self.rope_scaling)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=self.causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 
 

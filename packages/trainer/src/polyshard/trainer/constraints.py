@@ -52,7 +52,7 @@ def _check_tensor_parallel(config: Config) -> None:
         )
     if config.parallel.sequence_parallel and model.sequence_length % tp:
         # Offer only sizes that also pass the head and MLP checks above.
-        widths = (model.kv_heads, model.mlp_ratio * model.hidden)
+        widths = (model.kv_heads, model.mlp_width)
         valid = [d for d in divisors(model.sequence_length) if all(w % d == 0 for w in widths)]
         raise ConfigError(
             f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
