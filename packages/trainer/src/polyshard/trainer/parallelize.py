@@ -62,6 +62,7 @@ from polyshard.tp import (
 )
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import TiedWeightError
+from polyshard.trainer.loss import IGNORE_INDEX, TokenMeanLoss
 from polyshard.trainer.models import build_model, tied_names
 from polyshard.trainer.optim import param_groups
 
@@ -114,13 +115,23 @@ def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list
 
 
 def loss_function(config: Config, mesh: Mesh):
-    """The last stage's loss: vocabulary-parallel cross-entropy under tp, else ``F.cross_entropy``."""
+    """The last stage's loss: vocabulary-parallel cross-entropy under tp, else ``F.cross_entropy``; for
+    language models summed over the targets that are not IGNORE_INDEX and divided by the global batch's
+    count of them (:mod:`polyshard.trainer.loss`)."""
     if config.model.kind == "vit":
         return lambda logits, labels: F.cross_entropy(logits.float(), labels)
     if config.parallel.tp > 1:
         tp_group, vocab = mesh.group("tp"), config.model.vocab_size
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, tp_group, vocab_size=vocab)
-    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return TokenMeanLoss(
+            lambda logits, targets: vocab_parallel_cross_entropy(
+                logits.float(), targets, tp_group, vocab_size=vocab, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        )
+    return TokenMeanLoss(
+        lambda logits, targets: F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    )
 
 
 @dataclass
