@@ -44,7 +44,7 @@ def train(
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate
-    from polyshard.trainer.data import check_text_source
+    from polyshard.trainer.data import check_pairs_source, check_text_source
     from polyshard.trainer.errors import ConfigError, DataError
     from polyshard.trainer.hf import PREFIX, check_matches
     from polyshard.trainer.plan import describe
@@ -77,7 +77,14 @@ def train(
             validate(parsed, world_size=nproc * nodes)
         if hf_folder is not None:
             check_matches(hf_folder, parsed.model)
-        if parsed.model.kind != "vit":
+        if parsed.model.kind != "vit" and parsed.data.pairs:
+            check_pairs_source(
+                parsed.data,
+                parsed.model.context_length,
+                parsed.training.global_batch_size,
+                parsed.model.vocab_size,
+            )
+        elif parsed.model.kind != "vit":
             check_text_source(
                 parsed.data.source,
                 parsed.model.context_length,

@@ -26,7 +26,7 @@ from polyshard.trainer import hf
 from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
 from polyshard.trainer.checkpoint_format import CheckpointError, Source
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import ShardedLoader, digits_splits, packed_splits
+from polyshard.trainer.data import ShardedLoader, digits_splits, packed_splits, pair_splits
 from polyshard.trainer.data.tokenizer import load_tokenizer
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
@@ -80,6 +80,8 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
     par, train = config.parallel, config.training
     if config.model.kind == "vit":
         splits = _first_then_rest(lambda: digits_splits(config.data.val_fraction, seed=train.seed))
+    elif config.data.pairs:
+        splits = pair_splits(config.data, config.model.context_length)
     else:
         splits = _first_then_rest(
             lambda: packed_splits(
@@ -95,10 +97,12 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
 
 
 def split_batch(config: Config, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): tokens shifted by one; fine-tuning rows take targets from their ``labels``
+    (IGNORE_INDEX on prompt and padding, see polyshard.trainer.data.pairs)."""
     if config.model.kind == "vit":
         return batch["image"], batch["label"]
     tokens = batch["tokens"]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].contiguous(), batch.get("labels", tokens)[:, 1:].contiguous()
 
 
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
