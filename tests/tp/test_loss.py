@@ -122,3 +122,23 @@ def test_bad_inputs_are_typed_errors(distributed):
         assert_caught(shape, TPError, "logits must be target's shape plus a trailing vocabulary dim")
         assert_caught(vocab_size, TPError, "vocab_size=7 does not fit logit shards of 5 columns on tp=2")
         assert_caught(ids, TPError, r"ids outside \[0, 10\)")
+
+
+def _ignored_rows_exactly():
+    group = Mesh({"tp": 2}).group("tp")
+    full, target = _data(IGNORE)
+    local = _my_shard(full, group)
+    total = vocab_parallel_cross_entropy(local, target, group, vocab_size=VOCAB, reduction="sum")
+    (total / (target != IGNORE).sum()).backward()
+    mean = vocab_parallel_cross_entropy(local.detach(), target, group, vocab_size=VOCAB)
+    return local.grad, target, total.item(), mean.item()
+
+
+def test_ignored_tokens_get_exactly_zero_gradient_and_sum_over_count_is_the_mean(distributed):
+    # A fine-tuning loss mask: ignored rows must not leak even rounding noise into the gradient, and
+    # the sum divided by the counted tokens (the trainer's global token mean) is the "mean" reduction.
+    for grad, target, total, mean in distributed.run(2, _ignored_rows_exactly):
+        ignored = target == IGNORE
+        assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+        assert grad[~ignored].abs().sum() > 0
+        assert total / int((~ignored).sum()) == pytest.approx(mean, rel=1e-6)  # float32 division order

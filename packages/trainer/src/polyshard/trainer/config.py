@@ -339,7 +339,9 @@ class TrainingConfig:
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "shakespeare"
-    """'shakespeare' (built in), 'digits' (built in, for the ViT), a local text file or folder, or a dataset name."""
+    """'shakespeare' (built in), 'digits' (built in, for the ViT), a local text file or folder, a dataset name,
+    or a .jsonl file of prompt/response pairs for fine-tuning: one JSON object per line, and only response
+    tokens count in the loss (see polyshard.trainer.data.pairs). The file's suffix says which: no format key."""
     val_fraction: float = 0.1
     """Share of the data held out for validation."""
     shuffle: bool = True
@@ -347,10 +349,28 @@ class DataConfig:
     tokenizer: str = "bytes"
     """'bytes' (each UTF-8 byte a token), or a tokenizer.json (or a folder holding one, e.g. a Hugging Face
     model's) read with the tokenizers library; `polyshard tokenizer` trains a byte-level BPE."""
+    prompt_field: str = "prompt"
+    """With a .jsonl source: the field holding each example's prompt (read, never scored), e.g. 'document'."""
+    response_field: str = "response"
+    """With a .jsonl source: the field holding the response, the tokens the loss counts, e.g. 'summary'."""
+    packing: bool = False
+    """With a .jsonl source: false (the default) gives each example its own row, padded, so it attends only to
+    itself; true joins examples end to end and cuts the stream into rows like text: no padding, but attention
+    crosses example boundaries (a response also sees the examples before it in its row)."""
 
     def __post_init__(self):
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
+        if not self.prompt_field or not self.response_field or self.prompt_field == self.response_field:
+            raise ConfigError(
+                f"data.prompt_field={self.prompt_field!r} and data.response_field={self.response_field!r} "
+                "must name two different JSON fields"
+            )
+
+    @property
+    def pairs(self) -> bool:
+        """Whether ``source`` is a JSON-lines file of prompt/response pairs (fine-tuning data)."""
+        return Path(self.source).suffix == ".jsonl"
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -33,6 +33,7 @@ from polyshard.trainer.experts import keep_idle_experts
 from polyshard.trainer.export import consolidate
 from polyshard.trainer.faults import inject
 from polyshard.trainer.integrity import check_replicas, weights_finite
+from polyshard.trainer.loss import IGNORE_INDEX, global_token_mean
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.optim import clip_grad_norm, lr_at
@@ -109,11 +110,11 @@ def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tup
 
 def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
     """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
-    ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss and accuracy (ViT)
-    over every example of every data rank: parts of different sizes weigh by their size."""
+    ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss over every counted
+    target (image, or token not IGNORE_INDEX) of every data rank, and the accuracy (ViT)."""
     for stage in engine.stages.values():
         stage.eval()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, examples
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, counted targets
     try:
         for batch in batches:
             totals += _evaluate(engine, *(t.to(engine.device) for t in batch))
@@ -130,14 +131,14 @@ def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
 
 
 def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(loss sum, correct, examples) of one batch on the last stage; zeros elsewhere. The pipeline's
-    forward-only program runs it, so any batch size works (an empty part still runs the stages,
-    whose collectives its peers need, but scores nothing)."""
-    n, accuracy = len(targets), spec_of(engine.config.model).task.reports_accuracy
+    """(loss sum, correct, counted targets) of one batch on the last stage; zeros elsewhere. The
+    pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
+    stages, whose collectives its peers need, but scores nothing)."""
+    n, accuracy = int((targets != IGNORE_INDEX).sum()), spec_of(engine.config.model).task.reports_accuracy
 
     def score(output: torch.Tensor) -> torch.Tensor:
         totals = torch.zeros(3, dtype=torch.float64)
-        if n:
+        if n:  # the loss is the batch's mean over its counted targets
             totals[0] = float(engine.executor.loss_fn(output, targets)) * n
             totals[1] = float((output.argmax(-1) == targets).sum()) if accuracy else 0.0
             totals[2] = n
@@ -215,7 +216,8 @@ def saved_by_this_job(out: Path) -> bool:
 
 def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
-    gradient reductions, one global-norm clip, AdamW. Returns (the mean loss over every data rank,
+    gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
+    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.loss);
     the gradient norm before clipping), the same on every rank.
 
     Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
@@ -225,7 +227,10 @@ def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: 
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
+    data_group = engine.mesh.group(engine.config.parallel.batch_axes)
+    microbatches = engine.executor.schedule.num_microbatches
+    with global_token_mean(engine.executor.loss_fn, targets, data_group, microbatches):
+        loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     axis_sizes = engine.mesh.layout.as_dict()

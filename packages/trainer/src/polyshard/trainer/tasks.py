@@ -2,9 +2,12 @@
 
 A :class:`~polyshard.trainer.models.spec.ModelSpec` names one task. Two exist:
 
-* :data:`LANGUAGE`: next-token prediction on tokenized text. A row of ``context_length + 1``
-  tokens gives the inputs (all but the last) and the targets (all but the first); the loss is
-  cross-entropy over the vocabulary, vocabulary-parallel under tp.
+* :data:`LANGUAGE`: next-token prediction on tokenized text, or on prompt/response pairs for
+  fine-tuning (a ``.jsonl`` source). A row of ``context_length + 1`` tokens gives the inputs (all
+  but the last) and the targets (all but the first; a fine-tuning row takes them from its
+  ``labels``, IGNORE_INDEX on prompt and padding). The loss is cross-entropy over the vocabulary,
+  vocabulary-parallel under tp, averaged over the counted tokens of the global batch
+  (:mod:`polyshard.trainer.loss`).
 * :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
   evaluation also reports accuracy.
 """
@@ -21,8 +24,9 @@ import torch.nn.functional as F
 
 from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import check_text_source, digits_splits, packed_splits
+from polyshard.trainer.data import check_pairs_source, check_text_source, digits_splits, packed_splits, pair_splits
 from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.loss import IGNORE_INDEX, TokenMeanLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,6 +52,8 @@ class Task:
 
 def _text_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
     data = config.data
+    if data.pairs:
+        return pair_splits(data, config.model.context_length)
     return packed_splits(data.source, config.model.context_length, data.val_fraction, data.tokenizer)
 
 
@@ -60,6 +66,10 @@ def _text_settings(config: Config) -> None:
 
 
 def _check_text(config: Config) -> None:
+    model = config.model
+    if config.data.pairs:
+        check_pairs_source(config.data, model.context_length, config.training.global_batch_size, model.vocab_size)
+        return
     check_text_source(
         config.data.source,
         config.model.context_length,
@@ -71,16 +81,26 @@ def _check_text(config: Config) -> None:
 
 
 def _next_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens shifted by one; fine-tuning rows take their targets from ``labels``."""
     tokens = batch["tokens"]
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].contiguous(), batch.get("labels", tokens)[:, 1:].contiguous()
 
 
 def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
-    """Cross-entropy of (B, S, V) logits against (B, S) token ids: vocabulary-parallel under tp."""
+    """Cross-entropy of (B, S, V) logits against (B, S) token ids, summed over the targets that are not
+    IGNORE_INDEX and divided by the global batch's count of them: vocabulary-parallel under tp."""
     if tp_group is not None:
         vocab = config.model.vocab_size
-        return lambda logits, targets: vocab_parallel_cross_entropy(logits.float(), targets, tp_group, vocab_size=vocab)
-    return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return TokenMeanLoss(
+            lambda logits, targets: vocab_parallel_cross_entropy(
+                logits.float(), targets, tp_group, vocab_size=vocab, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        )
+    return TokenMeanLoss(
+        lambda logits, targets: F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    )
 
 
 def _image_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:

@@ -5,6 +5,10 @@
 the ``tokenizers`` library (``pip install tokenizers``; it comes with ``transformers``).
 :func:`train_bpe` trains a byte-level BPE on local text, the kind GPT-2 uses, so every string
 round-trips exactly.
+
+``end_of_text`` is the id of the token that ends a document (GPT-2's ``<|endoftext|>``, Llama's
+``</s>`` or ``<|end_of_text|>``), or None: the byte tokenizer and a BPE from :func:`train_bpe` have none.
+Fine-tuning data ends each response with it (:mod:`polyshard.trainer.data.pairs`).
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from polyshard.trainer.errors import DataError
 
 BYTES = "bytes"
 FILE = "tokenizer.json"
+# Special tokens that end a document, by the names common tokenizers give them (first match wins).
+END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 class Tokenizer(Protocol):
     vocab_size: int
+    end_of_text: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -31,6 +38,7 @@ class ByteTokenizer:
     """Each UTF-8 byte is a token; a token past the byte range (a larger model vocabulary) decodes as U+FFFD."""
 
     vocab_size = 256
+    end_of_text = None  # every id is a byte of text; no id is left for a special token
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -57,6 +65,8 @@ class FileTokenizer:
             raise DataError(f"data.tokenizer: {path} is not a tokenizer file tokenizers can read ({err})") from err
         self.path = path
         self.vocab_size = self.inner.get_vocab_size()
+        special = {t.content: i for i, t in self.inner.get_added_tokens_decoder().items() if t.special}
+        self.end_of_text = next((special[n] for n in END_OF_TEXT_NAMES if n in special), None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.inner.encode(text).ids)

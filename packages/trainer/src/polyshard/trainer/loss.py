@@ -1,0 +1,77 @@
+"""The language-model loss: the mean over the counted target tokens of the whole global batch.
+
+A target equal to ``IGNORE_INDEX`` (-100: the prompt and padding positions of
+fine-tuning data, :mod:`polyshard.trainer.data.pairs`) counts for nothing:
+zero loss, zero gradient. The step's loss is the rule of Megatron-LM
+(``calculate_per_token_loss``) and torchtitan (``global_valid_tokens``):
+
+    loss = (sum of token losses over every microbatch of every data rank) / N,
+    N = counted tokens of the global batch,
+
+so every counted token weighs the same, whichever microbatch or data rank
+holds it, and one process and any layout compute the same number. (The mean
+of per-microbatch means would weigh a token of a microbatch holding few
+response tokens more than one of a full microbatch, and differently per layout.)
+
+The pipeline executor divides each microbatch's loss by m microbatches and
+data parallelism averages gradients over D data ranks, so microbatch k's loss
+is its token-loss sum divided by N / (D x m). Worked example, dp=2 and m=2,
+microbatches holding 3 and 5 (rank 0), 4 and 0 (rank 1) counted tokens: N = 12,
+each sum s_k is divided by 12 / 4 = 3; the averaged gradient is that of
+(s_1/3 + s_2/3)/2 and (s_3/3 + s_4/3)/2 averaged, i.e. of (s_1+s_2+s_3+s_4) / 12.
+
+Text counts every token: N / (D x m) is each microbatch's own token count and
+the loss is the plain per-microbatch mean, bit for bit as before. A global
+batch without a counted token (possible only with packed prompts longer than
+whole rows) divides by 1: loss 0 and zero gradients.
+
+Evaluation calls the loss outside a step: it is then the batch's own mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops
+
+IGNORE_INDEX = -100  # F.cross_entropy's default
+
+
+class TokenMeanLoss:
+    """``token_sum(logits, targets)`` (the summed loss of the counted tokens) divided by the counted
+    tokens per microbatch of the step's global batch (set by :func:`global_token_mean`), or outside a
+    step by the batch's own count."""
+
+    def __init__(self, token_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.token_sum = token_sum
+        self.tokens_per_microbatch: float | None = None
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        count = self.tokens_per_microbatch
+        if count is None:
+            count = float((targets != IGNORE_INDEX).sum())
+        return self.token_sum(logits, targets) / count
+
+
+@contextlib.contextmanager
+def global_token_mean(
+    loss_fn: Callable, targets: torch.Tensor, data_group: dist.ProcessGroup, num_microbatches: int
+) -> Iterator[None]:
+    """Within: ``loss_fn`` divides by the counted tokens of the global batch over (data ranks x
+    microbatches). ``targets`` is this data rank's part; one all-reduce of one number over
+    ``data_group`` adds the parts up. A loss that is no :class:`TokenMeanLoss` (the ViT's) is left as it is."""
+    if not isinstance(loss_fn, TokenMeanLoss):
+        yield
+        return
+    count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
+    ops.all_reduce(count, data_group)
+    data_ranks = dist.get_world_size(data_group)
+    loss_fn.tokens_per_microbatch = max(float(count), 1.0) / (data_ranks * num_microbatches)
+    try:
+        yield
+    finally:
+        loss_fn.tokens_per_microbatch = None
