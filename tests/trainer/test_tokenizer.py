@@ -85,6 +85,14 @@ def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
     result = CliRunner().invoke(app, ["reshard", str(moved), str(resharded), "--mesh", "dp=1"])
     assert result.exit_code == 0, result.output
     assert (next(resharded.glob("step_*")) / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    exported = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", str(moved), str(exported), "--format", "hf"])
+    assert result.exit_code == 0, result.output
+    transformers = pytest.importorskip("transformers")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    ours = load_tokenizer(str(bpe))
+    assert hf_tokenizer.encode("the king is here") == ours.encode("the king is here")
+    assert json.loads((exported / "config.json").read_text())["eos_token_id"] is None  # a plain BPE has none
     (moved / "tokenizer.json").write_text("{}")  # tampered with
     with pytest.raises(CheckpointError, match="tokenizer.json is missing or does not match its sha256"):
         Source(moved)

@@ -33,7 +33,7 @@ def export(
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama)."""
     from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.export import export as export_checkpoint
     from polyshard.trainer.hf import write_hf
@@ -43,7 +43,8 @@ def export(
     try:
         source = open_checkpoint(ckpt, _report_skip)
         if format == "hf":
-            written = write_hf(consolidate(source), source.config.model, out, int(max_shard_mb * 2**20))
+            tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
+            written = write_hf(consolidate(source), source.config.model, out, int(max_shard_mb * 2**20), tokenizer)
         else:
             written = export_checkpoint(source, out)
         typer.echo(f"wrote {written}")

@@ -8,6 +8,7 @@ on export the family is the one the model's settings describe.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from polyshard.trainer.checkpoint_format import MASTER, MODEL, OPTIM, CheckpointError
+from polyshard.trainer.checkpoint_format import MASTER, MODEL, OPTIM, TOKENIZER, CheckpointError
 from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.data.tokenizer import FileTokenizer
 from polyshard.trainer.hf.family import Family, setting
 from polyshard.trainer.hf.gpt2 import GPT2
 from polyshard.trainer.hf.llama import LLAMA_FAMILY
@@ -219,12 +221,18 @@ def hf_config(model: ModelConfig) -> dict[str, object]:
 
 
 def write_hf(
-    state: Mapping[str, torch.Tensor], model: ModelConfig, destination: str | Path, max_shard_bytes: int = 5 << 30
+    state: Mapping[str, torch.Tensor],
+    model: ModelConfig,
+    destination: str | Path,
+    max_shard_bytes: int = 5 << 30,
+    tokenizer: Path | None = None,
 ) -> Path:
     """Write a Hugging Face folder into ``destination``, which must not exist yet: ``config.json`` and
     ``model.safetensors``, or above ``max_shard_bytes`` the shards ``model-00001-of-0000N.safetensors``
-    with ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). It is built under a
-    temporary name and renamed, so it is whole or absent."""
+    with ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). With ``tokenizer`` (the
+    run's ``tokenizer.json``) the folder gets it too, with a ``tokenizer_config.json``, so
+    ``AutoTokenizer.from_pretrained`` reads it; ``config.json``'s bos/eos ids are then its end-of-text
+    token (or none). It is built under a temporary name and renamed, so it is whole or absent."""
     destination = Path(destination)
     if destination.exists():
         raise CheckpointError(f"{destination} exists; give a new folder for the Hugging Face model")
@@ -238,7 +246,15 @@ def write_hf(
         tmp.rmdir()
     tmp.mkdir()
     try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config(model), indent=2) + "\n")
+        config = hf_config(model)
+        if tokenizer is not None:
+            end = FileTokenizer(tokenizer).end_of_text
+            config.update(bos_token_id=end, eos_token_id=end)
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            (tmp / "tokenizer_config.json").write_text(
+                json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
+            )
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
