@@ -15,7 +15,14 @@ import torch.distributed as dist
 
 from polyshard.collectives import CommLedger
 from polyshard.mesh import Mesh
-from polyshard.tp import parallelize, sync_sequence_parallel_grads
+from polyshard.tp import (
+    ColumnParallel,
+    ReplicateKVHeads,
+    ShardHeads,
+    TPEntry,
+    parallelize,
+    sync_sequence_parallel_grads,
+)
 from tests.tp.models import Block, assert_dicts_close, block_plan, full_grads
 
 # float32 matmuls and softmax whose partial sums are split over ranks (and
@@ -27,12 +34,19 @@ B, S = 2, 12  # 12: every tp in {1, 2, 3, 4} splits the sequence
 SHAPES = {1: (32, 8, 4), 2: (32, 8, 4), 3: (24, 6, 3), 4: (32, 8, 4)}
 
 
-def _setup(sequence_parallel):
+def _setup(sequence_parallel, replicated_kv=False):
     group = Mesh({"tp": dist.get_world_size()}).group("tp")
     hidden, heads, kv_heads = SHAPES[dist.get_world_size(group)]
+    plan = block_plan("", sequence_parallel)
+    if replicated_kv:  # 2 kv heads on tp=4: each computed on two ranks
+        kv_heads = 2
+        del plan["attn.[qkv]_proj"]
+        plan["attn"] = [TPEntry(sequence_parallel=sequence_parallel), ShardHeads(replicate_kv=True)]
+        plan["attn.q_proj"] = ColumnParallel(input_entered=True)
+        plan["attn.[kv]_proj"] = ReplicateKVHeads(kv_heads)
     torch.manual_seed(0)
     ref = Block(hidden, heads, kv_heads)
-    block = parallelize(copy.deepcopy(ref), tp_group=group, plan=block_plan("", sequence_parallel))
+    block = parallelize(copy.deepcopy(ref), tp_group=group, plan=plan)
     x = torch.randn(B, S, hidden, generator=torch.Generator().manual_seed(1))
     grad_out = torch.randn(B, S, hidden, generator=torch.Generator().manual_seed(2))
     return group, ref, block, x, grad_out
@@ -45,8 +59,8 @@ def _mine(t, group, sequence_parallel):
     return t.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)]
 
 
-def _parity(sequence_parallel):
-    group, ref, block, x, grad_out = _setup(sequence_parallel)
+def _parity(sequence_parallel, replicated_kv=False):
+    group, ref, block, x, grad_out = _setup(sequence_parallel, replicated_kv)
 
     x_ref = x.clone().requires_grad_()
     out_ref = ref(x_ref)
@@ -58,6 +72,7 @@ def _parity(sequence_parallel):
     synced = sync_sequence_parallel_grads(block, group)
     return {
         "local_heads": block.attn.num_heads,
+        "local_kv_heads": block.attn.num_kv_heads,
         "out": (out.detach(), _mine(out_ref, group, sequence_parallel).detach().clone()),
         "synced": synced,
         "x_grad": (x_tp.grad, _mine(x_ref.grad, group, sequence_parallel).clone()),
@@ -74,6 +89,18 @@ def test_block_parity(distributed, world, sequence_parallel):
         assert r["local_heads"] == SHAPES[world][1] // world
         torch.testing.assert_close(*r["out"], **TOL)
         assert r["synced"] == (6 if sequence_parallel else 0)  # 2 norms x (weight, bias) + 2 row-parallel biases
+        torch.testing.assert_close(*r["x_grad"], **TOL)
+        assert_dicts_close(*r["grads"], **TOL)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_more_tp_ranks_than_kv_heads_replicate_them(distributed, sequence_parallel):
+    # Each of the 2 kv heads runs on 2 of the 4 ranks, each rank seeing the gradient of its own two
+    # query heads only: the replicated k/v weights' gradients must come out whole (summed over tp).
+    results = distributed.run(4, _parity, sequence_parallel, True)
+    for r in results:
+        assert (r["local_heads"], r["local_kv_heads"]) == (2, 1)
+        torch.testing.assert_close(*r["out"], **TOL)
         torch.testing.assert_close(*r["x_grad"], **TOL)
         assert_dicts_close(*r["grads"], **TOL)
 

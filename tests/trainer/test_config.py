@@ -61,7 +61,12 @@ def test_bad_fields(raw, message):
     [
         ({"parallel": {"dp": 2, "tp": 2}}, 2, "has 4 ranks but 2 processes were asked for; use --nproc 4"),
         ({"model": {"num_heads": 6, "hidden": 48}, "parallel": {"tp": 4}}, 4, "choose tp in \\[1, 2, 3, 6\\]"),
-        ({"model": {"num_kv_heads": 2}, "parallel": {"tp": 4}}, 4, "model.num_kv_heads=2; choose tp in \\[1, 2\\]"),
+        (
+            {"model": {"num_heads": 6, "hidden": 48, "num_kv_heads": 3}, "parallel": {"tp": 2}},
+            2,
+            "neither divides model.num_kv_heads=3 nor is a multiple of it \\(which replicates each kv head\\); "
+            "choose tp in \\[1, 3, 6\\]",
+        ),
         ({"model": {"context_length": 30}, "parallel": {"tp": 4, "sequence_parallel": True}}, 4, "sequence parallel"),
         ({"model": {"num_layers": 2}, "parallel": {"pp": 8}}, 8, "use at most 4 stages"),
         (

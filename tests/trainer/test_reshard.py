@@ -37,6 +37,8 @@ SOURCES = {
     "dp2-zero2-bf16": (2, "gpt", {"dp": 2, "zero_stage": 2, "precision": "bf16"}),
     # GPT-2's tied embedding and head: both pipeline end stages hold it, saved under one name.
     "tied-tp2-pp2": (4, "gpt", {"tp": 2, "pp": 2, "microbatches": 2, "tie_embeddings": True}),
+    # Llama with 2 kv heads on tp=4: each kv head replicated on two tp ranks, saved once.
+    "llama-tp4": (4, "gpt", {"tp": 4, "llama": True}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -52,8 +54,12 @@ SOURCES = {
 }
 
 
-def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, **parallel):
+LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+
+
+def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=False, **parallel):
     model = {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16}
+    model |= LLAMA if llama else {}
     return from_dict(
         {
             # vocab 130: no padding on tp=2, padded to 132 on tp=4

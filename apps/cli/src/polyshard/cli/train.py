@@ -43,7 +43,7 @@ def train(
     from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint
     from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
-    from polyshard.trainer.constraints import validate
+    from polyshard.trainer.constraints import layout_notes, validate
     from polyshard.trainer.errors import ConfigError, DataError
     from polyshard.trainer.hf import PREFIX, check_matches
     from polyshard.trainer.models import spec_of
@@ -83,6 +83,8 @@ def train(
         kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
         typer.echo(f"{kind} error: {err}", err=True)
         raise typer.Exit(2) from err
+    for note in layout_notes(parsed):
+        typer.echo(f"note: {note}")
     if dry_run:
         typer.echo(describe(parsed))
         return

@@ -8,13 +8,14 @@ backward when sequence parallelism is on.
 """
 
 from polyshard.tp.errors import PlanError, TPError, TPShapeError
-from polyshard.tp.heads import heads_per_rank, valid_tp_sizes
+from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv, valid_tp_sizes
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.plan import name_placements, parallelize, planned_placement
 from polyshard.tp.regions import enter_region, leave_region, split_sequence, sync_sequence_parallel_grads
 from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequence_parallel, padded_size
 from polyshard.tp.styles import (
     ColumnParallel,
+    ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
     ShardHeads,
@@ -29,6 +30,8 @@ __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "PlanError",
+    "ReplicateKVHeads",
+    "ReplicatedKVLinear",
     "RowParallel",
     "RowParallelLinear",
     "SequenceParallel",
@@ -48,6 +51,7 @@ __all__ = [
     "leave_region",
     "name_placements",
     "planned_placement",
+    "replicates_kv",
     "padded_size",
     "parallelize",
     "split_sequence",

@@ -16,7 +16,7 @@ from torch import nn
 
 from polyshard.mesh import Placement, Replicate, Shard
 from polyshard.tp.errors import PlanError
-from polyshard.tp.heads import heads_per_rank
+from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.regions import enter_region, split_sequence
 from polyshard.tp.shard import check_divides, mark_sequence_parallel, padded_size, record_replicate, tp_size
@@ -81,6 +81,31 @@ class ColumnParallel(Style):
             axis=axis,
             source=module,
         )
+
+
+@dataclass(frozen=True)
+class ReplicateKVHeads(Style):
+    """A k or v ``nn.Linear`` of ``num_kv_heads`` heads on more tp ranks than heads ->
+    :class:`ReplicatedKVLinear`: each kv head computed on tp / num_kv_heads ranks (weights replicated)."""
+
+    num_kv_heads: int = 1
+    replaces = True
+
+    def accepts(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
+        super().check(module, name, tp)
+        module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
+        check_divides(module.out_features, self.num_kv_heads, f"out_features of {name} (kv heads)")
+        if not replicates_kv(self.num_kv_heads, tp):
+            raise PlanError(
+                f"{self} on {name!r}: tp={tp} must be a multiple of num_kv_heads={self.num_kv_heads} and larger; "
+                "use ColumnParallel when tp divides the kv heads"
+            )
+
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        return ReplicatedKVLinear(cast(nn.Linear, module), self.num_kv_heads, tp_group=tp_group, axis=axis)
 
 
 @dataclass(frozen=True)
@@ -230,9 +255,12 @@ class ShardHeads(Style):
 
     Use with column-parallel q/k/v and a row-parallel output projection, so
     each rank runs num_heads/tp query heads and num_kv_heads/tp kv heads.
+    ``replicate_kv``: tp may exceed the kv heads (a multiple of them); each rank then runs one kv
+    head, and k/v must use :class:`ReplicateKVHeads`.
     """
 
     attrs: tuple[str, ...] = HEAD_ATTRS
+    replicate_kv: bool = False
 
     def _present(self, module: nn.Module) -> list[str]:
         return [a for a in self.attrs if isinstance(getattr(module, a, None), int)]
@@ -244,10 +272,10 @@ class ShardHeads(Style):
             raise PlanError(f"{name!r} has none of the head-count attributes {self.attrs}; its int attributes: {ints}")
         query = getattr(module, present[0])
         for attr in present[1:]:
-            heads_per_rank(query, getattr(module, attr), tp, where=name)
+            heads_per_rank(query, getattr(module, attr), tp, where=name, replicate_kv=self.replicate_kv)
         heads_per_rank(query, None, tp, where=name)
 
     def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
-        for attr in self._present(module):
-            setattr(module, attr, getattr(module, attr) // tp_size(tp_group))
+        for attr in self._present(module):  # a kv head count below tp: one (replicated) kv head per rank
+            setattr(module, attr, max(1, getattr(module, attr) // tp_size(tp_group)))
         return module

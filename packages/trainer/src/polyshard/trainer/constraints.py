@@ -8,6 +8,7 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 from __future__ import annotations
 
 from polyshard.mesh import divisors
+from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import spec_of
@@ -37,12 +38,28 @@ def validate(config: Config, world_size: int | None = None) -> None:
         )
 
 
+def layout_notes(config: Config) -> list[str]:
+    """What the layout does that the user may not expect (printed at launch and by --dry-run)."""
+    model, tp = config.model, config.parallel.tp
+    notes = []
+    if replicates_kv(model.kv_heads, tp):
+        notes.append(
+            f"tp={tp} is more than model.num_kv_heads={model.kv_heads}: each key/value head is computed on "
+            f"{tp // model.kv_heads} tp ranks (its weights replicated, their gradients summed over tp)"
+        )
+    return notes
+
+
 def _check_tensor_parallel(config: Config) -> None:
     model, tp = config.model, config.parallel.tp
-    for name, value in (("model.num_heads", model.num_heads), ("model.num_kv_heads", model.kv_heads)):
-        if value % tp:
-            valid = divisors(model.kv_heads)  # kv_heads divides num_heads, so these divide both
-            raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}; choose tp in {valid}")
+    valid = valid_tp_sizes(model.num_heads, model.kv_heads, replicate_kv=True)
+    if model.num_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.num_heads={model.num_heads}; choose tp in {valid}")
+    if model.kv_heads % tp and tp % model.kv_heads:
+        raise ConfigError(
+            f"parallel.tp={tp} neither divides model.num_kv_heads={model.kv_heads} nor is a multiple of it "
+            f"(which replicates each kv head); choose tp in {valid}"
+        )
     if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
         # Norm weights under SP need their gradients summed over tp after backward, but ZeRO
         # reduce-scatters gradients during backward and keeps no full .grad to sum.

@@ -60,7 +60,7 @@ from polyshard.trainer.optim import param_groups
 def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
     """The model family's tensor-parallel plan (over names ``layers.{i}.attn.q_proj`` ...), for every
     pipeline layer or only ``layers``."""
-    plan = spec_of(config.model).tp_plan(config.model, config.parallel.sequence_parallel)
+    plan = spec_of(config.model).tp_plan(config.model, config.parallel)
     if layers is not None:
         plan = {pattern: style for pattern, style in plan.items() if layer_of(pattern) in layers}
     return plan

@@ -18,7 +18,7 @@ from torch import nn
 from polyshard.mesh import divisors
 from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.tp.transformer import Block, RopeScaling, norm_layer
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
     BuildOptions,
@@ -164,9 +164,9 @@ def rope_scaling(config: ModelConfig) -> RopeScaling | None:
     )
 
 
-def vocab_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+def vocab_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
     """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
-    last = model.num_layers + 1
+    last, sp = model.num_layers + 1, parallel.sequence_parallel
     plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
     plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
     if sp:
@@ -174,13 +174,15 @@ def vocab_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
     return plan
 
 
-def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
     """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
     plan: dict[str, object] = {}
+    sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
         block = f"layers.{i}"
-        plan |= attention_plan(block, sp) | mlp_plan(block, sp, model.activation) | sequence_plan(block, sp)
-    return plan | split_sequence(1, sp) | vocab_plan(model, sp)
+        plan |= attention_plan(block, model, parallel) | mlp_plan(block, sp, model.activation)
+        plan |= sequence_plan(block, sp)
+    return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
 
 
 def tied(model: ModelConfig) -> dict[str, str]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import gpt
 from polyshard.trainer.models.spec import BuildOptions, ModelSpec, attention_plan, split_sequence
@@ -70,12 +70,12 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     return model
 
 
-def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the experts are not split by tp (ep splits them)."""
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
-        plan |= attention_plan(f"layers.{i}", sp)
-    return plan | split_sequence(1, sp) | gpt.vocab_plan(model, sp)
+        plan |= attention_plan(f"layers.{i}", model, parallel)
+    return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 
 def check_model(model: ModelConfig) -> None:

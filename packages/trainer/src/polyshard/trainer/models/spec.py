@@ -22,8 +22,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from polyshard.tp import ColumnParallel, RowParallel, SequenceParallel, ShardHeads, SplitSequence, TPEntry
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.tp import (
+    ColumnParallel,
+    ReplicateKVHeads,
+    RowParallel,
+    SequenceParallel,
+    ShardHeads,
+    SplitSequence,
+    TPEntry,
+    replicates_kv,
+)
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.models.init import init_weights
 from polyshard.trainer.tasks import Task
 
@@ -57,8 +66,8 @@ class ModelSpec:
     """Its data, how a batch splits into inputs and targets, its loss."""
     build: Callable[[ModelConfig, BuildOptions], nn.Module]
     """The model, uninitialised (called under the meta device)."""
-    tp_plan: Callable[[ModelConfig, bool], dict[str, object]]
-    """Tensor-parallel plan over every layer's global names; the flag is sequence parallelism."""
+    tp_plan: Callable[[ModelConfig, ParallelConfig], dict[str, object]]
+    """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
     has_experts: bool = False
     """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp."""
     init: Callable[[nn.Module, int, torch.Generator | None], None] = init_weights
@@ -85,13 +94,18 @@ def layer_of(name: str) -> int:
 # -- tensor-parallel plan pieces the families share ------------------------------------------------------
 
 
-def attention_plan(block: str, sp: bool) -> dict[str, object]:
-    """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows)."""
-    return {
-        f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads()],
-        f"{block}.attn.[qkv]_proj": ColumnParallel(input_entered=True),
-        f"{block}.attn.o_proj": RowParallel(sequence_parallel=sp),
-    }
+def attention_plan(block: str, model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+    """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
+    ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
+    sp = parallel.sequence_parallel
+    plan: dict[str, object] = {f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]}
+    if replicates_kv(model.kv_heads, parallel.tp):
+        plan[f"{block}.attn.q_proj"] = ColumnParallel(input_entered=True)
+        plan[f"{block}.attn.[kv]_proj"] = ReplicateKVHeads(model.kv_heads)
+    else:
+        plan[f"{block}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
+    plan[f"{block}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
+    return plan
 
 
 def mlp_plan(block: str, sp: bool, activation: str) -> dict[str, object]:

@@ -12,7 +12,7 @@ from torch import nn
 
 from polyshard.mesh import divisors
 from polyshard.tp.transformer import Block
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
     BuildOptions,
@@ -117,12 +117,13 @@ def build(config: ModelConfig, options: BuildOptions) -> ViT:
     )
 
 
-def tp_plan(model: ModelConfig, sp: bool) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
     """The blocks as the GPT's; the patch embedding and the small classifier head stay replicated."""
     plan: dict[str, object] = {}
+    sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
         block = f"layers.{i}"
-        plan |= attention_plan(block, sp) | mlp_plan(block, sp, "gelu") | sequence_plan(block, sp)
+        plan |= attention_plan(block, model, parallel) | mlp_plan(block, sp, "gelu") | sequence_plan(block, sp)
     return plan | split_sequence(1, sp)
 
 
