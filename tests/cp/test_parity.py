@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from polyshard.cp import context_parallel_attention, shard_sequence, unshard_sequence
+from polyshard.mesh import Mesh
 
 # float32 throughout. The ring merges per-block softmaxes with the log-sum-exp rule and sums dK/dV
 # round the ring, so the same terms are added in another order than one softmax over all keys:
@@ -14,24 +15,37 @@ from polyshard.cp import context_parallel_attention, shard_sequence, unshard_seq
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def _parity(causal, style, batch=1, heads=4, kv_heads=2, head_dim=8, value_dim=8, chunk=3, dtype=torch.float32):
-    cp = dist.get_world_size()
+def _parity(
+    causal,
+    style,
+    batch=1,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    value_dim=8,
+    chunk=3,
+    dtype=torch.float32,
+    scale=None,
+    group=None,
+    seed=0,
+):
+    cp = dist.get_world_size(group)
     seq = 2 * cp * chunk  # odd chunk length: S = 2 * cp * 3
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, seq, head_dim, generator=g).to(dtype)
     k = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(dtype)
     v = torch.randn(batch, kv_heads, seq, value_dim, generator=g).to(dtype)
     grad_out = torch.randn(batch, heads, seq, value_dim, generator=g).to(dtype)
 
     full = [t.detach().float().requires_grad_() for t in (q, k, v)]  # the reference runs in float32
-    ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True, scale=scale)
     ref.backward(grad_out.float())
 
-    local = [shard_sequence(t, 2).detach().requires_grad_() for t in (q, k, v)]
-    out = context_parallel_attention(*local, causal=causal, style=style)
-    out.backward(shard_sequence(grad_out, 2))
+    local = [shard_sequence(t, 2, group).detach().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(*local, group, causal=causal, style=style, scale=scale)
+    out.backward(shard_sequence(grad_out, 2, group))
     ours = [out.detach()] + [t.grad for t in local]
-    gathered = [unshard_sequence(t, 2).float() for t in ours]
+    gathered = [unshard_sequence(t, 2, group).float() for t in ours]
     return {
         name: (mine, reference.detach())
         for name, mine, reference in zip(("out", "dq", "dk", "dv"), gathered, [ref] + [t.grad for t in full])
@@ -58,6 +72,18 @@ def test_multi_query_batch_and_value_dim(distributed, style):
     # One key/value head for 3 query heads (multi-query), B=2, values of width 6 (not D=8), chunks of 1.
     kwargs = dict(batch=2, heads=3, kv_heads=1, value_dim=6, chunk=1)
     _assert_all_close(distributed.run(2, _parity, True, style, **kwargs))
+
+
+def _parity_on_a_mesh(style):
+    # cp is the outer axis, so the cp groups are [0, 2] and [1, 3]: group ranks differ from global
+    # ranks, and the two cp groups (one per dp replica) attend over different data at the same time.
+    mesh = Mesh({"cp": 2, "dp": 2})
+    return _parity(True, style, group=mesh.group("cp"), seed=mesh.coord("dp"), scale=0.3)
+
+
+@pytest.mark.parametrize("style", ["ring", "allgather"])
+def test_cp_subgroups_of_a_mesh_with_a_given_scale(distributed, style):
+    _assert_all_close(distributed.run(4, _parity_on_a_mesh, style))
 
 
 @pytest.mark.parametrize("style", ["ring", "allgather"])
