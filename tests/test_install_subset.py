@@ -1,5 +1,7 @@
-"""Installing only polyshard-mesh and polyshard-collectives works and pulls in no other polyshard package."""
+"""Installing a lower subset of the packages works and pulls in no other polyshard package:
+polyshard-mesh with polyshard-collectives, and those two with one strategy package (cp)."""
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -9,9 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+SUBSETS = {
+    # packages to install -> (an import that must work from them, packages that must stay absent)
+    ("mesh", "collectives"): (
+        "from polyshard.collectives import copy_to; from polyshard.mesh import MeshLayout",
+        ("tp", "cp", "trainer"),
+    ),
+    ("mesh", "collectives", "cp"): (
+        "from polyshard.cp import context_parallel_attention, shard_sequence",
+        ("tp", "ep", "trainer"),
+    ),
+}
+
 
 @pytest.mark.long
-def test_mesh_and_collectives_install_alone(tmp_path):
+@pytest.mark.parametrize("packages", list(SUBSETS), ids="+".join)
+def test_subset_installs_alone(tmp_path, packages):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
@@ -24,17 +39,19 @@ def test_mesh_and_collectives_install_alone(tmp_path):
     # directory to sys.path without running the editable-install hooks that live there.
     (site / "torch_from_dev_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [py, "-m", "pip", "install", "--quiet", str(ROOT / "packages/mesh"), str(ROOT / "packages/collectives")],
+        [py, "-m", "pip", "install", "--quiet", *(str(ROOT / "packages" / name) for name in packages)],
         check=True,
         timeout=600,
     )
     installed = sorted(p.name.split("-")[0] for p in site.glob("polyshard*.dist-info"))
-    assert installed == ["polyshard_collectives", "polyshard_mesh"]
+    assert installed == sorted(f"polyshard_{name}" for name in packages)
+    usage, absent = SUBSETS[packages]
     probe = (
-        "import importlib.util as u, polyshard.collectives, polyshard.mesh;"
-        "from polyshard.collectives import copy_to; from polyshard.mesh import MeshLayout;"
-        "print(u.find_spec('polyshard.tp') is None, u.find_spec('polyshard.trainer') is None,"
+        f"import importlib.util as u, polyshard.mesh; {usage};"
+        f"print(*(u.find_spec('polyshard.' + name) is None for name in {absent!r}),"
         f" polyshard.mesh.__file__.startswith({str(site)!r}))"
     )
-    out = subprocess.check_output([py, "-c", probe], text=True, cwd=tmp_path).split()
-    assert out == ["True", "True", "True"]
+    # Without PYTHONPATH: a checkout run with its package folders on the path would find them all.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = subprocess.check_output([py, "-c", probe], text=True, cwd=tmp_path, env=env).split()
+    assert out == ["True"] * (len(absent) + 1)

@@ -4,7 +4,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from polyshard.collectives import CommLedger, exchange, ops, recv, recv_with_meta, send, send_with_meta
+from polyshard.collectives import (
+    CommLedger,
+    exchange,
+    ops,
+    post_exchange,
+    recv,
+    recv_with_meta,
+    send,
+    send_with_meta,
+)
 from polyshard.mesh import Mesh
 
 
@@ -24,6 +33,29 @@ def test_exchange_both_neighbours_at_once(distributed):
     for r, (from_left, from_right) in enumerate(distributed.run(3, _ring_exchange)):
         assert from_left == [float((r - 1) % 3)] * 3  # left neighbour sent its rank rightwards
         assert from_right == [10.0 + (r + 1) % 3] * 3  # right neighbour sent 10 + rank leftwards
+
+
+def _posted_ring():
+    # Two rounds round the ring, each posted before this rank "computes" and waited after; the
+    # second is posted while the first is still in flight, so per-peer order must hold.
+    n, r = dist.get_world_size(), dist.get_rank()
+    right, left = (r + 1) % n, (r - 1) % n
+    first, second = torch.empty(2), torch.empty(2)
+    with CommLedger() as ledger:
+        pending = [
+            post_exchange(sends=[(torch.full((2,), float(r)), right)], recvs=[(first, left)]),
+            post_exchange(sends=[(torch.full((2,), 100.0 + r), right)], recvs=[(second, left)]),
+        ]
+        busy = torch.ones(64, 64) @ torch.ones(64, 64)  # work done while the transfers run
+        for p in pending:
+            p.wait()
+    return first.tolist(), second.tolist(), ledger.calls("send"), ledger.total("send"), float(busy[0, 0])
+
+
+def test_post_exchange_returns_before_waiting(distributed):
+    for r, (first, second, sends, sent_bytes, busy) in enumerate(distributed.run(3, _posted_ring)):
+        assert first == [float((r - 1) % 3)] * 2 and second == [100.0 + (r - 1) % 3] * 2
+        assert sends == 2 and sent_bytes == 2 * 2 * 4 and busy == 64.0
 
 
 def _pipeline_pass():

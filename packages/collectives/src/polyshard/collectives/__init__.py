@@ -11,16 +11,26 @@ from polyshard.collectives.autograd import (
 )
 from polyshard.collectives.errors import CollectiveError
 from polyshard.collectives.ledger import CommLedger
-from polyshard.collectives.p2p import exchange, recv, recv_with_meta, send, send_with_meta
+from polyshard.collectives.p2p import (
+    PendingExchange,
+    exchange,
+    post_exchange,
+    recv,
+    recv_with_meta,
+    send,
+    send_with_meta,
+)
 
 __all__ = [
     "CollectiveError",
     "CommLedger",
+    "PendingExchange",
     "all_gather",
     "all_to_all",
     "copy_to",
     "exchange",
     "gather_from",
+    "post_exchange",
     "recv",
     "recv_with_meta",
     "reduce_from",

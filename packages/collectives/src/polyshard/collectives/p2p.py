@@ -10,6 +10,10 @@ selects the communicator.
   ``batch_isend_irecv``. Two neighbours that each send to and receive from
   the other at once cannot deadlock, because no operation waits before all
   are posted; a pipeline may leave the sends in flight (``wait_sends=False``).
+* :func:`post_exchange`: the same, but nothing is waited for: the caller
+  computes while the transfers run and calls ``wait()`` on the returned
+  :class:`PendingExchange` when it needs the received buffers (ring attention
+  posts the next key/value block before computing on the current one).
 """
 
 from __future__ import annotations
@@ -106,21 +110,61 @@ def exchange(
     send first and receive only later, and if both waited for their sends they
     would wait for each other forever.
     """
-    ops = []
     sends = [(tensor.contiguous(), dst) for tensor, dst in sends]
-    for tensor, dst in sends:
-        record("send", group, _nbytes(tensor), peer=dst)
-        ops.append(dist.P2POp(dist.isend, tensor, dst, group))
-    for buffer, src in recvs:
-        record("recv", group, _nbytes(buffer), wire_bytes=0.0, peer=src)
-        ops.append(dist.P2POp(dist.irecv, buffer, src, group))
-    if not ops:
+    works, num_ops = _post(sends, recvs, group)
+    if not num_ops:
         return []
-    works = dist.batch_isend_irecv(ops)
-    if wait_sends or len(works) != len(ops):  # a backend that coalesces the batch into one handle: wait for all
+    if wait_sends or len(works) != num_ops:  # a backend that coalesces the batch into one handle: wait for all
         for work in works:
             work.wait()
         return []
     for work in works[len(sends) :]:
         work.wait()
     return [(work, tensor) for work, (tensor, _) in zip(works[: len(sends)], sends)]
+
+
+def _post(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup | None,
+) -> tuple[list[dist.Work], int]:
+    """Record and post contiguous ``sends`` and ``recvs`` with one ``batch_isend_irecv``; returns the
+    handles and the number of operations posted (a backend may coalesce them into fewer handles)."""
+    ops = []
+    for tensor, dst in sends:
+        record("send", group, _nbytes(tensor), peer=dst)
+        ops.append(dist.P2POp(dist.isend, tensor, dst, group))
+    for buffer, src in recvs:
+        record("recv", group, _nbytes(buffer), wire_bytes=0.0, peer=src)
+        ops.append(dist.P2POp(dist.irecv, buffer, src, group))
+    return (dist.batch_isend_irecv(ops) if ops else []), len(ops)
+
+
+class PendingExchange:
+    """Sends and receives posted by :func:`post_exchange`. ``wait()`` returns when all of them are done;
+    until then the send tensors stay referenced here and the receive buffers must not be read."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]):
+        self._works, self._tensors = works, tensors
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._tensors = [], []
+
+
+def post_exchange(
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+    group: dist.ProcessGroup | None = None,
+) -> PendingExchange:
+    """Post every ``(tensor, dst)`` send and ``(buffer, src)`` receive together and return at once.
+
+    The caller overlaps its own work with the transfers and calls ``wait()`` before reading a
+    receive buffer (or writing a sent tensor). Every rank must post its exchanges with a given
+    peer in the same order, as with :func:`exchange`; no rank waits before all are posted, so
+    neighbours that send to each other cannot deadlock.
+    """
+    sends = [(tensor.contiguous(), dst) for tensor, dst in sends]
+    works, _ = _post(sends, recvs, group)
+    return PendingExchange(works, [t for t, _ in sends] + [b for b, _ in recvs])

@@ -1,0 +1,90 @@
+"""All-gather attention: every rank gathers all keys and values once, then attends with its own
+queries to the keys it may see (the context parallelism of Llama 3, Dubey et al. 2407.21783,
+section 3.3.2, on the same load-balanced layout as the ring).
+
+Shapes: B batch, N query heads, K key/value heads, S = 2C local tokens, cp ranks, D/E head dims.
+
+Forward: all-gather K and V along the sequence in their dtype (each rank sends (cp-1)/cp of the
+full K and V), put the 2 cp chunks in sequence order, and for each local
+query chunk i attend to the keys of chunks 0..i only (causal: the later chunks are never
+touched; the last visible chunk is masked to its causal triangle). Non-causal: every local
+query against every key.
+
+Backward: plain autograd through the float32 maths; the all-gather's backward is a float32
+reduce-scatter, which sums every rank's gradient for a key/value chunk onto the rank that owns it.
+
+Against the ring: one collective instead of cp - 1 point-to-point steps and no merging, but the
+full K and V (and their gradients) are materialised on every rank; the ring holds two blocks at a
+time. Both compute the same blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from polyshard.collectives import ops
+from polyshard.cp.blocks import grouped_kv, grouped_query, ungrouped
+from polyshard.cp.sharding import rank_chunks, to_sequence_order
+
+
+class _AllGatherToFloat32(torch.autograd.Function):
+    """forward: all-gather along dim in the input's dtype, then float32 /
+    backward: reduce-scatter of the float32 gradient, then the input's dtype.
+
+    ``polyshard.collectives.all_gather`` followed by ``.float()`` would round the gradient to bf16
+    before the reduce-scatter sums it over ranks; this sums in float32 and rounds once, as the
+    ring does with its float32 dK/dV.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.dtype = dim, group, x.dtype
+        return ops.all_gather(x, dim, group).float()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ops.reduce_scatter(grad.float(), ctx.dim, ctx.group).to(ctx.dtype), None, None
+
+
+def _gather_float32(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _AllGatherToFloat32.apply(x, dim, group)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hidden: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention in float32, differentiable by autograd; ``hidden`` (Q, T) marks masked keys."""
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """All-gather attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E)
+    values of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys = grouped_kv(to_sequence_order(_gather_float32(k, 2, group), 2, cp))  # (B, K, 1, 2C cp, D)
+    values = grouped_kv(to_sequence_order(_gather_float32(v, 2, group), 2, cp))
+    queries = grouped_query(q.float(), k.shape[1])  # (B, K, G, 2C, D)
+    if not causal:
+        return ungrouped(_dense(queries, keys, values, scale, None)).to(q.dtype)
+    chunk = q.shape[2] // 2
+    outs = []
+    for half, i in enumerate(rank_chunks(rank, cp)):
+        visible = (i + 1) * chunk  # keys of chunks 0..i
+        query_pos = torch.arange(i * chunk, visible, device=q.device)
+        hidden = torch.arange(visible, device=q.device) > query_pos.unsqueeze(-1)  # (C, visible)
+        rows = queries[..., half * chunk : (half + 1) * chunk, :]
+        outs.append(_dense(rows, keys[..., :visible, :], values[..., :visible, :], scale, hidden))
+    return ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)

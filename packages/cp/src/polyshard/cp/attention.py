@@ -1,0 +1,138 @@
+"""The entry points: :func:`context_parallel_attention` and :class:`ContextParallelAttention`, a
+drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on sequence-sharded tensors.
+
+Shapes: B batch, N query heads, K key/value heads (N a multiple of K: grouped-query attention),
+S = 2C local tokens (this rank's two chunks from :func:`~polyshard.cp.sharding.shard_sequence`),
+D query/key head dim, E value head dim.
+
+An attention layer that calls SDPA swaps it for this module and changes nothing else, provided
+its input tokens were sharded with ``shard_sequence`` and its rotary positions came from
+``position_ids``::
+
+    core = ContextParallelAttention(mesh.group("cp"))              # style="ring" or "allgather"
+    y = core(q, k, v, is_causal=True)                             # instead of F.scaled_dot_product_attention
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.cp.allgather import allgather_attention
+from polyshard.cp.errors import ContextParallelError
+from polyshard.cp.ring import ring_attention
+from polyshard.mesh import divisors
+
+Style = Literal["ring", "allgather"]
+STYLES: tuple[str, ...] = get_args(Style)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) -> None:
+    """Raise :class:`ContextParallelError` for inputs this rank can tell are wrong. (Every rank must
+    also hold the same shapes; checking that would cost a collective per call, so it is not done.)"""
+    if style not in STYLES:
+        raise ContextParallelError(f"style={style!r} is unknown; choose one of {STYLES}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ContextParallelError(
+            f"q, k and v must be 4-D (B, heads, S_local, head_dim); got shapes {tuple(q.shape)}, "
+            f"{tuple(k.shape)} and {tuple(v.shape)}: transpose (B, S, heads, head_dim) inputs with .transpose(1, 2)"
+        )
+    (b, n, s, d), (bk, nk, sk, dk), (bv, nv, sv, _) = q.shape, k.shape, v.shape
+    if not b == bk == bv:
+        raise ContextParallelError(f"q, k and v must share the batch size; got {b}, {bk} and {bv}")
+    if nk != nv or nk == 0 or n % nk:
+        raise ContextParallelError(
+            f"q has {n} heads, k {nk} and v {nv}: k and v need the same number of heads, and it must divide "
+            f"the query heads (grouped-query attention); choose key/value heads in {divisors(n)}"
+        )
+    if not s == sk == sv:
+        raise ContextParallelError(
+            f"q, k and v must hold the same local tokens (self-attention on shard_sequence chunks); "
+            f"got local sequence lengths {s}, {sk} and {sv}"
+        )
+    if s % 2:
+        raise ContextParallelError(
+            f"local sequence length {s} is odd: each rank holds two equal chunks; shard a sequence whose "
+            "length is divisible by 2*cp with shard_sequence and pass the result"
+        )
+    if d != dk:
+        raise ContextParallelError(f"q and k must share the head dim; got {d} and {dk}")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise ContextParallelError(
+            f"q, k and v must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}, "
+            f"{v.dtype}/{v.device}"
+        )
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    causal: bool = True,
+    style: Style = "ring",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence held by ``group`` (None: the world).
+
+    ``q`` (B, N, S, D), ``k`` (B, K, S, D), ``v`` (B, K, S, E) are this rank's chunks as
+    :func:`~polyshard.cp.sharding.shard_sequence` lays them out; returns this rank's (B, N, S, E)
+    output in the same layout, equal to ``scaled_dot_product_attention(..., is_causal=causal,
+    enable_gqa=True)`` on the full sequence followed by ``shard_sequence``. ``scale`` defaults to
+    1/sqrt(D). ``style="ring"`` passes K/V round the group; ``"allgather"`` gathers them once.
+    Gradients flow to q, k and v (each rank gets those of its own chunks).
+    """
+    check_inputs(q, k, v, style)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if style == "ring":
+        return ring_attention(q, k, v, group, causal, scale)
+    return allgather_attention(q, k, v, group, causal, scale)
+
+
+class ContextParallelAttention(nn.Module):
+    """``scaled_dot_product_attention`` for sequence-sharded q, k, v over a context-parallel group.
+
+    Takes SDPA's arguments, so an attention layer can hold it as its inner product. ``attn_mask``
+    and ``dropout_p > 0`` are refused (the only masks are causal or none, following the
+    load-balanced layout); fewer key/value heads always work, so ``enable_gqa`` is accepted and
+    needs not be set.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, style: Style = "ring"):
+        super().__init__()
+        if style not in STYLES:
+            raise ContextParallelError(f"style={style!r} is unknown; choose one of {STYLES}")
+        self.group, self.style = group, style
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        if attn_mask is not None:
+            raise ContextParallelError(
+                "ContextParallelAttention takes no attn_mask: each rank holds two chunks of the sequence, so "
+                "a mask over the full sequence does not apply; pass is_causal=True for causal attention"
+            )
+        if dropout_p != 0.0:
+            raise ContextParallelError(
+                f"dropout_p={dropout_p}: attention-probability dropout is not supported under context "
+                "parallelism; set the attention dropout to 0"
+            )
+        return context_parallel_attention(
+            query, key, value, self.group, causal=is_causal, style=self.style, scale=scale
+        )
+
+    def extra_repr(self) -> str:
+        return f"style={self.style!r}, cp={dist.get_world_size(self.group)}"

@@ -1,0 +1,129 @@
+"""Attention on one (query chunk, key chunk) block in float32, which blocks to compute, and how
+partial results merge.
+
+Shapes, in the grouped-query layout every kernel here works in:
+
+    B batch, K key/value heads, G query heads per key/value head (N = K * G query heads),
+    Q query rows, T key rows, D query/key head dim, E value head dim
+    q: (B, K, G, Q, D)   k: (B, K, 1, T, D)   v: (B, K, 1, T, E)
+    out: (B, K, G, Q, E) lse: (B, K, G, Q)
+
+Query head h uses key/value head h // G, as ``scaled_dot_product_attention(enable_gqa=True)`` does;
+the size-1 dim broadcasts K and V over the G query heads without copying them.
+
+The kernel is plain matmul + softmax maths in float32: clear, exact to float32 round-off, and it
+returns the log-sum-exp that merging needs (``scaled_dot_product_attention`` does not return it
+through a public API). A fused kernel that returns lse could replace ``block_forward`` and
+``block_backward`` without changing anything else.
+
+Merging (the online softmax, Milakov and Gimelshein 1805.02867): a block's output is softmax-
+weighted over its own keys only. Two partial results (o1, l1), (o2, l2) over disjoint key sets
+combine as ``l = log(exp(l1) + exp(l2))``, ``o = o1 exp(l1 - l) + o2 exp(l2 - l)``, which is the
+attention over the union of the key sets.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from polyshard.cp.sharding import rank_chunks
+
+
+class Block(NamedTuple):
+    """One block to compute: query rows and key rows (local slices) and whether it is diagonal
+    (query chunk = key chunk, so key j is visible to query i only when j <= i)."""
+
+    rows: slice
+    cols: slice
+    diagonal: bool
+
+
+def plan_blocks(query_rank: int, kv_rank: int, cp: int, chunk: int, causal: bool) -> list[Block]:
+    """The blocks ``query_rank`` computes against the keys ``kv_rank`` holds, both laid out by
+    :func:`polyshard.cp.sharding.shard_sequence` with chunks of ``chunk`` tokens.
+
+    Causal: for query chunk i and key chunk j, i > j is a full block, i == j a diagonal block, and
+    i < j is entirely masked and left out (no work, not a masked matmul). Non-causal: one block of
+    all local queries against all of ``kv_rank``'s keys.
+    """
+    if not causal:
+        return [Block(slice(None), slice(None), False)]
+    blocks = []
+    for q_half, i in enumerate(rank_chunks(query_rank, cp)):
+        for k_half, j in enumerate(rank_chunks(kv_rank, cp)):
+            if i >= j:
+                rows = slice(q_half * chunk, (q_half + 1) * chunk)
+                cols = slice(k_half * chunk, (k_half + 1) * chunk)
+                blocks.append(Block(rows, cols, i == j))
+    return blocks
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
+    if diagonal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of float32 ``q`` over one block's keys: (out, lse), both float32."""
+    scores = _scores(q, k, scale, diagonal)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, K, G, Q); finite: every row sees at least one key
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return probs @ v, lse  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block (FlashAttention's backward, Dao et al. 2205.14135, appendix B).
+
+    ``lse`` is the log-sum-exp of each query row over *all* its keys (from the forward), so the
+    recomputed ``probs`` are the final attention weights restricted to this block; ``delta`` is
+    ``rowsum(dout * out)`` of the final output. Returns dq (B, K, G, Q, D) and dk, dv summed over
+    the G query heads that share each key/value head: (B, K, 1, T, D), (B, K, 1, T, E).
+    """
+    probs = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # (B, K, G, Q, T)
+    dv = (probs.transpose(-1, -2) @ dout).sum(dim=2, keepdim=True)  # (B, K, G, T, Q) @ (.., Q, E)
+    dprobs = dout @ v.transpose(-1, -2)  # (B, K, G, Q, E) @ (B, K, 1, E, T) -> (B, K, G, Q, T)
+    dscores = probs * (dprobs - delta.unsqueeze(-1))  # softmax backward, row by row
+    dq = (dscores @ k) * scale  # (B, K, G, Q, T) @ (B, K, 1, T, D)
+    dk = (dscores.transpose(-1, -2) @ q).sum(dim=2, keepdim=True) * scale  # (.., T, Q) @ (.., Q, D)
+    return dq, dk, dv
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's (out, lse) into the running (out, lse) in place (views of the accumulators
+    are fine). The running lse starts at -inf and out at 0, so the first merge copies the block."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def grouped_query(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, N, S, D) -> (B, K, G, S, D): query head h = k * G + g goes to key/value head k."""
+    b, n, s, d = x.shape
+    return x.reshape(b, kv_heads, n // kv_heads, s, d)
+
+
+def grouped_kv(x: torch.Tensor) -> torch.Tensor:
+    """(B, K, S, D) -> (B, K, 1, S, D): one key/value head broadcast over its G query heads."""
+    return x.unsqueeze(2)
+
+
+def ungrouped(x: torch.Tensor) -> torch.Tensor:
+    """(B, K, G, S, E) -> (B, N, S, E)."""
+    b, k, g, s, e = x.shape
+    return x.reshape(b, k * g, s, e)
