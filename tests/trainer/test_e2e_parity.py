@@ -121,6 +121,32 @@ def test_llama_moe_matches_one_process(distributed, corpus, reference, tmp_path)
     assert results[0] == pytest.approx(reference["llama-moe"], rel=MOE_RTOL)  # aux-loss gradient, see MOE_RTOL
 
 
+# Context parallelism: each sequence split into 2 x cp load-balanced chunks, attention over the cp
+# ranks by the ring (K/V passed round) or one all-gather. The online softmax sums blocks in another
+# order than one process's SDPA, so DENSE_RTOL applies as for any change of float32 summation order.
+CP_LAYOUTS = [
+    (2, {"cp": 2}, "cp2-ring"),
+    (2, {"cp": 2, "cp_style": "allgather"}, "cp2-allgather"),
+    (4, {"cp": 4}, "cp4-ring"),
+    (4, {"cp": 4, "cp_style": "allgather"}, "cp4-allgather"),
+    (4, {"cp": 2, "tp": 2}, "cp2xtp2"),
+    (4, {"cp": 2, "tp": 2, "sequence_parallel": True}, "cp2xtp2-sp"),
+    (4, {"cp": 2, "dp": 2}, "cp2xdp2"),
+    (4, {"cp": 2, "pp": 2, "microbatches": 2}, "cp2xpp2"),
+    (4, {"cp": 2, "dp": 2, "zero_stage": 3}, "cp2xdp2-zero3"),
+]
+CP_ROWS = [pytest.param(model, world, parallel, id=f"{model}-{name}") for model in ("gpt", "llama")
+           for world, parallel, name in CP_LAYOUTS]  # fmt: skip
+CP_ROWS.append(pytest.param("llama", 8, {"dp": 2, "cp": 2, "tp": 2}, id="llama-dp2xcp2xtp2"))  # five axes, 8 ranks
+
+
+@pytest.mark.parametrize("model, world, parallel", CP_ROWS)
+def test_context_parallel_losses_match_one_process(distributed, corpus, reference, tmp_path, model, world, parallel):
+    results = distributed.run(world, _train, _config(corpus, llama=model == "llama", **parallel), tmp_path)
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx(reference[model], rel=DENSE_RTOL)  # losses and pre-clip grad norms
+
+
 @pytest.mark.parametrize("world, parallel", LLAMA_LAYOUTS)
 def test_llama_losses_match_one_process(distributed, corpus, reference, tmp_path, world, parallel):
     results = distributed.run(world, _train, _config(corpus, llama=True, **parallel), tmp_path)

@@ -39,6 +39,8 @@ SOURCES = {
     "tied-tp2-pp2": (4, "gpt", {"tp": 2, "pp": 2, "microbatches": 2, "tie_embeddings": True}),
     # Llama with 2 kv heads on tp=4: each kv head replicated on two tp ranks, saved once.
     "llama-tp4": (4, "gpt", {"tp": 4, "llama": True}),
+    # Context parallelism shards no parameter: only the layout (and ZeRO over dp x cp) moves.
+    "cp2-dp2-zero1": (4, "gpt", {"cp": 2, "dp": 2, "zero_stage": 1}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -197,6 +199,11 @@ MATRIX = [
         [({"tp": 4}, {"sequence_parallel": False, "schedule": "1f1b", "virtual_stages": 1})],
         id="tp2-sp-interleaved->tp4",
     ),
+    pytest.param(
+        "cp2-dp2-zero1",
+        [({"dp": 4}, {}), ({"cp": 4}, {"zero_stage": 3}), ({"cp": 2, "tp": 2}, {"zero_stage": 0})],
+        id="cp-hops",
+    ),
 ]
 
 
@@ -207,7 +214,7 @@ def test_every_global_tensor_survives_resharding(trained, tmp_path, name, hops):
     current = src
     for i, (mesh, parallel) in enumerate(hops):
         report = _reshard(current, tmp_path / f"hop{i}", mesh, **parallel)
-        assert report.target_mesh == {"pp": 1, "dp": 1, "ep": 1, "tp": 1} | mesh
+        assert report.target_mesh == {"pp": 1, "dp": 1, "ep": 1, "cp": 1, "tp": 1} | mesh
         _assert_same_state(original, _global_state(report.folder))
         current = report.folder
     assert read_index(current)["ranks"][0]["extra"] == read_index(src)["ranks"][0]["extra"]  # data position, losses
@@ -220,6 +227,7 @@ def test_every_global_tensor_survives_resharding(trained, tmp_path, name, hops):
         pytest.param("tp2", {"tp": 4}, {}, id="tp2-vocab"),
         pytest.param("dp2-zero3", {"dp": 4}, {"zero_stage": 1}, id="zero3"),
         pytest.param("moe-dp2-ep2", {"ep": 4}, {}, id="moe"),
+        pytest.param("cp2-dp2-zero1", {"cp": 4}, {}, id="cp2xdp2->cp4"),
     ],
 )
 def test_round_trip_reproduces_the_original_files(trained, tmp_path, name, mesh, parallel):
@@ -246,6 +254,7 @@ def _continue(config, out, init_from):
         pytest.param(8, {"tp": 4, "pp": 2}, True, id="offline-tp4xpp2"),
         pytest.param(4, {"pp": 4, "microbatches": 4, "stage_layers": [2, 1, 1, 2]}, True, id="offline-pp4"),
         pytest.param(4, {"dp": 4, "zero_stage": 3}, False, id="online-dp4-zero3"),
+        pytest.param(4, {"cp": 2, "tp": 2}, True, id="offline-cp2xtp2"),
         pytest.param(1, {}, False, id="online-single"),
     ],
 )
@@ -352,7 +361,7 @@ def test_reshard_command(trained, tmp_path):
         timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
-    assert "to {'pp': 4, 'dp': 1, 'ep': 1, 'tp': 1}: 4 rank files" in ok.stdout
+    assert "to {'pp': 4, 'dp': 1, 'ep': 1, 'cp': 1, 'tp': 1}: 4 rank files" in ok.stdout
     assert "--set parallel.stage_layers=[2,1,1,2]" in ok.stdout and f"--out {dst.parent} --resume" in ok.stdout
     assert read_index(step_dir(dst, STEPS))["config"]["parallel"]["stage_layers"] == [2, 1, 1, 2]
     for args, message in [

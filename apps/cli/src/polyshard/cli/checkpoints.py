@@ -99,12 +99,15 @@ def _report_skip(folder: Path, err: Exception) -> None:
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'dp=1,tp=4,pp=2' -> {'dp': 1, 'tp': 4, 'pp': 2} (axes left out are 1)."""
+    from polyshard.trainer.config import MESH_AXES
+
     mesh: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         axis, _, size = item.partition("=")
-        if axis not in ("dp", "tp", "pp", "ep") or not size.isdigit() or int(size) < 1:
+        if axis not in MESH_AXES or not size.isdigit() or int(size) < 1:
             raise typer.BadParameter(
-                f"{item!r}: write axis=size with axes dp, tp, pp, ep, e.g. --mesh dp=1,tp=4,pp=2", param_hint="--mesh"
+                f"{item!r}: write axis=size with axes {', '.join(MESH_AXES)}, e.g. --mesh dp=1,tp=4,pp=2",
+                param_hint="--mesh",
             )
         mesh[axis] = int(size)
     return mesh

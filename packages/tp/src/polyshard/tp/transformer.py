@@ -68,14 +68,18 @@ def rope_frequencies(
     return torch.where(between, smoothed, scaled)
 
 
-def rotate(x: torch.Tensor, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, theta: float, scaling: RopeScaling | None = None, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rotary position embedding (Su et al. 2104.09864) of ``x`` (B, N, S, D), in the half-split
     layout Llama and Hugging Face use: dims i and i + D/2 form a pair rotated by pos x theta^(-2i/D)
     (frequencies rescaled by ``scaling`` for Llama 3.1's long context).
-    Positions are 0..S-1 of the sequence this call sees (attention always sees whole sequences)."""
+    ``positions`` (S,) are the tokens' positions in their sequence: 0..S-1 by default; context
+    parallelism, where a rank holds two chunks of the sequence, passes theirs."""
     d, s = x.shape[-1], x.shape[-2]
     inv = rope_frequencies(d, theta, scaling, x.device)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)  # (S, D/2)
+    pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
+    angles = torch.outer(pos.to(torch.float32), inv)  # (S, D/2)
     cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (S, D)
     x32 = x.float()
     half = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
@@ -125,6 +129,7 @@ class Attention(nn.Module):
         self.head_dim = hidden // num_heads
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.core = CoreAttention(causal=causal, dropout=dropout)
+        self.positions: torch.Tensor | None = None  # rotary positions of the tokens; None: 0..S-1
         self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
@@ -137,7 +142,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
-            q, k = rotate(q, self.rope_theta, self.rope_scaling), rotate(k, self.rope_theta, self.rope_scaling)
+            q = rotate(q, self.rope_theta, self.rope_scaling, self.positions)
+            k = rotate(k, self.rope_theta, self.rope_scaling, self.positions)
         y = self.core(q, k, v)
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 

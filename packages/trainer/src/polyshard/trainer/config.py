@@ -47,6 +47,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -202,6 +203,12 @@ class ParallelConfig:
     """Pipeline stages."""
     ep: int = 1
     """Expert-parallel ranks; they also split the batch, so non-expert gradients reduce over dp x ep."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence is split over them (load-balanced chunks, see polyshard.cp),
+    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp."""
+    cp_style: str = "ring"
+    """How context-parallel attention sees the other ranks' keys and values: 'ring' (passed round the cp
+    ranks, overlapped with compute) or 'allgather' (gathered once per layer; Llama 3's choice for GQA)."""
     sequence_parallel: bool = False
     """Keep activations between tensor-parallel regions sharded along the sequence."""
     zero_stage: int = 0
@@ -218,8 +225,9 @@ class ParallelConfig:
     """Pipeline layers per stage, e.g. [3, 2, 2, 1] (embedding and head count as layers); None balances by size."""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "ep", "virtual_stages", "microbatches"):
+        for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
+        _check_choice("parallel.cp_style", self.cp_style, ("ring", "allgather"))
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
@@ -237,7 +245,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.ep * self.pp * self.tp
+        return self.dp * self.ep * self.cp * self.pp * self.tp
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -252,13 +260,19 @@ class ParallelConfig:
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """Mesh axes over which a (non-expert) parameter is replicated: its gradient averages over them,
-        and ZeRO shards it over them."""
-        return ("dp", "ep")
+        and ZeRO shards it over them. cp ranks hold the same examples' other tokens: replicas too."""
+        return ("dp", "ep", "cp")
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding one replica each of a (non-expert) parameter: dp x ep x cp."""
+        return self.dp * self.ep * self.cp
 
     @property
     def mesh_axes(self) -> dict[str, int]:
-        """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours."""
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+        """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours, cp next to it
+        (both talk every layer)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -516,8 +530,8 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
-    """``parallel.dp = "auto"``: the processes left after the other axes, ``world_size / (tp x pp x ep)``."""
-    others = {axis: parallel.get(axis, 1) for axis in ("tp", "pp", "ep")}
+    """``parallel.dp = "auto"``: the processes left after the other axes, ``world_size / (tp x pp x ep x cp)``."""
+    others = {axis: parallel.get(axis, 1) for axis in ("tp", "pp", "ep", "cp")}
     for axis, size in others.items():
         _check_positive(f"parallel.{axis}", size)
     if world_size is None:
@@ -525,7 +539,7 @@ def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
     rest = math.prod(others.values())
     if world_size % rest:
         raise ConfigError(
-            f"parallel.dp='auto': {world_size} processes do not split into tp x pp x ep = {rest}; "
+            f"parallel.dp='auto': {world_size} processes do not split into tp x pp x ep x cp = {rest}; "
             f"run a multiple of {rest} processes"
         )
     return world_size // rest

@@ -19,12 +19,13 @@ def validate(config: Config, world_size: int | None = None) -> None:
     model, par, train = config.model, config.parallel, config.training
     if world_size is not None and par.world_size != world_size:
         raise ConfigError(
-            f"the mesh dp={par.dp} x ep={par.ep} x pp={par.pp} x tp={par.tp} has {par.world_size} ranks "
+            f"the mesh dp={par.dp} x ep={par.ep} x cp={par.cp} x pp={par.pp} x tp={par.tp} has {par.world_size} ranks "
             f"but {world_size} processes were asked for; use --nproc {par.world_size} or change the mesh"
         )
     _check_tensor_parallel(config)
     _check_pipeline(config)
     _check_experts(config)
+    _check_context(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -96,6 +97,34 @@ def _check_pipeline(config: Config) -> None:
         raise ConfigError(
             f"the interleaved schedule needs parallel.microbatches ({par.microbatches}) to be a multiple of "
             f"parallel.pp ({par.pp}); try microbatches={par.pp * max(1, par.microbatches // par.pp)}"
+        )
+
+
+def _check_context(config: Config) -> None:
+    model, par = config.model, config.parallel
+    if par.cp == 1:
+        return
+    if not spec_of(model).context_parallel:
+        raise ConfigError(
+            f"parallel.cp={par.cp} is not supported for model.kind={model.kind!r} yet (its tokens are not one "
+            "causal sequence polyshard.cp can split, or its experts would need gradients over cp); use cp=1"
+        )
+    chunks = 2 * par.cp
+    if model.sequence_length % chunks:
+        fits = divisors(model.sequence_length // 2)  # cp divides S/2: S splits into 2 x cp chunks
+        raise ConfigError(
+            f"context parallelism cuts each sequence into 2 x cp = {chunks} chunks (two per rank, load-balanced); "
+            f"model.context_length={model.sequence_length} does not split into them; choose cp in {fits}"
+        )
+    if model.dropout > 0:
+        raise ConfigError(
+            f"model.dropout={model.dropout} with parallel.cp={par.cp}: the context-parallel attention kernel has no "
+            "attention dropout; set model.dropout=0"
+        )
+    if par.sequence_parallel and (model.sequence_length // par.cp) % par.tp:
+        raise ConfigError(
+            f"sequence parallelism splits each cp rank's {model.sequence_length // par.cp} positions over "
+            f"tp={par.tp}; choose another tp or cp, or turn parallel.sequence_parallel off"
         )
 
 

@@ -93,14 +93,15 @@ def split_batch(config: Config, batch: dict) -> tuple[torch.Tensor, torch.Tensor
 
 
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
-    """Average a per-data-rank value that only last-stage ranks hold (tp ranks hold equal copies)."""
+    """Average a per-replica value (a data rank's, or under cp its chunks') that only last-stage ranks
+    hold (tp ranks hold equal copies)."""
     mesh, par = engine.mesh, engine.config.parallel
     holder = engine.holds_last_stage and mesh.coord("tp") == 0
     total = torch.tensor(
         [float(value) if holder and value is not None else 0.0], dtype=torch.float64, device=engine.device
     )
     ops.all_reduce(total)
-    return float(total) / par.data_ranks
+    return float(total) / par.replicas
 
 
 def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
@@ -133,7 +134,8 @@ def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
 def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(loss sum, correct, counted targets) of one batch on the last stage; zeros elsewhere. The
     pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
-    stages, whose collectives its peers need, but scores nothing)."""
+    stages, whose collectives its peers need, but scores nothing). Under cp each rank scores its chunks."""
+    inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)
     n, accuracy = int((targets != IGNORE_INDEX).sum()), spec_of(engine.config.model).task.reports_accuracy
 
     def score(output: torch.Tensor) -> torch.Tensor:
@@ -227,7 +229,8 @@ def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: 
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    data_group = engine.mesh.group(engine.config.parallel.batch_axes)
+    inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
+    data_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
     with global_token_mean(engine.executor.loss_fn, targets, data_group, microbatches):
         loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))

@@ -52,6 +52,7 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
+from polyshard.trainer.context import apply_context_parallel, local_tokens
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 from polyshard.trainer.optim import param_groups
@@ -110,6 +111,10 @@ class Engine:
     @property
     def holds_first_stage(self) -> bool:
         return 0 in self.stages
+
+    def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch along the sequence: its cp chunks (all of it without cp)."""
+        return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None."""
@@ -308,6 +313,8 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
     model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
     del full, skeleton
+    if par.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"), par.cp_style, config.model.sequence_length, device)
     aliases = tied_names(config.model)
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:

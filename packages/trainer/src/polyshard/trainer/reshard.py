@@ -58,7 +58,7 @@ from polyshard.trainer.checkpoint_format import (
     rank_file,
     step_dir,
 )
-from polyshard.trainer.config import Config, from_dict
+from polyshard.trainer.config import MESH_AXES, Config, from_dict
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.parallelize import Engine
 from polyshard.trainer.records import Planned, plan_ranks
@@ -91,7 +91,7 @@ def _target_region(source, key, plan, sizes, coords) -> tuple[tuple[int, ...], t
 def target_config(source: Source, mesh: Mapping[str, int], overrides: Mapping[str, object] | None = None) -> Config:
     """The source's config with the mesh (axes not named become 1) and other ``parallel`` fields replaced."""
     raw = dataclasses.asdict(source.config)
-    raw["parallel"].update({axis: int(mesh.get(axis, 1)) for axis in ("dp", "tp", "pp", "ep")})
+    raw["parallel"].update({axis: int(mesh.get(axis, 1)) for axis in MESH_AXES})
     raw["parallel"].update(overrides or {})
     return from_dict(raw)
 

@@ -39,11 +39,13 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(vocab_size, hidden)
         self.pos = nn.Embedding(context_length, hidden) if learned else None
         self.drop = nn.Dropout(dropout)
+        self.positions: torch.Tensor | None = None  # the tokens' positions; None: 0..S-1 (see polyshard.cp)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
+            x = x + self.pos(positions.to(tokens.device))
         return self.drop(x)
 
 
@@ -205,5 +207,6 @@ SPEC = ModelSpec(
     tp_plan=tp_plan,
     tied=tied,
     check=check,
+    context_parallel=True,
     hf_families=("gpt2", "llama"),  # polyshard.trainer.hf's name tables; the architecture fields pick one
 )

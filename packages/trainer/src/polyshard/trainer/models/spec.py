@@ -70,6 +70,9 @@ class ModelSpec:
     """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
     has_experts: bool = False
     """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp."""
+    context_parallel: bool = False
+    """Its attention layers (:class:`polyshard.tp.transformer.Attention`) may be split over a cp axis:
+    a causal language model whose sequence polyshard.cp can shard."""
     init: Callable[[nn.Module, int, torch.Generator | None], None] = init_weights
     """Initialise one pipeline layer in place: (layer, num_layers, generator)."""
     tied: Callable[[ModelConfig], dict[str, str]] = _no_ties

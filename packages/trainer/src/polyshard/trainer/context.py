@@ -1,0 +1,61 @@
+"""Context parallelism on the trainer's models: each sequence split over the cp ranks.
+
+:mod:`polyshard.cp` does the attention; this module puts it in place on the layers a rank builds:
+
+* every :class:`~polyshard.tp.transformer.Attention` gets a :class:`ContextParallelCore` instead of
+  its ``CoreAttention`` (ring or all-gather attention over the cp group), and the global positions
+  of this rank's tokens for its rotary embeddings;
+* the token embedding gets the same positions for its learned position table (GPT-2);
+* :func:`local_tokens` keeps this rank's two load-balanced chunks of a batch's inputs and targets
+  (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
+
+Nothing else changes: blocks, norms and MLPs act on each token alone, the loss is a sum over
+tokens (divided by the global count, :mod:`polyshard.trainer.loss`), and the parameters are
+replicated over cp, so their gradients average over dp x ep x cp like any replica's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.cp import context_parallel_attention, position_ids, shard_sequence
+from polyshard.tp.transformer import Attention, CoreAttention
+from polyshard.trainer.models.gpt import Embedding
+
+
+class ContextParallelCore(nn.Module):
+    """``CoreAttention`` for q, k, v holding this rank's chunks of the sequence (B, N, 2C, D)."""
+
+    def __init__(self, group: dist.ProcessGroup, *, causal: bool, style: str):
+        super().__init__()
+        self.group, self.causal, self.style = group, causal, style
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, self.group, causal=self.causal, style=self.style)  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        return f"style={self.style}, causal={self.causal}, cp={dist.get_world_size(self.group)}"
+
+
+def apply_context_parallel(
+    model: nn.Module, group: dist.ProcessGroup, style: str, sequence_length: int, device: torch.device | str
+) -> None:
+    """Swap every attention's inner product for the cp one and give positions to the layers that use them."""
+    positions = position_ids(sequence_length, group, device)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            core = module.core
+            assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
+            module.core = ContextParallelCore(group, causal=core.causal, style=style)
+            module.positions = positions
+        elif isinstance(module, Embedding):
+            module.positions = positions
+
+
+def local_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's chunks of a (B, S, ...) batch along the sequence (all of it without cp)."""
+    if group is None:
+        return tokens
+    return shard_sequence(tokens, 1, group).contiguous()
