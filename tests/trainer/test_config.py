@@ -70,6 +70,22 @@ def test_bad_fields(raw, message):
         ({"model": {"context_length": 30}, "parallel": {"tp": 4, "sequence_parallel": True}}, 4, "sequence parallel"),
         ({"model": {"num_layers": 2}, "parallel": {"pp": 8}}, 8, "use at most 4 stages"),
         (
+            {"model": {"context_length": 30}, "parallel": {"cp": 2}},
+            2,
+            r"2 x cp = 4 chunks .* choose cp in \[1, 3, 5, 15\]",
+        ),
+        (
+            {"model": {"kind": "moe-gpt"}, "parallel": {"cp": 2}},
+            2,
+            "parallel.cp=2 is not supported for model.kind='moe-gpt'",
+        ),
+        ({"model": {"dropout": 0.1}, "parallel": {"cp": 2}}, 2, "no attention dropout; set model.dropout=0"),
+        (
+            {"model": {"context_length": 36}, "parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}},
+            8,
+            "splits each cp rank's 18 positions over tp=4",
+        ),
+        (
             {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}},
             2,
             "multiple of parallel.pp",

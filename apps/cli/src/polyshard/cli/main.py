@@ -23,7 +23,7 @@ app.command("reshard")(reshard)
 app.command("generate")(generate)
 app.command("tokenizer")(tokenizer_command)
 
-BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp")
+BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp", "cp")
 
 
 @bench_app.command("comm")

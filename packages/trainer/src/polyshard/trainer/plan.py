@@ -55,8 +55,11 @@ def activation_bytes_per_rank(config: Config) -> float:
         per_layer = s * b * h * (34 + 5 * a * s / h) / par.tp
     if train.precision == "fp32":
         per_layer *= 2
+    # Context parallelism keeps 1/cp of each sequence's tokens per rank (its ring kernel keeps no
+    # score matrix, only a log-sum-exp per query: the score term is an upper bound there).
+    per_layer /= par.cp
     if train.activation_checkpointing:
-        per_layer = 2 * s * b * h * (1 if train.precision == "bf16" else 2)  # only each block's input is kept
+        per_layer = 2 * s * b * h * (1 if train.precision == "bf16" else 2) / par.cp  # each block's input only
     layers_per_stage = model.num_layers / par.pp
     # 1F1B keeps up to pp microbatches in flight on the first stage; GPipe keeps all of them.
     in_flight = par.microbatches if par.schedule == "gpipe" else min(par.pp, par.microbatches)
