@@ -82,6 +82,26 @@ def bench_matmul(
     typer.echo(f"{device} {dtype} {size}x{size}: {seconds * 1e3:.2f} ms per matmul, {tflops:.3f} TFLOP/s")
 
 
+@bench_app.command("cp-memory")
+def bench_cp_memory(
+    cps: str = typer.Option("1,2,4", "--cp", help="Context-parallel sizes to measure (processes each)."),
+    seq_lens: str = typer.Option("1024,2048,4096,8192,16384", "--seq-lens", help="Sequence lengths."),
+    style: str = typer.Option("ring", "--style", help="ring or allgather."),
+) -> None:
+    """Activation memory per rank against sequence length at each cp size (a small Llama, one forward)."""
+    try:
+        sizes = [int(c) for c in cps.split(",") if c.strip()]
+        lengths = [str(int(s)) for s in seq_lens.split(",") if s.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(f"give comma-separated integers ({err})") from err
+    if style not in ("ring", "allgather") or not sizes or min(sizes) < 1 or not lengths:
+        raise typer.BadParameter("give cp sizes >= 1, sequence lengths, and --style ring or allgather")
+    for cp in sizes:
+        code = run_local(cp, "polyshard.trainer.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
+        if code:
+            raise typer.Exit(code)
+
+
 def _bench_with_peer(package: str):
     """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
 

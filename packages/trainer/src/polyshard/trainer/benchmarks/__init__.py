@@ -1,0 +1,1 @@
+"""Benchmarks of whole-model behaviour (not tests): run under torchrun by ``polyshard bench``."""
