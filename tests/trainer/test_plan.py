@@ -22,7 +22,7 @@ def test_model_states_follow_zero_accounting(stage, per_param):
 
 def test_describe_lists_every_group():
     text = describe(from_dict({"parallel": {"dp": 2, "tp": 2, "pp": 2}}))
-    assert "8 processes" in text and "rank 5: pp=1 dp=0 ep=0 tp=1" in text
+    assert "8 processes" in text and "rank 5: pp=1 dp=0 ep=0 cp=0 tp=1" in text
     assert "tp               [[0, 1], [2, 3], [4, 5], [6, 7]]" in text
     assert "pp x dp x tp" in text and "memory per rank (estimate)" in text
 
