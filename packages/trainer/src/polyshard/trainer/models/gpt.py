@@ -15,15 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyshard.mesh import divisors
 from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.tp.transformer import Block, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
     BuildOptions,
     ModelSpec,
     attention_plan,
+    check_mlp_split,
     mlp_plan,
     sequence_plan,
     split_sequence,
@@ -195,9 +194,7 @@ def tied(model: ModelConfig) -> dict[str, str]:
 
 
 def check(config: Config) -> None:
-    width, tp = config.model.mlp_width, config.parallel.tp
-    if width % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
+    check_mlp_split(config.model.mlp_width, config.parallel.tp)
 
 
 SPEC = ModelSpec(

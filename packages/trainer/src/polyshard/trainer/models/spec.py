@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from polyshard.mesh import divisors
 from polyshard.tp import (
     ColumnParallel,
     ReplicateKVHeads,
@@ -33,6 +34,7 @@ from polyshard.tp import (
     replicates_kv,
 )
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.init import init_weights
 from polyshard.trainer.tasks import Task
 
@@ -87,6 +89,12 @@ class ModelSpec:
     """Positions per example the transformer sees."""
     hf_families: tuple[str, ...] = ()
     """The Hugging Face architectures (``model_type``) its weights can map to (``polyshard.trainer.hf``)."""
+
+
+def check_mlp_split(width: int, tp: int) -> None:
+    """tp splits the MLP's hidden units (columns, then rows): it must divide their number."""
+    if width % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
 
 
 def layer_of(name: str) -> int:

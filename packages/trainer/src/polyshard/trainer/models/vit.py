@@ -18,6 +18,7 @@ from polyshard.trainer.models.spec import (
     BuildOptions,
     ModelSpec,
     attention_plan,
+    check_mlp_split,
     mlp_plan,
     sequence_plan,
     split_sequence,
@@ -141,9 +142,7 @@ def check_model(model: ModelConfig) -> None:
 
 
 def check(config: Config) -> None:
-    width, tp = config.model.mlp_ratio * config.model.hidden, config.parallel.tp
-    if width % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the MLP width {width}; choose tp in {divisors(width)}")
+    check_mlp_split(config.model.mlp_ratio * config.model.hidden, config.parallel.tp)  # the ViT's MLP
 
 
 SPEC = ModelSpec(
