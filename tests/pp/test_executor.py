@@ -13,6 +13,7 @@ from polyshard.collectives import CommLedger
 from polyshard.pp import (
     Action,
     DeadlockError,
+    Kind,
     PipelineExecutor,
     Schedule,
     StageShapeError,
@@ -240,9 +241,10 @@ def _bad_batch():
 
 
 def _deadlocking_executor():
+    f, b = Kind.FORWARD, Kind.BACKWARD
     actions = (
-        (Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
-        (Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)),
+        (Action(f, 0, 0), Action(b, 0, 0), Action(f, 0, 1), Action(b, 0, 1)),
+        (Action(f, 1, 0), Action(f, 1, 1), Action(b, 1, 0), Action(b, 1, 1)),
     )
     stages = build_stages(models.builders(), 2, [dist.get_rank()])
     with pytest.raises(DeadlockError, match=r"rank 0 waits forever at step 1 \(\[0SF0 0RB0\]\)"):

@@ -10,6 +10,7 @@ import pytest
 from polyshard.pp import (
     Action,
     DeadlockError,
+    Kind,
     Schedule,
     ScheduleError,
     format_program,
@@ -74,7 +75,9 @@ def test_golden_lowering():
 
 
 def _custom(actions):
-    per_rank = tuple(tuple(Action(a[1], r, int(a[2:])) for a in line.split()) for r, line in enumerate(actions))
+    # "xF0 xB1": a forward of microbatch 0 and a full backward of microbatch 1 on the rank's own stage
+    kinds = {"F": Kind.FORWARD, "B": Kind.BACKWARD}
+    per_rank = tuple(tuple(Action(kinds[a[1]], r, int(a[2:])) for a in line.split()) for r, line in enumerate(actions))
     return Schedule("custom", len(actions), 2, 1, per_rank)
 
 
@@ -98,7 +101,7 @@ def test_same_rank_order_error():
 
 
 def test_incomplete_schedule_is_rejected():
-    with pytest.raises(ScheduleError, match="rank 1: action 1B1 appears 0 times"):
+    with pytest.raises(ScheduleError, match="rank 1: stage 1 microbatch 1 has 1 forward, 0 full backward"):
         simulate(_custom(["xF0 xF1 xB0 xB1", "xF0 xF1 xB0"]))
 
 
@@ -109,7 +112,7 @@ def test_bad_arguments():
         make_schedule("1f1b", 2, 0)
     with pytest.raises(ScheduleError, match=r"choose num_microbatches in \{4, 8, 12, \.\.\.\}"):
         make_schedule("interleaved", 4, 6, 2)
-    with pytest.raises(ScheduleError, match="virtual_stages=2 needs 'interleaved'"):
+    with pytest.raises(ScheduleError, match="'gpipe' puts 1 stage.s. on each rank, not virtual_stages=2"):
         make_schedule("gpipe", 2, 2, 2)
 
 

@@ -6,7 +6,7 @@ print(simulate(schedule).bubble_fraction)   # (p-1)/(m+p-1) = 3/11 for p=4, m=8,
 result = PipelineExecutor(stages, schedule, loss_fn, pp_group).step(inputs, targets)
 """
 
-from polyshard.pp.actions import Action, Exchange, Schedule
+from polyshard.pp.actions import Action, Exchange, Kind, Schedule, loop_placement, v_placement
 from polyshard.pp.errors import DeadlockError, PartitionError, ScheduleError, StageShapeError
 from polyshard.pp.executor import PipelineExecutor, StepResult, gather_timeline
 from polyshard.pp.lowering import format_program, lower
@@ -21,6 +21,7 @@ __all__ = [
     "Action",
     "DeadlockError",
     "Exchange",
+    "Kind",
     "PartitionError",
     "PipelineExecutor",
     "Schedule",
@@ -36,10 +37,12 @@ __all__ = [
     "gather_timeline",
     "gpipe",
     "interleaved_1f1b",
+    "loop_placement",
     "lower",
     "make_schedule",
     "one_f_one_b",
     "parameter_counts",
     "simulate",
+    "v_placement",
     "zb_h1",
 ]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops, p2p
-from polyshard.pp.actions import Action, Exchange, Schedule, Step
+from polyshard.pp.actions import Action, Exchange, Kind, Schedule, Step, activation, gradient
 from polyshard.pp.errors import ScheduleError, StageShapeError
 from polyshard.pp.lowering import lower
 from polyshard.pp.schedules import forward_only
@@ -87,12 +87,10 @@ class PipelineExecutor:
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
         self.forward_steps: tuple[Step, ...] | None = None  # the forward-only program, lowered on first use
-        weight_steps = [i for i, s in enumerate(self.steps) if isinstance(s, Action) and self._touches_weights(s)]
+        weight_steps = [
+            i for i, s in enumerate(self.steps) if isinstance(s, Action) and s.kind.accumulates_weight_grads
+        ]
         self.last_weight_step = weight_steps[-1] if weight_steps else -1
-
-    def _touches_weights(self, action: Action) -> bool:
-        split = (action.stage, action.microbatch) in self.schedule.split_backward
-        return action.kind == "W" or (action.kind == "B" and not split)
 
     def _split(self, tensor: torch.Tensor | None, what: str) -> list[torch.Tensor] | None:
         m = self.schedule.num_microbatches
@@ -113,7 +111,7 @@ class PipelineExecutor:
             first = self.microbatches[0] if self.microbatches else None
             self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
         # message key -> tensor, for local hand-offs and receives
-        self.mail: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.mail: dict[Action, torch.Tensor] = {}
         # (stage, mb) -> (input, output or loss)
         self.stored: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # (stage, mb) -> (output, output grad) for W
@@ -125,7 +123,7 @@ class PipelineExecutor:
                 self._exchange(step)
             else:
                 self._compute(step, index)
-            kind = "X" if isinstance(step, Exchange) else step.kind
+            kind = "X" if isinstance(step, Exchange) else step.kind.letter
             spans.append(Span(self.rank, str(step), kind, start, time.perf_counter()))
         for work, _ in self.pending_sends:
             work.wait()
@@ -142,34 +140,34 @@ class PipelineExecutor:
             raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
         if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
             self.forward_steps = lower(forward_only(self.schedule))[self.rank]
-        mail: dict[tuple[str, int, int], torch.Tensor] = {}
+        mail: dict[Action, torch.Tensor] = {}
         result, pending = None, []
         with torch.no_grad():
             for step in self.forward_steps:
                 if isinstance(step, Exchange):
                     pending += self._exchange_with_headers(step, mail)
                     continue
-                x = inputs if step.stage == 0 else mail.pop(("F", step.stage - 1, 0))
+                x = inputs if step.stage == 0 else mail.pop(activation(step.stage - 1, 0))
                 y = self.stages[step.stage](x)
                 if step.stage == self.schedule.num_stages - 1:
                     result = on_output(y)
                 else:
-                    mail[("F", step.stage, 0)] = y
+                    mail[activation(step.stage, 0)] = y
         for work, _ in pending:
             work.wait()
         return result
 
     def _exchange_with_headers(
-        self, step: Exchange, mail: dict[tuple[str, int, int], torch.Tensor]
+        self, step: Exchange, mail: dict[Action, torch.Tensor]
     ) -> list[tuple[dist.Work, torch.Tensor]]:
         """An exchange whose receivers do not know the shapes: headers first, then the tensors."""
         sends, recvs = [], []
         for op in step.ops:
             key = op.message_key()
-            if op.kind == "SF":
-                sends.append((mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(key[1] + 1)]))
+            if op.kind is Kind.SEND_FORWARD:
+                sends.append((mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(key.stage + 1)]))
             else:
-                recvs.append((key, self.peers[self.schedule.rank_of(key[1])]))
+                recvs.append((key, self.peers[self.schedule.rank_of(key.stage)]))
         # Every send (header, then tensor) is posted at once and never waited on here: a rank whose
         # exchange also receives must not hold back what its neighbour needs to produce that input.
         outgoing = [(p2p.header_of(t), dst) for t, dst in sends] + sends
@@ -183,48 +181,48 @@ class PipelineExecutor:
     def _exchange(self, step: Exchange) -> None:
         sends, recvs = [], []
         for op in step.ops:
-            key = op.message_key()  # (kind, sending stage, mb)
-            if op.kind.startswith("S"):
-                receiver = key[1] + 1 if key[0] == "F" else key[1] - 1
+            key = op.message_key()  # the send that carries it: (sending stage, mb)
+            if op.kind.is_send:
+                receiver = key.stage + 1 if key.kind is Kind.SEND_FORWARD else key.stage - 1
                 sends.append((self.mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(receiver)]))
             else:
-                peer = self.peers[self.schedule.rank_of(key[1])]
+                peer = self.peers[self.schedule.rank_of(key.stage)]
                 # a received activation has the sender's output shape; a gradient has this stage's output shape
-                shape, dtype = self.shapes[op.stage][0 if op.kind == "RF" else 1]
+                shape, dtype = self.shapes[op.stage][0 if op.kind is Kind.RECV_FORWARD else 1]
                 self.mail[key] = torch.empty(shape, dtype=dtype, device=self.device)
                 recvs.append((self.mail[key], peer))
         self.pending_sends += p2p.exchange(sends, recvs, self.group, wait_sends=False)
 
     def _compute(self, action: Action, index: int) -> None:
-        if action.kind == "F":
+        if action.kind is Kind.FORWARD:
             self._forward(action.stage, action.microbatch)
             return
         hook = self.backward_context
-        inside = self._touches_weights(action) and index != self.last_weight_step
+        inside = action.kind.accumulates_weight_grads and index != self.last_weight_step
         with hook() if hook is not None and inside else contextlib.nullcontext():
-            if action.kind == "B":
-                self._backward(action.stage, action.microbatch)
-            else:
+            if action.kind is Kind.BACKWARD_WEIGHT:
                 self._weight_grad(action.stage, action.microbatch)
+            else:
+                self._backward(action.stage, action.microbatch, split=action.kind is Kind.BACKWARD_INPUT)
 
     def _forward(self, stage: int, k: int) -> None:
         if stage == 0:
             x = self.microbatches[k]
         else:
-            x = self.mail.pop(("F", stage - 1, k)).detach().requires_grad_()
+            x = self.mail.pop(activation(stage - 1, k)).detach().requires_grad_()
         y = self.stages[stage](x)
         if stage == self.schedule.num_stages - 1:
             y = self.loss_fn(y, self.targets[k]) / self.schedule.num_microbatches
             self.loss = y.detach() if self.loss is None else self.loss + y.detach()
         else:
-            self.mail[("F", stage, k)] = y.detach()
+            self.mail[activation(stage, k)] = y.detach()
         self.stored[(stage, k)] = (x, y)
         self.peak = max(self.peak, len(self.stored))
 
-    def _backward(self, stage: int, k: int) -> None:
+    def _backward(self, stage: int, k: int, split: bool) -> None:
         x, y = self.stored.pop((stage, k))
-        grad = None if stage == self.schedule.num_stages - 1 else self.mail.pop(("B", stage + 1, k))
-        if (stage, k) in self.schedule.split_backward:
+        grad = None if stage == self.schedule.num_stages - 1 else self.mail.pop(gradient(stage + 1, k))
+        if split:
             # input gradient only; keep the graph for W
             if x.requires_grad:
                 (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
@@ -232,7 +230,7 @@ class PipelineExecutor:
         else:
             torch.autograd.backward(y, grad)
         if stage > 0:
-            self.mail[("B", stage, k)] = cast(torch.Tensor, x.grad)  # x is a received activation that requires grad
+            self.mail[gradient(stage, k)] = cast(torch.Tensor, x.grad)  # x is a received activation that requires grad
 
     def _weight_grad(self, stage: int, k: int) -> None:
         y, grad = self.awaiting_w.pop((stage, k))
@@ -260,6 +258,6 @@ def gather_timeline(
     spans = []
     for rank, steps in enumerate(program):
         for step, (start, end) in zip(steps, every[rank].tolist()):
-            kind = "X" if isinstance(step, Exchange) else step.kind
+            kind = "X" if isinstance(step, Exchange) else step.kind.letter
             spans.append(Span(rank, str(step), kind, start, end))
     return Timeline(schedule.num_ranks, tuple(spans), with_stage=schedule.virtual_stages > 1)

@@ -15,26 +15,26 @@ Example, 1F1B with p=2, m=2, rank 0::
 
 from __future__ import annotations
 
-from polyshard.pp.actions import Action, Exchange, Schedule, Step
+from polyshard.pp.actions import Action, Exchange, Kind, Schedule, Step
 
 Program = tuple[tuple[Step, ...], ...]
 
 
 def receives_before(schedule: Schedule, rank: int, action: Action) -> list[Action]:
     s, k, last = action.stage, action.microbatch, schedule.num_stages - 1
-    if action.kind == "F" and s > 0 and schedule.rank_of(s - 1) != rank:
-        return [Action("RF", s, k)]
-    if action.kind == "B" and s < last and schedule.rank_of(s + 1) != rank:
-        return [Action("RB", s, k)]
+    if action.kind is Kind.FORWARD and s > 0 and schedule.rank_of(s - 1) != rank:
+        return [Action(Kind.RECV_FORWARD, s, k)]
+    if action.kind.ends_activation and s < last and schedule.rank_of(s + 1) != rank:
+        return [Action(Kind.RECV_BACKWARD, s, k)]
     return []
 
 
 def sends_after(schedule: Schedule, rank: int, action: Action) -> list[Action]:
     s, k, last = action.stage, action.microbatch, schedule.num_stages - 1
-    if action.kind == "F" and s < last and schedule.rank_of(s + 1) != rank:
-        return [Action("SF", s, k)]
-    if action.kind == "B" and s > 0 and schedule.rank_of(s - 1) != rank:
-        return [Action("SB", s, k)]
+    if action.kind is Kind.FORWARD and s < last and schedule.rank_of(s + 1) != rank:
+        return [Action(Kind.SEND_FORWARD, s, k)]
+    if action.kind.ends_activation and s > 0 and schedule.rank_of(s - 1) != rank:
+        return [Action(Kind.SEND_BACKWARD, s, k)]
     return []
 
 
