@@ -28,6 +28,16 @@ def test_schedule_command_prints_grid_and_writes_json_and_svg(tmp_path):
     assert svg.read_text().startswith("<svg") and "simulated bubble 0.273" in svg.read_text()
 
 
+def test_schedule_command_draws_v_schedules():
+    result = CliRunner().invoke(app, ["schedule", "zb-v", "--stages", "2", "--microbatches", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("zb-v p=2 m=3 v=2")  # two stages per rank without asking
+    assert "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0" in result.output  # stage numbers: rank 1 holds 1 and 2
+    assert "peak activations [4, 4]" in result.output
+    result = CliRunner().invoke(app, ["schedule", "dualpipev", "-p", "2", "-m", "3"])
+    assert result.exit_code == 2 and "choose num_microbatches >= 4" in result.output
+
+
 def test_schedule_command_rejects_bad_microbatches():
     result = CliRunner().invoke(app, ["schedule", "interleaved", "-p", "4", "-m", "6"])
     assert result.exit_code == 2 and "choose num_microbatches in {4, 8, 12" in result.output

@@ -9,11 +9,11 @@ import typer
 
 
 def schedule_command(
-    name: str = typer.Argument(..., help="gpipe, 1f1b, interleaved or zb-h1."),
+    name: str = typer.Argument(..., help="gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev."),
     stages: int = typer.Option(..., "--stages", "-p", help="Pipeline ranks p."),
     microbatches: int = typer.Option(..., "--microbatches", "-m", help="Microbatches m per step."),
     virtual_stages: int | None = typer.Option(
-        None, "--virtual-stages", "-v", help="Stages per rank (interleaved; default 2)."
+        None, "--virtual-stages", "-v", help="Stages per rank (interleaved, default 2; zb-v and dualpipev take 2)."
     ),
     svg: Path | None = typer.Option(None, "--svg", help="Also draw the simulated timeline to this SVG file."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),

@@ -74,7 +74,7 @@ class Kind(enum.Enum):
 COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Action:
     kind: Kind
     stage: int
@@ -117,7 +117,7 @@ def gradient(stage: int, microbatch: int) -> Action:
 
 @dataclass(frozen=True)
 class Exchange:
-    """Sends and receives posted together (batched isend/irecv)."""
+    """Sends and receives posted together (one batch of isend/irecv); posting never waits."""
 
     ops: tuple[Action, ...]
 
@@ -125,10 +125,24 @@ class Exchange:
         return "[" + " ".join(str(op) for op in self.ops) + "]"
 
     def short(self, with_stage: bool) -> str:
-        return "[" + " ".join(str(op) for op in self.ops) + "]"
+        return str(self)
 
 
-Step = Action | Exchange
+@dataclass(frozen=True)
+class Wait:
+    """Wait until receives posted by an earlier :class:`Exchange` hold their data (before the compute
+    that reads them)."""
+
+    ops: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "(" + " ".join(str(op) for op in self.ops) + ")"
+
+    def short(self, with_stage: bool) -> str:
+        return str(self)
+
+
+Step = Action | Exchange | Wait
 
 
 def loop_placement(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -154,7 +168,10 @@ class Schedule:
 
     ``actions[r]`` lists rank r's compute actions in the order it runs them. ``placement[s]``
     is the rank holding stage s (default :func:`loop_placement`); every rank holds
-    ``virtual_stages`` of the ``num_ranks * virtual_stages`` stages.
+    ``virtual_stages`` of the ``num_ranks * virtual_stages`` stages. ``overlapped`` holds
+    (forward, backward) pairs, adjacent on their rank, that a runtime may run as one
+    overlapped unit (DualPipe's F&B); the simulator can cost them so, the executor runs
+    them one after the other.
     """
 
     name: str
@@ -163,6 +180,7 @@ class Schedule:
     virtual_stages: int
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...] = ()
+    overlapped: frozenset[tuple[Action, Action]] = frozenset()
     _stages: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -194,3 +212,20 @@ class Schedule:
         return "\n".join(
             f"rank {r}: " + " ".join(a.short(with_stage) for a in actions) for r, actions in enumerate(self.actions)
         )
+
+
+def check_positive(**values: int) -> None:
+    """Schedule arguments: each must be a positive integer (``num_ranks=2, num_microbatches=0`` raises)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+
+
+def build_schedule(
+    name: str, num_microbatches: int, per_rank: list[list[Action]], placement: tuple[int, ...]
+) -> Schedule:
+    """A :class:`Schedule` from per-rank lists; ranks and stages per rank follow from ``placement``."""
+    num_ranks = len(per_rank)
+    return Schedule(
+        name, num_ranks, num_microbatches, len(placement) // num_ranks, tuple(map(tuple, per_rank)), placement
+    )

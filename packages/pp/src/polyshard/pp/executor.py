@@ -35,9 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops, p2p
-from polyshard.pp.actions import Action, Exchange, Kind, Schedule, Step, activation, gradient
+from polyshard.collectives.ledger import record
+from polyshard.pp.actions import Action, Exchange, Kind, Schedule, Step, Wait, activation, gradient
 from polyshard.pp.errors import ScheduleError, StageShapeError
-from polyshard.pp.lowering import lower
+from polyshard.pp.lowering import DEFAULT_PREFETCH, Program, lower, peer_of
 from polyshard.pp.schedules import forward_only
 from polyshard.pp.shapes import Meta, infer_shapes
 from polyshard.pp.simulator import simulate
@@ -64,6 +65,7 @@ class PipelineExecutor:
         group: dist.ProcessGroup | None = None,
         *,
         backward_context: Callable[[], AbstractContextManager[object]] | None = None,
+        prefetch: int | None = None,
     ):
         self.rank, size = dist.get_rank(group), dist.get_world_size(group)
         if size != schedule.num_ranks:
@@ -73,10 +75,17 @@ class PipelineExecutor:
                 f"rank {self.rank} holds stages {sorted(stages)} but the schedule puts "
                 f"{schedule.stages_of(self.rank)} on it"
             )
-        simulate(schedule)  # raises DeadlockError (naming rank and action) before any tensor moves
+        if prefetch is None:
+            # gloo completes each operation of a batch on its own, so a receive posted early is waited
+            # for alone. A backend that completes a batch as a whole (NCCL coalesces it) would make that
+            # wait cover the batch's sends too, so there a receive is posted right before it is needed.
+            prefetch = DEFAULT_PREFETCH if dist.get_backend(group) == "gloo" else 0
+        self.program: Program = lower(schedule, prefetch)
+        # raises DeadlockError (naming rank and action) before any tensor moves
+        simulate(schedule, program=self.program)
         self.stages, self.schedule, self.loss_fn, self.group = dict(stages), schedule, loss_fn, group
         self.backward_context = backward_context
-        self.steps = lower(schedule)[self.rank]
+        self.steps = self.program[self.rank]
         self.peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(size)]
         self.shapes: dict[int, tuple[Meta, Meta]] = {}  # stage -> (input meta, output meta), inferred on the first step
         # State of the step in progress (set by step()):
@@ -84,6 +93,7 @@ class PipelineExecutor:
         self.targets: list[torch.Tensor] = []
         self.loss: torch.Tensor | None = None
         self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.incoming: dict[Action, tuple[torch.Tensor, list[dist.Work]]] = {}  # posted receive -> (buffer, work)
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
         self.forward_steps: tuple[Step, ...] | None = None  # the forward-only program, lowered on first use
@@ -120,11 +130,12 @@ class PipelineExecutor:
         for index, step in enumerate(self.steps):
             start = time.perf_counter()
             if isinstance(step, Exchange):
-                self._exchange(step)
+                self._post(step)
+            elif isinstance(step, Wait):
+                self._wait(step)
             else:
                 self._compute(step, index)
-            kind = "X" if isinstance(step, Exchange) else step.kind.letter
-            spans.append(Span(self.rank, str(step), kind, start, time.perf_counter()))
+            spans.append(Span(self.rank, str(step), span_kind(step), start, time.perf_counter()))
         for work, _ in self.pending_sends:
             work.wait()
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
@@ -139,13 +150,16 @@ class PipelineExecutor:
         if 0 in self.stages and inputs is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
         if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
-            self.forward_steps = lower(forward_only(self.schedule))[self.rank]
+            # prefetch=0: each exchange receives (header, then tensor) what the next forward reads
+            self.forward_steps = lower(forward_only(self.schedule), prefetch=0)[self.rank]
         mail: dict[Action, torch.Tensor] = {}
         result, pending = None, []
         with torch.no_grad():
             for step in self.forward_steps:
                 if isinstance(step, Exchange):
                     pending += self._exchange_with_headers(step, mail)
+                    continue
+                if isinstance(step, Wait):  # the exchange before it has received already
                     continue
                 x = inputs if step.stage == 0 else mail.pop(activation(step.stage - 1, 0))
                 y = self.stages[step.stage](x)
@@ -178,20 +192,39 @@ class PipelineExecutor:
         mail.update({key: buffer for (key, _), (buffer, _) in zip(recvs, buffers)})
         return pending
 
-    def _exchange(self, step: Exchange) -> None:
-        sends, recvs = [], []
+    def _post(self, step: Exchange) -> None:
+        """Post the step's sends and receives as one batch of isend/irecv; nothing waits here. Sends
+        finish in the background (waited for at the end of the step); receives when a Wait needs them."""
+        batch, sends, receives = [], [], []
         for op in step.ops:
-            key = op.message_key()  # the send that carries it: (sending stage, mb)
+            peer = self.peers[peer_of(self.schedule, op)]
             if op.kind.is_send:
-                receiver = key.stage + 1 if key.kind is Kind.SEND_FORWARD else key.stage - 1
-                sends.append((self.mail.pop(key).contiguous(), self.peers[self.schedule.rank_of(receiver)]))
+                tensor = self.mail.pop(op).contiguous()
+                record("send", self.group, tensor.numel() * tensor.element_size(), peer=peer)
+                batch.append(dist.P2POp(dist.isend, tensor, peer, self.group))
+                sends.append(tensor)
             else:
-                peer = self.peers[self.schedule.rank_of(key.stage)]
                 # a received activation has the sender's output shape; a gradient has this stage's output shape
                 shape, dtype = self.shapes[op.stage][0 if op.kind is Kind.RECV_FORWARD else 1]
-                self.mail[key] = torch.empty(shape, dtype=dtype, device=self.device)
-                recvs.append((self.mail[key], peer))
-        self.pending_sends += p2p.exchange(sends, recvs, self.group, wait_sends=False)
+                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                record("recv", self.group, buffer.numel() * buffer.element_size(), wire_bytes=0.0, peer=peer)
+                batch.append(dist.P2POp(dist.irecv, buffer, peer, self.group))
+                receives.append((op, buffer))
+        works = dist.batch_isend_irecv(batch)
+        if len(works) == len(batch):  # one handle per operation (gloo)
+            self.pending_sends += list(zip(works[: len(sends)], sends))
+            for (op, buffer), work in zip(receives, works[len(sends) :]):
+                self.incoming[op] = (buffer, [work])
+        else:  # the backend coalesced the batch: its handle completes with every operation in it
+            self.pending_sends += [(work, tensor) for work in works for tensor in sends]
+            self.incoming.update({op: (buffer, list(works)) for op, buffer in receives})
+
+    def _wait(self, step: Wait) -> None:
+        for op in step.ops:
+            buffer, works = self.incoming.pop(op)
+            for work in works:
+                work.wait()
+            self.mail[op.message_key()] = buffer
 
     def _compute(self, action: Action, index: int) -> None:
         if action.kind is Kind.FORWARD:
@@ -240,17 +273,32 @@ class PipelineExecutor:
         torch.autograd.backward(y, grad, inputs=params)
 
 
+def span_kind(step: Step) -> str:
+    """How a step shows on a timeline: F/B/W compute, X posting sends/receives, R waiting for data."""
+    if isinstance(step, Exchange):
+        return "X"
+    if isinstance(step, Wait):
+        return "R"
+    return step.kind.letter
+
+
 def gather_timeline(
-    local: Timeline, schedule: Schedule, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"
+    local: Timeline,
+    schedule: Schedule,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    *,
+    program: Program | None = None,
 ) -> Timeline:
     """Every rank's spans of one step, on every rank (for rendering the whole pipeline).
 
     Spans follow each rank's lowered steps in order, so only (start, end) pairs
     travel; labels are rebuilt from the schedule. Times are ``perf_counter``
     readings, which share one clock between processes on the same host.
-    ``device`` is where the gathered buffer lives (a GPU under NCCL).
+    ``device`` is where the gathered buffer lives (a GPU under NCCL); ``program`` is the lowered
+    program the executor ran (``executor.program``; by default the gloo one, ``lower(schedule)``).
     """
-    program = lower(schedule)
+    program = lower(schedule) if program is None else program
     longest = max(len(steps) for steps in program)
     times = torch.full((1, longest, 2), float("nan"), dtype=torch.float64, device=device)
     times[0, : len(local.spans)] = torch.tensor([[s.start, s.end] for s in local.spans], dtype=torch.float64)
@@ -258,6 +306,5 @@ def gather_timeline(
     spans = []
     for rank, steps in enumerate(program):
         for step, (start, end) in zip(steps, every[rank].tolist()):
-            kind = "X" if isinstance(step, Exchange) else step.kind.letter
-            spans.append(Span(rank, str(step), kind, start, end))
+            spans.append(Span(rank, str(step), span_kind(step), start, end))
     return Timeline(schedule.num_ranks, tuple(spans), with_stage=schedule.virtual_stages > 1)
