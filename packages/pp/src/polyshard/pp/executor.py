@@ -3,11 +3,17 @@
 forward: microbatch k enters stage 0, each F sends its output on; the last
 stage computes ``loss_fn(output, target_k) / m``, so with a mean-reducing
 loss and equal microbatches the summed gradient equals the full-batch mean
-gradient. backward: B receives the gradient of its output, backpropagates
-and sends the gradient of its input; when the schedule has a W for the same
-(stage, microbatch), B computes only the input gradient and W later the
-weight gradients (zero-bubble split). Gradients accumulate in ``.grad``;
+gradient. backward: a BACKWARD receives the gradient of its output,
+backpropagates and sends the gradient of its input; a BACKWARD_INPUT does the
+same for the input gradient only and keeps the graph, and its BACKWARD_WEIGHT
+later computes the weight gradients (zero-bubble split). Gradients accumulate in ``.grad``;
 zero them between steps as usual.
+
+Communication follows the lowered program (:mod:`polyshard.pp.lowering`): each
+receive is posted ``prefetch`` compute actions before the one that reads it
+(one by default on gloo) and waited for just before that action; sends are
+posted right after the action that produced them and waited for only at the
+end of the step. So activations and gradients travel while both sides compute.
 
 ``backward_context`` (optional) is a factory of context managers entered
 around every action that accumulates weight gradients except the last one

@@ -15,10 +15,8 @@ every idle rank picks, in this order:
 Worked example, ZB-V with p=2, m=3 (rank 0 holds stages 0 and 3, rank 1
 holds 1 and 2; B is the input half of a backward, W the weight half)::
 
-    rank 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 3F2 3B2 0B0 3W2 0B1 0W0 0B2 0W1 0W2
-    rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2W0 2F2 2B1 1B1 2W1 1F2 ...
-
-(see the tests for the exact grids).
+    rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 3W0 0B1 3W1 3F2 3B2 0W0 0W1 0B2 3W2 0W2
+    rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1F2 2F2 2W0 1W0 2B2 1B2 2W1 1W1 2W2 1W2
 """
 
 from __future__ import annotations
