@@ -51,7 +51,12 @@ def _bench_case(name):
 
 
 def test_bench_case_matches_torch_pipelining(distributed):
-    for name in ("1f1b", "interleaved"):
+    for name in ("1f1b", "interleaved", "zb-v", "dualpipev"):
         record = distributed.run(2, _bench_case, name)[0]
         assert record["outputs_match"], record  # same losses and gradients as PyTorch's schedule
         assert record["ours_s"] > 0 and record["peer_s"] > 0 and 0 < record["bubble_theory"] < 1
+        # the replay of measured compute times is a bubble too; the step's shares are parts of it
+        assert 0 <= record["bubble_sim_measured"] < 1
+        shares = record["share_post"] + record["share_wait"] + record["share_other"]
+        assert all(record[k] >= 0 for k in ("share_post", "share_wait", "share_other"))
+        assert abs(shares - record["bubble_measured"]) < 1e-6  # bubble = posting + waiting + the rest
