@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -99,16 +99,34 @@ def _case(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
     match = _matches(state, ours, theirs, last)
     case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual_stages}" if virtual_stages > 1 else "")
     theory = simulate(schedule).bubble_fraction
-    timelines = []
-    for _ in range(3):  # a single step's bubble is noisy on a shared machine: keep the median of three
-        run_ours()
-        timelines.append(gather_timeline(state["ours"].timeline, schedule, program=executor.program))
-    timeline = sorted(timelines, key=lambda t: t.bubble_fraction)[1]
+    timeline = _median_timeline(run_ours, lambda: state["ours"].timeline, schedule, executor)
     if args.svg and rank == 0:
         with open(f"{args.svg}/{name}.svg", "w") as f:
             f.write(timeline.to_svg(title=f"{case} (measured)", predicted_bubble=theory))
-    bubbles = _bubbles(timeline, schedule, executor)
-    return comparison_record(case, ours_s, peer_s, match, **bubbles, bubble_theory=theory)
+    extra = _bubbles(timeline, schedule, executor)
+    if getattr(args, "ab_prefetch", False):  # the same stages with receives posted just before use
+        late = PipelineExecutor(ours, schedule, F.mse_loss, prefetch=0)
+
+        def run_late() -> None:
+            for mod in ours.values():
+                mod.zero_grad()
+            state["late"] = late.step(x if first else None, y if last else None)
+
+        ab_ours_s, late_s = time_interleaved(run_ours, run_late, iters=args.iters, warmup=2)
+        late_timeline = _median_timeline(run_late, lambda: state["late"].timeline, schedule, late)
+        extra |= {"late_s": late_s, "ab_ratio": ab_ours_s / late_s, "bubble_late": late_timeline.bubble_fraction}
+    return comparison_record(case, ours_s, peer_s, match, **extra, bubble_theory=theory)
+
+
+def _median_timeline(
+    run: Callable[[], None], local: Callable[[], Timeline], schedule: Schedule, executor: PipelineExecutor
+) -> Timeline:
+    """A single step's bubble is noisy on a shared machine: the gathered timeline of the median of three."""
+    timelines = []
+    for _ in range(3):
+        run()
+        timelines.append(gather_timeline(local(), schedule, program=executor.program))
+    return sorted(timelines, key=lambda t: t.bubble_fraction)[1]
 
 
 def _bubbles(timeline: Timeline, schedule: Schedule, executor: PipelineExecutor) -> dict[str, float]:
@@ -149,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--prefetch", type=int, default=None, help="post receives this many actions ahead (default: the executor's)"
     )
+    parser.add_argument(
+        "--ab-prefetch", action="store_true", help="also time ours with receives posted just before use (prefetch 0)"
+    )
     parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
     args = parser.parse_args(argv)
 
@@ -160,6 +181,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
+            if "late_s" in r:
+                print(
+                    f"{r['case']:<40} receives posted just before use: {r['late_s'] * 1e3:.1f} ms, ours/late "
+                    f"{r['ab_ratio']:.2f}, bubble {r['bubble_late']:.3f}"
+                )
             print(
                 f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  simulator on measured compute "
                 f"{r['bubble_sim_measured']:.3f}  theory {r['bubble_theory']:.3f}  | step shares: post "

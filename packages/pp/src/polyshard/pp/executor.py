@@ -48,6 +48,7 @@ from polyshard.pp.lowering import DEFAULT_PREFETCH, Program, lower, peer_of
 from polyshard.pp.schedules import forward_only
 from polyshard.pp.shapes import Meta, infer_shapes
 from polyshard.pp.simulator import simulate
+from polyshard.pp.split import WeightWork, backward_input, backward_weight
 from polyshard.pp.timeline import Span, Timeline
 
 T = TypeVar("T")
@@ -98,7 +99,7 @@ class PipelineExecutor:
         self.microbatches: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
         self.loss: torch.Tensor | None = None
-        self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.pending_sends: list[tuple[list[dist.Work], torch.Tensor]] = []
         self.incoming: dict[Action, tuple[torch.Tensor, list[dist.Work]]] = {}  # posted receive -> (buffer, work)
         params = [q for stage in self.stages.values() for q in stage.parameters()]
         self.device = params[0].device if params else torch.device("cpu")  # where receive buffers live
@@ -130,8 +131,8 @@ class PipelineExecutor:
         self.mail: dict[Action, torch.Tensor] = {}
         # (stage, mb) -> (input, output or loss)
         self.stored: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (stage, mb) -> (output, output grad) for W
-        self.awaiting_w: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # (stage, mb) -> what its W needs, left by its input-half backward
+        self.awaiting_w: dict[tuple[int, int], WeightWork] = {}
         self.loss, self.peak, self.pending_sends, spans = None, 0, [], []
         for index, step in enumerate(self.steps):
             start = time.perf_counter()
@@ -142,8 +143,9 @@ class PipelineExecutor:
             else:
                 self._compute(step, index)
             spans.append(Span(self.rank, str(step), span_kind(step), start, time.perf_counter()))
-        for work, _ in self.pending_sends:
-            work.wait()
+        for handle, _ in self.pending_sends:
+            for work in handle:
+                work.wait()
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
         return StepResult(self.loss, timeline, self.peak)
 
@@ -201,29 +203,29 @@ class PipelineExecutor:
     def _post(self, step: Exchange) -> None:
         """Post the step's sends and receives as one batch of isend/irecv; nothing waits here. Sends
         finish in the background (waited for at the end of the step); receives when a Wait needs them."""
-        batch, sends, receives = [], [], []
+        batch, tensors = [], []
         for op in step.ops:
             peer = self.peers[peer_of(self.schedule, op)]
             if op.kind.is_send:
                 tensor = self.mail.pop(op).contiguous()
                 record("send", self.group, tensor.numel() * tensor.element_size(), peer=peer)
                 batch.append(dist.P2POp(dist.isend, tensor, peer, self.group))
-                sends.append(tensor)
             else:
                 # a received activation has the sender's output shape; a gradient has this stage's output shape
                 shape, dtype = self.shapes[op.stage][0 if op.kind is Kind.RECV_FORWARD else 1]
-                buffer = torch.empty(shape, dtype=dtype, device=self.device)
-                record("recv", self.group, buffer.numel() * buffer.element_size(), wire_bytes=0.0, peer=peer)
-                batch.append(dist.P2POp(dist.irecv, buffer, peer, self.group))
-                receives.append((op, buffer))
+                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                record("recv", self.group, tensor.numel() * tensor.element_size(), wire_bytes=0.0, peer=peer)
+                batch.append(dist.P2POp(dist.irecv, tensor, peer, self.group))
+            tensors.append(tensor)
         works = dist.batch_isend_irecv(batch)
-        if len(works) == len(batch):  # one handle per operation (gloo)
-            self.pending_sends += list(zip(works[: len(sends)], sends))
-            for (op, buffer), work in zip(receives, works[len(sends) :]):
-                self.incoming[op] = (buffer, [work])
-        else:  # the backend coalesced the batch: its handle completes with every operation in it
-            self.pending_sends += [(work, tensor) for work in works for tensor in sends]
-            self.incoming.update({op: (buffer, list(works)) for op, buffer in receives})
+        # gloo returns one handle per operation; a backend that coalesces the batch returns handles that
+        # complete with every operation in it, so each operation waits for all of them
+        handles = [[work] for work in works] if len(works) == len(batch) else [list(works)] * len(batch)
+        for op, tensor, handle in zip(step.ops, tensors, handles):
+            if op.kind.is_send:
+                self.pending_sends.append((handle, tensor))  # the tensor stays referenced until sent
+            else:
+                self.incoming[op] = (tensor, handle)
 
     def _wait(self, step: Wait) -> None:
         for op in step.ops:
@@ -261,22 +263,19 @@ class PipelineExecutor:
     def _backward(self, stage: int, k: int, split: bool) -> None:
         x, y = self.stored.pop((stage, k))
         grad = None if stage == self.schedule.num_stages - 1 else self.mail.pop(gradient(stage + 1, k))
-        if split:
-            # input gradient only; keep the graph for W
-            if x.requires_grad:
-                (x.grad,) = torch.autograd.grad(y, x, grad, retain_graph=True)
-            self.awaiting_w[(stage, k)] = (y, grad)
+        if split:  # input gradient only; what W needs is kept (see polyshard.pp.split)
+            input_grad, self.awaiting_w[(stage, k)] = backward_input(y, grad, x, list(self.stages[stage].parameters()))
+            if input_grad is not None:
+                x.grad = input_grad
         else:
             torch.autograd.backward(y, grad)
         if stage > 0:
             self.mail[gradient(stage, k)] = cast(torch.Tensor, x.grad)  # x is a received activation that requires grad
 
     def _weight_grad(self, stage: int, k: int) -> None:
-        y, grad = self.awaiting_w.pop((stage, k))
-        params = [p for p in self.stages[stage].parameters() if p.requires_grad]
         # backward(inputs=...) accumulates into .grad like any backward, so post-accumulate-grad
         # hooks (a data-parallel reducer's) fire for W exactly as they do for an unsplit B.
-        torch.autograd.backward(y, grad, inputs=params)
+        backward_weight(self.awaiting_w.pop((stage, k)))
 
 
 def span_kind(step: Step) -> str:
