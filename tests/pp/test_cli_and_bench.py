@@ -28,6 +28,16 @@ def test_schedule_command_prints_grid_and_writes_json_and_svg(tmp_path):
     assert svg.read_text().startswith("<svg") and "simulated bubble 0.273" in svg.read_text()
 
 
+def test_schedule_command_draws_v_schedules():
+    result = CliRunner().invoke(app, ["schedule", "zb-v", "--stages", "2", "--microbatches", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("zb-v p=2 m=3 v=2")  # two stages per rank without asking
+    assert "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0" in result.output  # stage numbers: rank 1 holds 1 and 2
+    assert "peak activations [4, 4]" in result.output
+    result = CliRunner().invoke(app, ["schedule", "dualpipev", "-p", "2", "-m", "3"])
+    assert result.exit_code == 2 and "choose num_microbatches >= 4" in result.output
+
+
 def test_schedule_command_rejects_bad_microbatches():
     result = CliRunner().invoke(app, ["schedule", "interleaved", "-p", "4", "-m", "6"])
     assert result.exit_code == 2 and "choose num_microbatches in {4, 8, 12" in result.output
@@ -41,7 +51,12 @@ def _bench_case(name):
 
 
 def test_bench_case_matches_torch_pipelining(distributed):
-    for name in ("1f1b", "interleaved"):
+    for name in ("1f1b", "interleaved", "zb-v", "dualpipev"):
         record = distributed.run(2, _bench_case, name)[0]
         assert record["outputs_match"], record  # same losses and gradients as PyTorch's schedule
         assert record["ours_s"] > 0 and record["peer_s"] > 0 and 0 < record["bubble_theory"] < 1
+        # the replay of measured compute times is a bubble too; the step's shares are parts of it
+        assert 0 <= record["bubble_sim_measured"] < 1
+        shares = record["share_post"] + record["share_wait"] + record["share_other"]
+        assert all(record[k] >= 0 for k in ("share_post", "share_wait", "share_other"))
+        assert abs(shares - record["bubble_measured"]) < 1e-6  # bubble = posting + waiting + the rest

@@ -13,6 +13,7 @@ from polyshard.collectives import CommLedger
 from polyshard.pp import (
     Action,
     DeadlockError,
+    Kind,
     PipelineExecutor,
     Schedule,
     StageShapeError,
@@ -24,7 +25,7 @@ from polyshard.pp import (
 from tests.pp import models
 
 
-def _run_step(name, m, virtual_stages=1, backward_context=None, builders=None):
+def _run_step(name, m, virtual_stages=None, backward_context=None, builders=None):
     p, rank = dist.get_world_size(), dist.get_rank()
     schedule = make_schedule(name, p, m, virtual_stages)
     stages = build_stages(builders or models.builders(), schedule.num_stages, schedule.stages_of(rank))
@@ -37,6 +38,12 @@ def _run_step(name, m, virtual_stages=1, backward_context=None, builders=None):
 def _stored_activations(name, m):
     schedule, _, result = _run_step(name, m)
     return result.peak_activations, simulate(schedule).peak_activations[dist.get_rank()]
+
+
+def test_v_schedules_store_what_the_simulator_predicts(distributed):
+    for name in ("zb-v", "dualpipev"):
+        results = distributed.run(2, _stored_activations, name, 5)
+        assert [r[0] for r in results] == [r[1] for r in results] == ([4, 4] if name == "zb-v" else [5, 5])
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -85,7 +92,9 @@ def _hook_entries(name, m, virtual_stages):
     return len(entries), len(stages) * m - 1
 
 
-@pytest.mark.parametrize(("name", "virtual_stages"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(
+    ("name", "virtual_stages"), [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2), ("dualpipev", 2)]
+)
 def test_backward_context_wraps_all_but_last_backward(distributed, name, virtual_stages):
     for entered, expected in distributed.run(2, _hook_entries, name, 4, virtual_stages):
         assert entered == expected
@@ -97,7 +106,7 @@ def _grad_hook_fires(name, m):
     p, rank = dist.get_world_size(), dist.get_rank()
     schedule = make_schedule(name, p, m)
     stages = build_stages(models.builders(), schedule.num_stages, schedule.stages_of(rank))
-    fired = []
+    fired = []  # (W of a split backward and an unsplit B both accumulate; DualPipeV mixes the two)
     for stage in stages.values():
         for param in stage.parameters():
             param.register_post_accumulate_grad_hook(lambda q: fired.append(q))
@@ -108,9 +117,9 @@ def _grad_hook_fires(name, m):
     return len(fired), num_params * m
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipev"])
 def test_weight_gradients_fire_accumulate_hooks(distributed, name):
-    for fired, expected in distributed.run(2, _grad_hook_fires, name, 3):
+    for fired, expected in distributed.run(2, _grad_hook_fires, name, 4):
         assert fired == expected  # once per parameter per microbatch
 
 
@@ -132,7 +141,7 @@ def test_p2p_volume(distributed):
 def _timeline(name, m, virtual_stages):
     schedule, _, result = _run_step(name, m, virtual_stages)
     whole = gather_timeline(result.timeline, schedule)
-    compute = [s for s in whole.spans if s.kind != "X"]
+    compute = [s for s in whole.spans if s.kind not in ("X", "R")]  # not posting or waiting
     ordered = True
     for rank in range(whole.num_ranks):
         spans = [s for s in whole.spans if s.rank == rank]
@@ -146,10 +155,14 @@ def test_timeline_text_and_svg(distributed, tmp_path):
         assert compute == expected and ordered  # every action timed once, in order, without overlap
     whole = results[0][3]
     assert 0.0 <= whole.bubble_fraction < 1.0
+    for rank in range(2):  # every moment of the step is compute, posting, waiting or something else
+        parts = whole.breakdown(rank)
+        assert min(parts.values()) >= 0 and abs(sum(parts.values()) - whole.total_time) < 1e-9
     predicted = simulate(make_schedule("interleaved", 2, 4, 2)).bubble_fraction
     text = whole.render_text(80, predicted_bubble=predicted)
-    # one row per rank and the bubble line; on tiny stages most time is p2p waiting (~) and some
-    # compute spans share a cell, so only check that forwards and backwards of both ranks show up
+    # one row per rank and the bubble line; on tiny stages most time is p2p posting (^) and waiting
+    # (~) and some compute spans share a cell, so only check that forwards and backwards of both ranks
+    # show up
     rows = text.splitlines()
     assert len(rows) == 3 and all("F" in row[9:] and "B" in row[9:] for row in rows[:2])
     assert text.endswith(f"bubble measured {whole.bubble_fraction:.3f} | simulator {predicted:.3f}")
@@ -240,12 +253,13 @@ def _bad_batch():
 
 
 def _deadlocking_executor():
+    f, b = Kind.FORWARD, Kind.BACKWARD
     actions = (
-        (Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
-        (Action("F", 1, 0), Action("F", 1, 1), Action("B", 1, 0), Action("B", 1, 1)),
+        (Action(f, 0, 0), Action(b, 0, 0), Action(f, 0, 1), Action(b, 0, 1)),
+        (Action(f, 1, 0), Action(f, 1, 1), Action(b, 1, 0), Action(b, 1, 1)),
     )
     stages = build_stages(models.builders(), 2, [dist.get_rank()])
-    with pytest.raises(DeadlockError, match=r"rank 0 waits forever at step 1 \(\[0SF0 0RB0\]\)"):
+    with pytest.raises(DeadlockError, match=r"rank 0 waits forever at step 3 \(\(0RB0\)\)"):
         PipelineExecutor(stages, Schedule("custom", 2, 2, 1, actions), models.loss_fn)
 
 
@@ -266,11 +280,14 @@ def _forward_only(name, m, virtual_stages):
     return outputs
 
 
-@pytest.mark.parametrize("name, world, m, virtual_stages", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])
+@pytest.mark.parametrize(
+    "name, world, m, virtual_stages", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2), ("dualpipev", 2, 4, 2)]
+)
 def test_forward_only_runs_any_batch_through_the_stages(distributed, name, world, m, virtual_stages):
     results = distributed.run(world, _forward_only, name, m, virtual_stages)
     reference = models.reference()
-    holder = (world * virtual_stages - 1) % world  # the rank holding the last stage
+    schedule = make_schedule(name, world, m, virtual_stages)
+    holder = schedule.rank_of(schedule.num_stages - 1)  # the rank holding the last stage (rank 0 in a V)
     for rank, outputs in enumerate(results):
         if rank != holder:
             assert outputs == [None, None, None]

@@ -10,11 +10,15 @@ import pytest
 from polyshard.pp import (
     Action,
     DeadlockError,
+    Exchange,
+    Kind,
     Schedule,
     ScheduleError,
     format_program,
+    lower,
     make_schedule,
     simulate,
+    v_placement,
 )
 
 EXACT = 1e-9  # float rounding of sums of small integers and one division
@@ -55,6 +59,42 @@ def test_zb_h1_bubble_is_a_third_of_1f1b():
         assert list(zb.peak_activations) == [min(p - s, m) for s in range(p)], (p, m)
 
 
+V_SIZES = [(p, m) for p in range(1, 9) for m in range(1, 2 * p + 6)]
+
+
+def test_zb_v_zero_bubble_at_1f1b_memory():
+    # Qi et al.'s ZB-V with T_F = T_B = T_W: once m >= 2p-1, no rank idles between its first and its
+    # last action, and each holds at most 2p (stage, microbatch) activations (two half-size stages:
+    # p microbatches of its layers, 1F1B's first stage). The step takes 6m chunk-units plus the
+    # start-up stagger p-1. Fewer microbatches still run, within the same memory.
+    for p, m in V_SIZES:
+        result = simulate(make_schedule("zb-v", p, m))
+        assert max(result.peak_activations) <= 2 * p, (p, m)
+        if m >= 2 * p - 1:
+            assert all(result.idle_within(r) == 0 for r in range(p)), (p, m)
+            assert result.total_time == 6 * m + p - 1, (p, m)
+            assert list(result.peak_activations) == [2 * p] * p, (p, m)
+
+
+def test_dualpipev_bubble_and_memory():
+    # DeepSeek's DualPipeV figures for PP = 2p stages on p ranks: activations PP+1 = 2p+1 per rank,
+    # bubble (PP/2-1)(F&B + B - 3W) with B a full backward: with F = B = W = 1 (full backward 2) and
+    # each overlapped pair costing F&B, (p-1)(F&B - 1) on the most idle rank.
+    for p, m in V_SIZES:
+        if m < 2 * p:
+            continue
+        schedule = make_schedule("dualpipev", p, m)
+        assert list(simulate(schedule).peak_activations) == [2 * p + 1] * p, (p, m)
+        # F&B from fully overlapped (max(F, full B) = 2) to not overlapped at all (F + full B = 3)
+        for pair in (2.0, 2.5, 3.0) if m in (2 * p, 2 * p + 3) else ():
+            result = simulate(schedule, costs={"F&B": pair})
+            bubble = max(result.total_time - result.timeline.busy(r) for r in range(p))
+            assert abs(bubble - (p - 1) * (pair + 2 - 3)) < EXACT, (p, m, pair)
+        # Run one after the other (our executor), each half starts as soon as its own input is there:
+        # only the start-up stagger remains, p-1 on every rank.
+        assert simulate(schedule).total_time == 6 * m + p - 1, (p, m)
+
+
 def test_golden_grids():
     assert make_schedule("gpipe", 2, 2).grid() == "rank 0: F0 F1 B0 B1\nrank 1: F0 F1 B0 B1"
     assert make_schedule("1f1b", 2, 4).grid() == ("rank 0: F0 F1 B0 F2 B1 F3 B2 B3\nrank 1: F0 B0 F1 B1 F2 B2 F3 B3")
@@ -64,17 +104,63 @@ def test_golden_grids():
     assert make_schedule("interleaved", 2, 2, 2).grid() == (
         "rank 0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1\nrank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"
     )
-
-
-def test_golden_lowering():
-    program = simulate(make_schedule("1f1b", 2, 2)).program
-    assert format_program(program) == (
-        "rank 0: 0F0 [0SF0] 0F1 [0SF1 0RB0] 0B0 [0RB1] 0B1\nrank 1: [1RF0] 1F0 1B0 [1SB0 1RF1] 1F1 1B1 [1SB1]"
+    # V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    assert make_schedule("zb-v", 2, 3).grid() == (
+        "rank 0: 0F0 0F1 0F2 3F0 3B0 3F1 3B1 0B0 3W0 0B1 3W1 3F2 3B2 0W0 0W1 0B2 3W2 0W2\n"
+        "rank 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 1F2 2F2 2W0 1W0 2B2 1B2 2W1 1W1 2W2 1W2"
+    )
+    assert make_schedule("dualpipev", 2, 4).grid() == (
+        "rank 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0B2 0W2 0B3 0W3\n"
+        "rank 1: 1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3"
     )
 
 
+def test_v_placement_is_data():
+    schedule = make_schedule("zb-v", 4, 8)
+    assert schedule.placement == v_placement(4) == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert [schedule.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert schedule.rank_of(0) == schedule.rank_of(7) == 0  # the loss is computed where the input enters
+    assert make_schedule("interleaved", 4, 8).stages_of(1) == [1, 5]  # the loop placement is the default
+
+
+def test_golden_lowering():
+    # [...] posts a batch of sends and receives, (...) waits for received data; with prefetch=1 (the
+    # default) a receive is posted one compute action before the one that reads it
+    program = simulate(make_schedule("1f1b", 2, 2)).program
+    assert format_program(program) == (
+        "rank 0: 0F0 [0SF0 0RB0] 0F1 [0SF1 0RB1] (0RB0) 0B0 (0RB1) 0B1\n"
+        "rank 1: [1RF0] (1RF0) 1F0 [1RF1] 1B0 [1SB0] (1RF1) 1F1 1B1 [1SB1]"
+    )
+    assert format_program(lower(make_schedule("1f1b", 2, 2), prefetch=0)) == (
+        "rank 0: 0F0 [0SF0] 0F1 [0SF1 0RB0] (0RB0) 0B0 [0RB1] (0RB1) 0B1\n"
+        "rank 1: [1RF0] (1RF0) 1F0 1B0 [1SB0 1RF1] (1RF1) 1F1 1B1 [1SB1]"
+    )
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
+def test_posting_receives_early_hides_communication(name):
+    # Each hop costs 0.25 of a forward. Posted one action ahead, a message travels while its receiver
+    # computes; posted just before it is needed, its transfer starts only then (gloo's rendezvous).
+    schedule = make_schedule(name, 4, 8)
+    late, early = (simulate(schedule, comm_cost=0.25, program=lower(schedule, k)).total_time for k in (0, 1))
+    free = simulate(schedule).total_time
+    assert free < early < late, (free, early, late)
+
+
+def test_receives_out_of_the_senders_order_are_rejected():
+    # Messages between two ranks match in posting order: rank 1 must receive 0SF0 before 0SF1.
+    schedule = make_schedule("gpipe", 2, 2)
+    rank0, rank1 = lower(schedule)
+    assert str(rank1[0]) == "[1RF0 1RF1]"
+    swapped = (rank0, (Exchange(rank1[0].ops[::-1]), *rank1[1:]))
+    with pytest.raises(ScheduleError, match="rank 1 posts its receives from rank 0 in another order than rank 0 sends"):
+        simulate(schedule, program=swapped)
+
+
 def _custom(actions):
-    per_rank = tuple(tuple(Action(a[1], r, int(a[2:])) for a in line.split()) for r, line in enumerate(actions))
+    # "xF0 xB1": a forward of microbatch 0 and a full backward of microbatch 1 on the rank's own stage
+    kinds = {"F": Kind.FORWARD, "B": Kind.BACKWARD}
+    per_rank = tuple(tuple(Action(kinds[a[1]], r, int(a[2:])) for a in line.split()) for r, line in enumerate(actions))
     return Schedule("custom", len(actions), 2, 1, per_rank)
 
 
@@ -85,10 +171,10 @@ def test_deadlock_names_rank_and_action_and_marks_grid():
     with pytest.raises(DeadlockError) as info:
         simulate(schedule)
     err = info.value
-    assert err.rank == 0 and err.action == "[0SF0 0RB0]"
-    assert "rank 0 waits forever at step 1" in str(err)
-    assert "needs rank 1 to send 1SB0, but rank 1 is stuck at step 2 ([1RF1])" in str(err)
-    assert ">>[0SF0 0RB0]<<" in err.grid and ">>[1RF1]<<" in err.grid
+    assert err.rank == 0 and err.action == "(0RB0)"
+    assert "rank 0 waits forever at step 3" in str(err)
+    assert "needs rank 1 to send 1SB0, but rank 1 is stuck at step 3 ((1RF1))" in str(err)
+    assert ">>(0RB0)<<" in err.grid and ">>(1RF1)<<" in err.grid
 
 
 def test_same_rank_order_error():
@@ -98,7 +184,7 @@ def test_same_rank_order_error():
 
 
 def test_incomplete_schedule_is_rejected():
-    with pytest.raises(ScheduleError, match="rank 1: action 1B1 appears 0 times"):
+    with pytest.raises(ScheduleError, match="rank 1: stage 1 microbatch 1 has 1 forward, 0 full backward"):
         simulate(_custom(["xF0 xF1 xB0 xB1", "xF0 xF1 xB0"]))
 
 
@@ -109,8 +195,16 @@ def test_bad_arguments():
         make_schedule("1f1b", 2, 0)
     with pytest.raises(ScheduleError, match=r"choose num_microbatches in \{4, 8, 12, \.\.\.\}"):
         make_schedule("interleaved", 4, 6, 2)
-    with pytest.raises(ScheduleError, match="virtual_stages=2 needs 'interleaved'"):
+    with pytest.raises(ScheduleError, match="'gpipe' puts 1 stage.s. on each rank, not virtual_stages=2"):
         make_schedule("gpipe", 2, 2, 2)
+    with pytest.raises(ScheduleError, match="'zb-v' puts 2 stage.s. on each rank, not virtual_stages=1"):
+        make_schedule("zb-v", 2, 4, 1)
+    with pytest.raises(ScheduleError, match="dualpipev needs at least 2 x num_ranks = 4 microbatches"):
+        make_schedule("dualpipev", 2, 3)
+    with pytest.raises(ScheduleError, match="must give each of the 2 ranks exactly virtual_stages=2"):
+        Schedule("custom", 2, 1, 2, ((), ()), placement=(0, 0, 0, 1))
+    with pytest.raises(ScheduleError, match="is not a polyshard.pp.Kind"):
+        Action("F", 0, 0)
 
 
 def test_communication_cost_delays_the_receiver():

@@ -38,6 +38,7 @@ def test_defaults_are_valid():
         ({"parallel": {"tp": 0}}, "parallel.tp=0 must be an integer >= 1"),
         ({"parallel": {"zero_stage": 4}}, "choose 0, 1, 2 or 3"),
         ({"parallel": {"virtual_stages": 2}}, "needs parallel.schedule='interleaved'"),
+        ({"parallel": {"schedule": "zb-v"}}, "two stages on each pipeline rank .a V.; set parallel.virtual_stages=2"),
         ({"training": {"precision": "fp8"}}, "choose one of \\['fp32', 'bf16'\\]"),
         ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),
         ({"data": {"val_fraction": 1.5}}, "strictly between 0 and 1"),
@@ -89,6 +90,11 @@ def test_bad_fields(raw, message):
             {"parallel": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}},
             2,
             "multiple of parallel.pp",
+        ),
+        (
+            {"parallel": {"pp": 2, "schedule": "dualpipev", "virtual_stages": 2, "microbatches": 3}},
+            2,
+            "needs parallel.microbatches \\(3\\) >= 2 x parallel.pp \\(4\\)",
         ),
         # Only sizes that pass every tp check: 25 positions, 6 heads -> 5 and 25 would fail on the heads.
         (

@@ -77,6 +77,9 @@ LAYOUTS = [
     pytest.param(2, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, id="pp2-1f1b"),
     pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}, id="pp2-zbh1"),
     pytest.param(2, {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}, id="pp2-interleaved"),
+    # V placements: rank 0 holds the embedding and the head (stages 0 and 3), rank 1 the two blocks
+    pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "zb-v", "virtual_stages": 2}, id="pp2-zbv"),
+    pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "dualpipev", "virtual_stages": 2}, id="pp2-dualpipev"),
     pytest.param(2, {"dp": 2, "zero_stage": 1}, id="dp2-zero1"),
     pytest.param(2, {"dp": 2, "zero_stage": 2}, id="dp2-zero2"),
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
@@ -91,6 +94,8 @@ TIED_LAYOUTS = [
     pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
     pytest.param(2, {"pp": 2, "microbatches": 2}, id="pp2"),
     pytest.param(2, {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}, id="pp2-interleaved"),
+    # the V puts the embedding and the tied head on the same rank, in two stages: two equal copies
+    pytest.param(2, {"pp": 2, "microbatches": 2, "schedule": "zb-v", "virtual_stages": 2}, id="pp2-zbv"),
     pytest.param(4, {"tp": 2, "pp": 2, "microbatches": 2}, id="tp2xpp2"),
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     # three stages and fewer microbatches than stages; the tied copies' gradients as ZeRO-1 rows

@@ -9,11 +9,11 @@ import typer
 
 
 def schedule_command(
-    name: str = typer.Argument(..., help="gpipe, 1f1b, interleaved or zb-h1."),
+    name: str = typer.Argument(..., help="gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev."),
     stages: int = typer.Option(..., "--stages", "-p", help="Pipeline ranks p."),
     microbatches: int = typer.Option(..., "--microbatches", "-m", help="Microbatches m per step."),
     virtual_stages: int | None = typer.Option(
-        None, "--virtual-stages", "-v", help="Stages per rank (interleaved; default 2)."
+        None, "--virtual-stages", "-v", help="Stages per rank (interleaved, default 2; zb-v and dualpipev take 2)."
     ),
     svg: Path | None = typer.Option(None, "--svg", help="Also draw the simulated timeline to this SVG file."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
@@ -21,13 +21,12 @@ def schedule_command(
     """Simulate a schedule (F = B = W = 1) and print its grid, timeline, bubble and peak activations."""
     from polyshard.pp import DeadlockError, ScheduleError, make_schedule, simulate
 
-    if virtual_stages is None:
-        virtual_stages = 2 if name == "interleaved" else 1
     try:
         result = simulate(make_schedule(name, stages, microbatches, virtual_stages))
     except (ScheduleError, DeadlockError) as err:
         raise typer.BadParameter(str(err)) from err
     schedule = result.schedule
+    virtual_stages = schedule.virtual_stages
     title = f"{name} p={stages} m={microbatches}" + (f" v={virtual_stages}" if virtual_stages > 1 else "")
     per_unit = max(1, min(4, 160 // max(1, int(result.total_time))))  # whole columns per unit of time
     chart = result.timeline.render_text(per_unit * int(result.total_time))

@@ -12,50 +12,47 @@ GPipe (Huang et al. 1811.06965) keeps all m microbatches' activations; 1F1B
 possible so stage s holds at most p-s. Interleaved 1F1B (Megatron-LM
 2104.04473) gives every rank v model chunks to shrink the bubble by v.
 ZB-H1 (Qi et al. 2401.10241) splits backward into B (input gradient) and
-W (weight gradient) and runs the W's in what would be bubbles.
+W (weight gradient) and runs the W's in what would be bubbles; ZB-V does the
+same with two stages per rank in a V (:mod:`polyshard.pp.zero_bubble`).
+DualPipeV (DeepSeek-V3) pairs a forward of one V stage with a backward of the
+other (:mod:`polyshard.pp.dualpipe`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from polyshard.pp.actions import Action, Schedule
+from polyshard.pp.actions import Action, Kind, Schedule, build_schedule, check_positive, loop_placement
+from polyshard.pp.dualpipe import dualpipe_v
 from polyshard.pp.errors import ScheduleError
+from polyshard.pp.zero_bubble import zb_h1, zb_v
 
-
-def _check(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
-    for name, value in (
-        ("num_ranks", num_ranks),
-        ("num_microbatches", num_microbatches),
-        ("virtual_stages", virtual_stages),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+F, B = Kind.FORWARD, Kind.BACKWARD
 
 
 def _make(name: str, p: int, m: int, v: int, per_rank: list[list[Action]]) -> Schedule:
-    return Schedule(name, p, m, v, tuple(tuple(actions) for actions in per_rank))
+    return build_schedule(name, m, per_rank, loop_placement(p, v))
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards (in the same microbatch order)."""
-    _check(num_ranks, num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m = num_ranks, num_microbatches
-    per_rank = [[Action("F", r, k) for k in range(m)] + [Action("B", r, k) for k in range(m)] for r in range(p)]
+    per_rank = [[Action(F, r, k) for k in range(m)] + [Action(B, r, k) for k in range(m)] for r in range(p)]
     return _make("gpipe", p, m, 1, per_rank)
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """Warm up with p-r-1 forwards, then alternate one forward and one backward, then drain."""
-    _check(num_ranks, num_microbatches)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches)
     p, m = num_ranks, num_microbatches
     per_rank = []
     for r in range(p):
         warmup = min(p - r - 1, m)
-        actions = [Action("F", r, k) for k in range(warmup)]
+        actions = [Action(F, r, k) for k in range(warmup)]
         for i in range(m - warmup):
-            actions += [Action("F", r, warmup + i), Action("B", r, i)]
-        actions += [Action("B", r, k) for k in range(m - warmup, m)]
+            actions += [Action(F, r, warmup + i), Action(B, r, i)]
+        actions += [Action(B, r, k) for k in range(m - warmup, m)]
         per_rank.append(actions)
     return _make("1f1b", p, m, 1, per_rank)
 
@@ -67,7 +64,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     (k // p) % v of microbatch (k // (p*v))*p + k % p; backward slots visit the
     chunks in reverse. Rank r warms up with 2(p-r-1) + (v-1)p forwards.
     """
-    _check(num_ranks, num_microbatches, virtual_stages)
+    check_positive(num_ranks=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     p, m, v = num_ranks, num_microbatches, virtual_stages
     if m % p:
         choices = ", ".join(str(p * i) for i in range(1, 4))
@@ -84,8 +81,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     per_rank = []
     for r in range(p):
         warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
-        fwd = [Action("F", c * p + r, k) for c, k in (slot(i, True) for i in range(total))]
-        bwd = [Action("B", c * p + r, k) for c, k in (slot(i, False) for i in range(total))]
+        fwd = [Action(F, c * p + r, k) for c, k in (slot(i, True) for i in range(total))]
+        bwd = [Action(B, c * p + r, k) for c, k in (slot(i, False) for i in range(total))]
         actions = fwd[:warmup]
         for i in range(total - warmup):
             actions += [fwd[warmup + i], bwd[i]]
@@ -94,81 +91,38 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, virtual_stages: int 
     return _make("interleaved", p, m, v, per_rank)
 
 
-def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """Zero-bubble ZB-H1: 1F1B's order and memory, backward split into B and W, W's fill the bubbles.
-
-    Built by a list scheduler on unit costs (F = B = W = 1): at each tick an idle
-    rank runs a ready B first (it unblocks the rank before), else a forward if
-    fewer than min(p-r, m) microbatches are in flight (1F1B's memory bound),
-    else its oldest deferred W. A rank never idles while it has a W, so W
-    lands exactly in the bubbles. With m >= p the idle time per rank is
-    (p-1)(F+B-W) = p-1 against 1F1B's (p-1)(F+B+W) = 3(p-1): a third.
-    """
-    _check(num_ranks, num_microbatches)
-    p, m = num_ranks, num_microbatches
-    finished: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> tick it finished
-    counts = [{"F": 0, "B": 0, "W": 0} for _ in range(p)]  # next microbatch of each kind, per rank
-    per_rank: list[list[Action]] = [[] for _ in range(p)]
-    tick = 0
-    while any(c["W"] < m for c in counts):
-        for r in range(p):
-            busy = per_rank[r] and finished[_key(per_rank[r][-1])] > tick
-            action = None if busy else _zb_h1_choice(r, p, m, counts[r], finished, tick)
-            if action is not None:
-                per_rank[r].append(action)
-                counts[r][action.kind] += 1
-                finished[_key(action)] = tick + 1
-        tick += 1
-    return _make("zb-h1", p, m, 1, per_rank)
-
-
-def _zb_h1_choice(
-    r: int, p: int, m: int, count: dict[str, int], finished: dict[tuple[str, int, int], int], tick: int
-) -> Action | None:
-    """What idle rank r runs at ``tick``: ready B, else F within the in-flight bound, else a deferred W."""
-
-    def done(kind: str, stage: int, k: int) -> bool:
-        return finished.get((kind, stage, k), tick + 1) <= tick
-
-    f, b, w = count["F"], count["B"], count["W"]
-    grad_ready = done("F", r, b) if r == p - 1 else done("B", r + 1, b)
-    if b < m and done("F", r, b) and grad_ready:
-        return Action("B", r, b)
-    if f < m and f - b < min(p - r, m) and (r == 0 or done("F", r - 1, f)):
-        return Action("F", r, f)
-    if w < b:
-        return Action("W", r, w)
-    return None
-
-
-def _key(action: Action) -> tuple[str, int, int]:
-    return (action.kind, action.stage, action.microbatch)
-
-
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "dualpipev": dualpipe_v,
 }
+
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2, "dualpipev": 2}
+"""Stages each rank holds, for the schedules that fix it (interleaved takes any virtual_stages)."""
 
 
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward-only program of ``schedule``: the same stages on the same ranks, each run once
     on the whole batch (one microbatch: nothing is kept for a backward, so nothing to interleave).
     Evaluation and inference run this; it is deadlock-free for any placement (stages run in order)."""
-    per_rank = [[Action("F", stage, 0) for stage in schedule.stages_of(r)] for r in range(schedule.num_ranks)]
-    return _make(f"{schedule.name} (forward only)", schedule.num_ranks, 1, schedule.virtual_stages, per_rank)
+    per_rank = [[Action(F, stage, 0) for stage in schedule.stages_of(r)] for r in range(schedule.num_ranks)]
+    return build_schedule(f"{schedule.name} (forward only)", 1, per_rank, schedule.placement)
 
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Look a schedule up by name; ``virtual_stages`` is used by ``interleaved`` only (and must be 1 otherwise)."""
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """Look a schedule up by name. ``virtual_stages`` (stages per rank) defaults to what the schedule
+    needs: 2 for ``interleaved`` (which takes any v >= 1), 1 for the others, which accept only that."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     if name == "interleaved":
-        return interleaved_1f1b(num_ranks, num_microbatches, virtual_stages)
-    if virtual_stages != 1:
+        return interleaved_1f1b(num_ranks, num_microbatches, 2 if virtual_stages is None else virtual_stages)
+    needed = STAGES_PER_RANK[name]
+    if virtual_stages is not None and virtual_stages != needed:
         raise ScheduleError(
-            f"schedule {name!r} has one stage per rank; virtual_stages={virtual_stages} needs 'interleaved'"
+            f"schedule {name!r} puts {needed} stage(s) on each rank, not virtual_stages={virtual_stages}; "
+            f"set virtual_stages={needed}" + (" or use 'interleaved'" if needed == 1 else "")
         )
     return SCHEDULES[name](num_ranks, num_microbatches)

@@ -1,8 +1,9 @@
 """Timelines: when every action started and ended on every rank, as text or SVG.
 
 The simulator and the executor both produce a :class:`Timeline`; the same
-renderers draw either. Compute spans are F/B/W; exchange spans (kind "X")
-are time spent posting and waiting on sends/receives.
+renderers draw either. Compute spans are F/B/W; communication spans are
+"X" (posting a batch of sends and receives) and "R" (waiting for received
+data). :meth:`Timeline.breakdown` says where each rank's time went.
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
-COLORS = {"F": "#4c78a8", "B": "#54a24b", "W": "#f58518", "X": "#bab0ac"}
-FILL = {"F": "f", "B": "b", "W": "w", "X": "~"}
+COLORS = {"F": "#4c78a8", "B": "#54a24b", "W": "#f58518", "X": "#bab0ac", "R": "#e45756"}
+FILL = {"F": "f", "B": "b", "W": "w", "X": "^", "R": "~"}
+COMMUNICATION = ("X", "R")
 
 
 @dataclass(frozen=True)
 class Span:
     rank: int
     label: str
-    kind: str  # "F", "B", "W" (compute) or "X" (exchange)
+    kind: str  # "F", "B", "W" (compute), "X" (posting sends/receives) or "R" (waiting for a receive)
     start: float
     end: float
 
@@ -39,7 +41,7 @@ class Timeline:
 
     def busy(self, rank: int) -> float:
         """Time rank spends computing (F/B/W); communication waits count as bubble."""
-        return sum(s.end - s.start for s in self.spans if s.rank == rank and s.kind != "X")
+        return sum(s.end - s.start for s in self.spans if s.rank == rank and s.kind not in COMMUNICATION)
 
     @property
     def bubble_fraction(self) -> float:
@@ -49,8 +51,18 @@ class Timeline:
             return 0.0
         return 1.0 - sum(self.busy(r) for r in range(self.num_ranks)) / (self.num_ranks * total)
 
+    def breakdown(self, rank: int) -> dict[str, float]:
+        """Where ``rank``'s time went over the whole step (same units as the spans): ``compute``,
+        ``post`` (X spans), ``wait`` (R spans), and ``other`` - the rest of the step, outside any span:
+        Python between steps, and before its first or after its last step while other ranks ran."""
+        mine = [s for s in self.spans if s.rank == rank]
+        post = sum(s.end - s.start for s in mine if s.kind == "X")
+        wait = sum(s.end - s.start for s in mine if s.kind == "R")
+        compute = self.busy(rank)
+        return {"compute": compute, "post": post, "wait": wait, "other": self.total_time - compute - post - wait}
+
     def label(self, span: Span) -> str:
-        if self.with_stage or span.kind == "X":
+        if self.with_stage or span.kind in COMMUNICATION:
             return span.label
         return span.label.lstrip("0123456789")
 
@@ -71,13 +83,13 @@ class Timeline:
         rows = []
         for rank in range(self.num_ranks):
             row = ["."] * width
-            # exchanges first, so a short compute span is never hidden under a long wait
-            for span in sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.kind != "X"):
+            # communication first, so a short compute span is never hidden under a long wait
+            for span in sorted((s for s in self.spans if s.rank == rank), key=lambda s: s.kind not in COMMUNICATION):
                 c0 = int(round((span.start - origin) / total * width))
                 c1 = max(c0 + 1, int(round((span.end - origin) / total * width)))
-                text = self.label(span) if span.kind != "X" else ""
+                text = self.label(span) if span.kind not in COMMUNICATION else ""
                 if len(text) >= c1 - c0:  # too narrow for the label: just the kind letter, then fill
-                    text = span.kind if span.kind != "X" else ""
+                    text = span.kind if span.kind not in COMMUNICATION else ""
                 for i in range(c0, min(c1, width)):
                     row[i] = text[i - c0] if i - c0 < len(text) else FILL[span.kind]
             rows.append(f"rank {rank:<3}|{''.join(row)}|")
@@ -112,15 +124,16 @@ class Timeline:
                 f'fill="{COLORS[span.kind]}" stroke="white" stroke-width="0.5">'
                 f"<title>{escape(span.label)}</title></rect>"
             )
-            label = self.label(span) if span.kind != "X" else ""
+            label = self.label(span) if span.kind not in COMMUNICATION else ""
             if label and w >= 7 * len(label):
                 parts.append(
                     f'<text x="{x + w / 2:.2f}" y="{y + row_height * 0.65:.1f}" font-size="11" fill="white" '
                     f'text-anchor="middle">{escape(label)}</text>'
                 )
         legend_y = top + row_height * self.num_ranks + 20
-        for i, (kind, name) in enumerate((("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("X", "p2p"))):
-            x = left + i * 130
+        legend = (("F", "forward"), ("B", "backward"), ("W", "weight grad"), ("X", "p2p post"), ("R", "p2p wait"))
+        for i, (kind, name) in enumerate(legend):
+            x = left + i * 120
             parts.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{COLORS[kind]}"/>')
             parts.append(f'<text x="{x + 16}" y="{legend_y}" font-size="12">{name}</text>')
         parts.append("</svg>")

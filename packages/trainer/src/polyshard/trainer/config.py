@@ -46,7 +46,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
     },
 }  # fmt: skip
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
 
@@ -214,9 +215,10 @@ class ParallelConfig:
     zero_stage: int = 0
     """0 plain data parallel, 1 optimizer state, 2 + gradients, 3 + parameters sharded."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev (the last two need
+    virtual_stages=2; dualpipev also microbatches >= 2 x pp)."""
     virtual_stages: int = 1
-    """Model stages per pipeline rank (interleaved schedule)."""
+    """Model stages per pipeline rank: any for interleaved, 2 for zb-v and dualpipev (a V), else 1."""
     microbatches: int = 1
     """Microbatches per step (pipeline microbatches and gradient accumulation)."""
     timeout_s: float = 600.0
@@ -237,10 +239,15 @@ class ParallelConfig:
             not isinstance(self.stage_layers, list) or not all(isinstance(n, int) and n >= 1 for n in self.stage_layers)
         ):
             raise ConfigError(f"parallel.stage_layers={self.stage_layers!r} must be a list of layer counts >= 1")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
+            raise ConfigError(
+                f"parallel.schedule={self.schedule!r} puts two stages on each pipeline rank (a V); "
+                f"set parallel.virtual_stages=2 (got {self.virtual_stages})"
+            )
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
             raise ConfigError(
                 f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
-                f"(got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
+                f"(or 'zb-v' / 'dualpipev' with 2; got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
             )
 
     @property

@@ -98,6 +98,11 @@ def _check_pipeline(config: Config) -> None:
             f"the interleaved schedule needs parallel.microbatches ({par.microbatches}) to be a multiple of "
             f"parallel.pp ({par.pp}); try microbatches={par.pp * max(1, par.microbatches // par.pp)}"
         )
+    if par.schedule == "dualpipev" and par.microbatches < 2 * par.pp:
+        raise ConfigError(
+            f"the dualpipev schedule needs parallel.microbatches ({par.microbatches}) >= 2 x parallel.pp "
+            f"({2 * par.pp}) to fill its V; try microbatches={2 * par.pp}"
+        )
 
 
 def _check_context(config: Config) -> None:
