@@ -140,9 +140,16 @@ CP_LAYOUTS = [
     (4, {"cp": 2, "pp": 2, "microbatches": 2}, "cp2xpp2"),
     (4, {"cp": 2, "dp": 2, "zero_stage": 3}, "cp2xdp2-zero3"),
 ]
-CP_ROWS = [pytest.param(model, world, parallel, id=f"{model}-{name}") for model in ("gpt", "llama")
-           for world, parallel, name in CP_LAYOUTS]  # fmt: skip
-CP_ROWS.append(pytest.param("llama", 8, {"dp": 2, "cp": 2, "tp": 2}, id="llama-dp2xcp2xtp2"))  # five axes, 8 ranks
+# The default suite runs each layout once, alternating the model; `make test-long` (CI) runs both
+# models on every layout and the 8-rank row.
+CP_ROWS = [
+    pytest.param(
+        model, world, parallel, id=f"{model}-{name}", marks=() if (i + (model == "llama")) % 2 else pytest.mark.long
+    )
+    for model in ("gpt", "llama")
+    for i, (world, parallel, name) in enumerate(CP_LAYOUTS)
+]
+CP_ROWS.append(pytest.param("llama", 8, {"dp": 2, "cp": 2, "tp": 2}, id="llama-dp2xcp2xtp2", marks=pytest.mark.long))
 
 
 @pytest.mark.parametrize("model, world, parallel", CP_ROWS)

@@ -125,7 +125,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# The default suite keeps one of each kind of layout; `make test-long` (CI) runs them all.
+QUICK = {"one", "tp2", "tied-tp2xpp2", "pp3-uneven", "scaled-tp2"}
+
+
+@pytest.mark.parametrize(
+    "layout", [name if name in QUICK else pytest.param(name, marks=pytest.mark.long) for name in LAYOUTS]
+)
 def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
     from polyshard.trainer.export import consolidate
     from polyshard.trainer.models import build_model
