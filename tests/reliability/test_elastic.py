@@ -76,7 +76,7 @@ def test_a_job_that_loses_a_node_continues_on_the_rest(tmp_path):
         kill_all(out)
         lost.communicate()
     assert survivor.returncode == 0, stderr
-    assert "(2 processes, mesh {'pp': 1, 'dp': 2, 'ep': 1, 'tp': 1}): resuming" in stdout
+    assert "(2 processes, mesh {'pp': 1, 'dp': 2, 'ep': 1, 'cp': 1, 'tp': 1}): resuming" in stdout
     losses = [json.loads((o / "summary.json").read_text())["losses"] for o in (tmp_path / "whole", out)]
     assert len(losses[1]) == 12
     assert losses[1][:4] == losses[0][:4]  # the same dp=4 job up to the checkpoint
