@@ -2,4 +2,8 @@
 
 layout.py       a candidate: dp, tp, pp, ep, cp, ZeRO stage, microbatches, schedule
 memory.py       parameters, gradients and optimizer state per rank (ZeRO paper; polyshard's engine, exact)
+activations.py  bytes saved for backward per rank, in-flight microbatches from the pipeline simulator
+comm.py         every collective per step: axis, op, group, bytes
+pipeline.py     the simulator as the planner asks it (cached, extrapolated for long steps)
+measure.py      measured counterparts: saved-tensor bytes, model-state bytes an engine holds
 """

@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from polyshard.dp import ShardSpec
 from polyshard.ep import planned_expert_placement
+from polyshard.mesh import Replicate
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config, ModelConfig
@@ -70,6 +71,8 @@ class Held:
 
     shape: tuple[int, ...]
     replicas: int
+    tp_sharded: bool = False
+    """Split over tp (a replicated 1-D weight under sequence parallelism has its gradient summed over tp)."""
 
 
 def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str) -> ModelStates:
@@ -116,7 +119,8 @@ def _held(config: Config, layout: Layout, name: str, shape: tuple[int, ...]) -> 
     if spec_of(config.model).has_experts:
         record = planned_expert_placement(name, shape) or record
     replicas = math.prod(layout.sizes[a] for a in data_axes(config, record))
-    return Held(record.local_shape(layout.sizes), replicas)
+    tp_sharded = record.placement("tp") != Replicate() if layout.tp > 1 else False
+    return Held(record.local_shape(layout.sizes), replicas, tp_sharded)
 
 
 def holdings(config: Config, pp_rank: int) -> Counter[Held]:
