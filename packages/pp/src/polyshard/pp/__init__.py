@@ -12,12 +12,13 @@ from polyshard.pp.executor import PipelineExecutor, StepResult, gather_timeline
 from polyshard.pp.lowering import format_program, lower
 from polyshard.pp.partition import balanced_partition, build_stages, parameter_counts
 from polyshard.pp.schedules import SCHEDULES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b, zb_h1
-from polyshard.pp.simulator import DEFAULT_COSTS, SimResult, simulate
+from polyshard.pp.simulator import DEFAULT_COSTS, CostFn, SimResult, measured_costs, simulate
 from polyshard.pp.timeline import Span, Timeline
 
 __all__ = [
     "DEFAULT_COSTS",
     "SCHEDULES",
+    "CostFn",
     "Action",
     "DeadlockError",
     "Exchange",
@@ -38,6 +39,7 @@ __all__ = [
     "interleaved_1f1b",
     "lower",
     "make_schedule",
+    "measured_costs",
     "one_f_one_b",
     "parameter_counts",
     "simulate",

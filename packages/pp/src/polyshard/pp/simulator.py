@@ -9,8 +9,12 @@ in the background, so a send never blocks the sender. If no rank can move and so
 deadlocks: :class:`DeadlockError` names the rank and action and prints the
 rank x step grid with each stuck step marked ``>>...<<``.
 
-Costs default to F = B = W = 1; a backward that is not split (no W for it)
-costs B + W. Figures reported:
+Costs are seconds (or any unit) per action: a mapping by kind (default F = B = W = 1) or a
+function of the action, so each stage may cost its own (the planner passes measured rates this
+way; :func:`measured_costs` reads them off an executor's timeline). A backward that is not
+split (no W for it) costs B + W: with the defaults it is 2 units wide, as the drawings show.
+``comm_cost`` is the time a receive takes once its send is posted (point-to-point transfer).
+Figures reported:
 
 * total time; bubble fraction = idle / (ranks x total time);
 * peak in-flight activations per rank: (stage, microbatch) pairs whose F
@@ -19,7 +23,8 @@ costs B + W. Figures reported:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from polyshard.pp.actions import Action, Exchange, Schedule
@@ -28,6 +33,8 @@ from polyshard.pp.lowering import Program, format_program, lower
 from polyshard.pp.timeline import Span, Timeline
 
 DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0}
+CostFn = Callable[[Action], float]
+"""Seconds one action takes: forward (F), input-backward (B) or weight-backward (W) of a stage."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +65,22 @@ def check_complete(schedule: Schedule) -> None:
                         )
 
 
-def _cost(schedule: Schedule, action: Action, costs: Mapping[str, float]) -> float:
+def _cost(schedule: Schedule, action: Action, costs: CostFn) -> float:
     if action.kind == "B" and (action.stage, action.microbatch) not in schedule.split_backward:
-        return costs["B"] + costs["W"]
-    return costs[action.kind]
+        return costs(action) + costs(Action("W", action.stage, action.microbatch))
+    return costs(action)
+
+
+def measured_costs(timeline: Timeline) -> dict[str, float]:
+    """Median seconds per F, B and W span of a measured timeline (an executor's, through
+    :func:`gather_timeline`), and per exchange as ``"p2p"``: costs to simulate the same run with.
+    A backward that was not split is measured whole: its W is 0 then."""
+    durations: dict[str, list[float]] = {}
+    for span in timeline.spans:
+        durations.setdefault(span.kind, []).append(span.end - span.start)
+    costs = {kind: statistics.median(durations[kind]) if durations.get(kind) else 0.0 for kind in ("F", "B", "W")}
+    costs["p2p"] = statistics.median(durations["X"]) if durations.get("X") else 0.0
+    return costs
 
 
 def _local_inputs(schedule: Schedule, rank: int, action: Action) -> list[tuple[str, int, int]]:
@@ -76,7 +95,7 @@ def _local_inputs(schedule: Schedule, rank: int, action: Action) -> list[tuple[s
 
 
 class _Run:
-    def __init__(self, schedule: Schedule, program: Program, costs: Mapping[str, float], comm_cost: float):
+    def __init__(self, schedule: Schedule, program: Program, costs: CostFn, comm_cost: float):
         self.schedule, self.program, self.costs, self.comm_cost = schedule, program, costs, comm_cost
         p = schedule.num_ranks
         self.pc, self.clock = [0] * p, [0.0] * p
@@ -156,16 +175,21 @@ def _deadlock(run: _Run) -> DeadlockError:
 
 def simulate(
     schedule: Schedule,
-    costs: Mapping[str, float] | None = None,
+    costs: Mapping[str, float] | CostFn | None = None,
     *,
     comm_cost: float = 0.0,
     program: Program | None = None,
 ) -> SimResult:
-    """Run ``schedule`` (or an already lowered ``program`` for it) without tensors."""
-    costs = {**DEFAULT_COSTS, **(costs or {})}
+    """Run ``schedule`` (or an already lowered ``program`` for it) without tensors. ``costs``: per
+    kind (missing kinds cost 1), or a function of each action (per stage, say)."""
+    if callable(costs):
+        cost_of: CostFn = costs
+    else:
+        table = {**DEFAULT_COSTS, **(costs or {})}
+        cost_of = lambda action: table[action.kind]  # noqa: E731
     check_complete(schedule)
     program = lower(schedule) if program is None else program
-    run = _Run(schedule, program, costs, comm_cost)
+    run = _Run(schedule, program, cost_of, comm_cost)
     run.run()
     if run.stuck():
         raise _deadlock(run)
@@ -176,4 +200,13 @@ def simulate(
     return SimResult(schedule, program, total, bubble, tuple(run.peak), timeline)
 
 
-__all__ = ["DEFAULT_COSTS", "SimResult", "check_complete", "deadlock_grid", "format_program", "simulate"]
+__all__ = [
+    "DEFAULT_COSTS",
+    "CostFn",
+    "SimResult",
+    "check_complete",
+    "deadlock_grid",
+    "format_program",
+    "measured_costs",
+    "simulate",
+]
