@@ -8,6 +8,7 @@ import typer
 
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
+from polyshard.cli.plan import plan_command
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.tokenizer import tokenizer_command
 from polyshard.cli.train import train
@@ -16,6 +17,7 @@ app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.",
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
+app.command("plan")(plan_command)
 app.command("train")(train)
 app.command("inspect")(inspect)
 app.command("export")(export)

@@ -6,4 +6,7 @@ activations.py  bytes saved for backward per rank, in-flight microbatches from t
 comm.py         every collective per step: axis, op, group, bytes
 pipeline.py     the simulator as the planner asks it (cached, extrapolated for long steps)
 measure.py      measured counterparts: saved-tensor bytes, model-state bytes an engine holds
+profile.py      a machine: matmul and elementwise rates, AdamW, collectives (measured, or vendor figures)
+calibrate.py    measures this machine into a profile (`polyshard plan --calibrate`)
+cost.py         step time: compute from FLOPs, collectives from bytes, bubbles from the simulator
 """

@@ -10,12 +10,27 @@ in-flight counts and the step's length are linear in m beyond it (GPipe's peak i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
-from polyshard.pp import make_schedule, simulate
+from polyshard.pp import Action, make_schedule, simulate
 
 MAX_SIMULATED = 48
 """Simulate at most this many microbatches (or 4 x the ranks, if more); extrapolate beyond."""
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Seconds per action on each stage: forward, input-backward, weight-backward; and the
+    point-to-point transfer of one microbatch's activation (or its gradient) between stages."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    p2p: float = 0.0
+
+    def of(self, action: Action) -> float:
+        return {"F": self.forward, "B": self.backward, "W": self.weight}[action.kind][action.stage]
 
 
 def _lengths(num_ranks: int, num_microbatches: int, interleaved: bool) -> tuple[int, int] | None:
@@ -42,3 +57,16 @@ def peak_in_flight(schedule: str, num_ranks: int, num_microbatches: int, virtual
     low = simulate(make_schedule(schedule, num_ranks, m1, virtual_stages)).peak_activations
     high = simulate(make_schedule(schedule, num_ranks, m2, virtual_stages)).peak_activations
     return tuple(round(_extrapolate(m1, m2, num_microbatches, a, b)) for a, b in zip(low, high))
+
+
+def step_time(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int, costs: PipelineCosts) -> float:
+    """Seconds from the first forward to the last backward, bubbles and transfers included."""
+
+    def run(m: int) -> float:
+        return simulate(make_schedule(schedule, num_ranks, m, virtual_stages), costs.of, comm_cost=costs.p2p).total_time
+
+    lengths = _lengths(num_ranks, num_microbatches, schedule == "interleaved")
+    if lengths is None:
+        return run(num_microbatches)
+    m1, m2 = lengths
+    return _extrapolate(m1, m2, num_microbatches, run(m1), run(m2))
