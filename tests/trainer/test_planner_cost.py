@@ -11,29 +11,17 @@ from polyshard.trainer.planner.calibrate import fit_link
 from polyshard.trainer.planner.cost import crosses_nodes, estimate_step, stage_costs
 from polyshard.trainer.planner.layout import Layout
 from polyshard.trainer.planner.pipeline import PipelineCosts, peak_in_flight, step_time
-from polyshard.trainer.planner.profile import BUILTIN, Link, Profile, load_profile
+from polyshard.trainer.planner.profile import BUILTIN, Profile, load_profile
 
-
-def _flat_profile(**changes):
-    """A made-up machine with round numbers: 1 TFLOP/s, 1 GB/s everywhere, 10 us latency."""
-    link = Link(10e-6, 1.0)
-    ops = {
-        op: {"intra": {2: link}, "inter": {2: link}}
-        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-    }
-    fields = dict(
-        name="flat", source="test", matmul_tflops={1: {64: 1.0}}, elementwise_gbps={1: {64: 1.0}},
-        memory_gbps={1: 1.0}, optimizer_tensor_s={1: 0.0}, collectives={1: ops}, devices_per_node=8,
-    )  # fmt: skip
-    return Profile(**{**fields, **changes})
+from ._planner import flat_profile
 
 
 def test_profiles_round_trip_through_json_and_load_by_name(tmp_path):
-    for profile in [*BUILTIN.values(), _flat_profile()]:
+    for profile in [*BUILTIN.values(), flat_profile()]:
         assert Profile.from_json(profile.to_json()) == profile
     path = tmp_path / "p.json"
-    path.write_text(_flat_profile().to_json())
-    assert load_profile(path) == _flat_profile() and load_profile("h100-nvlink-ib") is BUILTIN["h100-nvlink-ib"]
+    path.write_text(flat_profile().to_json())
+    assert load_profile(path) == flat_profile() and load_profile("h100-nvlink-ib") is BUILTIN["h100-nvlink-ib"]
     with pytest.raises(ConfigError, match="neither a built-in"):
         load_profile(tmp_path / "missing.json")
     path.write_text('{"name": "x"}')
@@ -48,14 +36,21 @@ def test_link_fit_recovers_latency_and_bandwidth():
 
 
 def test_collective_time_is_latency_plus_bytes_over_bus_bandwidth():
-    profile = _flat_profile()
+    profile = flat_profile()
     assert profile.collective_s("all_reduce", 2, 1e9, 1.0) == pytest.approx(10e-6 + 1.0)
     assert profile.collective_s("all_reduce", 4, 1e9, 1.5) == pytest.approx(3 * 10e-6 + 1.5)  # 3 ring steps
     assert profile.collective_s("all_reduce", 1, 1e9, 1.0) == 0.0
 
 
+def test_a_step_of_more_microbatches_pays_more_fixed_costs():
+    config = from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}})
+    profile = flat_profile(block_overhead_s={1: {64: 1e-3}})
+    one, four = (estimate_step(Layout(microbatches=m).apply(config), profile).step_s for m in (1, 4))
+    assert four == pytest.approx(one + 3 * 4 * 1e-3)  # 3 more microbatches through 4 blocks
+
+
 def test_groups_cross_nodes_by_their_stride():
-    profile = _flat_profile(devices_per_node=8)
+    profile = flat_profile(devices_per_node=8)
     layout = Layout(dp=4, tp=8, pp=2)  # tp is the fastest axis: inside a node; dp strides by 8
     assert not crosses_nodes("tp", layout, profile) and crosses_nodes("dp", layout, profile)
     assert not crosses_nodes("dp", Layout(dp=2, tp=4), profile)
@@ -73,7 +68,7 @@ def test_pipeline_time_comes_from_the_simulator_and_extrapolates_long_steps():
 
 
 def test_step_time_senses():
-    profile = _flat_profile()
+    profile = flat_profile()
     config = from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}})
     one = estimate_step(config, profile)
     costs = stage_costs(config, range(0, 6), profile)

@@ -9,4 +9,6 @@ measure.py      measured counterparts: saved-tensor bytes, model-state bytes an 
 profile.py      a machine: matmul and elementwise rates, AdamW, collectives (measured, or vendor figures)
 calibrate.py    measures this machine into a profile (`polyshard plan --calibrate`)
 cost.py         step time: compute from FLOPs, collectives from bytes, bubbles from the simulator
+search.py       every layout of a model on N devices: keep those that fit, rank by step time
+report.py       the ranked table
 """

@@ -22,13 +22,11 @@ backward measured by :class:`polyshard.trainer.planner.measure.SavedTensorMeter`
 
 from __future__ import annotations
 
-from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import spec_of
-from polyshard.trainer.parallelize import pipeline_bounds
 from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import global_shapes
-from polyshard.trainer.planner.pipeline import peak_in_flight
+from polyshard.trainer.planner.memory import stage_bounds
+from polyshard.trainer.planner.pipeline import peak_in_flight, stages_by_rank
 
 
 def _element_bytes(precision: str) -> int:
@@ -103,8 +101,8 @@ def activation_bytes(config: Config, pp_rank: int) -> float:
     par = config.parallel
     layout = Layout.of(config)
     micro_batch = layout.micro_batch_size(config.training.global_batch_size)
-    bounds = pipeline_bounds(config, global_shapes(config.model))
-    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    heaviest = max(stage_bytes(config, bounds[s], micro_batch) for s in schedule.stages_of(pp_rank))
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    heaviest = max(stage_bytes(config, bounds[s], micro_batch) for s in placement[pp_rank])
     in_flight = peak_in_flight(par.schedule, par.pp, par.microbatches, par.virtual_stages)[pp_rank]
     return in_flight * heaviest + recompute_bytes(config, micro_batch)

@@ -4,9 +4,9 @@ Workers are spawned with :class:`polyshard.mesh.testing.WorkerPool` (one intra-o
 torchrun gives every process; gloo on CPUs). It measures, per process:
 
 * with 1, 2 and 4 processes computing at once (on a CPU they share the cores): the TFLOP/s of a
-  block's (1024 x h) @ (h x 4h) matmul at five widths h; the elementwise bandwidth of a real
-  transformer block at widths 64 and 256 (its forward and backward time minus its matmuls' time at
-  that rate, per byte it saves for backward); an AdamW step over one large and over many small
+  block's (1024 x h) @ (h x 4h) matmul at widths h; a real transformer block's forward and backward
+  at widths 64 and 256 on two batch sizes, minus its matmuls' time at that rate, as a fixed cost per
+  block plus a rate per byte it saves for backward; an AdamW step over one large and over many small
   tensors (its streaming bandwidth and its cost per tensor);
 * all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point on groups of 2 and 4 (and
   groups of 2 while 4 processes run), at five sizes, fitted to ``latency + bytes x bus factor /
@@ -82,18 +82,21 @@ def _matmul(widths: Sequence[int], budget_s: float) -> dict[int, float]:
     return rates
 
 
-def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s: float) -> float:
-    """GB/s of saved bytes a GPT block of width h gets through beyond its matmuls (16 x 64 tokens)."""
+def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s: float) -> tuple[float, float]:
+    """(GB/s of saved bytes, fixed seconds) of a GPT block of width h beyond its matmuls, from its forward
+    and backward on 4 and on 16 sequences of 64 tokens: the line through the two."""
     from polyshard.tp.transformer import Block
 
-    batch, seq = 16, 64
-    block = Block(h, h // 16)
-    x = torch.randn(batch, seq, h, requires_grad=True)
-    seconds = _repeat(lambda: block(x).sum().backward(), budget_s)
-    tokens = batch * seq
-    flops = 3 * 2 * tokens * 12 * h * h + 3 * 2 * tokens * seq * h  # matmuls, attention: F + B + W
-    rest = max(seconds - flops / (matmul_tflops * 1e12), 0.05 * seconds)
-    return saved_per_token * tokens / rest / 1e9
+    seq, block = 64, Block(h, h // 16)
+    points = []
+    for batch in (4, 16):
+        x = torch.randn(batch, seq, h, requires_grad=True)
+        seconds = _repeat(lambda x=x: block(x).sum().backward(), budget_s)
+        tokens = batch * seq
+        flops = 3 * 2 * tokens * 12 * h * h + 3 * 2 * tokens * seq * h  # matmuls, attention: F + B + W
+        points.append((saved_per_token * tokens, max(seconds - flops / (matmul_tflops * 1e12), 0.05 * seconds)))
+    link = fit_link(points)
+    return link.busbw_gbps, link.latency_s
 
 
 def probe_saved_bytes(widths: Sequence[int]) -> dict[int, float]:
@@ -128,11 +131,12 @@ def _compute(plan: Plan, saved: dict[int, float]) -> dict[str, Any]:
         dist.barrier()
         matmul = _matmul(plan.widths, plan.budget_s)
         probe = {h: _elementwise(h, saved[h], interpolate(matmul, h), plan.budget_s) for h in plan.probe_widths}
-        rounds.append({"matmul": matmul, "elementwise": probe, "optimizer": _optimizer(plan.budget_s)})
+        rounds.append({"matmul": matmul, "probe": probe, "optimizer": _optimizer(plan.budget_s)})
     dist.barrier()
     return {
         "matmul": {h: statistics.median(r["matmul"][h] for r in rounds) for h in plan.widths},
-        "elementwise": {h: statistics.median(r["elementwise"][h] for r in rounds) for h in plan.probe_widths},
+        "elementwise": {h: statistics.median(r["probe"][h][0] for r in rounds) for h in plan.probe_widths},
+        "overhead": {h: statistics.median(r["probe"][h][1] for r in rounds) for h in plan.probe_widths},
         "memory": statistics.median(r["optimizer"][0] for r in rounds),
         "per_tensor": statistics.median(r["optimizer"][1] for r in rounds),
     }
@@ -194,7 +198,7 @@ def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Call
     QUICK: seconds, one round at fewer sizes, for a first look)."""
     from polyshard.mesh.testing import WorkerPool
 
-    matmul, elementwise, memory, per_tensor = {}, {}, {}, {}
+    matmul, elementwise, overhead, memory, per_tensor = {}, {}, {}, {}, {}
     saved = probe_saved_bytes(plan.probe_widths)
     collectives: dict[int, dict[str, dict[str, dict[int, Link]]]] = {}
     for k in processes:
@@ -203,11 +207,14 @@ def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Call
             results = pool.run(_compute, plan, saved, timeout_s=600)
             matmul[k] = {h: statistics.median(r["matmul"][h] for r in results) for h in plan.widths}
             elementwise[k] = {h: statistics.median(r["elementwise"][h] for r in results) for h in plan.probe_widths}
+            overhead[k] = {h: statistics.median(r["overhead"][h] for r in results) for h in plan.probe_widths}
             memory[k] = statistics.median(r["memory"] for r in results)
             per_tensor[k] = statistics.median(r["per_tensor"] for r in results)
+            fixed_ms = {h: v * 1e3 for h, v in overhead[k].items()}
             log(
                 f"{k} process(es) at once, each: matmul TFLOP/s {_describe(matmul[k])}; elementwise GB/s "
-                f"{_describe(elementwise[k])}; AdamW {memory[k]:.2f} GB/s + {per_tensor[k] * 1e6:.0f} us per tensor"
+                f"{_describe(elementwise[k])} + ms per block {_describe(fixed_ms)}; "
+                f"AdamW {memory[k]:.2f} GB/s + {per_tensor[k] * 1e6:.0f} us per tensor"
             )
             for n in sorted({k, 2} if k > 1 else set()):
                 times = pool.run(_collectives, plan, n, timeout_s=600)[0]
@@ -227,6 +234,7 @@ def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Call
         source=f"measured on {host} at {when} (load average {load:.1f}, {os.cpu_count()} cores)",
         matmul_tflops=matmul,
         elementwise_gbps=elementwise,
+        block_overhead_s=overhead,
         memory_gbps=memory,
         optimizer_tensor_s=per_tensor,
         collectives=collectives,

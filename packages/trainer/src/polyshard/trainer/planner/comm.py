@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import spec_of, tied_names
-from polyshard.trainer.parallelize import pipeline_bounds
 from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import global_shapes, holdings
+from polyshard.trainer.planner.memory import holdings, stage_bounds
+from polyshard.trainer.planner.pipeline import stages_by_rank
 
 
 @dataclass(frozen=True)
@@ -163,11 +162,11 @@ def rank_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     traffic, its sends to neighbouring stages, and the per-step collectives."""
     par = config.parallel
     micro_batch = Layout.of(config).micro_batch_size(config.training.global_batch_size)
-    bounds = pipeline_bounds(config, global_shapes(config.model))
-    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
-    stages = schedule.stages_of(pp_rank)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    stages = placement[pp_rank]
     out = [t for s in stages for t in microbatch_traffic(config, bounds[s], micro_batch)]
-    last = schedule.num_stages - 1
+    last = par.pp * par.virtual_stages - 1
     act = boundary_bytes(config, micro_batch)
     if par.pp > 1:
         out.append(Traffic("pp", "p2p", 2, act, sum(1 for s in stages if s < last), "forward"))

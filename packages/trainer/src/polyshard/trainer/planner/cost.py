@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import layer_of, spec_of, tied_names
-from polyshard.trainer.parallelize import pipeline_bounds
 from polyshard.trainer.planner import activations
 from polyshard.trainer.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
 from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import Held, global_shapes, holdings
-from polyshard.trainer.planner.pipeline import PipelineCosts, step_time
+from polyshard.trainer.planner.memory import Held, global_shapes, holdings, stage_bounds
+from polyshard.trainer.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.trainer.planner.profile import Profile
 
 
@@ -90,7 +88,11 @@ def crosses_nodes(axis: str, layout: Layout, profile: Profile) -> bool:
     return span > profile.devices_per_node
 
 
-def stage_costs(config: Config, layers: range, profile: Profile) -> StageCosts:
+def stage_costs(
+    config: Config, layers: range, profile: Profile, gathers: tuple[float, float] = (0.0, 0.0)
+) -> StageCosts:
+    """``gathers``: seconds of ZeRO-3's parameter traffic in this stage's forward and backward, of which
+    the profile's ``overlap`` share of the compute hides some (prefetching the next block's)."""
     model, layout = config.model, Layout.of(config)
     micro_batch = layout.micro_batch_size(config.training.global_batch_size)
     tokens = micro_batch * model.sequence_length / layout.cp
@@ -103,11 +105,13 @@ def stage_costs(config: Config, layers: range, profile: Profile) -> StageCosts:
     attention = blocks * 2 * tokens * model.sequence_length * model.hidden / layout.tp / rate
     plain = dataclasses.replace(layout, activation_checkpointing=False).apply(config)  # what runs, saved or not
     elementwise = activations.stage_bytes(plain, layers, micro_batch) / profile.elementwise_bandwidth(width, k)
+    elementwise += blocks * profile.block_overhead(width, k)
     traffic = microbatch_traffic(config, layers, micro_batch)
-    forward = matmul + attention + elementwise / 3 + _phase_s(traffic, layout, profile, "forward")
-    backward = matmul + 2 * attention + 2 * elementwise / 3 + _phase_s(traffic, layout, profile, "backward")
-    if layout.activation_checkpointing:
-        backward += matmul + attention + elementwise / 3
+    forward = matmul + attention + elementwise / 3
+    backward = matmul + 2 * attention + 2 * elementwise / 3 + (forward if layout.activation_checkpointing else 0.0)
+    forward += max(0.0, gathers[0] - profile.overlap * forward) + _phase_s(traffic, layout, profile, "forward")
+    backward += max(0.0, gathers[1] - profile.overlap * (backward + matmul))
+    backward += _phase_s(traffic, layout, profile, "backward")
     return StageCosts(forward, backward, matmul)
 
 
@@ -118,11 +122,21 @@ class StepEstimate:
     """Seconds by part: pipeline (compute, in-stage collectives, transfers, bubbles), dp, optimizer, other."""
 
 
-def estimate_step(config: Config, profile: Profile) -> StepEstimate:
-    """Seconds per optimizer step of ``config``'s layout on ``profile``'s machine."""
+def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepEstimate:
+    """Seconds per optimizer step of ``config``'s layout on ``profile``'s machine (not ``exact``: the
+    pipeline from the unit-cost simulation scaled, to screen many layouts quickly)."""
     par, layout = config.parallel, Layout.of(config)
-    bounds = pipeline_bounds(config, global_shapes(config.model))
-    costs = [stage_costs(config, bounds[s], profile) for s in range(len(bounds))]
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    per_rank = [step_traffic(config, rank) for rank in range(par.pp)]
+    gathers = {}  # ZeRO-3 gathers and reduces every microbatch, shared by the rank's stages
+    for rank, traffic in enumerate(per_rank):
+        stages = placement[rank]
+        for s in stages:
+            gathers[s] = tuple(
+                _phase_s(traffic, layout, profile, phase) / len(stages) for phase in ("forward", "backward")
+            )
+    costs = [stage_costs(config, bounds[s], profile, gathers[s]) for s in range(len(bounds))]
     micro_batch = layout.micro_batch_size(config.training.global_batch_size)
     transfer = Traffic("pp", "p2p", 2, boundary_bytes(config, micro_batch), 1, "forward")
     pipe = PipelineCosts(
@@ -131,16 +145,15 @@ def estimate_step(config: Config, profile: Profile) -> StepEstimate:
         weight=tuple(c.weight for c in costs),
         p2p=call_s(transfer, layout, profile) if par.pp > 1 else 0.0,
     )
-    pipeline = step_time(par.schedule, par.pp, par.microbatches, par.virtual_stages, pipe)
-    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    pipeline = step_time(par.schedule, par.pp, par.microbatches, par.virtual_stages, pipe, exact)
     k = processes_per_node(layout, profile)
     slowest: dict[str, float] = {}
     for rank in range(par.pp):  # after the pipeline, the slowest pipeline rank sets the step's end
-        traffic = [t for t in step_traffic(config, rank) if t.phase == "step"]
+        traffic = [t for t in per_rank[rank] if t.phase == "step"]
         reduce = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op != "all_gather")
         gather = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op == "all_gather")
         other = sum(t.calls * call_s(t, layout, profile) for t in traffic if t.axis != "dp")
-        last_backward = max(costs[s].backward + costs[s].weight for s in schedule.stages_of(rank))
+        last_backward = max(costs[s].backward + costs[s].weight for s in placement[rank])
         dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
         held = holdings(config, rank)
         elements = sum(count * _stepped(h, par.zero_stage) for h, count in held.items())

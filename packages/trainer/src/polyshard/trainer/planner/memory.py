@@ -29,12 +29,12 @@ from functools import lru_cache
 from polyshard.dp import ShardSpec
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import Replicate
-from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 from polyshard.trainer.parallelize import pipeline_bounds
 from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.pipeline import stages_by_rank
 from polyshard.trainer.records import data_axes
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
@@ -127,19 +127,44 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     """The parameters pipeline rank ``pp_rank`` holds (any dp/tp/ep coordinate holds the same shapes).
 
     A tied weight is one tensor where one stage uses both names, and a copy on each stage otherwise
-    (also two stages of one rank: the engine unties them there)."""
+    (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
+    same split of the same model under many ZeRO stages, microbatch counts and schedules."""
+    par = config.parallel
+    key = (config.model, tuple(sorted(Layout.of(config).sizes.items())), par.sequence_parallel, par.zero_stage == 3)
+    key += (par.schedule if par.virtual_stages > 1 else "", par.virtual_stages, tuple(par.stage_layers or ()), pp_rank)
+    if key not in _HOLDINGS:
+        _HOLDINGS[key] = _holdings(config, pp_rank)
+    return _HOLDINGS[key]
+
+
+_HOLDINGS: dict[tuple[object, ...], Counter[Held]] = {}
+
+
+def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
     par, layout = config.parallel, Layout.of(config)
     shapes = global_shapes(config.model)
-    bounds = pipeline_bounds(config, shapes)
-    schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     aliases = tied_names(config.model)
     held: Counter[Held] = Counter()
-    for stage in schedule.stages_of(pp_rank):
+    for stage in placement[pp_rank]:
         layers = bounds[stage]
         names = [n for n in shapes if layer_of(n) in layers]
         names += [n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) not in layers]
         held.update(_held(config, layout, n, shapes[n]) for n in names)
     return held
+
+
+def stage_bounds(config: Config) -> list[range]:
+    """:func:`pipeline_bounds` of ``config`` (cached by the model and the split)."""
+    par = config.parallel
+    key = (config.model, par.pp, par.virtual_stages, tuple(par.stage_layers or ()))
+    if key not in _BOUNDS:
+        _BOUNDS[key] = pipeline_bounds(config, global_shapes(config.model))
+    return _BOUNDS[key]
+
+
+_BOUNDS: dict[tuple[object, ...], list[range]] = {}
 
 
 def rank_model_states(config: Config, pp_rank: int) -> ModelStates:

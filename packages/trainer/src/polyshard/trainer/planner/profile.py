@@ -8,9 +8,10 @@ has one key, since each process has its own device. The tables:
 
 * ``matmul_tflops[k][h]``: TFLOP/s of the (1024 x h) @ (h x 4h) product a transformer block of
   width h runs, looked up (log-interpolated) at a layer's width;
-* ``elementwise_gbps[k][h]``: bytes of saved activations per second a block's other work (norms,
-  activations, softmax, residuals, the autograd engine itself) gets through, measured as a real
-  block's forward and backward minus its matmuls;
+* ``elementwise_gbps[k][h]`` and ``block_overhead_s[k][h]``: a block's work besides its matmuls
+  (norms, activations, attention's softmax, residuals, the autograd engine and Python themselves),
+  measured on a real block's forward and backward at two batch sizes minus its matmuls, as a fixed
+  cost per block and microbatch plus its saved bytes at this rate;
 * ``memory_gbps[k]`` and ``optimizer_tensor_s[k]``: an AdamW step streams 28 bytes per parameter
   at that rate, plus a fixed cost per tensor;
 * ``collectives[k][op][placement][n]``: ``time = latency + bytes x bus factor / bus bandwidth``
@@ -52,6 +53,7 @@ class Profile:
     """Where the figures come from: "measured on HOST at DATE", or the vendor documents."""
     matmul_tflops: dict[int, dict[int, float]]
     elementwise_gbps: dict[int, dict[int, float]]
+    block_overhead_s: dict[int, dict[int, float]]
     memory_gbps: dict[int, float]
     optimizer_tensor_s: dict[int, float]
     collectives: dict[int, Collectives]
@@ -68,6 +70,9 @@ class Profile:
 
     def elementwise_bandwidth(self, width: float, processes: int = 1) -> float:
         return interpolate(_nearest(self.elementwise_gbps, processes), width) * 1e9
+
+    def block_overhead(self, width: float, processes: int = 1) -> float:
+        return interpolate(_nearest(self.block_overhead_s, processes), width)
 
     def optimizer_s(self, elements: float, tensors: int, processes: int = 1) -> float:
         """Seconds of an AdamW step over ``elements`` parameters in ``tensors`` tensors."""
@@ -98,6 +103,7 @@ class Profile:
             source=str(raw["source"]),
             matmul_tflops=_keyed(raw["matmul_tflops"], lambda t: _keyed(t, float)),
             elementwise_gbps=_keyed(raw["elementwise_gbps"], lambda t: _keyed(t, float)),
+            block_overhead_s=_keyed(raw["block_overhead_s"], lambda t: _keyed(t, float)),
             memory_gbps=_keyed(raw["memory_gbps"], float),
             optimizer_tensor_s=_keyed(raw["optimizer_tensor_s"], float),
             collectives=_keyed(
@@ -145,6 +151,7 @@ def _gpu(tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, n
         "source": "vendor figures (NVIDIA datasheets), derated as the notes say",
         "matmul_tflops": {1: {4096: 0.75 * tflops}},
         "elementwise_gbps": {1: {4096: 0.8 * hbm_gbps / 8}},
+        "block_overhead_s": {1: {4096: 300e-6}},
         "memory_gbps": {1: 0.8 * hbm_gbps},
         "optimizer_tensor_s": {1: 10e-6},
         "collectives": {1: {op: links for op in OPS}},
@@ -153,7 +160,8 @@ def _gpu(tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, n
         "overlap": 1.0,
         "notes": [
             "matmul: 75% of the dense BF16 peak (large GEMMs reach 70-80%; an assumption)",
-            "elementwise: 8 passes over each saved byte at 80% of the HBM bandwidth (an assumption)",
+            "elementwise: 8 passes over each saved byte at 80% of the HBM bandwidth, and 0.3 ms of launches and "
+            "Python per block forward and backward (assumptions)",
             "collectives: bus bandwidth 80% of the per-direction link rate; latency 10 us inside a node (NVLink), "
             "20 us across (InfiniBand), growing with ring steps (assumptions, not vendor figures)",
         ],
