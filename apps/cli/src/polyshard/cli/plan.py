@@ -69,7 +69,7 @@ def plan_command(
         if model is None or devices is None:
             raise ConfigError("give a model and --devices, e.g. `polyshard plan tiny --devices 4` (or --calibrate)")
         config = load_model(model, global_batch=global_batch, seq_len=seq_len, precision=precision)
-        profile = load_profile(profile_name or _default_profile())
+        profile = load_profile(profile_name or default_profile())
         memory = memory_gb if memory_gb is not None else profile.memory_gb
         if not memory > 0:
             raise ConfigError(f"--memory-gb {memory} must be > 0 (the profile {profile.name!r} does not say)")
@@ -135,7 +135,7 @@ def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, prec
     raise ConfigError(f"model {spec!r} is not a preset ({', '.join(PRESETS)}), a .toml config or a Hugging Face folder")
 
 
-def _default_profile() -> Path:
+def default_profile() -> Path:
     from polyshard.trainer.errors import ConfigError
     from polyshard.trainer.planner.profile import BUILTIN
 

@@ -11,4 +11,5 @@ calibrate.py    measures this machine into a profile (`polyshard plan --calibrat
 cost.py         step time: compute from FLOPs, collectives from bytes, bubbles from the simulator
 search.py       every layout of a model on N devices: keep those that fit, rank by step time
 report.py       the ranked table
+auto.py         parallel.layout = "auto": choose, explain, and hand the choice to the run
 """

@@ -11,12 +11,15 @@ own hooks take over.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import statistics
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from polyshard.collectives import ops
 from polyshard.dp import bytes_held
 
 
@@ -80,3 +83,75 @@ def model_state_bytes_held(engine: Any) -> tuple[int, int, int]:
         for i, value in enumerate((report.params, report.grads, report.optimizer_state)):
             totals[i] += value
     return totals[0], totals[1], totals[2]
+
+
+class PlanCheck:
+    """After the first steps of a run the planner laid out (``logging.predicted_step_s`` set): the
+    predicted step time against the median of steps 2 and 3 (step 1 warms up), and on step 4 the
+    planner's memory per rank against the model-state bytes the engine holds at the optimizer step
+    and the peak of bytes saved for backward (:class:`SavedTensorMeter`, whose hooks slow that step,
+    so it is not timed). The rank the planner expects to be heaviest is reported."""
+
+    def __init__(self, config: Any, engine: Any, start: int):
+        self.config, self.engine = config, engine
+        self.enabled = config.logging.predicted_step_s is not None
+        self.timed, self.checked = (start + 1, start + 2), start + 3  # 0-based step indices
+        self.seconds: list[float] = []
+        self.meter: SavedTensorMeter | None = None
+        self.held: tuple[int, int, int] | None = None
+
+    def measuring(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        if not (self.enabled and step == self.checked):
+            return contextlib.nullcontext()
+        params = [p for stage in self.engine.stages.values() for p in stage.parameters()]
+        self.meter = SavedTensorMeter(params)
+        return self.meter
+
+    def before_zero_grad(self, step: int) -> Callable[[], None] | None:
+        if not (self.enabled and step == self.checked):
+            return None
+
+        def hold() -> None:
+            self.held = model_state_bytes_held(self.engine)
+
+        return hold
+
+    def after(self, step: int, seconds: float) -> dict[str, float] | None:
+        """The check's record at step 4 (every rank must call it: it gathers over ranks); None before."""
+        if not self.enabled:
+            return None
+        if step in self.timed:
+            self.seconds.append(seconds)
+        if step != self.checked or self.held is None or self.meter is None:
+            return None
+        from polyshard.trainer.planner.activations import activation_bytes
+        from polyshard.trainer.planner.memory import rank_model_states
+
+        rank = self.engine.mesh.coord("pp")
+        predicted = rank_model_states(self.config, rank).total, activation_bytes(self.config, rank)
+        mine = torch.tensor(
+            [predicted[0], float(sum(self.held)), predicted[1], float(self.meter.peak)], dtype=torch.float64
+        )
+        everyone = ops.all_gather(mine.to(self.engine.device), 0).view(-1, 4).cpu()
+        heaviest = everyone[int((everyone[:, 0] + everyone[:, 2]).argmax())].tolist()
+        return {
+            "plan_step_s_predicted": float(self.config.logging.predicted_step_s),
+            "plan_step_s_measured": statistics.median(self.seconds) if self.seconds else seconds,
+            "plan_states_bytes_predicted": heaviest[0],
+            "plan_states_bytes_held": heaviest[1],
+            "plan_activation_bytes_predicted": heaviest[2],
+            "plan_activation_bytes_saved": heaviest[3],
+        }
+
+
+def plan_check_line(record: dict[str, float]) -> str:
+    """One line: predicted against measured step time and memory."""
+    predicted, measured = record["plan_step_s_predicted"], record["plan_step_s_measured"]
+    mb = 1e6
+    return (
+        f"plan check: step {predicted:.4g} s predicted, {measured:.4g} s measured ({measured / predicted - 1:+.0%}); "
+        f"heaviest rank: model states {record['plan_states_bytes_predicted'] / mb:.4g} MB predicted, "
+        f"{record['plan_states_bytes_held'] / mb:.4g} MB held; activations "
+        f"{record['plan_activation_bytes_predicted'] / mb:.4g} MB predicted, "
+        f"{record['plan_activation_bytes_saved'] / mb:.4g} MB saved for backward at peak"
+    )
