@@ -94,3 +94,15 @@ def test_quick_calibration_measures_every_table():
         link = placements["intra"][2]
         assert link.latency_s >= 0 and link.busbw_gbps > 0, op
     assert Profile.from_json(profile.to_json()) == profile
+
+
+def test_bench_report_ranks_and_counts():
+    from polyshard.trainer.planner.bench import LAYOUTS, Row, report
+
+    six = [
+        Row(name, layout, 0.1 * (i + 1), [0.1 * (i + 1) * 1.1] * 3) for i, (name, layout) in enumerate(LAYOUTS.items())
+    ]
+    auto = Row("auto: dp4", Layout(dp=4), 0.1, [0.105])
+    text = report(six, auto, six[0])
+    assert "rankings equal; 6 of 6 predictions within 25%" in text
+    assert "| dp2 (dp2 m1 z0) | 0.100 | 0.110 | -9% | 1 | 1 |" in text and "+-5%" not in text

@@ -12,4 +12,5 @@ cost.py         step time: compute from FLOPs, collectives from bytes, bubbles f
 search.py       every layout of a model on N devices: keep those that fit, rank by step time
 report.py       the ranked table
 auto.py         parallel.layout = "auto": choose, explain, and hand the choice to the run
+bench.py        `polyshard bench plan`: predicted against measured step times of the tiny GPT
 """

@@ -23,7 +23,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,56 +193,81 @@ def fit_link(points: Sequence[tuple[float, float]]) -> Link:
     return Link(latency_s=latency, busbw_gbps=1.0 / slope / 1e9)
 
 
-def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Callable[[str], None] = print) -> Profile:
-    """Measure this machine and return its profile (FULL: a few minutes on a loaded 2-core machine;
-    QUICK: seconds, one round at fewer sizes, for a first look)."""
-    from polyshard.mesh.testing import WorkerPool
+Rounds = list[dict[str, Any]]
+"""Raw measurements, one entry per round: {"compute": {k: per-rank results}, "collectives": {(k, n): times}}."""
 
+
+def measure_round(pools: Mapping[int, Any], plan: Plan, saved: Mapping[int, float]) -> dict[str, Any]:
+    """One round of every measurement on live worker pools (processes -> pool)."""
+    out: dict[str, Any] = {"compute": {}, "collectives": {}}
+    for k, pool in sorted(pools.items()):
+        out["compute"][k] = pool.run(_compute, plan, dict(saved), timeout_s=600)
+        for n in sorted({k, 2} if k > 1 else set()):
+            out["collectives"][(k, n)] = pool.run(_collectives, plan, n, timeout_s=600)[0]
+    return out
+
+
+def to_profile(rounds: Rounds, log: Callable[[str], None] = print) -> Profile:
+    """The profile of measured rounds: every figure the median over ranks and rounds; each collective's
+    line fitted through its per-size medians."""
     matmul, elementwise, overhead, memory, per_tensor = {}, {}, {}, {}, {}
-    saved = probe_saved_bytes(plan.probe_widths)
+    for k in rounds[0]["compute"]:
+        results = [r for round_ in rounds for r in round_["compute"][k]]
+        matmul[k] = {h: statistics.median(r["matmul"][h] for r in results) for h in results[0]["matmul"]}
+        elementwise[k] = {h: statistics.median(r["elementwise"][h] for r in results) for h in results[0]["elementwise"]}
+        overhead[k] = {h: statistics.median(r["overhead"][h] for r in results) for h in results[0]["overhead"]}
+        memory[k] = statistics.median(r["memory"] for r in results)
+        per_tensor[k] = statistics.median(r["per_tensor"] for r in results)
+        fixed_ms = {h: v * 1e3 for h, v in overhead[k].items()}
+        log(
+            f"{k} process(es) at once, each: matmul TFLOP/s {_describe(matmul[k])}; elementwise GB/s "
+            f"{_describe(elementwise[k])} + ms per block {_describe(fixed_ms)}; "
+            f"AdamW {memory[k]:.2f} GB/s + {per_tensor[k] * 1e6:.0f} us per tensor"
+        )
     collectives: dict[int, dict[str, dict[str, dict[int, Link]]]] = {}
-    for k in processes:
-        pool = WorkerPool(k)
-        try:
-            results = pool.run(_compute, plan, saved, timeout_s=600)
-            matmul[k] = {h: statistics.median(r["matmul"][h] for r in results) for h in plan.widths}
-            elementwise[k] = {h: statistics.median(r["elementwise"][h] for r in results) for h in plan.probe_widths}
-            overhead[k] = {h: statistics.median(r["overhead"][h] for r in results) for h in plan.probe_widths}
-            memory[k] = statistics.median(r["memory"] for r in results)
-            per_tensor[k] = statistics.median(r["per_tensor"] for r in results)
-            fixed_ms = {h: v * 1e3 for h, v in overhead[k].items()}
+    for (k, n), first in rounds[0]["collectives"].items():
+        for op, points in first.items():
+            sizes = [nbytes for nbytes, _ in points]
+            medians = [statistics.median(r["collectives"][(k, n)][op][i][1] for r in rounds) for i in range(len(sizes))]
+            factor = bus_factor(op, n) if op != "p2p" else 1.0
+            link = fit_link([(nbytes * factor, seconds) for nbytes, seconds in zip(sizes, medians)])
+            collectives.setdefault(k, {}).setdefault(op, {"intra": {}})["intra"][n] = link
             log(
-                f"{k} process(es) at once, each: matmul TFLOP/s {_describe(matmul[k])}; elementwise GB/s "
-                f"{_describe(elementwise[k])} + ms per block {_describe(fixed_ms)}; "
-                f"AdamW {memory[k]:.2f} GB/s + {per_tensor[k] * 1e6:.0f} us per tensor"
+                f"  {op:<15} group of {n} ({k} running): {link.latency_s * 1e6:8.1f} us + bytes / "
+                f"{link.busbw_gbps:.3f} GB/s"
             )
-            for n in sorted({k, 2} if k > 1 else set()):
-                times = pool.run(_collectives, plan, n, timeout_s=600)[0]
-                for op, points in times.items():
-                    factor = bus_factor(op, n) if op != "p2p" else 1.0
-                    link = fit_link([(nbytes * factor, seconds) for nbytes, seconds in points])
-                    collectives.setdefault(k, {}).setdefault(op, {"intra": {}})["intra"][n] = link
-                    log(f"  {op:<15} group of {n}: {link.latency_s * 1e6:8.1f} us + bytes / {link.busbw_gbps:.3f} GB/s")
-        finally:
-            pool.close()
     collectives.setdefault(1, collectives[min(collectives)])  # one process alone never communicates
     host = platform.node() or "this machine"
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return Profile(
         name=f"measured-{host}",
-        source=f"measured on {host} at {when} (load average {load:.1f}, {os.cpu_count()} cores)",
+        source=f"measured on {host} at {when} (median of {len(rounds)} rounds, load average {load:.1f}, "
+        f"{os.cpu_count()} cores)",
         matmul_tflops=matmul,
         elementwise_gbps=elementwise,
         block_overhead_s=overhead,
         memory_gbps=memory,
         optimizer_tensor_s=per_tensor,
         collectives=collectives,
-        memory_gb=_memory_gb() / max(processes),
-        devices_per_node=max(processes),
+        memory_gb=_memory_gb() / max(matmul),
+        devices_per_node=max(matmul),
         overlap=0.0,  # gloo's threads share the cores with compute: nothing is hidden
         notes=[f"one intra-op thread per process; torch {torch.__version__}; gloo"],
     )
+
+
+def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Callable[[str], None] = print) -> Profile:
+    """Measure this machine and return its profile (FULL: a few minutes on a loaded 2-core machine;
+    QUICK: one short round at fewer sizes, for a first look)."""
+    from polyshard.mesh.testing import WorkerPool
+
+    pools = {k: WorkerPool(k) for k in processes}
+    try:
+        return to_profile([measure_round(pools, plan, probe_saved_bytes(plan.probe_widths))], log)
+    finally:
+        for pool in pools.values():
+            pool.close()
 
 
 def _describe(table: dict[int, float]) -> str:
