@@ -12,7 +12,8 @@ Per microbatch on a stage (t tokens on this rank; P the matmul parameters a toke
 ``rate`` is the profile's matmul rate at the layer's width with this many processes on a node. The
 pipeline simulator runs the layout's schedule with these costs and the point-to-point time of one
 activation; after it, the per-step collectives (data-parallel gradients, of which ``overlap`` of
-the last backward hides, ZeRO's parameter gathers, the loop's scalars) and the AdamW step add up.
+the last backward hides, ZeRO's parameter gathers, the loop's scalars), the gradient clip's pass and
+the AdamW step add up.
 """
 
 from __future__ import annotations
@@ -157,7 +158,10 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
         dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
         held = holdings(config, rank)
         elements = sum(count * _stepped(h, par.zero_stage) for h, count in held.items())
-        parts = {"dp": dp, "optimizer": profile.optimizer_s(elements, sum(held.values()), k), "other": other}
+        tensors = sum(held.values())
+        # AdamW, and before it the global-norm clip: one more pass reading every gradient, tensor by tensor.
+        optimizer = profile.optimizer_s(elements, tensors, k) + profile.optimizer_s(elements, tensors, k, 4)
+        parts = {"dp": dp, "optimizer": optimizer, "other": other}
         if sum(parts.values()) > sum(slowest.values(), -1.0):
             slowest = parts
     return StepEstimate(pipeline + sum(slowest.values()), {"pipeline": pipeline, **slowest})

@@ -74,10 +74,11 @@ class Profile:
     def block_overhead(self, width: float, processes: int = 1) -> float:
         return interpolate(_nearest(self.block_overhead_s, processes), width)
 
-    def optimizer_s(self, elements: float, tensors: int, processes: int = 1) -> float:
-        """Seconds of an AdamW step over ``elements`` parameters in ``tensors`` tensors."""
+    def optimizer_s(self, elements: float, tensors: int, processes: int = 1, bytes_per_element: int = 28) -> float:
+        """Seconds of an AdamW step over ``elements`` parameters in ``tensors`` tensors (28 bytes each:
+        p, grad, m, v read; p, m, v written), or of another pass over them moving ``bytes_per_element``."""
         bandwidth = _nearest(self.memory_gbps, processes) * 1e9
-        return 28 * elements / bandwidth + tensors * _nearest(self.optimizer_tensor_s, processes)
+        return bytes_per_element * elements / bandwidth + tensors * _nearest(self.optimizer_tensor_s, processes)
 
     def collective_s(
         self, op: str, group: int, nbytes: float, bus_factor: float, *, inter: bool = False, processes: int = 1

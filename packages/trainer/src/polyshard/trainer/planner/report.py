@@ -8,7 +8,7 @@ from polyshard.trainer.planner.search import Candidate
 
 COLUMNS = (
     ("#", 3),
-    ("layout", 36),
+    ("layout", 42),
     ("step s", 9),
     ("pipeline", 9),
     ("dp", 8),
