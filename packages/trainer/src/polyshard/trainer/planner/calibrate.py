@@ -4,7 +4,8 @@ Workers are spawned with :class:`polyshard.mesh.testing.WorkerPool` (one intra-o
 torchrun gives every process; gloo on CPUs). It measures, per process:
 
 * with 1, 2 and 4 processes computing at once (on a CPU they share the cores): the TFLOP/s of a
-  block's (1024 x h) @ (h x 4h) matmul at widths h; a real transformer block's forward and backward
+  block's linear layer on 1024 tokens at widths h (its forward, input-gradient and weight-gradient
+  products); a real transformer block's forward and backward
   at widths 64 and 256 on two batch sizes, minus its matmuls' time at that rate, as a fixed cost per
   block plus a rate per byte it saves for backward; an AdamW step over one large and over many small
   tensors (its streaming bandwidth and its cost per tensor);
@@ -75,10 +76,13 @@ def _repeat(fn: Callable[[], object], budget_s: float, sync: bool = False) -> fl
 
 
 def _matmul(widths: Sequence[int], budget_s: float) -> dict[int, float]:
+    """TFLOP/s of the three products a linear layer of a block runs on 1024 tokens: forward
+    (1024 x h) @ (h x 4h), input gradient (1024 x 4h) @ (4h x h), weight gradient (h x 1024) @ (1024 x 4h)."""
     rates = {}
     for h in widths:
-        x, w = torch.randn(1024, h), torch.randn(h, 4 * h)
-        rates[h] = 2 * 1024 * h * 4 * h / _repeat(lambda x=x, w=w: x @ w, budget_s) / 1e12
+        x, w, g = torch.randn(1024, h), torch.randn(h, 4 * h), torch.randn(1024, 4 * h)
+        seconds = _repeat(lambda x=x, w=w, g=g: (x @ w, g @ w.t(), x.t() @ g), budget_s)
+        rates[h] = 3 * 2 * 1024 * h * 4 * h / seconds / 1e12
     return rates
 
 

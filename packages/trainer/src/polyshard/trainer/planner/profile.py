@@ -6,8 +6,9 @@ number of processes running at once on a node (key ``k``): on a CPU they share t
 4-process layout computes and communicates slower per process than a 2-process one; a GPU profile
 has one key, since each process has its own device. The tables:
 
-* ``matmul_tflops[k][h]``: TFLOP/s of the (1024 x h) @ (h x 4h) product a transformer block of
-  width h runs, looked up (log-interpolated) at a layer's width;
+* ``matmul_tflops[k][h]``: TFLOP/s of the products a transformer block of width h runs (a linear
+  layer's forward, input gradient and weight gradient on 1024 tokens, h -> 4h), looked up
+  (log-interpolated) at a layer's width;
 * ``elementwise_gbps[k][h]`` and ``block_overhead_s[k][h]``: a block's work besides its matmuls
   (norms, activations, attention's softmax, residuals, the autograd engine and Python themselves),
   measured on a real block's forward and backward at two batch sizes minus its matmuls, as a fixed
