@@ -15,7 +15,7 @@ def test_dry_run_prints_mesh_groups_and_memory():
     )
     assert result.returncode == 0, result.stderr
     assert "8 processes" in result.stdout and "pp x dp x tp" in result.stdout
-    assert "memory per rank (estimate)" in result.stdout
+    assert "memory per rank (estimate" in result.stdout
     assert "stage 0 on pp rank 0: layers 0-2" in result.stdout and "stage 1 on pp rank 1: layers 3-5" in result.stdout
 
 

@@ -24,7 +24,10 @@ def test_schedule_command_prints_grid_and_writes_json_and_svg(tmp_path):
         "bubble_fraction": 3 / 11,
         "peak_activations": [4, 3, 2, 1],
         "total_time": 33.0,
+        "costs": {"F": 1.0, "B": 1.0, "W": 1.0, "p2p": 0.0},
     }
+    # The label says what the drawing shows: an unsplit backward is B + W = 2 units wide.
+    assert "(F = 1, B = 1, W = 1, p2p = 0; a backward not split into B and W takes B + W = 2)" in result.output
     assert svg.read_text().startswith("<svg") and "simulated bubble 0.273" in svg.read_text()
 
 
@@ -36,6 +39,18 @@ def test_schedule_command_draws_v_schedules():
     assert "peak activations [4, 4]" in result.output
     result = CliRunner().invoke(app, ["schedule", "dualpipev", "-p", "2", "-m", "3"])
     assert result.exit_code == 2 and "choose num_microbatches >= 4" in result.output
+
+
+def test_schedule_command_takes_action_costs(tmp_path):
+    out = tmp_path / "s.json"
+    args = ["schedule", "1f1b", "-p", "2", "-m", "4", "--forward", "2", "--backward", "3", "--weight", "1"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["total_time"] == (4 + 2 - 1) * (2 + 3 + 1)  # 1F1B: (m + p - 1)(F + B + W)
+    assert CliRunner().invoke(app, [*args, "--p2p", "0.5", "--json", str(out)]).exit_code == 0
+    assert json.loads(out.read_text())["total_time"] > 30  # transfers lie on the critical path
+    bad = CliRunner().invoke(app, ["schedule", "1f1b", "-p", "2", "-m", "4", "--forward", "-1"])
+    assert bad.exit_code == 2 and "--forward" in bad.output
 
 
 def test_schedule_command_rejects_bad_microbatches():

@@ -14,9 +14,12 @@ from polyshard.pp import (
     Kind,
     Schedule,
     ScheduleError,
+    Span,
+    Timeline,
     format_program,
     lower,
     make_schedule,
+    measured_costs,
     simulate,
     v_placement,
 )
@@ -93,6 +96,26 @@ def test_dualpipev_bubble_and_memory():
         # Run one after the other (our executor), each half starts as soon as its own input is there:
         # only the start-up stagger remains, p-1 on every rank.
         assert simulate(schedule).total_time == 6 * m + p - 1, (p, m)
+
+
+def test_costs_per_stage_from_a_function():
+    # Stage 1 takes twice as long: it sets the pace. 1F1B ends after stage 0's first forward, stage 1's
+    # m x (F + B + W), and stage 0's last backward; ZB-H1 hides that backward under stage 1's deferred W's.
+    # A cost function prices every action itself: a full (unsplit) backward is B + W, twice a forward here.
+    def slow_last(action):
+        return {0: 1.0, 1: 2.0}[action.stage] * (2 if action.kind is Kind.BACKWARD else 1)
+
+    assert simulate(make_schedule("1f1b", 2, 4), slow_last).total_time == 1 + 4 * 6 + 2
+    assert simulate(make_schedule("zb-h1", 2, 4), slow_last).total_time == 1 + 4 * 6
+    # Per-kind costs: an unsplit backward costs B + W.
+    assert simulate(make_schedule("1f1b", 2, 4), {"F": 2, "B": 3, "W": 1}).total_time == 5 * 6
+
+
+def test_costs_read_off_a_measured_timeline():
+    spans = [Span(0, "F0", "F", 0.0, 1.0), Span(0, "F1", "F", 1.0, 2.2), Span(1, "F0", "F", 1.1, 1.9)]
+    spans += [Span(1, "B0", "B", 2.0, 4.0), Span(0, "W0", "W", 5.0, 5.5), Span(1, "x", "X", 1.0, 1.1)]
+    costs = measured_costs(Timeline(2, tuple(spans)))
+    assert costs == pytest.approx({"F": 1.0, "B": 2.0, "W": 0.5, "p2p": 0.1})  # medians per kind
 
 
 def test_golden_grids():

@@ -8,6 +8,7 @@ import typer
 
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
+from polyshard.cli.plan import plan_command
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.tokenizer import tokenizer_command
 from polyshard.cli.train import train
@@ -16,6 +17,7 @@ app = typer.Typer(help="polyshard: N-D parallel training on torch.distributed.",
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
+app.command("plan")(plan_command)
 app.command("train")(train)
 app.command("inspect")(inspect)
 app.command("export")(export)
@@ -100,6 +102,35 @@ def bench_cp_memory(
         code = run_local(cp, "polyshard.trainer.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
         if code:
             raise typer.Exit(code)
+
+
+@bench_app.command("plan")
+def bench_plan(
+    profile: str | None = typer.Option(
+        None, "--profile", help="Predict with this profile (default: calibrate this machine in the same rounds)."
+    ),
+    rounds: int = typer.Option(5, "--rounds", min=1, help="Rounds; each visits every layout once, interleaved."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Timed steps per visit (after one warm-up step)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the rows to this JSON file."),
+) -> None:
+    """The layout planner's predicted step time against the measured one for six layouts of the tiny GPT."""
+    import json
+
+    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer.planner import bench
+    from polyshard.trainer.planner.profile import load_profile
+
+    try:
+        machine = load_profile(profile) if profile is not None else None
+    except ConfigError as err:
+        typer.echo(f"plan error: {err}", err=True)
+        raise typer.Exit(2) from err
+    six, auto, beside, machine = bench.run(machine, rounds=rounds, steps=steps, log=typer.echo)
+    typer.echo(f"profile {machine.name}: {machine.source}")
+    typer.echo(bench.report(six, auto, beside))
+    if json_path is not None:
+        rows = {"profile": machine.source, "six": [r.as_dict() for r in six], "auto": auto.as_dict()}
+        json_path.write_text(json.dumps({**rows, "fastest_of_six": beside.as_dict()}, indent=2))
 
 
 def _bench_with_peer(package: str):

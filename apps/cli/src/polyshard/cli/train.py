@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -31,6 +32,17 @@ def train(
         "--resume later continues exactly as an uninterrupted run.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
+    layout: str | None = typer.Option(
+        None,
+        "--layout",
+        help="auto: the layout planner chooses dp, tp, pp, ep, ZeRO, microbatches and schedule for --nproc processes "
+        "(parallel.layout); manual: the axes the config gives.",
+    ),
+    profile: str | None = typer.Option(
+        None,
+        "--profile",
+        help="With --layout auto: the machine profile (default: this machine's, from `polyshard plan --calibrate`).",
+    ),
     torchrun: list[str] = typer.Option(
         [],
         "--torchrun",
@@ -65,6 +77,10 @@ def train(
                 f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start"
             )
         low, high = _nodes(torchrun)
+        if layout is not None:
+            overrides = [*overrides, f"parallel.layout={json.dumps(layout)}"]
+        if load_config(config, overrides, world_size=nproc * low if nproc else None).parallel.layout == "auto":
+            overrides = _planned(config, overrides, nproc, (low, high), profile)
         if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
             nproc = load_config(config, overrides).parallel.world_size // low
         if nproc < 1:
@@ -96,6 +112,26 @@ def train(
     if init_from is not None:
         args += ["--init-from", f"{PREFIX}{hf_folder.resolve()}" if hf_folder else str(Path(init_from).resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.trainer.run", args, torchrun))
+
+
+def _planned(config: Path, overrides: list[str], nproc: int | None, nodes: tuple[int, int], profile: str | None):
+    """``overrides`` plus the layout the planner chose for ``nproc`` processes per node (printed with why)."""
+    from polyshard.cli.plan import default_profile
+    from polyshard.trainer.config import load_config
+    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer.planner.auto import choose, explain
+    from polyshard.trainer.planner.auto import overrides as chosen
+    from polyshard.trainer.planner.profile import load_profile
+
+    if nproc is None:
+        raise ConfigError("--layout auto needs --nproc: the processes (per node) the planner lays the model out on")
+    if nodes[0] != nodes[1]:
+        raise ConfigError("--layout auto plans for a fixed number of nodes; give --nnodes=N, not MIN:MAX")
+    devices = nproc * nodes[0]
+    parsed = load_config(config, overrides, world_size=devices)
+    plan = choose(parsed, devices, load_profile(profile or default_profile()), devices_per_node=nproc)
+    typer.echo(explain(plan))
+    return [*overrides, *chosen(plan.ranked[0])]
 
 
 def _nodes(torchrun_args: list[str]) -> tuple[int, int]:

@@ -13,13 +13,14 @@ from polyshard.pp.executor import PipelineExecutor, StepResult, gather_timeline
 from polyshard.pp.lowering import format_program, lower
 from polyshard.pp.partition import balanced_partition, build_stages, parameter_counts
 from polyshard.pp.schedules import SCHEDULES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b
-from polyshard.pp.simulator import DEFAULT_COSTS, SimResult, simulate
+from polyshard.pp.simulator import DEFAULT_COSTS, SimResult, measured_costs, simulate
 from polyshard.pp.timeline import Span, Timeline
 from polyshard.pp.zero_bubble import zb_h1, zb_v
 
 __all__ = [
     "DEFAULT_COSTS",
     "SCHEDULES",
+    "CostFn",
     "Action",
     "DeadlockError",
     "Exchange",
@@ -44,6 +45,7 @@ __all__ = [
     "loop_placement",
     "lower",
     "make_schedule",
+    "measured_costs",
     "one_f_one_b",
     "parameter_counts",
     "simulate",

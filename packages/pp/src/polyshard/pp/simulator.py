@@ -27,6 +27,7 @@ may also be a function of the action (e.g. times measured on a real run). Figure
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -70,6 +71,18 @@ def _cost_function(costs: Costs | None) -> tuple[Callable[[Action], float], floa
         return table[action.kind.letter]
 
     return cost, table.get("F&B")
+
+
+def measured_costs(timeline: Timeline) -> dict[str, float]:
+    """Median seconds per F, B and W span of a measured timeline (an executor's, through
+    :func:`gather_timeline`), and per posting of an exchange as ``"p2p"``: costs to simulate the
+    same run with. A backward that was not split is measured whole; W is 0 then."""
+    durations: dict[str, list[float]] = {}
+    for span in timeline.spans:
+        durations.setdefault(span.kind, []).append(span.end - span.start)
+    costs = {kind: statistics.median(durations[kind]) if durations.get(kind) else 0.0 for kind in ("F", "B", "W")}
+    costs["p2p"] = statistics.median(durations["X"]) if durations.get("X") else 0.0
+    return costs
 
 
 def _local_inputs(schedule: Schedule, rank: int, action: Action) -> list[Action]:
@@ -244,4 +257,12 @@ def simulate(
     return SimResult(schedule, program, total, bubble, tuple(run.peak), timeline)
 
 
-__all__ = ["DEFAULT_COSTS", "SimResult", "check_complete", "deadlock_grid", "format_program", "simulate"]
+__all__ = [
+    "DEFAULT_COSTS",
+    "SimResult",
+    "check_complete",
+    "deadlock_grid",
+    "format_program",
+    "measured_costs",
+    "simulate",
+]

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
+from polyshard.trainer.planner.measure import PlanCheck, plan_check_line
 from polyshard.trainer.reshard import load_into
 from polyshard.trainer.state import state_tensors
 
@@ -216,7 +218,13 @@ def saved_by_this_job(out: Path) -> bool:
         return False  # an unreadable index: the normal resume path reports it
 
 
-def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
+def train_step(
+    engine: Engine,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    lr: float,
+    before_zero_grad: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
     gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
     over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.loss);
@@ -225,6 +233,7 @@ def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: 
     Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
     infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
     scale) and the caller decides whether to go on. No extra collective is needed to agree.
+    ``before_zero_grad`` runs after the optimizer step while the gradients are still held (to measure them).
     """
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
@@ -242,6 +251,8 @@ def train_step(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, lr: 
         with keep_idle_experts(engine):
             for optimizer in engine.optimizers:
                 optimizer.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
     engine.zero_grad()
     return loss, grad_norm
 
@@ -286,6 +297,7 @@ def train(
     tokenizer = load_tokenizer(config.data.tokenizer)
     assets = {TOKENIZER: tokenizer.path} if isinstance(tokenizer, FileTokenizer) else {}  # saved with every checkpoint
     nonfinite = 0  # non-finite steps in a row
+    plan_check = PlanCheck(config, engine, start)  # a planned run: predicted against measured, after its first steps
     end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
     if train_cfg.stop_at and train_cfg.stop_at <= start:
         raise ConfigError(
@@ -303,7 +315,8 @@ def train(
         )
         inputs, targets = (t.to(engine.device) for t in split_batch(config, train_data.next_batch()))
         inject("step", step + 1, mesh.rank)
-        loss_value, grad_norm = train_step(engine, inputs, targets, lr)
+        with plan_check.measuring(step):
+            loss_value, grad_norm = train_step(engine, inputs, targets, lr, plan_check.before_zero_grad(step))
         nonfinite = 0 if math.isfinite(loss_value) and math.isfinite(grad_norm) else nonfinite + 1
         result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
@@ -317,6 +330,11 @@ def train(
         }
         if nonfinite:
             record["skipped"] = "non-finite loss or gradient norm: no rank updated"
+        planned = plan_check.after(step, seconds)
+        if planned is not None:
+            record.update(planned)
+            if rank0 and log:
+                print(plan_check_line(planned), flush=True)
         if config.logging.peak_tflops:
             record["mfu"] = flops_per_step / seconds / (config.logging.peak_tflops * 1e12 * dist.get_world_size())
         last = step + 1 == train_cfg.steps
@@ -327,7 +345,7 @@ def train(
             record["val_perplexity"] = math.exp(min(result.val_loss, 50.0))
             if accuracy is not None:
                 result.accuracy = record["accuracy"] = accuracy
-        if (step + 1) % config.logging.every == 0 or last:
+        if (step + 1) % config.logging.every == 0 or last or planned is not None:
             peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=engine.device)
             peaks = ops.all_gather(peak, 0)  # collective: every rank's peak
             record["peak_memory_bytes_per_rank"] = peaks.tolist()

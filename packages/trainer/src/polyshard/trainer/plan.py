@@ -1,17 +1,12 @@
 """What a run would do, without starting it: the mesh, every group, memory per rank.
 
 Used by ``polyshard train --dry-run``. The parameter count is exact (the
-model is built on the meta device, which allocates nothing); the memory
-figures are the usual estimates:
-
-* model states per parameter (ZeRO paper, Rajbhandari et al. 1910.02054):
-  fp32 training keeps 4 B weight + 4 B grad + 8 B Adam moments = 16 B; bf16
-  mixed precision keeps 2 + 2 + 12 (fp32 master, m, v) = 16 B. ZeRO-1 shards
-  the optimizer part over dp, ZeRO-2 also the grads, ZeRO-3 everything.
-* activations per transformer layer per microbatch (Korthikanti et al.
-  2205.05198, eq. 2): s·b·h·(34 + 5·a·s/h) bytes in 16-bit, divided by tp with
-  sequence parallelism (by tp for the 24 bytes inside the TP regions
-  otherwise). Doubled for fp32.
+model is built on the meta device, which allocates nothing); the memory per
+rank is the layout planner's (:mod:`polyshard.trainer.planner`), the same
+numbers ``polyshard plan`` prints for this layout: model states to the byte
+as the engine holds them (ZeRO padding and all), activations counted from
+what each block saves for backward times the in-flight microbatches the
+pipeline simulator finds.
 """
 
 from __future__ import annotations
@@ -23,47 +18,13 @@ from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import build_model, tied_names
 from polyshard.trainer.parallelize import layer_costs, pipeline_bounds
+from polyshard.trainer.planner.activations import activation_bytes
+from polyshard.trainer.planner.memory import rank_model_states
 
 
 def parameter_count(config: Config) -> int:
     model = build_model(config.model, layers=())  # the meta device: shapes only
     return sum(p.numel() for p in model.parameters())
-
-
-def model_state_bytes_per_rank(config: Config, rank_params: int) -> float:
-    """Weights, gradients and AdamW state of ``rank_params`` parameters (what one pipeline rank holds:
-    all its stages, a tied head's copy included) on one rank, after tp and ZeRO split them."""
-    par = config.parallel
-    local = rank_params / par.tp
-    weight, grad, optim = (2, 2, 12) if config.training.precision == "bf16" else (4, 4, 8)
-    n = math.prod(par.mesh_axes[axis] for axis in par.replica_axes)  # ZeRO shards over the replicas
-    if par.zero_stage >= 1:
-        optim /= n
-    if par.zero_stage >= 2:
-        grad /= n
-    if par.zero_stage >= 3:
-        weight /= n
-    return local * (weight + grad + optim)
-
-
-def activation_bytes_per_rank(config: Config) -> float:
-    model, par, train = config.model, config.parallel, config.training
-    s, h, a = model.sequence_length, model.hidden, model.num_heads
-    b = train.global_batch_size // (par.data_ranks * par.microbatches)
-    per_layer = s * b * h * (10 + 24 / par.tp + 5 * a * s / (h * par.tp))
-    if par.sequence_parallel:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / par.tp
-    if train.precision == "fp32":
-        per_layer *= 2
-    # Context parallelism keeps 1/cp of each sequence's tokens per rank (its ring kernel keeps no
-    # score matrix, only a log-sum-exp per query: the score term is an upper bound there).
-    per_layer /= par.cp
-    if train.activation_checkpointing:
-        per_layer = 2 * s * b * h * (1 if train.precision == "bf16" else 2) / par.cp  # each block's input only
-    layers_per_stage = model.num_layers / par.pp
-    # 1F1B keeps up to pp microbatches in flight on the first stage; GPipe keeps all of them.
-    in_flight = par.microbatches if par.schedule == "gpipe" else min(par.pp, par.microbatches)
-    return per_layer * layers_per_stage * in_flight
 
 
 def describe(config: Config) -> str:
@@ -99,12 +60,22 @@ def describe(config: Config) -> str:
         if owner[first] == owner[last]:  # one pipeline rank holds both: one tensor, not a copy
             per_pp_rank[owner[last]] -= math.prod(shapes[name])
     heaviest = max(per_pp_rank.values())  # pipeline ranks hold unequal shares; the largest sets the need
-    states = model_state_bytes_per_rank(config, heaviest)
-    acts = activation_bytes_per_rank(config)
-    lines += [
-        f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}",
-        f"memory per rank (estimate): model states {states / 2**20:,.1f} MiB "
-        f"(ZeRO-{par.zero_stage}, {config.training.precision}), activations {acts / 2**20:,.1f} MiB, "
-        f"total {(states + acts) / 2**20:,.1f} MiB",
-    ]
+    lines.append(
+        f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}"
+    )
+    lines.append(
+        f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
+        f"{config.training.precision}):"
+    )
+    for rank in range(par.pp):
+        states, acts = rank_model_states(config, rank), activation_bytes(config, rank)
+        lines.append(
+            f"  pp rank {rank}: params {_mib(states.params)}, grads {_mib(states.grads)}, optimizer "
+            f"{_mib(states.optimizer)} = model states {_mib(states.total)}; activations {_mib(acts)}; "
+            f"total {_mib(states.total + acts)}"
+        )
     return "\n".join(lines)
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"

@@ -1,0 +1,108 @@
+"""Activation memory per rank: the tensors autograd saves for backward, times the microbatches in flight.
+
+Counted per token from what our transformer block saves (the same count, in 16-bit, is Korthikanti
+et al. 2205.05198's 34·s·b·h without the attention-score term: scaled_dot_product_attention keeps
+q, k, v, its output and one fp32 log-sum-exp per head instead of the s x s scores). Shapes: h
+hidden, f MLP width, n query heads, k·h/n key/value width, e bytes per element (2 bf16, 4 fp32)::
+
+    norms (x2)      LayerNorm: input + mean, rstd (h + 2)·e; RMSNorm: input, x·rstd, rstd in fp32 (2h + 1)·4
+    linear inputs   the two normed tensors the q/k/v and MLP matmuls keep, whole even under SP: 2·h·e
+    attention       q, k, v, output: (2h + 2·k·h/n)·e, plus n·4 log-sum-exp          ... / tp
+    MLP             GELU: f·e twice; SwiGLU: gate, silu, up, product 4·f·e                ... / tp
+    RoPE            cos and sin for q and k: 4·s·(h/n) fp32 per microbatch
+
+Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
+sequence (÷ cp). With activation checkpointing a block keeps its input alone, and one block's
+insides live again while it is recomputed. The first layer keeps the token ids (int64); the head
+keeps its norm, its normed input and the loss's fp32 log-probabilities (vocabulary ÷ tp).
+
+``tests/trainer/test_planner_activations.py`` compares this with the peak of bytes saved for
+backward measured by :class:`polyshard.trainer.planner.measure.SavedTensorMeter` on real engines.
+"""
+
+from __future__ import annotations
+
+from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.models import spec_of
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.memory import stage_bounds
+from polyshard.trainer.planner.pipeline import peak_in_flight, stages_by_rank
+
+
+def _element_bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
+
+
+def _norm(model: ModelConfig, e: int) -> float:
+    return (model.hidden + 2) * e if model.norm == "layer" else (2 * model.hidden + 1) * 4
+
+
+def block_bytes_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
+    """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
+    e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
+    kv = h * model.kv_heads // n
+    tp, shard = layout.tp, layout.tp if layout.sequence_parallel else 1
+    outside = 2 * _norm(model, e) / shard + 2 * h * e
+    attention = (2 * h + 2 * kv) * e + n * 4
+    if spec_of(model).has_experts:  # routed copies in and out, the experts' SwiGLU, router scores
+        mlp = 2 * model.top_k * h * e + 4 * f * e + model.num_experts * 4
+    else:
+        mlp = (2 if model.activation == "gelu" else 4) * f * e
+    return (outside + (attention + mlp) / tp) / layout.cp
+
+
+def _checkpointed_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
+    shard = layout.tp if layout.sequence_parallel else 1
+    return model.hidden * _element_bytes(precision) / shard / layout.cp
+
+
+def _head_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
+    e = _element_bytes(precision)
+    shard = layout.tp if layout.sequence_parallel else 1
+    vocab = model.vocab_size if spec_of(model).task.generates_text else model.num_classes
+    loss = vocab * 4 / layout.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
+    return (_norm(model, e) / shard + model.hidden * e + loss) / layout.cp
+
+
+def stage_bytes(config: Config, layers: range, micro_batch: int) -> float:
+    """Bytes one microbatch leaves saved on the stage holding pipeline ``layers``."""
+    model, layout, precision = config.model, Layout.of(config), config.training.precision
+    seq = model.sequence_length
+    tokens = micro_batch * seq
+    last = model.num_layers + 1
+    blocks = sum(1 for i in layers if 0 < i < last)
+    if layout.activation_checkpointing:
+        per_block = _checkpointed_per_token(model, layout, precision) * tokens
+    else:
+        per_block = block_bytes_per_token(model, layout, precision) * tokens
+        if model.positions == "rope":
+            per_block += 16 * seq * (model.hidden // model.num_heads)
+    total = blocks * per_block
+    if 0 in layers:
+        total += 8 * tokens  # the int64 token ids
+    if last in layers:
+        total += _head_per_token(model, layout, precision) * tokens
+    return total
+
+
+def recompute_bytes(config: Config, micro_batch: int) -> float:
+    """What one block's insides take while activation checkpointing recomputes it (0 without)."""
+    if not config.training.activation_checkpointing:
+        return 0.0
+    model = config.model
+    return (
+        block_bytes_per_token(model, Layout.of(config), config.training.precision) * micro_batch * model.sequence_length
+    )
+
+
+def activation_bytes(config: Config, pp_rank: int) -> float:
+    """Peak bytes saved for backward on pipeline rank ``pp_rank``: the simulator's peak count of
+    (stage, microbatch) pairs in flight there, times the heaviest of its stages."""
+    par = config.parallel
+    layout = Layout.of(config)
+    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    heaviest = max(stage_bytes(config, bounds[s], micro_batch) for s in placement[pp_rank])
+    in_flight = peak_in_flight(par.schedule, par.pp, par.microbatches, par.virtual_stages)[pp_rank]
+    return in_flight * heaviest + recompute_bytes(config, micro_batch)

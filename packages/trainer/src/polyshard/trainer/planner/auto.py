@@ -1,0 +1,72 @@
+"""``parallel.layout = "auto"``: the planner picks the layout a run starts with, and says why.
+
+``polyshard train CONFIG --layout auto --nproc N`` calls :func:`choose` before launching: every
+layout of the config's model on N processes is weighed (:func:`polyshard.trainer.planner.search.search`
+with the given machine profile), the fastest that fits is written into the run's overrides
+(:func:`overrides`), and its predicted step time goes with it (``logging.predicted_step_s``), so
+the run can log predicted against measured after its first steps (:class:`polyshard.trainer.planner.measure.PlanCheck`).
+The axes written in the config are replaced; the rest of it (model, batch, precision) is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from polyshard.trainer.config import Config, ParallelConfig
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.planner.profile import Profile
+from polyshard.trainer.planner.report import table
+from polyshard.trainer.planner.search import Candidate, Plan, Request, search
+
+
+def choose(
+    config: Config,
+    devices: int,
+    profile: Profile,
+    *,
+    devices_per_node: int | None = None,
+    memory_gb: float | None = None,
+) -> Plan:
+    """The ranked layouts of ``config``'s model on ``devices`` processes of ``profile``'s machine."""
+    base = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, layout="manual"))
+    memory = memory_gb if memory_gb is not None else profile.memory_gb
+    per_node = devices_per_node or min(devices, profile.devices_per_node)
+    plan = search(base, Request(devices=devices, devices_per_node=per_node, memory_gb=memory), profile)
+    if not plan.ranked:
+        raise ConfigError(
+            f"--layout auto: none of the {plan.considered} layouts of this model on {devices} processes fits in "
+            f"{memory:g} GB per process; give more processes, a smaller training.global_batch_size or a shorter "
+            "sequence, or set the layout by hand"
+        )
+    return plan
+
+
+def overrides(chosen: Candidate) -> list[str]:
+    """``--set`` items that make a config run ``chosen`` (and remember its predicted step time)."""
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}  # cp only where polyshard has it
+    items = [f"parallel.{key}={json.dumps(value)}" for key, value in chosen.layout.as_dict().items() if key in fields]
+    items.append(f"training.activation_checkpointing={json.dumps(chosen.layout.activation_checkpointing)}")
+    items.append('parallel.layout="manual"')
+    return [*items, f"logging.predicted_step_s={chosen.step_s!r}"]
+
+
+def explain(plan: Plan, top: int = 5) -> str:
+    """The top candidates and why the first was chosen."""
+    best = plan.ranked[0]
+    parts = best.step.parts if best.step else {}
+    share = ", ".join(f"{name} {seconds / best.step_s:.0%}" for name, seconds in parts.items() if seconds > 0)
+    lines = [
+        f"layout planner: {plan.considered} layouts considered, {plan.fitting} fit; the fastest of them:",
+        table(plan.ranked[:top]),
+        f"chose {best.layout.label()}: the fastest predicted step ({best.step_s:.4g} s: {share}) among those that fit, "
+        f"using {_size(best.memory.total)} of the heaviest rank's memory",
+    ]
+    if len(plan.ranked) > 1:
+        runner = plan.ranked[1]
+        lines[-1] += f"; next {runner.layout.label()} at {runner.step_s:.4g} s (+{runner.step_s / best.step_s - 1:.0%})"
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"

@@ -1,0 +1,188 @@
+"""Communication per step: every collective a rank runs, on which axis, how large, how often.
+
+A :class:`Traffic` is one kind of call: ``nbytes`` is the buffer as nccl-tests sizes it (the
+all-gather output, the reduce-scatter input), and its wire bytes use the ring bus factor of
+:func:`polyshard.collectives.ledger.bus_factor`. Per microbatch on a stage holding ``L`` blocks
+(``b`` examples of ``s`` positions, hidden ``h``, ``e`` bytes per activation)::
+
+    tp   per block 4 all-reduces of b·s·h·e (2 forward, 2 backward; Megatron-LM 1909.08053), or with
+         sequence parallelism 4 all-gathers + 4 reduce-scatters of it; +2 (+2+2) when checkpointing
+         recomputes the forward; the vocabulary-parallel embedding 1, its head 1 and the loss 3 small
+    ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward)
+    cp   per block: K and V go round the ring, cp-1 hops forward and twice that backward (K, V, dK, dV)
+    pp   one activation forward and one gradient backward per stage boundary (÷ tp under SP)
+    dp   ZeRO-3: all-gather every parameter in forward and again in backward, reduce-scatter grads
+
+and once per step: gradients over the replicas dp x ep x cp (an fp32 all-reduce at ZeRO-0; a
+reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch), the
+tied embedding's all-reduce between the pipeline's ends, the loop's two scalar all-reduces, and
+for a language model the count of target tokens over the replicas (the loss divides by it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from polyshard.collectives.ledger import bus_factor
+from polyshard.dp import ShardSpec
+from polyshard.trainer.config import Config
+from polyshard.trainer.models import spec_of, tied_names
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.memory import holdings, stage_bounds
+from polyshard.trainer.planner.pipeline import stages_by_rank
+from polyshard.trainer.tasks import LANGUAGE
+
+
+@dataclass(frozen=True)
+class Traffic:
+    axis: str
+    """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world."""
+    op: str
+    """all_reduce, all_gather, reduce_scatter, all_to_all or p2p."""
+    group: int
+    """Ranks in the group."""
+    nbytes: float
+    """Buffer bytes per call."""
+    calls: float
+    """Calls per microbatch (phase forward/backward) or per step (phase step)."""
+    phase: str
+    """forward or backward (inside the pipeline's compute actions) or step (after it)."""
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends for all the calls."""
+        return self.nbytes * bus_factor(self.op, self.group) * self.calls
+
+
+def _activation(config: Config, layout: Layout, micro_batch: int) -> float:
+    e = 2 if config.training.precision == "bf16" else 4
+    return micro_batch * config.model.sequence_length * config.model.hidden * e / layout.cp
+
+
+def _tp(config: Config, layout: Layout, layers: range, act: float) -> list[Traffic]:
+    t, last, sp = layout.tp, config.model.num_layers + 1, layout.sequence_parallel
+    if t == 1:
+        return []
+    blocks = sum(1 for i in layers if 0 < i < last)
+    recompute = 2 * blocks if layout.activation_checkpointing else 0
+    if sp:  # each all-reduce becomes an all-gather and a reduce-scatter
+        out = [Traffic("tp", op, t, act, 2 * blocks, "forward") for op in ("all_gather", "reduce_scatter")]
+        out += [
+            Traffic("tp", op, t, act, 2 * blocks + recompute, "backward") for op in ("all_gather", "reduce_scatter")
+        ]
+    else:
+        out = [Traffic("tp", "all_reduce", t, act, 2 * blocks, "forward")]
+        out += [Traffic("tp", "all_reduce", t, act, 2 * blocks + recompute, "backward")]
+    if 0 in layers:  # the vocabulary-parallel embedding sums its rows; SP's first split gathers back
+        out.append(Traffic("tp", "all_reduce", t, act, 1, "forward"))
+        out += [Traffic("tp", "all_gather", t, act, 1, "backward")] if sp else []
+    if last in layers:  # the head's input: copied in (all-reduce backward), or gathered under SP
+        out += [Traffic("tp", "all_gather", t, act, 1, "forward")] if sp else []
+        out.append(Traffic("tp", "reduce_scatter" if sp else "all_reduce", t, act, 1, "backward"))
+        tokens = act / config.model.hidden / (2 if config.training.precision == "bf16" else 4)
+        out.append(Traffic("tp", "all_reduce", t, 4 * tokens, 3, "forward"))  # loss: max, sum exp, target logit
+    return out
+
+
+def _ep_cp(config: Config, layout: Layout, layers: range, act: float) -> list[Traffic]:
+    model, last, out = config.model, config.model.num_layers + 1, []
+    blocks = sum(1 for i in layers if 0 < i < last)
+    if layout.ep > 1 and spec_of(model).has_experts:
+        routed = act * model.top_k
+        out += [Traffic("ep", "all_to_all", layout.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
+    if layout.cp > 1:
+        kv = 2 * act * model.kv_heads / model.num_heads  # this rank's K and V chunk
+        hops = (layout.cp - 1) * blocks
+        out += [
+            Traffic("cp", "p2p", layout.cp, kv, hops, "forward"),
+            Traffic("cp", "p2p", layout.cp, kv, 2 * hops, "backward"),
+        ]
+    return out
+
+
+def microbatch_traffic(config: Config, layers: range, micro_batch: int) -> list[Traffic]:
+    """What one microbatch's forward and backward on the stage holding ``layers`` communicate."""
+    layout = Layout.of(config)
+    act = _activation(config, layout, micro_batch)
+    return _tp(config, layout, layers, act) + _ep_cp(config, layout, layers, act)
+
+
+def boundary_bytes(config: Config, micro_batch: int) -> float:
+    """Bytes of one activation (or its gradient) sent between two pipeline stages."""
+    layout = Layout.of(config)
+    shard = layout.tp if layout.sequence_parallel else 1
+    return _activation(config, layout, micro_batch) / shard
+
+
+def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
+    """Gradient reduction and ZeRO's parameter gathers, grouped by replica group size."""
+    par, precision = config.parallel, config.training.precision
+    weight = 2 if precision == "bf16" else 4
+    sizes: dict[int, list[float]] = {}  # group -> elements + flags at stage 0, ZeRO's padded rows, flags
+    for held, count in holdings(config, pp_rank).items():
+        n = held.replicas
+        if n > 1:
+            entry = sizes.setdefault(n, [0.0, 0.0, 0.0])
+            entry[0] += count * (math.prod(held.shape) + 1)
+            entry[1] += count * n * ShardSpec(held.shape, n).shard_numel
+            entry[2] += count * n
+    out = []
+    for n, (whole, padded, flags) in sizes.items():
+        if par.zero_stage == 0:
+            out.append(Traffic("dp", "all_reduce", n, 4 * whole, 1, "step"))
+        elif par.zero_stage in (1, 2):
+            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
+            out.append(Traffic("dp", "all_gather", n, weight * padded, 1, "step"))
+        else:
+            out += [Traffic("dp", "all_gather", n, weight * padded, 1, phase) for phase in ("forward", "backward")]
+            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
+    return out
+
+
+def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
+    """Per-step collectives of pipeline rank ``pp_rank`` (ZeRO-3's gathers are per microbatch)."""
+    layout, model = Layout.of(config), config.model
+    out = _gradient_traffic(config, pp_rank)
+    if tied_names(model) and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
+        vocab = model.vocab_size / layout.tp
+        out.append(Traffic("pp", "all_reduce", 2, 4 * vocab * model.hidden, 1, "step"))
+    if layout.sequence_parallel and layout.tp > 1:  # norm weights on sequence shards: their grads sum over tp
+        norms = sum(
+            c * math.prod(h.shape)
+            for h, c in holdings(config, pp_rank).items()
+            if len(h.shape) == 1 and not h.tp_sharded
+        )
+        out.append(Traffic("tp", "all_reduce", layout.tp, 4 * norms, 1, "step"))
+    out.append(Traffic("world", "all_reduce", layout.world_size, 8, 2, "step"))  # loss, gradient norm
+    replicas = math.prod(layout.sizes[axis] for axis in config.parallel.replica_axes)
+    if spec_of(model).task is LANGUAGE and replicas > 1:  # the global batch's target-token count (fp64)
+        out.append(Traffic("dp", "all_reduce", replicas, 8, 1, "step"))
+    return out
+
+
+def rank_traffic(config: Config, pp_rank: int) -> list[Traffic]:
+    """Everything pipeline rank ``pp_rank`` communicates in a step: each of its stages' microbatch
+    traffic, its sends to neighbouring stages, and the per-step collectives."""
+    par = config.parallel
+    micro_batch = Layout.of(config).micro_batch_size(config.training.global_batch_size)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    stages = placement[pp_rank]
+    out = [t for s in stages for t in microbatch_traffic(config, bounds[s], micro_batch)]
+    last = par.pp * par.virtual_stages - 1
+    act = boundary_bytes(config, micro_batch)
+    if par.pp > 1:
+        out.append(Traffic("pp", "p2p", 2, act, sum(1 for s in stages if s < last), "forward"))
+        out.append(Traffic("pp", "p2p", 2, act, sum(1 for s in stages if s > 0), "backward"))
+    return out + step_traffic(config, pp_rank)
+
+
+def bytes_per_axis(traffic: Iterable[Traffic], microbatches: int) -> dict[str, float]:
+    """Wire bytes per step by axis (per-microbatch traffic counted ``microbatches`` times)."""
+    out: dict[str, float] = {}
+    for t in traffic:
+        times = 1 if t.phase == "step" else microbatches
+        out[t.axis] = out.get(t.axis, 0.0) + t.wire_bytes * times
+    return out

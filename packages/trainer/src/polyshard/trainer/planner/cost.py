@@ -1,0 +1,172 @@
+"""Step time of a layout: compute from FLOPs, collectives from their volume, bubbles from the simulator.
+
+Per microbatch on a stage (t tokens on this rank; P the matmul parameters a token passes through,
+÷ tp; experts count top_k / num_experts of theirs)::
+
+    forward   F = 2·t·P / rate  +  attention 2·t·s·h/tp / rate (causal: half the scores)
+                  +  saved bytes / elementwise bandwidth ÷ 3  +  its forward collectives
+    backward  B = the input gradients (as F's matmuls, attention twice) + 2/3 of the elementwise work
+                  + backward collectives (+ F again under activation checkpointing)
+    weight    W = the weight gradients: F's matmuls without attention
+
+``rate`` is the profile's matmul rate at the layer's width with this many processes on a node. The
+pipeline simulator runs the layout's schedule with these costs and the point-to-point time of one
+activation; after it, the per-step collectives (data-parallel gradients, of which ``overlap`` of
+the last backward hides, ZeRO's parameter gathers, the loop's scalars), the gradient clip's pass and
+the AdamW step add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from polyshard.collectives.ledger import bus_factor
+from polyshard.dp import ShardSpec
+from polyshard.trainer.config import Config
+from polyshard.trainer.models import layer_of, spec_of, tied_names
+from polyshard.trainer.planner import activations
+from polyshard.trainer.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.memory import Held, global_shapes, holdings, stage_bounds
+from polyshard.trainer.planner.pipeline import PipelineCosts, stages_by_rank, step_time
+from polyshard.trainer.planner.profile import Profile
+
+
+def layer_matmul_params(config: Config) -> list[float]:
+    """Per pipeline layer, the matmul parameters one token passes through (before tp): embedding tables
+    are lookups (no FLOPs), a tied head's weight counts in the head, experts by top_k / num_experts."""
+    model = config.model
+    shapes = dict(global_shapes(model))
+    for alias, name in tied_names(model).items():
+        shapes[alias] = shapes[name]
+    lookups = ("layers.0.tok.", "layers.0.pos.") if spec_of(model).task.generates_text else ()
+    out = [0.0] * (model.num_layers + 2)
+    for name, shape in shapes.items():
+        if len(shape) < 2 or name.startswith(lookups):
+            continue
+        share = model.top_k / model.num_experts if ".experts." in name else 1.0
+        out[layer_of(name)] += math.prod(shape) * share
+    return out
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    forward: float
+    backward: float
+    weight: float
+
+
+def processes_per_node(layout: Layout, profile: Profile) -> int:
+    return min(layout.world_size, profile.devices_per_node)
+
+
+def call_s(t: Traffic, layout: Layout, profile: Profile) -> float:
+    """Seconds of one call of ``t`` on this layout's placement."""
+    factor = 1.0 if t.op == "p2p" else bus_factor(t.op, t.group)
+    inter = crosses_nodes(t.axis, layout, profile)
+    return profile.collective_s(
+        t.op, t.group, t.nbytes, factor, inter=inter, processes=processes_per_node(layout, profile)
+    )
+
+
+def _phase_s(traffic: list[Traffic], layout: Layout, profile: Profile, phase: str) -> float:
+    return sum(t.calls * call_s(t, layout, profile) for t in traffic if t.phase == phase)
+
+
+def crosses_nodes(axis: str, layout: Layout, profile: Profile) -> bool:
+    """Whether a group of ``axis`` spans nodes: ranks are laid out pp, dp, ep, cp, tp (tp fastest), so a
+    group's ranks are ``stride`` apart, stride the product of the faster axes."""
+    order = ["pp", "dp", "ep", "cp", "tp"]
+    sizes = layout.sizes
+    if axis == "world":
+        return layout.world_size > profile.devices_per_node
+    axes = ["dp", "ep", "cp"] if axis == "dp" else [axis]
+    fastest = max(order.index(a) for a in axes)
+    stride = math.prod(sizes[a] for a in order[fastest + 1 :])
+    span = stride * math.prod(sizes[a] for a in axes)
+    return span > profile.devices_per_node
+
+
+def stage_costs(
+    config: Config, layers: range, profile: Profile, gathers: tuple[float, float] = (0.0, 0.0)
+) -> StageCosts:
+    """``gathers``: seconds of ZeRO-3's parameter traffic in this stage's forward and backward, of which
+    the profile's ``overlap`` share of the compute hides some (prefetching the next block's)."""
+    model, layout = config.model, Layout.of(config)
+    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
+    tokens = micro_batch * model.sequence_length / layout.cp
+    k = processes_per_node(layout, profile)
+    width = math.sqrt(model.hidden * model.mlp_width / layout.tp) / 2  # the calibration's (h, 4h) at tp = 1
+    rate = profile.matmul_flops(width, k)
+    params = layer_matmul_params(config)
+    matmul = 2 * tokens * sum(params[i] for i in layers) / layout.tp / rate
+    blocks = sum(1 for i in layers if 0 < i < model.num_layers + 1)
+    attention = blocks * 2 * tokens * model.sequence_length * model.hidden / layout.tp / rate
+    plain = dataclasses.replace(layout, activation_checkpointing=False).apply(config)  # what runs, saved or not
+    elementwise = activations.stage_bytes(plain, layers, micro_batch) / profile.elementwise_bandwidth(width, k)
+    elementwise += blocks * profile.block_overhead(width, k)
+    traffic = microbatch_traffic(config, layers, micro_batch)
+    forward = matmul + attention + elementwise / 3
+    backward = matmul + 2 * attention + 2 * elementwise / 3 + (forward if layout.activation_checkpointing else 0.0)
+    forward += max(0.0, gathers[0] - profile.overlap * forward) + _phase_s(traffic, layout, profile, "forward")
+    backward += max(0.0, gathers[1] - profile.overlap * (backward + matmul))
+    backward += _phase_s(traffic, layout, profile, "backward")
+    return StageCosts(forward, backward, matmul)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_s: float
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds by part: pipeline (compute, in-stage collectives, transfers, bubbles), dp, optimizer, other."""
+
+
+def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepEstimate:
+    """Seconds per optimizer step of ``config``'s layout on ``profile``'s machine (not ``exact``: the
+    pipeline from the unit-cost simulation scaled, to screen many layouts quickly)."""
+    par, layout = config.parallel, Layout.of(config)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    per_rank = [step_traffic(config, rank) for rank in range(par.pp)]
+    gathers = {}  # ZeRO-3 gathers and reduces every microbatch, shared by the rank's stages
+    for rank, traffic in enumerate(per_rank):
+        stages = placement[rank]
+        for s in stages:
+            gathers[s] = tuple(
+                _phase_s(traffic, layout, profile, phase) / len(stages) for phase in ("forward", "backward")
+            )
+    costs = [stage_costs(config, bounds[s], profile, gathers[s]) for s in range(len(bounds))]
+    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
+    transfer = Traffic("pp", "p2p", 2, boundary_bytes(config, micro_batch), 1, "forward")
+    pipe = PipelineCosts(
+        forward=tuple(c.forward for c in costs),
+        backward=tuple(c.backward for c in costs),
+        weight=tuple(c.weight for c in costs),
+        p2p=call_s(transfer, layout, profile) if par.pp > 1 else 0.0,
+    )
+    pipeline = step_time(par.schedule, par.pp, par.microbatches, par.virtual_stages, pipe, exact)
+    k = processes_per_node(layout, profile)
+    slowest: dict[str, float] = {}
+    for rank in range(par.pp):  # after the pipeline, the slowest pipeline rank sets the step's end
+        traffic = [t for t in per_rank[rank] if t.phase == "step"]
+        reduce = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op != "all_gather")
+        gather = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op == "all_gather")
+        other = sum(t.calls * call_s(t, layout, profile) for t in traffic if t.axis != "dp")
+        last_backward = max(costs[s].backward + costs[s].weight for s in placement[rank])
+        dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
+        held = holdings(config, rank)
+        elements = sum(count * _stepped(h, par.zero_stage) for h, count in held.items())
+        tensors = sum(held.values())
+        # AdamW, and before it the global-norm clip: one more pass reading every gradient, tensor by tensor.
+        optimizer = profile.optimizer_s(elements, tensors, k) + profile.optimizer_s(elements, tensors, k, 4)
+        parts = {"dp": dp, "optimizer": optimizer, "other": other}
+        if sum(parts.values()) > sum(slowest.values(), -1.0):
+            slowest = parts
+    return StepEstimate(pipeline + sum(slowest.values()), {"pipeline": pipeline, **slowest})
+
+
+def _stepped(held: Held, zero_stage: int) -> float:
+    """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it)."""
+    return ShardSpec(held.shape, held.replicas).shard_numel if zero_stage >= 1 else math.prod(held.shape)

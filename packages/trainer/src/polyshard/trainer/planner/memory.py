@@ -1,0 +1,174 @@
+"""Model states per rank: parameters, gradients and optimizer state, under ZeRO 0-3 and fp32/bf16.
+
+Two accountings of the same thing:
+
+* :func:`zero_paper_bytes`, the ZeRO paper's (Rajbhandari et al. 1910.02054, section 3.1 and
+  Figure 1): Ψ parameters on N ranks, 2 bytes of weight and 2 of gradient, K bytes of optimizer
+  state per parameter (mixed-precision Adam: fp32 master, m, v, so K = 12)::
+
+      plain DP  (2 + 2 + K) Ψ          ZeRO-1  (2 + 2) Ψ + K Ψ / N
+      ZeRO-2    2 Ψ + (2 + K) Ψ / N    ZeRO-3  (2 + 2 + K) Ψ / N
+
+* :func:`model_state_bytes`, what polyshard's engine holds at the optimizer step, to the byte, from
+  the shapes a rank holds (:func:`holdings`): each parameter's dim 0 padded to a multiple of N for
+  ZeRO (:class:`polyshard.dp.ShardSpec`), one presence flag per parameter in every gradient row,
+  AdamW's float32 ``step`` per parameter, gradients reduced in fp32 also under bf16, and fp32
+  master copies where the optimizer steps them (ZeRO-1/2 always; at ZeRO-3 under fp32 the
+  master *is* the local shard). ``tests/trainer/test_planner_memory.py`` checks it against
+  :func:`polyshard.dp.bytes_held` on real engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+from polyshard.dp import ShardSpec
+from polyshard.ep import planned_expert_placement
+from polyshard.mesh import Replicate
+from polyshard.tp import planned_placement
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
+from polyshard.trainer.parallelize import pipeline_bounds
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.pipeline import stages_by_rank
+from polyshard.trainer.records import data_axes
+
+FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
+STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_paper_bytes(
+    num_params: float, replicas: int, zero_stage: int, *, weight: int = 2, grad: int = 2, optimizer: int = 12
+) -> ModelStates:
+    """The ZeRO paper's bytes per device (see the module docstring); K = ``optimizer``."""
+    n = replicas
+    return ModelStates(
+        params=weight * num_params / (n if zero_stage >= 3 else 1),
+        grads=grad * num_params / (n if zero_stage >= 2 else 1),
+        optimizer=optimizer * num_params / (n if zero_stage >= 1 else 1),
+    )
+
+
+@dataclass(frozen=True)
+class Held:
+    """A parameter as one rank holds it before ZeRO: its shape after tp and ep, and how many ranks
+    replicate it (the group its gradient averages over and ZeRO shards it over)."""
+
+    shape: tuple[int, ...]
+    replicas: int
+    tp_sharded: bool = False
+    """Split over tp (a replicated 1-D weight under sequence parallelism has its gradient summed over tp)."""
+
+
+def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str) -> ModelStates:
+    """Bytes polyshard's engine holds for ``held`` (parameter -> how many of it) at the optimizer step."""
+    weight = 2 if precision == "bf16" else 4
+    numel = shard = flags = grad_rows = 0  # elements: whole, this rank's ZeRO rows, flags, gradient buffer
+    for h, count in held.items():
+        n = h.replicas if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
+        rows = ShardSpec(h.shape, n).shard_numel
+        numel += count * math.prod(h.shape)
+        shard += count * rows
+        flags += count
+        grad_rows += count * n * (rows + 1)  # ZeRO-1 keeps every rank's row of the bucket
+    grads = {0: numel + flags, 1: grad_rows, 2: shard + flags, 3: shard + flags}[zero_stage]
+    masters = precision == "bf16" or zero_stage in (1, 2)  # a separate fp32 copy the optimizer steps
+    state_elems = shard if zero_stage >= 1 else numel
+    return ModelStates(
+        params=weight * (shard if zero_stage == 3 else numel),
+        grads=FLAG_AND_GRAD_BYTES * grads,
+        optimizer=(12 if masters else 8) * state_elems + STEP_BYTES * flags,
+    )
+
+
+@lru_cache(maxsize=32)
+def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape, from a build on the meta device (a tied alias is not listed)."""
+    skeleton = build_model(model, layers=())
+    return {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+
+
+@lru_cache(maxsize=64)
+def _tp_plan_by_layer(model: ModelConfig, tp: int, sequence_parallel: bool) -> dict[int, dict[str, object]]:
+    """The tp plan by layer; it depends on tp itself where kv heads are replicated (tp > kv heads)."""
+    parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
+    by_layer: dict[int, dict[str, object]] = {}
+    for pattern, style in spec_of(model).tp_plan(model, parallel).items():
+        by_layer.setdefault(layer_of(pattern), {})[pattern] = style
+    return by_layer
+
+
+def _held(config: Config, layout: Layout, name: str, shape: tuple[int, ...]) -> Held:
+    """As :func:`polyshard.trainer.records.base_record` places it (tp, then ep), with the tp plan
+    looked up per layer so a 126-layer model does not match every name against every pattern."""
+    plan = _tp_plan_by_layer(config.model, layout.tp, layout.sequence_parallel).get(layer_of(name), {})
+    record = planned_placement(plan, name, shape, layout.tp)
+    if spec_of(config.model).has_experts:
+        record = planned_expert_placement(name, shape) or record
+    replicas = math.prod(layout.sizes[a] for a in data_axes(config, record))
+    tp_sharded = record.placement("tp") != Replicate() if layout.tp > 1 else False
+    return Held(record.local_shape(layout.sizes), replicas, tp_sharded)
+
+
+def holdings(config: Config, pp_rank: int) -> Counter[Held]:
+    """The parameters pipeline rank ``pp_rank`` holds (any dp/tp/ep coordinate holds the same shapes).
+
+    A tied weight is one tensor where one stage uses both names, and a copy on each stage otherwise
+    (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
+    same split of the same model under many ZeRO stages, microbatch counts and schedules."""
+    par = config.parallel
+    key = (config.model, tuple(sorted(Layout.of(config).sizes.items())), par.sequence_parallel, par.zero_stage == 3)
+    key += (par.schedule if par.virtual_stages > 1 else "", par.virtual_stages, tuple(par.stage_layers or ()), pp_rank)
+    if key not in _HOLDINGS:
+        _HOLDINGS[key] = _holdings(config, pp_rank)
+    return _HOLDINGS[key]
+
+
+_HOLDINGS: dict[tuple[object, ...], Counter[Held]] = {}
+
+
+def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
+    par, layout = config.parallel, Layout.of(config)
+    shapes = global_shapes(config.model)
+    bounds = stage_bounds(config)
+    placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
+    aliases = tied_names(config.model)
+    held: Counter[Held] = Counter()
+    for stage in placement[pp_rank]:
+        layers = bounds[stage]
+        names = [n for n in shapes if layer_of(n) in layers]
+        names += [n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) not in layers]
+        held.update(_held(config, layout, n, shapes[n]) for n in names)
+    return held
+
+
+def stage_bounds(config: Config) -> list[range]:
+    """:func:`pipeline_bounds` of ``config`` (cached by the model and the split)."""
+    par = config.parallel
+    key = (config.model, par.pp, par.virtual_stages, tuple(par.stage_layers or ()))
+    if key not in _BOUNDS:
+        _BOUNDS[key] = pipeline_bounds(config, global_shapes(config.model))
+    return _BOUNDS[key]
+
+
+_BOUNDS: dict[tuple[object, ...], list[range]] = {}
+
+
+def rank_model_states(config: Config, pp_rank: int) -> ModelStates:
+    par = config.parallel
+    return model_state_bytes(holdings(config, pp_rank), par.zero_stage, config.training.precision)

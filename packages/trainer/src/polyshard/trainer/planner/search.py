@@ -1,0 +1,191 @@
+"""Enumerate the layouts of a model on N devices, keep those that fit, rank them by estimated step time.
+
+For every mesh dp x tp x pp x ep (x cp, where polyshard has it) of the devices, every ZeRO stage,
+microbatch count, pipeline schedule, sequence parallelism and activation checkpointing: the
+heaviest rank's memory (model states to the byte, activations from the simulator's in-flight
+count) decides whether it fits; the cost model estimates the step of those that do. The trainer's
+own checks (:func:`polyshard.trainer.constraints.validate`) reject what polyshard cannot run.
+tp stays inside a node and pipelines have at most :data:`MAX_PIPELINE` ranks. Activation
+checkpointing is only tried where the layout does not fit without it (it never makes a step
+faster). Every fitting layout is screened with the unit-cost simulation scaled by its costs; the
+best :data:`SIMULATED` are simulated with their own costs and ranked by that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from polyshard.mesh import divisors
+from polyshard.trainer.config import V_SCHEDULES, Config
+from polyshard.trainer.constraints import validate
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models import spec_of
+from polyshard.trainer.planner.activations import activation_bytes
+from polyshard.trainer.planner.comm import bytes_per_axis, rank_traffic
+from polyshard.trainer.planner.cost import StepEstimate, estimate_step
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.memory import ModelStates, rank_model_states
+from polyshard.trainer.planner.profile import Profile
+
+SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
+MAX_PIPELINE = 32
+"""Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
+SIMULATED = 32
+"""Layouts simulated with their own costs after the screen."""
+
+
+@dataclass(frozen=True)
+class Request:
+    devices: int
+    """Processes (devices) to lay out."""
+    devices_per_node: int
+    memory_gb: float
+    """Memory per device, GB (1e9 bytes)."""
+    fixed: Mapping[str, object] = field(default_factory=dict)
+    """Layout fields the user fixed (tp=8, zero_stage=1, schedule='1f1b', ...)."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """The heaviest rank's bytes."""
+
+    states: ModelStates
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.states.total + self.activations
+
+    def as_gb(self) -> dict[str, float]:
+        s = self.states
+        parts = {"params": s.params, "grads": s.grads, "optimizer": s.optimizer, "activations": self.activations}
+        return {k: v / 1e9 for k, v in {**parts, "total": self.total}.items()}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    comm_bytes: dict[str, float]
+    step: StepEstimate | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.step.step_s if self.step else float("inf")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "layout": self.layout.as_dict(),
+            "label": self.layout.label(),
+            "per_rank_gb": self.memory.as_gb(),
+            "comm_bytes": self.comm_bytes,
+            "step_s": self.step_s,
+            "step_parts_s": self.step.parts if self.step else {},
+        }
+
+
+def memory_of(config: Config) -> Memory:
+    """The heaviest pipeline rank's model states and activations (every dp/tp/ep rank of it holds alike)."""
+    ranks = [(rank_model_states(config, r), activation_bytes(config, r)) for r in range(config.parallel.pp)]
+    states, acts = max(ranks, key=lambda pair: pair[0].total + pair[1])
+    return Memory(states, acts)
+
+
+def comm_of(config: Config) -> dict[str, float]:
+    """Wire bytes per step by axis, of the pipeline rank that sends the most."""
+    per_rank = [
+        bytes_per_axis(rank_traffic(config, r), config.parallel.microbatches) for r in range(config.parallel.pp)
+    ]
+    return max(per_rank, key=lambda axes: sum(axes.values()))
+
+
+def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
+    """Every dp x tp x pp x ep (x cp) of the devices that the model's shape allows."""
+    model, n = config.model, request.devices
+    has_cp = "cp" in {f.name for f in dataclasses.fields(config.parallel)}
+    experts = spec_of(model).has_experts
+    for tp in divisors(n):
+        if tp > request.devices_per_node or model.kv_heads % tp or model.mlp_width % tp:
+            continue
+        for cp in divisors(n // tp) if has_cp else [1]:
+            for ep in divisors(n // (tp * cp)) if experts else [1]:
+                if model.num_experts % ep:
+                    continue
+                for pp in divisors(n // (tp * cp * ep)):
+                    if pp <= min(model.num_layers + 2, MAX_PIPELINE):
+                        yield {"dp": n // (tp * cp * ep * pp), "tp": tp, "pp": pp, "ep": ep, "cp": cp}
+
+
+def layouts(config: Config, request: Request) -> Iterator[Layout]:
+    """Candidate layouts (before the memory check), the fixed fields applied."""
+    batch = config.training.global_batch_size
+    for mesh in meshes(config, request):
+        data_ranks = mesh["dp"] * mesh["ep"]
+        if batch % data_ranks:
+            continue
+        pp = mesh["pp"]
+        counts = [m for m in divisors(batch // data_ranks) if pp == 1 or m >= pp]
+        for zero, m, schedule, sp in itertools.product(range(4), counts, SCHEDULES if pp > 1 else ["1f1b"], (0, 1)):
+            if sp and mesh["tp"] == 1:
+                continue
+            virtual = 2 if schedule in ("interleaved", *V_SCHEDULES) else 1
+            if virtual > 1 and 2 * pp > config.model.num_layers + 2:
+                continue  # fewer layers than stages
+            if (schedule == "interleaved" and m % pp) or (schedule == "dualpipev" and m < 2 * pp):
+                continue
+            layout = Layout(
+                **mesh,
+                zero_stage=zero,
+                microbatches=m,
+                schedule=schedule,
+                virtual_stages=virtual,
+                sequence_parallel=bool(sp),
+            )
+            if all(getattr(layout, key) == value for key, value in request.fixed.items()):
+                yield layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    ranked: list[Candidate]
+    """The best fitting layouts, simulated with their own costs, fastest first."""
+    considered: int
+    """Layouts polyshard can run that were weighed."""
+    fitting: int
+    """Of those, how many fit in memory (the screen ranked them all)."""
+
+
+def search(config: Config, request: Request, profile: Profile, simulated: int = SIMULATED) -> Plan:
+    """The best ``simulated`` layouts that fit, fastest first, and how many were considered and fit."""
+    budget = request.memory_gb * 1e9
+    fitting: list[Candidate] = []
+    considered = 0
+    for layout in layouts(config, request):
+        for checkpointing in (False, True):
+            if request.fixed.get("activation_checkpointing", checkpointing) != checkpointing:
+                continue
+            candidate = dataclasses.replace(layout, activation_checkpointing=checkpointing)
+            planned = candidate.apply(config)
+            try:
+                validate(planned, world_size=request.devices)
+            except ConfigError:
+                break
+            considered += 1
+            states = max((rank_model_states(planned, r) for r in range(layout.pp)), key=lambda s: s.total)
+            if states.total > budget:
+                break  # checkpointing does not shrink model states
+            memory = memory_of(planned)
+            if memory.total <= budget:
+                screen = estimate_step(planned, profile, exact=False)
+                fitting.append(Candidate(candidate, memory, {}, screen))
+                break  # checkpointing would only slow a layout that already fits
+    fitting.sort(key=lambda c: (c.step_s, c.memory.total))
+    best = []
+    for c in fitting[:simulated]:
+        planned = c.layout.apply(config)
+        best.append(dataclasses.replace(c, comm_bytes=comm_of(planned), step=estimate_step(planned, profile)))
+    best.sort(key=lambda c: (c.step_s, c.memory.total))
+    return Plan(best, considered, len(fitting))

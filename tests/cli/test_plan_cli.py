@@ -1,0 +1,85 @@
+"""`polyshard plan`: the ranked table, --json, fixed axes, every way of naming a model, and bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from polyshard.cli.main import app
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.planner.search import memory_of
+
+from ..trainer._planner import flat_profile
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "flat.json"
+    path.write_text(flat_profile(memory_gb=1.0, devices_per_node=4).to_json())
+    return str(path)
+
+
+def _plan(*args):
+    return CliRunner().invoke(app, ["plan", *args])
+
+
+def test_plan_ranks_layouts_and_writes_json(tmp_path, profile):
+    out = tmp_path / "plan.json"
+    result = _plan("tiny", "--devices", "4", "--global-batch", "16", "--profile", profile, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "layouts considered" in result.output and "step s" in result.output
+    plan = json.loads(out.read_text())
+    assert set(plan) >= {"per_rank_gb", "comm_bytes", "step_s", "layouts"}
+    steps = [entry["step_s"] for entry in plan["layouts"]]
+    assert steps == sorted(steps) and plan["step_s"] == steps[0]
+    best = Layout(**plan["layouts"][0]["layout"])
+    assert best.world_size == 4
+    # The same numbers as the planner's memory model for that layout (which --dry-run prints too).
+    config = best.apply(from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}}))
+    assert plan["per_rank_gb"]["total"] == pytest.approx(memory_of(config).total / 1e9)
+
+
+def test_fixed_axes_hold_in_every_layout(tmp_path, profile):
+    out = tmp_path / "plan.json"
+    args = ["tiny", "--devices", "4", "--global-batch", "16", "--tp", "2", "--zero", "0", "--profile", profile]
+    assert _plan(*args, "--json", str(out)).exit_code == 0
+    layouts = [entry["layout"] for entry in json.loads(out.read_text())["layouts"]]
+    assert layouts and all(entry["tp"] == 2 and entry["zero_stage"] == 0 for entry in layouts)
+
+
+def test_models_by_config_file_and_hugging_face_folder(tmp_path, profile):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\npreset = "llama-tiny"\n[training]\nglobal_batch_size = 8\n')
+    assert _plan(str(toml), "--devices", "2", "--profile", profile).exit_code == 0
+    from transformers import LlamaConfig
+
+    hf = tmp_path / "hf"
+    LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=64).save_pretrained(hf)  # fmt: skip
+    result = _plan(str(hf / "config.json"), "--devices", "2", "--global-batch", "8", "--profile", profile)
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope", "--devices", "2"], "is not a preset"),
+        (["tiny"], "give a model and --devices"),
+        (["tiny", "--devices", "0"], "--devices"),
+        (["tiny", "--devices", "4", "--profile", "no-such-profile"], "neither a built-in"),
+        (["tiny", "--devices", "4", "--schedule", "fast"], "--schedule 'fast'"),
+        (["tiny", "--devices", "4", "--tp", "3"], "do not divide"),
+        (["tiny", "--devices", "4", "--memory-gb", "-1"], "--memory-gb"),
+        (["tiny", "--devices", "4", "--precision", "fp8"], "training.precision"),
+    ],
+)
+def test_bad_input_is_a_clear_error_with_exit_code_2(args, message, profile):
+    result = _plan(*args, *(["--profile", profile] if "--profile" not in args else []))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_nothing_fits_says_so(profile):
+    result = _plan("tiny", "--devices", "2", "--memory-gb", "0.0001", "--profile", profile)
+    assert result.exit_code == 1 and "no layout fits" in result.output

@@ -1,0 +1,52 @@
+"""The planner's communication per step against the byte ledger of a real training step."""
+
+import pytest
+import torch
+
+from polyshard.collectives import CommLedger
+from polyshard.collectives.ledger import group_ranks
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.loop import train_step
+from polyshard.trainer.parallelize import build_engine
+from polyshard.trainer.planner.comm import rank_traffic
+
+
+def _wire_by_group(parallel):
+    """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
+    config = from_dict({"model": {"preset": "tiny"}, "parallel": parallel, "training": {"global_batch_size": 8}})
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    tokens = torch.randint(0, 256, (8 // config.parallel.data_ranks, 65))
+    train_step(engine, tokens[:, :-1], tokens[:, 1:], 1e-3)  # the first step creates buffers and state
+    with CommLedger() as ledger:
+        train_step(engine, tokens[:, :-1], tokens[:, 1:], 1e-3)
+    measured: dict[tuple[int, ...], float] = {}
+    for (_, ranks), entry in ledger.entries.items():
+        if entry.wire_bytes:
+            measured[ranks] = measured.get(ranks, 0.0) + entry.wire_bytes
+    world = tuple(range(mesh.layout.world_size))
+    groups = {"world": world, "dp": group_ranks(mesh.group(config.parallel.replica_axes))}
+    groups |= {axis: group_ranks(mesh.group(axis)) for axis in ("tp", "pp")}
+    estimated: dict[tuple[int, ...], float] = {}
+    for t in rank_traffic(config, mesh.coord("pp")):
+        times = 1 if t.phase == "step" else config.parallel.microbatches
+        estimated[groups[t.axis]] = estimated.get(groups[t.axis], 0.0) + t.wire_bytes * times
+    return measured, {ranks: wire for ranks, wire in estimated.items() if wire}
+
+
+LAYOUTS = [
+    (2, {"dp": 2}),
+    (2, {"dp": 2, "zero_stage": 1}),
+    (2, {"dp": 2, "zero_stage": 3, "microbatches": 2}),
+    (2, {"tp": 2}),
+    (2, {"tp": 2, "sequence_parallel": True}),
+    (2, {"pp": 2, "microbatches": 4}),
+    (4, {"dp": 2, "tp": 2}),
+]
+
+
+@pytest.mark.parametrize("world, parallel", LAYOUTS, ids=[str(p) for _, p in LAYOUTS])
+def test_estimated_wire_bytes_per_group_equal_the_ledger(distributed, world, parallel):
+    for rank, (measured, estimated) in enumerate(distributed.run(world, _wire_by_group, parallel)):
+        assert measured == pytest.approx(estimated, rel=1e-12), f"rank {rank}"
