@@ -23,7 +23,14 @@ from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer, bytes_held
 from polyshard.mesh import DistributedContext
-from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh.benchmark import (
+    Record,
+    comparison_record,
+    held_bytes,
+    run_bench,
+    time_interleaved,
+    write_records,
+)
 
 HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
@@ -72,17 +79,6 @@ def losses_match(ours: Callable[[], float], peer: Callable[[], float]) -> bool:
     return bool(torch.allclose(ours_losses, peer_losses, rtol=LOSS_RTOL, atol=LOSS_ATOL))
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state this rank holds (DTensors counted locally)."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
-    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def bench_ddp(iters: int) -> Record:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -100,7 +96,7 @@ def bench_ddp(iters: int) -> Record:
         peer_s,
         match,
         ours_held_bytes=bytes_held(ours_model, ours_opt).total,
-        peer_held_bytes=held_bytes(peer_model, peer_opt),
+        peer_held_bytes=held_bytes([peer_model], [peer_opt]),
     )
 
 
@@ -121,7 +117,7 @@ def bench_zero1(iters: int) -> Record:
         peer_s,
         match,
         ours_held_bytes=bytes_held(ours_model, ours_opt).total,
-        peer_held_bytes=held_bytes(peer_model, peer_opt.optim),
+        peer_held_bytes=held_bytes([peer_model], [peer_opt.optim]),
     )
 
 
@@ -146,8 +142,13 @@ def bench_fsdp(iters: int) -> Record:
         peer_s,
         match,
         ours_held_bytes=bytes_held(ours_model, ours_opt).total,
-        peer_held_bytes=held_bytes(peer_model, peer_opt),
+        peer_held_bytes=held_bytes([peer_model], [peer_opt]),
     )
+
+
+def run_all(iters: int) -> list[Record]:
+    """DDP, ZeRO-1 and ZeRO-3 against their peers on the world group (call on every rank)."""
+    return [bench_ddp(iters), bench_zero1(iters), bench_fsdp(iters)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def measure(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
-        return [bench_ddp(args.iters), bench_zero1(args.iters), bench_fsdp(args.iters)]
+        return run_all(args.iters)
 
     def report(records: list[Record]) -> None:
         write_records(records, args.json)

@@ -30,7 +30,14 @@ from polyshard.collectives import ops
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
-from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh.benchmark import (
+    Record,
+    comparison_record,
+    held_bytes,
+    run_bench,
+    time_interleaved,
+    write_records,
+)
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
@@ -99,7 +106,19 @@ def _case(args: argparse.Namespace, top_k: int) -> Record:
         ours_tokens_per_s=tokens / ours_s,
         peer_tokens_per_s=tokens / peer_s,
         all_to_all_fraction=fraction,
+        # Parameters and gradients (no optimizer in this step): ours E/P experts, the peer all E.
+        ours_held_bytes=held_bytes([ours_layer]),
+        peer_held_bytes=held_bytes([peer_layer]),
     )
+
+
+def compare(
+    *, tokens: int = 1024, hidden: int = 128, ffn: int = 256, experts: int = 8, iters: int = 10
+) -> list[Record]:
+    """top-1 and top-2 routing against the one-process layer on the world group (call on every rank);
+    the defaults are ``main``'s."""
+    args = argparse.Namespace(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, iters=iters)
+    return [_case(args, top_k) for top_k in (1, 2)]
 
 
 def _all_to_all_fraction(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,35 @@ def comparison_record(case: str, ours_s: float, peer_s: float, outputs_match: bo
         "outputs_match": bool(outputs_match),
         **extra,
     }
+
+
+def held_bytes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = ()) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds for ``modules``: the distinct
+    storages behind their local tensors (a DTensor's local shard), so a view (a gradient inside a
+    bucket) counts once and a freed storage counts zero. For a PyTorch peer; polyshard.dp's wrappers
+    report their own with ``polyshard.dp.bytes_held``."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard
+        return to_local() if callable(to_local) else t
+
+    tensors: list[torch.Tensor] = []
+    for module in modules:
+        for p in module.parameters():
+            tensors.append(local(p))
+            if p.grad is not None:
+                tensors.append(local(p.grad))
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            tensors += [local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 Column = tuple[str, int, Callable[[Record], str]]

@@ -30,7 +30,14 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.mesh import DistributedContext
-from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh.benchmark import (
+    Record,
+    comparison_record,
+    held_bytes,
+    run_bench,
+    time_interleaved,
+    write_records,
+)
 from polyshard.pp.actions import Schedule
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages
@@ -115,6 +122,7 @@ def _case(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
         ab_ours_s, late_s = time_interleaved(run_ours, run_late, iters=args.iters, warmup=2)
         late_timeline = _median_timeline(run_late, lambda: state["late"].timeline, schedule, late)
         extra |= {"late_s": late_s, "ab_ratio": ab_ours_s / late_s, "bubble_late": late_timeline.bubble_fraction}
+    extra |= {"ours_held_bytes": held_bytes(ours.values()), "peer_held_bytes": held_bytes(theirs.values())}
     return comparison_record(case, ours_s, peer_s, match, **extra, bubble_theory=theory)
 
 
@@ -153,6 +161,25 @@ def _matches(state: dict[str, Any], ours: Mapping[int, nn.Module], theirs: Mappi
     flag = torch.tensor([1.0 if ok else 0.0])
     ops.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank agrees on the verdict
     return bool(flag.item())
+
+
+def compare(
+    schedules: Sequence[str] = tuple(PEERS),
+    *,
+    layers: int = 8,
+    hidden: int = 1024,
+    batch: int = 64,
+    microbatches: int = 8,
+    iters: int = 20,
+) -> list[Record]:
+    """One record per schedule against its PyTorch peer on the world group (call on every rank);
+    the defaults are ``main``'s."""
+    args = argparse.Namespace(
+        layers=layers, hidden=hidden, batch=batch, microbatches=microbatches, iters=iters, svg=None
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g)
+    return [_case(name, args, x, y) for name in schedules]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.mesh import Mesh
-from polyshard.mesh.benchmark import Record, comparison_record, run_bench, time_interleaved, write_records
+from polyshard.mesh.benchmark import (
+    Record,
+    comparison_record,
+    held_bytes,
+    run_bench,
+    time_interleaved,
+    write_records,
+)
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
 from polyshard.tp.transformer import MLP, Attention, Block
@@ -84,7 +91,15 @@ def run_case(
     match = torch.allclose(out_a, out_b, rtol=1e-4, atol=1e-5) and torch.allclose(gx_a, gx_b, rtol=1e-4, atol=1e-5)
     ours_s, peer_s = time_interleaved(lambda: _step(ours, x, grad_out), lambda: _step(peer, x, grad_out), iters=iters)
     n = dist.get_world_size(tp_group)
-    return comparison_record(f"{name} tp={n} B={B} S={S} H={H}", ours_s, peer_s, match)
+    # No optimizer in this step: what each rank holds is its parameters and their gradients.
+    return comparison_record(
+        f"{name} tp={n} B={B} S={S} H={H}",
+        ours_s,
+        peer_s,
+        match,
+        ours_held_bytes=held_bytes([ours]),
+        peer_held_bytes=held_bytes([peer]),
+    )
 
 
 def run_all(iters: int) -> list[Record]:
