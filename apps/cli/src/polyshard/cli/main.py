@@ -133,6 +133,43 @@ def bench_plan(
         json_path.write_text(json.dumps({**rows, "fastest_of_six": beside.as_dict()}, indent=2))
 
 
+@bench_app.command("peers")
+def bench_peers(
+    nproc: int = typer.Option(2, "--nproc", help="Local processes: 2, 4 or 8 (the composed layouts need them)."),
+    steps: int = typer.Option(10, "--steps", help="Timed steps per side, after 2 warm-up steps."),
+    only: str = typer.Option(
+        "dp,tp,pp,ep,cp,composed", "--only", help="Comma-separated groups: dp, tp, pp, ep, cp, composed."
+    ),
+    preset: str = typer.Option("tiny", "--preset", help="The composed jobs' GPT: tiny or small."),
+    json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+) -> None:
+    """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
+    parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
+    from polyshard.trainer.benchmarks.peers import GROUPS, LAYOUTS, PRESETS
+
+    if nproc not in LAYOUTS:
+        raise typer.BadParameter(
+            f"{nproc} processes; choose one of {sorted(LAYOUTS)} (the composed layouts: "
+            + "; ".join(
+                f"{n}: {', '.join('x'.join(f'{a}{s}' for a, s in lay.items()) for lay in LAYOUTS[n])}" for n in LAYOUTS
+            )
+            + ")",
+            param_hint="--nproc",
+        )
+    if steps < 1:
+        raise typer.BadParameter(f"{steps}; give at least 1 timed step", param_hint="--steps")
+    groups = [g.strip() for g in only.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or not groups:
+        raise typer.BadParameter(f"unknown groups {unknown}; choose from {list(GROUPS)}", param_hint="--only")
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"{preset!r}; choose one of {list(PRESETS)}", param_hint="--preset")
+    args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset]
+    if json_path is not None:
+        args += ["--json", str(json_path.resolve())]
+    raise typer.Exit(run_local(nproc, "polyshard.trainer.benchmarks.peers", args))
+
+
 def _bench_with_peer(package: str):
     """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
 

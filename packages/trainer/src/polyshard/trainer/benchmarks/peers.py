@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -113,9 +115,17 @@ class Ours:
         loss, _ = train_step(self.engine, inputs, targets, self.config.training.lr)
         return loss
 
-    def held(self) -> int:
-        engine = self.engine
-        return sum(bytes_held(engine.wrappers[s], opt).total for s, opt in zip(engine.stages, engine.optimizers))
+    def held(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        """Bytes held at the end of one more step, after the optimizer step and before the gradients
+        are dropped (where the peer is measured: its gradients live until the next step's zero_grad)."""
+        engine, held = self.engine, []
+
+        def measure() -> None:
+            pairs = zip(engine.stages, engine.optimizers)
+            held.append(sum(bytes_held(engine.wrappers[s], opt).total for s, opt in pairs))
+
+        train_step(engine, inputs, targets, self.config.training.lr, before_zero_grad=measure)
+        return held[0]
 
 
 class Peer:
@@ -278,7 +288,7 @@ def composed_case(
         # Ours alone, timed the same way (each call between barriers, slowest rank, median).
         ours_s, _ = time_interleaved(run("ours", ours.step), lambda: None, iters=steps, warmup=warmup)
         record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
-        return record | extra | {"ours_held_bytes": ours.held(), "peer_unavailable": reason}
+        return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
     match = _same_everywhere(all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(ours_losses, peer_losses)))
     ours_s, peer_s = time_interleaved(run("ours", ours.step), run("peer", peer.step), iters=steps, warmup=warmup)
@@ -290,7 +300,7 @@ def composed_case(
         **extra,
         peer_losses=peer_losses,
         loss_max_rel_diff=worst,
-        ours_held_bytes=ours.held(),
+        ours_held_bytes=ours.held(*data[0]),
         peer_held_bytes=peer.held(),
     )
 
@@ -310,7 +320,10 @@ def strategy_rows(groups: Sequence[str], steps: int) -> list[Record]:
     if "pp" in groups:
         from polyshard.pp import bench as pp_bench
 
-        rows += [r | {"group": "pp"} for r in pp_bench.compare(iters=steps)]
+        # pp's shapes, with enough layers and microbatches for a V of 2n stages at n ranks (8+ ranks)
+        layers, microbatches = max(8, 2 * n), max(8, 2 * n)
+        records = pp_bench.compare(layers=layers, microbatches=microbatches, iters=steps)
+        rows += [r | {"group": "pp"} for r in records]
     if "ep" in groups:
         from polyshard.ep import bench as ep_bench
 
@@ -322,7 +335,9 @@ def strategy_rows(groups: Sequence[str], steps: int) -> list[Record]:
     return rows
 
 
-def measure(groups: Sequence[str], steps: int, preset: str = "tiny", device: torch.device | str = "cpu") -> list[Record]:
+def measure(
+    groups: Sequence[str], steps: int, preset: str = "tiny", device: torch.device | str = "cpu"
+) -> list[Record]:
     """Every row for this world size (call on every rank; every rank returns the same records)."""
     n = dist.get_world_size()
     rows = strategy_rows(groups, steps)
@@ -360,10 +375,20 @@ def format_report(records: Sequence[Record]) -> str:
     if ratios:
         lines.append(
             f"{len(ratios)} comparisons: ratio median {sorted(ratios)[len(ratios) // 2]:.2f}, "
-            f"{len(above)} above 1.0" + (f" ({'; '.join(above)})" if above else "")
-            + f"; {len(mismatched)} mismatched" + (f" ({'; '.join(mismatched)})" if mismatched else "")
+            f"{len(above)} above 1.0"
+            + (f" ({'; '.join(above)})" if above else "")
+            + f"; {len(mismatched)} mismatched"
+            + (f" ({'; '.join(mismatched)})" if mismatched else "")
         )
     return "\n".join(lines)
+
+
+def quiet_peer_warnings() -> None:
+    """Two notices the peer prints every step would bury the table: FSDP2's about modules returning
+    views (nothing here writes into them in place) and DTensor's that a norm over dp x tp takes two
+    all-reduces (the peer's cost, which its time includes)."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -380,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def run(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
+        quiet_peer_warnings()
         return measure(groups, args.steps, args.preset, ctx.device)
 
     def report(records: list[Record]) -> None:

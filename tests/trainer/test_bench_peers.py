@@ -1,0 +1,93 @@
+"""`polyshard bench peers`: the composed GPT against the torch-native composition (losses matched
+step by step), a strategy group's rows, the report and the command's checks. Timings are not asserted."""
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from polyshard.cli.main import app
+from polyshard.trainer.benchmarks import peers
+
+
+def _composed(layout):
+    peers.quiet_peer_warnings()
+    return peers.composed_case(layout, steps=1, check_steps=2, warmup=0)
+
+
+@pytest.mark.parametrize("layout", [{"dp": 2}, {"tp": 2}, {"pp": 2}], ids=["dp2", "tp2", "pp2"])
+def test_composed_gpt_matches_the_torch_native_composition(distributed, layout):
+    records = distributed.run(2, _composed, layout)
+    assert records[0] == records[1] or records[0]["case"] == records[1]["case"]
+    r = records[0]
+    assert "peer_unavailable" not in r, r.get("peer_unavailable")
+    assert r["outputs_match"] is True, r
+    assert len(r["ours_losses"]) == len(r["peer_losses"]) == 2
+    for ours, peer in zip(r["ours_losses"], r["peer_losses"]):
+        assert math.isclose(ours, peer, rel_tol=peers.LOSS_RTOL)
+    assert 5.0 < r["ours_losses"][0] < 6.0  # ~ln(256): random tokens on a fresh byte-level model
+    assert r["ours_losses"][0] != r["ours_losses"][1]  # a second batch after an optimizer step
+    assert r["ours_s"] > 0 and r["peer_s"] > 0 and r["ratio"] == pytest.approx(r["ours_s"] / r["peer_s"])
+    # Parameters, gradients and AdamW's two moments, float32: 16 bytes per parameter unsharded.
+    config = peers.composed_config(layout)
+    from polyshard.trainer.plan import parameter_count
+
+    unsharded = 16 * parameter_count(config)
+    for held in (r["ours_held_bytes"], r["peer_held_bytes"]):
+        if "dp" in layout:  # ZeRO-3 and fully_shard: about half on each of two ranks
+            assert 0.45 * unsharded < held < 0.6 * unsharded
+        else:  # tp or pp: each rank holds part of the model, all of its states
+            assert 0.3 * unsharded < held < 0.8 * unsharded
+
+
+def _tp_rows():
+    return peers.measure(["tp"], steps=1)
+
+
+def test_a_strategy_group_gives_its_package_benchmark_rows(distributed):
+    rows = distributed.run(2, _tp_rows)[0]
+    assert [r["group"] for r in rows] == ["tp", "tp"] and all(r["world_size"] == 2 for r in rows)
+    assert all(r["outputs_match"] and r["ours_held_bytes"] > 0 and r["peer_held_bytes"] > 0 for r in rows)
+    assert rows[0]["case"].startswith("mlp fwd+bwd tp=2")
+
+
+def test_report_lists_unavailable_peers_and_summarises():
+    rows = [
+        {"case": "a", "ours_s": 0.01, "peer_s": 0.02, "ratio": 0.5, "outputs_match": True, "ours_held_bytes": 2**20,
+         "peer_held_bytes": 2**21},
+        {"case": "b", "ours_s": 0.03, "peer_s": 0.02, "ratio": 1.5, "outputs_match": False},
+        {"case": "c", "ours_s": 0.01, "peer_s": None, "ratio": None, "outputs_match": None,
+         "peer_unavailable": "RuntimeError: no"},
+    ]  # fmt: skip
+    lines = peers.format_report(rows).splitlines()
+    assert lines[0].split() == ["case", "ours", "(ms)", "peer", "(ms)", "ratio", "ours", "MiB", "peer", "MiB", "match"]
+    assert lines[1].split() == ["a", "10.00", "20.00", "0.50", "1.00", "2.00", "yes"]
+    assert lines[2].split()[-1] == "NO" and lines[3].split()[1:] == ["10.00", "–", "–", "–", "–", "n/a"]
+    assert lines[4] == "peer unavailable for c: RuntimeError: no"
+    assert lines[5] == "2 comparisons: ratio median 1.50, 1 above 1.0 (b); 1 mismatched (b)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "3"], "choose one of [2, 4, 8]"),
+        (["--only", "dp,zz"], "unknown groups ['zz']"),
+        (["--steps", "0"], "give at least 1 timed step"),
+        (["--preset", "huge"], "choose one of ['tiny', 'small']"),
+    ],
+)
+def test_command_rejects_bad_options(args, message):
+    result = CliRunner().invoke(app, ["bench", "peers", *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.long
+def test_command_runs_the_composed_jobs_on_two_processes(tmp_path):
+    out = tmp_path / "peers.json"
+    result = CliRunner().invoke(app, ["bench", "peers", "--nproc", "2", "--only", "composed", "--steps", "2",
+                                      "--json", str(out)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [r["layout"] for r in rows] == [{"dp": 2}, {"tp": 2}, {"pp": 2}]
+    assert all(r["outputs_match"] and r["world_size"] == 2 for r in rows)
