@@ -59,13 +59,16 @@ def test_report_lists_unavailable_peers_and_summarises():
         {"case": "b", "ours_s": 0.03, "peer_s": 0.02, "ratio": 1.5, "outputs_match": False},
         {"case": "c", "ours_s": 0.01, "peer_s": None, "ratio": None, "outputs_match": None,
          "peer_unavailable": "RuntimeError: no"},
+        peers.skipped_row("dp", "not measured on cuda: why"),
     ]  # fmt: skip
     lines = peers.format_report(rows).splitlines()
     assert lines[0].split() == ["case", "ours", "(ms)", "peer", "(ms)", "ratio", "ours", "MiB", "peer", "MiB", "match"]
     assert lines[1].split() == ["a", "10.00", "20.00", "0.50", "1.00", "2.00", "yes"]
     assert lines[2].split()[-1] == "NO" and lines[3].split()[1:] == ["10.00", "–", "–", "–", "–", "n/a"]
-    assert lines[4] == "peer unavailable for c: RuntimeError: no"
-    assert lines[5] == "2 comparisons: ratio median 1.50, 1 above 1.0 (b); 1 mismatched (b)"
+    assert lines[4].split() == ["dp", "(package", "benchmark)", "–", "–", "–", "–", "–", "n/a"]
+    assert lines[5] == "peer unavailable for c: RuntimeError: no"
+    assert lines[6] == "skipped for dp (package benchmark): not measured on cuda: why"
+    assert lines[7] == "2 comparisons: ratio median 1.50, 1 above 1.0 (b); 1 mismatched (b)"
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ def _timed(fn: Callable[[], object]) -> float:
         dist.barrier()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     if dist.is_initialized():
+        if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+            elapsed = elapsed.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 

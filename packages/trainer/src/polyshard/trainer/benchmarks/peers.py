@@ -134,7 +134,7 @@ class Peer:
     def __init__(self, config: Config, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.config, par = config, config.parallel
+        self.config, par, self.device = config, config.parallel, device
         axes = {axis: size for axis, size in (("pp", par.pp), ("dp", par.dp), ("tp", par.tp))}
         # pp x dp x tp, tp fastest: the same ranks on each axis as polyshard's Mesh.
         self.device_mesh = init_device_mesh(device.type, tuple(axes.values()), mesh_dim_names=tuple(axes))
@@ -207,7 +207,8 @@ class Peer:
         # The loss of the global batch, the same on every rank: the last stage's tp rank 0 of each
         # data rank holds its mean; sum those and divide by the data ranks.
         holder = self.last and self.tp_rank == 0 and loss is not None
-        total = torch.tensor([float(loss.detach()) if holder and loss is not None else 0.0], dtype=torch.float64)
+        value = float(loss.detach()) if holder and loss is not None else 0.0
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
         ops.all_reduce(total)
         return float(total) / self.config.parallel.dp
 
@@ -218,7 +219,7 @@ class Peer:
         by_mesh: dict[Any, list[torch.Tensor]] = {}
         for g in grads:
             by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
-        square = torch.zeros((), dtype=torch.float32)
+        square = torch.zeros((), dtype=torch.float32, device=self.device)
         for group in by_mesh.values():
             norm = torch.nn.utils.get_total_norm(group)
             full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -232,8 +233,8 @@ class Peer:
         return held_bytes([self.stage], [self.optimizer])
 
 
-def _same_everywhere(value: bool) -> bool:
-    flag = torch.tensor([1.0 if value else 0.0])
+def _same_everywhere(value: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1.0 if value else 0.0], device=device)
     ops.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -290,7 +291,8 @@ def composed_case(
         record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
         return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
-    match = _same_everywhere(all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(ours_losses, peer_losses)))
+    close = all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(ours_losses, peer_losses))
+    match = _same_everywhere(close, device)
     ours_s, peer_s = time_interleaved(run("ours", ours.step), run("peer", peer.step), iters=steps, warmup=warmup)
     return comparison_record(
         case,
@@ -305,9 +307,19 @@ def composed_case(
     )
 
 
-def strategy_rows(groups: Sequence[str], steps: int) -> list[Record]:
+def skipped_row(group: str, reason: str) -> Record:
+    """A row saying a group was not measured, and why."""
+    row = {"case": f"{group} (package benchmark)", "ours_s": None, "peer_s": None, "ratio": None}
+    return row | {"outputs_match": None, "group": group, "peer_unavailable": reason}
+
+
+def strategy_rows(groups: Sequence[str], steps: int, device: torch.device | str = "cpu") -> list[Record]:
     """Each package benchmark's records on the world group, tagged with their group."""
     n = dist.get_world_size()
+    strategies = [g for g in groups if g != "composed"]
+    if torch.device(device).type != "cpu":
+        reason = f"not measured on {torch.device(device).type}: its package benchmark builds its models on the CPU"
+        return [skipped_row(g, reason) for g in strategies]
     rows: list[Record] = []
     if "dp" in groups:
         from polyshard.dp import bench as dp_bench
@@ -340,7 +352,7 @@ def measure(
 ) -> list[Record]:
     """Every row for this world size (call on every rank; every rank returns the same records)."""
     n = dist.get_world_size()
-    rows = strategy_rows(groups, steps)
+    rows = strategy_rows(groups, steps, device)
     if "composed" in groups:
         rows += [composed_case(layout, steps, preset=preset, device=device) for layout in LAYOUTS.get(n, [])]
     return [r | {"world_size": n} for r in rows]
@@ -352,7 +364,7 @@ def _mib(value: int | None) -> str:
 
 COLUMNS: tuple[Column, ...] = (
     ("case", 62, lambda r: r["case"]),
-    ("ours (ms)", 11, lambda r: f"{r['ours_s'] * 1e3:.2f}"),
+    ("ours (ms)", 11, lambda r: "–" if r["ours_s"] is None else f"{r['ours_s'] * 1e3:.2f}"),
     ("peer (ms)", 11, lambda r: "–" if r["peer_s"] is None else f"{r['peer_s'] * 1e3:.2f}"),
     ("ratio", 7, lambda r: "–" if r["ratio"] is None else f"{r['ratio']:.2f}"),
     ("ours MiB", 10, lambda r: _mib(r.get("ours_held_bytes"))),
@@ -368,7 +380,8 @@ def format_report(records: Sequence[Record]) -> str:
     lines = [format_table(records, COLUMNS)]
     for r in records:
         if r.get("peer_unavailable"):
-            lines.append(f"peer unavailable for {r['case']}: {r['peer_unavailable']}")
+            what = "peer unavailable" if r["ours_s"] is not None else "skipped"
+            lines.append(f"{what} for {r['case']}: {r['peer_unavailable']}")
     ratios = [r["ratio"] for r in records if r["ratio"] is not None]
     above = [r["case"] for r in records if r["ratio"] is not None and r["ratio"] > 1.0]
     mismatched = [r["case"] for r in records if r["outputs_match"] is False]
