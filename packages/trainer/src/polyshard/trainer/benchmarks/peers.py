@@ -79,14 +79,16 @@ def layout_name(layout: dict[str, int]) -> str:
     return " x ".join(f"{axis}{size}" for axis, size in layout.items())
 
 
-def composed_config(layout: dict[str, int], preset: str = "tiny") -> Config:
-    """The trainer config both sides train: ``preset``'s GPT, ZeRO-3 on dp, 1F1B with 4 microbatches on pp."""
+def composed_config(layout: dict[str, int], preset: str = "tiny", grad_clip: float = 1.0) -> Config:
+    """The trainer config both sides train: ``preset``'s GPT, ZeRO-3 on dp, 1F1B with 4 microbatches on pp,
+    the gradient norm clipped to ``grad_clip`` (the trainer's default 1.0)."""
     parallel: dict[str, Any] = dict(layout)
     if layout.get("dp", 1) > 1:
         parallel["zero_stage"] = 3  # the peer's fully_shard is ZeRO-3
     if layout.get("pp", 1) > 1:
         parallel |= {"schedule": "1f1b", "microbatches": MICROBATCHES}
     training = {"global_batch_size": GLOBAL_BATCH, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
+    training["grad_clip"] = grad_clip
     return from_dict({"model": {"preset": preset}, "parallel": parallel, "training": training})
 
 
@@ -215,19 +217,22 @@ class Peer:
     def _clip(self, max_norm: float) -> None:
         """torch.nn.utils.clip_grad_norm_'s maths on DTensor gradients: per-mesh norms (each a full
         norm of its group), their squares summed, then over the pipeline ranks as torchtitan does."""
-        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+        # DTensor refuses one foreach call over plain tensors and DTensors, or DTensors of two meshes
+        # (fully_shard's dp-only shards beside dp x tp ones): one group per mesh, plain tensors apart.
         by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for g in grads:
-            by_mesh.setdefault(getattr(g, "device_mesh", None), []).append(g)
+        for p in self.stage.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
         square = torch.zeros((), dtype=torch.float32, device=self.device)
-        for group in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(group)
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             square += full.float() ** 2
         if self.config.parallel.pp > 1:
             dist.all_reduce(square, group=self.device_mesh.get_group("pp"))
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, square.sqrt())
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, square.sqrt())  # scales each p.grad
 
     def held(self) -> int:
         return held_bytes([self.stage], [self.optimizer])
@@ -247,10 +252,11 @@ def composed_case(
     preset: str = "tiny",
     device: torch.device | str = "cpu",
     warmup: int = 2,
+    grad_clip: float = 1.0,
 ) -> Record:
     """Ours against the torch-native composition on ``layout`` (its product must be the world size)."""
     device = torch.device(device)
-    config = composed_config(layout, preset)
+    config = composed_config(layout, preset, grad_clip)
     m = config.model
     case = (
         f"GPT-{preset} {layout_name(layout)}"
