@@ -103,15 +103,21 @@ def comm_of(config: Config) -> dict[str, float]:
 
 
 def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
-    """Every dp x tp x pp x ep (x cp) of the devices that the model's shape allows."""
+    """Every dp x tp x pp x ep x cp of the devices that the model's shape allows (tp splits the query
+    heads and either splits the kv heads or replicates each on tp / kv ranks; cp cuts each sequence
+    into 2·cp chunks, for a family whose attention polyshard.cp can split)."""
     model, n = config.model, request.devices
-    has_cp = "cp" in {f.name for f in dataclasses.fields(config.parallel)}
-    experts = spec_of(model).has_experts
+    spec = spec_of(model)
+    context = spec.context_parallel and model.dropout == 0
     for tp in divisors(n):
-        if tp > request.devices_per_node or model.kv_heads % tp or model.mlp_width % tp:
+        if tp > request.devices_per_node or model.num_heads % tp or model.mlp_width % tp:
             continue
-        for cp in divisors(n // tp) if has_cp else [1]:
-            for ep in divisors(n // (tp * cp)) if experts else [1]:
+        if model.kv_heads % tp and tp % model.kv_heads:
+            continue
+        for cp in divisors(n // tp) if context else [1]:
+            if model.sequence_length % (2 * cp) and cp > 1:
+                continue
+            for ep in divisors(n // (tp * cp)) if spec.has_experts else [1]:
                 if model.num_experts % ep:
                     continue
                 for pp in divisors(n // (tp * cp * ep)):
