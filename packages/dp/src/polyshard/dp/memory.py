@@ -39,7 +39,8 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer_state
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen`` (data pointers; updated)."""
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
@@ -62,7 +63,7 @@ def bytes_held(model: DataParallelWrapper, optimizer: torch.optim.Optimizer | Ze
     """Measure ``model`` (a polyshard.dp wrapper) and ``optimizer`` (a ZeroOptimizer or torch optimizer)."""
     held = model.memory_tensors()
     seen: set[int] = set()
-    params = _storage_bytes(held["params"], seen)
-    grads = _storage_bytes(held["grads"], seen)
+    params = storage_bytes(held["params"], seen)
+    grads = storage_bytes(held["grads"], seen)
     inner = cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))  # a ZeroOptimizer's inner one
-    return MemoryReport(params, grads, _storage_bytes(_optimizer_tensors(inner), seen))
+    return MemoryReport(params, grads, storage_bytes(_optimizer_tensors(inner), seen))
