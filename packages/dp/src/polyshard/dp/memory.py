@@ -8,6 +8,14 @@ ranks with mixed-precision Adam (bf16 params and grads, fp32 master, m, v):
     stage 2   2Ψ + 2Ψ/N + 12Ψ/N    = 2Ψ + 14Ψ/N
     stage 3   2Ψ/N + 2Ψ/N + 12Ψ/N  = 16Ψ/N
 
+In fp32 (no mixed precision) parameters and gradients take 4 bytes and the
+optimizer state K = 8 (m, v): the parameters are their own masters, so
+stage 1 is 8Ψ + 8Ψ/N (12Ψ at N = 2, as ``ZeroRedundancyOptimizer``), stage 2
+4Ψ + 12Ψ/N, stage 3 16Ψ/N. Beyond the formulas a rank holds only ZeRO's
+padding (dim 0 padded to a multiple of N), one presence flag per parameter
+in each gradient row, and AdamW's scalar ``step`` per parameter
+(``tests/dp/test_memory_and_ledger.py`` pins each byte).
+
 :func:`bytes_held` measures instead of computing: it sums the sizes of the
 distinct storages behind the tensors, so views (gradients that live inside a
 bucket) are counted once and freed storages (ZeRO-3 parameters between uses)
