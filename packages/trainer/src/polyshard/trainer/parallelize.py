@@ -271,7 +271,9 @@ def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str,
 
 
 def keeps_masters(config: Config) -> bool:
-    """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
+    """Whether a ZeroOptimizer steps fp32 master rows (ZeRO, or bf16 parameters) rather than the parameters.
+    In fp32 those rows are views of the parameters (or ZeRO-3's shards), not copies; checkpoints still
+    save them under ``optim/<name>/master``, as before."""
     return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
 
 
