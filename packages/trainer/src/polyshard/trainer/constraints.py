@@ -31,6 +31,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_pipeline(config)
     _check_experts(config)
     _check_context(config)
+    _check_logging(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -142,4 +143,14 @@ def _check_experts(config: Config) -> None:
     if config.parallel.ep > 1 and not spec_of(config.model).has_experts:
         raise ConfigError(
             f"parallel.ep={config.parallel.ep} needs experts; set model.kind='moe-gpt' (a family with experts) or ep=1"
+        )
+
+
+def _check_logging(config: Config) -> None:
+    logging, steps = config.logging, config.training.steps
+    if logging.profile_steps is not None and logging.profile_steps[1] > steps:
+        first = min(logging.profile_steps[0], steps)
+        raise ConfigError(
+            f"logging.profile_steps={logging.profile_steps} ends past training.steps={steps}; give steps within "
+            f"1..{steps}, e.g. [{first}, {steps}]"
         )
