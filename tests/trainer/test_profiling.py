@@ -1,11 +1,57 @@
 """Seeing where time goes: ``logging.profile_steps`` (a Chrome trace per rank, the pipeline's measured
 timeline beside the simulator's) and ``logging.tensorboard`` (the metrics as TensorBoard scalars)."""
 
+import json
+
 import pytest
 
-from polyshard.trainer.config import load_config
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.loop import train
+
+
+def _config(corpus, steps=3, parallel=None, logging=None):
+    return from_dict(
+        {
+            "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
+            "parallel": parallel or {},
+            "training": {"steps": steps, "global_batch_size": 8, "eval_every": 0, "sample_tokens": 0},
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False, **(logging or {})},
+        }
+    )
+
+
+def _train(config, out):
+    from pathlib import Path
+
+    train(config, Mesh(config.parallel.mesh_axes), Path(out))
+
+
+def test_profile_steps_write_a_trace_per_rank_and_the_pipeline_timeline(distributed, corpus, tmp_path):
+    config = _config(corpus, parallel={"pp": 2, "microbatches": 4}, logging={"profile_steps": [2, 3]})
+    distributed.run(2, _train, config, str(tmp_path))
+    profile = tmp_path / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["pipeline.svg", "pipeline.txt", "rank0.json", "rank1.json"]
+    for rank in (0, 1):
+        trace = json.loads((profile / f"rank{rank}.json").read_text())
+        events = trace["traceEvents"]
+        assert len(events) > 50
+        names = {e.get("name") for e in events}
+        assert {"step 2", "step 3"} <= names and "step 1" not in names  # only the profiled steps
+        assert any(name.startswith("aten::") for name in names if name)  # the operators ran under the profiler
+    text = (profile / "pipeline.txt").read_text()
+    assert "step 3, 1f1b pp=2 m=4" in text
+    assert text.count("rank 0  |") == 2 and text.count("rank 1  |") == 2  # measured, then the simulator's
+    bubbles = [line for line in text.splitlines() if line.startswith("bubble measured ")]
+    assert len(bubbles) == 1
+    measured, simulated = (float(part.split()[-1]) for part in bubbles[0].split("|"))
+    assert 0.0 < simulated < 1.0 and 0.0 < measured < 1.0
+    svg = (profile / "pipeline.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<svg") == 3  # one document holding both drawings
+    assert "measured, step 3" in svg and "simulator from the measured costs" in svg
 
 
 @pytest.mark.parametrize(
@@ -30,3 +76,20 @@ def test_profile_steps_past_the_run_are_refused_before_launch():
     with pytest.raises(ConfigError, match=r"logging.profile_steps=\[5, 12\] ends past training.steps=10"):
         validate(config, world_size=1)
     validate(load_config(None, ["training.steps=10", "logging.profile_steps=[10,10]"]), world_size=1)
+
+
+def test_pipeline_report_draws_both_timelines_on_one_scale():
+    from polyshard.pp import lower, make_schedule, simulate
+    from polyshard.trainer.profiling import pipeline_report
+
+    schedule = make_schedule("1f1b", 2, 4)
+    # a "measured" step whose transfers took 1 ms each; the simulator replays its compute with free ones
+    measured = simulate(schedule, {"F": 2e-3, "B": 4e-3, "W": 0.0}, comm_cost=1e-3).timeline
+    text, svg = pipeline_report(measured, schedule, lower(schedule), "step 3")
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith("rank 0  |")]
+    assert len(rows) == 2 and len(rows[0]) == len("rank 0  |") + 100 + 1  # the measured step: the full width
+    assert len(rows[1]) == len("rank 0  |") + round(100 * 30 / 34) + 1  # 30 ms of 34 on the same scale
+    assert "measured: 34.00 ms" in text and "F 2 ms, B 4 ms, W 0 ms" in text and ": 30.00 ms" in text
+    assert "bubble measured 0.294 | simulator 0.200" in lines
+    assert svg.count("<svg") == 3 and "bubble 0.294" in svg and "bubble 0.200" in svg
