@@ -2,6 +2,7 @@
 timeline beside the simulator's) and ``logging.tensorboard`` (the metrics as TensorBoard scalars)."""
 
 import json
+import sys
 
 import pytest
 
@@ -52,6 +53,49 @@ def test_profile_steps_write_a_trace_per_rank_and_the_pipeline_timeline(distribu
     svg = (profile / "pipeline.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<svg") == 3  # one document holding both drawings
     assert "measured, step 3" in svg and "simulator from the measured costs" in svg
+    assert not (tmp_path / "tensorboard").exists()  # logging.tensorboard is off by default
+
+
+def test_tensorboard_scalars_equal_the_metrics_log(distributed, corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = _config(corpus, steps=4, parallel={"dp": 2}, logging={"tensorboard": True})
+    validate(config, world_size=2)
+    distributed.run(2, _train, config, str(tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "grad_norm", "lr", "tokens_per_s"} <= tags
+    assert {"peak_memory_bytes_per_rank/rank0", "peak_memory_bytes_per_rank/rank1"} <= tags
+    for tag in tags:
+        key, _, rank = tag.partition("/rank")
+        expected = [(r["step"], r[key][int(rank)] if rank else r[key]) for r in records if key in r]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected], tag
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6), tag  # float32
+
+
+def test_a_resumed_run_hides_the_scalars_after_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from polyshard.trainer.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=True)
+    for step in range(1, 6):  # the run crashed after step 5; its last checkpoint is step 3
+        log.write({"step": step, "loss": 1.0 / step, "skipped": "text is no scalar"})
+    log.close()
+    resumed = MetricsLog(tmp_path, enabled=True, resume_from=3, tensorboard=True)
+    for step in range(4, 7):
+        resumed.write({"step": step, "loss": 10.0 / step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["loss"]
+    scalars = events.Scalars("loss")
+    assert [e.step for e in scalars] == [1, 2, 3, 4, 5, 6]
+    assert [e.value for e in scalars] == pytest.approx([1.0, 0.5, 1 / 3, 2.5, 2.0, 10 / 6])
 
 
 @pytest.mark.parametrize(
@@ -64,6 +108,7 @@ def test_profile_steps_write_a_trace_per_rank_and_the_pipeline_timeline(distribu
         ("logging.profile_steps=3", r"logging.profile_steps=3 must be a list of integers or unset"),
         ("logging.profile_steps=[1.5,2]", r"logging.profile_steps=\[1.5, 2\] must be a list of integers"),
         ('logging.profile_steps="2-3"', r"logging.profile_steps='2-3' must be a list of integers"),
+        ("logging.tensorboard=maybe", r"logging.tensorboard='maybe' must be true or false"),
     ],
 )
 def test_bad_logging_fields_name_the_field(override, message):
@@ -76,6 +121,15 @@ def test_profile_steps_past_the_run_are_refused_before_launch():
     with pytest.raises(ConfigError, match=r"logging.profile_steps=\[5, 12\] ends past training.steps=10"):
         validate(config, world_size=1)
     validate(load_config(None, ["training.steps=10", "logging.profile_steps=[10,10]"]), world_size=1)
+
+
+def test_tensorboard_without_its_package_says_how_to_install_it(monkeypatch):
+    config = load_config(None, ["logging.tensorboard=true"])
+    validate(config, world_size=1)  # installed here (requirements-dev.txt)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install 'polyshard-trainer\[tensorboard\]'"):
+        validate(config, world_size=1)
 
 
 def test_pipeline_report_draws_both_timelines_on_one_scale():

@@ -426,6 +426,9 @@ class LoggingConfig:
     """[first, last]: profile steps first..last (counted from 1, both included) with torch.profiler on every
     rank: a Chrome trace per rank in <run>/profile/rank<N>.json and, with pp > 1, the pipeline timeline of the
     last profiled step as measured beside the simulator's prediction (profile/pipeline.txt and .svg)."""
+    tensorboard: bool = False
+    """Also write each metrics record as TensorBoard scalars into <run>/tensorboard/ (rank 0); needs the
+    tensorboard package: pip install 'polyshard-trainer[tensorboard]'."""
 
     def __post_init__(self):
         if self.predicted_step_s is not None and not self.predicted_step_s > 0:

@@ -7,6 +7,8 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 
 from __future__ import annotations
 
+import importlib
+
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
@@ -154,3 +156,12 @@ def _check_logging(config: Config) -> None:
             f"logging.profile_steps={logging.profile_steps} ends past training.steps={steps}; give steps within "
             f"1..{steps}, e.g. [{first}, {steps}]"
         )
+    if logging.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # needs the tensorboard package (and protobuf)
+        except ImportError as err:
+            raise ConfigError(
+                f"logging.tensorboard = true needs the tensorboard package ({err}); install it with "
+                "pip install 'polyshard-trainer[tensorboard]' (or pip install tensorboard), or set "
+                "logging.tensorboard = false"
+            ) from err

@@ -289,7 +289,9 @@ def train(
             print(f"initialised from the Hugging Face model in {source.folder}", flush=True)
     elif source is not None:
         start = _load(engine, config, source, train_data, result, log)
-    metrics = MetricsLog(out, enabled=rank0 and log, resume_from=start if resume else None)
+    metrics = MetricsLog(
+        out, enabled=rank0 and log, resume_from=start if resume else None, tensorboard=config.logging.tensorboard
+    )
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
     flops_per_step = tokens_per_step * model_flops_per_token(
@@ -387,6 +389,7 @@ def train(
             inject("saved", step + 1, mesh.rank)
         profiler.end(step + 1)
 
+    metrics.close()
     finished = end == train_cfg.steps
     if finished and spec_of(config.model).task.generates_text and train_cfg.sample_tokens and rank0:
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
