@@ -44,7 +44,7 @@ from polyshard.dp import (
 )
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
-from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
+from polyshard.pp import PipelineExecutor, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
     is_sequence_parallel,
 )
@@ -99,6 +99,7 @@ class Engine:
     optimizers: list
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
+    timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
 
     @property
     def device(self) -> torch.device:
@@ -121,6 +122,7 @@ class Engine:
         result = self.executor.step(
             inputs if self.holds_first_stage else None, targets if self.holds_last_stage else None
         )
+        self.timeline = result.timeline
         return result.loss
 
     def finish_gradients(self) -> None:
