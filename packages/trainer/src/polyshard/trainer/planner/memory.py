@@ -90,12 +90,11 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     grads = {0: numel + flags, 1: grad_rows, 2: shard + flags, 3: shard + flags}[zero_stage]
     masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
     state_elems = shard if zero_stage >= 1 else numel
-    # ZeRO-1/2 in fp32 keep the weight in storage padded to whole rows per rank, so each rank's rows are a view
-    params = (
-        {3: shard, 1: padded, 2: padded}.get(zero_stage, numel)
-        if not masters
-        else (shard if zero_stage == 3 else numel)
-    )
+    params = numel
+    if zero_stage == 3:
+        params = shard
+    elif zero_stage >= 1 and not masters:  # storage padded to whole rows per rank: each rank's rows are a view
+        params = padded
     return ModelStates(
         params=weight * params,
         grads=FLAG_AND_GRAD_BYTES * grads,
