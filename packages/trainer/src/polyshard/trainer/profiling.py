@@ -9,7 +9,7 @@ gathered over each pipeline group, and rank 0 writes its group's as
 ``profile/pipeline.txt`` and ``profile/pipeline.svg``: the measured timeline
 above the simulator's run of the same schedule and lowered program with the
 median F, B and W times measured in that step (``polyshard.pp.measured_costs``;
-each transfer charged the median time to post an exchange), drawn on one time
+each exchange keeps its rank busy for the median time posting one took), drawn on one time
 scale by the pp package's :class:`~polyshard.pp.Timeline` renderers, with both
 bubble fractions. The gap between them is what communication waits and Python
 between actions cost. Spans are ``perf_counter`` readings, one clock on one
@@ -96,7 +96,7 @@ def predicted_timeline(measured: Timeline, schedule: Any, program: Any) -> tuple
     ``measured``, and those costs (seconds)."""
     costs = measured_costs(measured)
     table = {kind: costs[kind] for kind in ("F", "B", "W")}
-    return simulate(schedule, table, comm_cost=costs["p2p"], program=program).timeline, costs
+    return simulate(schedule, table, post_cost=costs["post"], program=program).timeline, costs
 
 
 def pipeline_report(measured: Timeline, schedule: Any, program: Any, title: str) -> tuple[str, str]:
@@ -112,7 +112,7 @@ def pipeline_report(measured: Timeline, schedule: Any, program: Any, title: str)
         measured.render_text(_share(width, measured, longest)),
         "",
         f"simulator, from the measured median costs (F {ms['F']}, B {ms['B']}, W {ms['W']}, "
-        f"p2p {ms['p2p']} per transfer): {predicted.total_time * 1e3:.2f} ms",
+        f"posting an exchange {ms['post']}): {predicted.total_time * 1e3:.2f} ms",
         predicted.render_text(_share(width, predicted, longest)),
         "",
         f"bubble measured {measured.bubble_fraction:.3f} | simulator {predicted.bubble_fraction:.3f}",
