@@ -115,7 +115,7 @@ def test_costs_read_off_a_measured_timeline():
     spans = [Span(0, "F0", "F", 0.0, 1.0), Span(0, "F1", "F", 1.0, 2.2), Span(1, "F0", "F", 1.1, 1.9)]
     spans += [Span(1, "B0", "B", 2.0, 4.0), Span(0, "W0", "W", 5.0, 5.5), Span(1, "x", "X", 1.0, 1.1)]
     costs = measured_costs(Timeline(2, tuple(spans)))
-    assert costs == pytest.approx({"F": 1.0, "B": 2.0, "W": 0.5, "post": 0.1})  # medians per kind
+    assert costs == pytest.approx({"F": 1.0, "B": 2.0, "W": 0.5, "post": 0.1})  # medians per compute kind; mean posting
 
 
 def test_golden_grids():

@@ -10,7 +10,7 @@ interleaved in one process. Each record carries the ratio ours/peer, whether
 losses and gradients match, and our measured bubble beside two predictions:
 the simulator's on unit costs (``bubble_theory``) and the simulator's replay of
 the compute times this run measured, each exchange keeping its rank busy for the
-median posting time measured and transfers free (``bubble_sim_measured``) - the
+mean posting time measured and transfers free (``bubble_sim_measured``) - the
 gap between that and the measured bubble is what waiting on peers and Python
 between actions cost, split per rank into
 ``post``/``wait``/``other`` shares of the step. PyTorch's pipelining appears
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{r['ab_ratio']:.2f}, bubble {r['bubble_late']:.3f}"
                 )
             print(
-                f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  simulator on measured compute "
+                f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  simulator on measured costs "
                 f"{r['bubble_sim_measured']:.3f}  theory {r['bubble_theory']:.3f}  | step shares: post "
                 f"{r['share_post']:.3f} wait {r['share_wait']:.3f} other {r['share_other']:.3f}"
             )

@@ -78,14 +78,15 @@ def _cost_function(costs: Costs | None) -> tuple[Callable[[Action], float], floa
 
 def measured_costs(timeline: Timeline) -> dict[str, float]:
     """Median seconds per F, B and W span of a measured timeline (an executor's, through
-    :func:`gather_timeline`), and per posting of an exchange as ``"post"`` (``simulate``'s
-    ``post_cost``): costs to simulate the same run with. A backward that was not split is
-    measured whole; W is 0 then."""
+    :func:`gather_timeline`), and the mean seconds of posting an exchange as ``"post"``
+    (``simulate``'s ``post_cost``; the mean, so the step's total posting time is kept: a few
+    postings take far longer than most): costs to simulate the same run with. A backward that was
+    not split is measured whole; W is 0 then."""
     durations: dict[str, list[float]] = {}
     for span in timeline.spans:
         durations.setdefault(span.kind, []).append(span.end - span.start)
     costs = {kind: statistics.median(durations[kind]) if durations.get(kind) else 0.0 for kind in ("F", "B", "W")}
-    costs["post"] = statistics.median(durations["X"]) if durations.get("X") else 0.0
+    costs["post"] = statistics.fmean(durations["X"]) if durations.get("X") else 0.0
     return costs
 
 

@@ -9,7 +9,7 @@ gathered over each pipeline group, and rank 0 writes its group's as
 ``profile/pipeline.txt`` and ``profile/pipeline.svg``: the measured timeline
 above the simulator's run of the same schedule and lowered program with the
 median F, B and W times measured in that step (``polyshard.pp.measured_costs``;
-each exchange keeps its rank busy for the median time posting one took), drawn on one time
+each exchange keeps its rank busy for the mean time posting one took), drawn on one time
 scale by the pp package's :class:`~polyshard.pp.Timeline` renderers, with both
 bubble fractions. The gap between them is what communication waits and Python
 between actions cost. Spans are ``perf_counter`` readings, one clock on one
