@@ -28,6 +28,16 @@ def test_config_errors_stop_before_any_process(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was launched or written
 
 
+def test_profile_steps_past_the_run_stop_before_any_process(tmp_path):
+    config = ROOT / "apps/configs/gpt-tiny-pp.toml"
+    overrides = ["--set", "training.steps=10", "--set", "logging.profile_steps=[5,12]"]
+    cmd = POLYSHARD + ["train", str(config), *overrides, "--out", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "config error: logging.profile_steps=[5, 12] ends past training.steps=10" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_example_config_is_valid():
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import validate

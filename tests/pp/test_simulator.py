@@ -115,7 +115,7 @@ def test_costs_read_off_a_measured_timeline():
     spans = [Span(0, "F0", "F", 0.0, 1.0), Span(0, "F1", "F", 1.0, 2.2), Span(1, "F0", "F", 1.1, 1.9)]
     spans += [Span(1, "B0", "B", 2.0, 4.0), Span(0, "W0", "W", 5.0, 5.5), Span(1, "x", "X", 1.0, 1.1)]
     costs = measured_costs(Timeline(2, tuple(spans)))
-    assert costs == pytest.approx({"F": 1.0, "B": 2.0, "W": 0.5, "p2p": 0.1})  # medians per kind
+    assert costs == pytest.approx({"F": 1.0, "B": 2.0, "W": 0.5, "post": 0.1})  # medians per compute kind; mean posting
 
 
 def test_golden_grids():
@@ -240,3 +240,16 @@ def test_communication_cost_delays_the_receiver():
 def test_action_costs():
     # GPipe p=2, m=2 with F=2: forwards take (m+p-1)*F = 6, backwards (m+p-1)*(B+W) = 6
     assert simulate(make_schedule("gpipe", 2, 2), costs={"F": 2.0}).total_time == 12.0
+
+
+def test_posting_an_exchange_keeps_its_rank_busy():
+    # GPipe p=2 m=1 lowers to rank 0: [post RB0] F0 [post SF0] (wait RB0) B0 and rank 1: [post RF0]
+    # (wait RF0) F0 B0 [post SB0]. Each posting costs 0.25 on its rank and a send leaves when its
+    # posting ends: 0.25 + F 1 + 0.25 on rank 0, then F 1 + B 2 + 0.25 on rank 1, then B 2 = 6.75.
+    result = simulate(make_schedule("gpipe", 2, 1), post_cost=0.25)
+    assert abs(result.total_time - 6.75) < EXACT
+    posts = [s for s in result.timeline.spans if s.kind == "X"]
+    assert len(posts) == 4 and all(abs(s.end - s.start - 0.25) < EXACT for s in posts)
+    # posting is not work: the bubble counts it idle, as measured timelines do
+    assert abs(result.bubble_fraction - (1 - 6 / (2 * 6.75))) < EXACT
+    assert abs(result.bubble_fraction - result.timeline.bubble_fraction) < EXACT

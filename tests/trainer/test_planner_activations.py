@@ -29,7 +29,7 @@ def _peak_saved(config):
     tokens = torch.randint(0, config.model.vocab_size, (8 // config.parallel.data_ranks, 65))
     params = [p for stage in engine.stages.values() for p in stage.parameters()]
     with SavedTensorMeter(params) as meter:
-        engine.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        engine.forward_backward(engine.local_tokens(tokens[:, :-1]), engine.local_tokens(tokens[:, 1:]))
     return meter.peak, activation_bytes(config, mesh.coord("pp"))
 
 
@@ -40,6 +40,8 @@ CASES = [
     (2, {"preset": "tiny"}, {"pp": 2, "microbatches": 4}),
     (2, {"preset": "llama-tiny"}, {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
     (2, {"preset": "tiny"}, {"dp": 2, "microbatches": 2, "precision": "bf16"}),
+    (2, {"preset": "llama-tiny"}, {"cp": 2}),
+    (4, {"preset": "tiny"}, {"cp": 2, "tp": 2, "sequence_parallel": True}),
 ]
 
 

@@ -27,7 +27,7 @@ def _wire_by_group(parallel):
             measured[ranks] = measured.get(ranks, 0.0) + entry.wire_bytes
     world = tuple(range(mesh.layout.world_size))
     groups = {"world": world, "dp": group_ranks(mesh.group(config.parallel.replica_axes))}
-    groups |= {axis: group_ranks(mesh.group(axis)) for axis in ("tp", "pp")}
+    groups |= {axis: group_ranks(mesh.group(axis)) for axis in ("tp", "pp", "cp")}
     estimated: dict[tuple[int, ...], float] = {}
     for t in rank_traffic(config, mesh.coord("pp")):
         times = 1 if t.phase == "step" else config.parallel.microbatches
@@ -43,6 +43,9 @@ LAYOUTS = [
     (2, {"tp": 2, "sequence_parallel": True}),
     (2, {"pp": 2, "microbatches": 4}),
     (4, {"dp": 2, "tp": 2}),
+    (2, {"cp": 2}),
+    (2, {"cp": 2, "cp_style": "allgather"}),
+    (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
 ]
 
 

@@ -4,12 +4,18 @@ These are the only places polyshard calls ``torch.distributed`` collectives,
 so the byte ledger sees all traffic. ``group=None`` means the whole world.
 Gloo and NCCL both run everything here; list-form ``all_to_all`` is avoided
 because gloo cannot exchange tensors of different sizes with it.
+
+``start_all_reduce``, ``start_all_gather`` and ``start_reduce_scatter`` post a
+collective and return at once with a :class:`PendingCollective`: the caller
+computes while it runs and calls ``wait()`` for the result (tensor-parallel
+layers overlap their backward matmuls this way). The blocking ``all_gather``
+and ``reduce_scatter`` are the same calls waited for at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +46,35 @@ def all_reduce(
     """In-place all-reduce; returns the work handle when ``async_op``."""
     record("all_reduce", group, _nbytes(tensor))
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+
+class PendingCollective:
+    """A collective posted with ``async_op=True``. ``wait()`` blocks until it is done and returns its
+    result; until then the input must not be written and the output not read. ``finish`` turns the
+    raw output into the result after the wait (e.g. moves gathered pieces to their dim); ``inputs``
+    are kept referenced until then, so a temporary the collective reads cannot be freed under it."""
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        output: torch.Tensor,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        inputs: tuple[torch.Tensor, ...] = (),
+    ):
+        self._work, self._output, self._finish, self._inputs = work, output, finish, inputs
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work, self._inputs = None, ()
+            if self._finish is not None:
+                self._output, self._finish = self._finish(self._output), None
+        return self._output
+
+
+def start_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> PendingCollective:
+    """Post an in-place sum of ``tensor`` over ``group``; ``wait()`` returns ``tensor``, summed."""
+    return PendingCollective(all_reduce(tensor, group, async_op=True), tensor)
 
 
 def all_reduce_coalesced(
@@ -76,16 +111,22 @@ def check_divisible(size: int, n: int, what: str) -> None:
 
 def all_gather(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+    return start_all_gather(tensor, dim, group).wait()
+
+
+def start_all_gather(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> PendingCollective:
+    """Post :func:`all_gather`; ``wait()`` returns the concatenation."""
     n = world_size(group)
     if n == 1:
-        return tensor
+        return PendingCollective(None, tensor)
     tensor = tensor.contiguous()
     out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     record("all_gather", group, _nbytes(out))
-    dist.all_gather_single(out, tensor, group=group)
+    work = dist.all_gather_single(out, tensor, group=group, async_op=True)
     if dim % tensor.dim() == 0:
-        return out
-    return torch.cat(out.chunk(n, dim=0), dim=dim)
+        return PendingCollective(work, out, inputs=(tensor,))
+    # The pieces arrive one after another along dim 0; move them to ``dim`` once they are in.
+    return PendingCollective(work, out, lambda gathered: torch.cat(gathered.chunk(n, dim=0), dim=dim), (tensor,))
 
 
 def all_gather_flat(
@@ -103,9 +144,19 @@ def reduce_scatter(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
 ) -> torch.Tensor:
     """Sum ``tensor`` over the group and keep this rank's piece along ``dim``."""
+    return start_reduce_scatter(tensor, dim, group, op).wait()
+
+
+def start_reduce_scatter(
+    tensor: torch.Tensor,
+    dim: int = 0,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> PendingCollective:
+    """Post :func:`reduce_scatter`; ``wait()`` returns this rank's summed piece."""
     n = world_size(group)
     if n == 1:
-        return tensor
+        return PendingCollective(None, tensor)
     check_divisible(tensor.shape[dim], n, f"reduce_scatter input dim {dim}")
     dim = dim % tensor.dim()
     # Lay the n pieces one after another along dim 0, the layout the collective splits.
@@ -114,8 +165,8 @@ def reduce_scatter(
     out_shape[dim] //= n
     out = torch.empty(out_shape, dtype=tensor.dtype, device=tensor.device)
     record("reduce_scatter", group, _nbytes(tensor))
-    dist.reduce_scatter_single(out, stacked, op=op, group=group)
-    return out
+    work = dist.reduce_scatter_single(out, stacked, op=op, group=group, async_op=True)
+    return PendingCollective(work, out, inputs=(stacked,))
 
 
 def reduce_scatter_flat(

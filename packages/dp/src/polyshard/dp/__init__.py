@@ -4,7 +4,7 @@ from polyshard.dp.data_parallel import DataParallel, ParamSet
 from polyshard.dp.errors import DataParallelError, GradSyncError, ParameterMismatchError, UnownedParameterError
 from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.fully_sharded import FullyShardedDataParallel
-from polyshard.dp.memory import MemoryReport, bytes_held
+from polyshard.dp.memory import MemoryReport, bytes_held, storage_bytes
 from polyshard.dp.mixed_precision import MixedPrecision
 from polyshard.dp.optimizer import ZeroOptimizer
 from polyshard.dp.wrapper import DataParallelWrapper
@@ -24,4 +24,5 @@ __all__ = [
     "ZeroOptimizer",
     "bytes_held",
     "shard_record",
+    "storage_bytes",
 ]

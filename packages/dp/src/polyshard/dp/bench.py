@@ -7,8 +7,14 @@ and the losses are compared. Memory: CPU has no per-case peak counter, so the
 records carry the bytes each rank *holds* after a step (parameters, gradients,
 optimizer state), counted from the live tensors on both sides.
 
+``--memory`` skips the timings and prints, for fp32 AdamW, the bytes each rank
+holds after a step at stages 0-3 against the ZeRO paper's formulas, and
+DDP + ``ZeroRedundancyOptimizer``'s for ZeRO-1, counted from distinct storages
+on both sides (:func:`polyshard.dp.bytes_held`, :func:`polyshard.dp.storage_bytes`).
+
     polyshard bench dp --nproc 2 --json out.json
     python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench --memory
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer, bytes_held
+from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
 from polyshard.mesh import DistributedContext
 from polyshard.mesh.benchmark import (
+    Column,
     Record,
     comparison_record,
     held_bytes,
@@ -151,17 +158,94 @@ def run_all(iters: int) -> list[Record]:
     return [bench_ddp(iters), bench_zero1(iters), bench_fsdp(iters)]
 
 
+# Bytes per parameter with fp32 parameters, gradients and AdamW (m, v: K = 8, no master copy needed),
+# (params, grads, optimizer state) as functions of N: the ZeRO paper's accounting (1910.02054, 3.1).
+FP32_ADAM: dict[int, Callable[[int], tuple[float, float, float]]] = {
+    0: lambda n: (4.0, 4.0, 8.0),  # 16Ψ
+    1: lambda n: (4.0, 4.0, 8 / n),  # 8Ψ + 8Ψ/N
+    2: lambda n: (4.0, 4 / n, 8 / n),  # 4Ψ + 12Ψ/N
+    3: lambda n: (4 / n, 4 / n, 8 / n),  # 16Ψ/N
+}
+
+MEMORY_COLUMNS: tuple[Column, ...] = (
+    ("case", 40, lambda r: r["case"]),
+    ("params", 12, lambda r: f"{r['params']:,}"),
+    ("grads", 12, lambda r: f"{r['grads']:,}"),
+    ("optimizer", 12, lambda r: f"{r['optimizer_state']:,}"),
+    ("total", 12, lambda r: f"{r['total']:,}"),
+    ("total/Ψ", 9, lambda r: f"{r['total'] / r['psi']:.3f}"),
+    ("paper/Ψ", 9, lambda r: f"{r['paper'] / r['psi']:.3f}"),
+)
+
+
+def _memory_record(case: str, report: MemoryReport, psi: int, paper: float) -> Record:
+    """The largest figures over the ranks (the peer's ranks may own different amounts)."""
+    mine = [report.params, report.grads, report.optimizer_state]
+    every: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    params, grads, state = (max(column) for column in zip(*every))
+    total = max(sum(r) for r in every)
+    return {
+        "case": case,
+        "params": params,
+        "grads": grads,
+        "optimizer_state": state,
+        "total": total,
+        "psi": psi,
+        "paper": paper,
+    }
+
+
+def memory_records() -> list[Record]:
+    """Bytes held per rank after one fp32 AdamW step (gradients still held), ours at stages 0-3 and
+    DDP + ZeroRedundancyOptimizer, against :data:`FP32_ADAM`."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    n = dist.get_world_size()
+    records = []
+    for stage in range(4):
+        if stage == 3:
+            model: DataParallel | FullyShardedDataParallel = FullyShardedDataParallel(make_model(), group=_world())
+        else:
+            model = DataParallel(make_model(), group=_world(), zero_stage=stage)
+        inner = torch.optim.AdamW(model.parameters(), lr=LR)
+        opt: torch.optim.Optimizer | ZeroOptimizer = inner if stage == 0 else ZeroOptimizer(inner, model)
+        step_fn(model, opt, model.finish_grad_sync)()
+        psi = sum(p.numel() for p in model.module.parameters())
+        paper = sum(FP32_ADAM[stage](n)) * psi
+        records.append(_memory_record(f"ZeRO-{stage} dp={n}", bytes_held(model, opt), psi, paper))
+    # The peer: gradients as views of DDP's buckets, so counting storages counts the buckets once.
+    peer_model = DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
+    peer_opt = ZeroRedundancyOptimizer(peer_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+    step_fn(peer_model, peer_opt)()
+    seen: set[int] = set()
+    params = storage_bytes(peer_model.parameters(), seen)
+    grads = storage_bytes((p.grad for p in peer_model.parameters() if p.grad is not None), seen)
+    state = [v for s in peer_opt.optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    psi = sum(p.numel() for p in peer_model.parameters())
+    peer = MemoryReport(params, grads, storage_bytes(state, seen))
+    records.append(_memory_record(f"DDP+ZeroRedundancyOptimizer dp={n}", peer, psi, sum(FP32_ADAM[1](n)) * psi))
+    return records
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--memory", action="store_true", help="only the bytes held per rank (fp32 AdamW)")
     args = parser.parse_args(argv)
 
     def measure(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
+        if args.memory:
+            return memory_records()
         return run_all(args.iters)
 
     def report(records: list[Record]) -> None:
+        if args.memory:
+            write_records(records, args.json, MEMORY_COLUMNS)
+            return
         write_records(records, args.json)
         for r in records:
             print(f"{r['case']}: held bytes per rank ours {r['ours_held_bytes']:,} peer {r['peer_held_bytes']:,}")

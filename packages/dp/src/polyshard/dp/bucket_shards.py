@@ -1,14 +1,20 @@
 """The services ZeroOptimizer needs from :class:`~polyshard.dp.DataParallel`, over its buckets.
 
 ZeRO-1/2 keep each rank's rows of every gradient in the buckets' reduced
-shards (:mod:`polyshard.dp.buckets`); the optimizer steps fp32 master copies
-of those rows and hands them back, and the parameters are all-gathered from
-them. This mixin answers, for one parameter, where its rows are (shard_spec,
+shards (:mod:`polyshard.dp.buckets`). The optimizer steps this rank's rows of
+each parameter and hands them back, and the parameters are all-gathered from
+them. Without mixed precision those rows are a view of the parameter's own
+storage (as ZeRO-3's masters are views of its shard, :func:`~polyshard.dp.flat.master_rows`),
+so no fp32 copy exists besides the parameters: a parameter whose dim 0 does
+not divide by N moves, once, into storage padded to a multiple of N rows.
+With mixed precision the master is a separate fp32 copy (it must be).
+
+This mixin answers, for one parameter, where its rows are (shard_spec,
 shard_placement), what its master starts from (master_init), what its
 reduced gradient is (grad_shard), and writes updated rows back
 (write_params). It needs from the class it is mixed into: ``queues`` (the
 buckets), ``_where`` (id(param) -> (bucket, index)), ``zero_stage``,
-``module``, ``axis``, ``_axis_of`` and ``_master_init``.
+``module``, ``axis``, ``_axis_of``, ``_master_init`` and ``_homes``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.dp.buckets import Bucket
-from polyshard.dp.flat import ShardSpec, shard_record
+from polyshard.dp.flat import ShardSpec, master_rows, padded_home, rows_view, shard_record, write_rows
 from polyshard.mesh import TensorPlacement, get_placement
 
 
@@ -30,6 +36,7 @@ class BucketShards:
     queues: list[list[Bucket]]
     _where: dict[int, tuple[Bucket, int]]
     _master_init: dict[int, torch.Tensor]
+    _homes: dict[int, torch.Tensor]
     _axis_of: dict[int, Any]
     zero_stage: int
     module: nn.Module
@@ -46,12 +53,27 @@ class BucketShards:
         return bucket.layout.specs[index]
 
     def master_init(self, param: nn.Parameter) -> torch.Tensor:
-        """fp32 values of this rank's rows of ``param`` (all of it at stage 0)."""
-        if id(param) in self._master_init:
+        """fp32 values of this rank's rows of ``param`` (all of it at stage 0): without mixed precision
+        a view of the parameter's own storage, which the optimizer then steps in place."""
+        if id(param) in self._master_init:  # mixed precision: taken before the cast
             return self._master_init.pop(id(param))
-        bucket, index = self._where[id(param)]
-        rank = dist.get_rank(bucket.group) if self.zero_stage else 0
-        return self.shard_spec(param).shard_of(param.detach().float(), rank)
+        spec, rank = self.shard_spec(param), self._rank(param)
+        return master_rows(param.dtype, lambda: self._rows(param), param.detach(), spec, rank)
+
+    def _rank(self, param: nn.Parameter) -> int:
+        bucket, _ = self._where[id(param)]
+        return dist.get_rank(bucket.group) if self.zero_stage else 0
+
+    def _rows(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's rows of ``param`` as a view of its storage (see :func:`~polyshard.dp.flat.rows_view`)."""
+        spec = self.shard_spec(param)
+        home = self._homes.get(id(param))
+        if home is not None and home.data_ptr() != param.data_ptr():
+            home = None  # ``param.data`` was replaced since (moved to a device, say): it needs a new home
+        fits = param.numel() == spec.padded_numel and param.is_contiguous()
+        if home is None and not fits:
+            home = self._homes[id(param)] = padded_home(param, spec)
+        return rows_view(param, spec, self._rank(param), home)
 
     def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:
         if self.zero_stage == 0:
@@ -67,7 +89,7 @@ class BucketShards:
         with torch.no_grad():
             if self.zero_stage == 0:
                 for p in (p for b in self.buckets() for p in b.params):
-                    p.copy_(values[id(p)])
+                    write_rows(self._rows(p), values[id(p)])  # nothing to copy when the master is p
                 return
             pending = [self._gather_bucket(b, values) for b in self.buckets()]
             for bucket, full, work in pending:
@@ -83,6 +105,8 @@ class BucketShards:
 
     @staticmethod
     def _gather_bucket(bucket: Bucket, values: Mapping[int, torch.Tensor]) -> tuple[Bucket, torch.Tensor, dist.Work]:
+        # The collective needs this rank's rows of the whole bucket contiguous: a transient copy of the
+        # masters (views of the parameters themselves without mixed precision), freed after the gather.
         dtype, device = bucket.params[0].dtype, bucket.params[0].device
         shard = torch.empty(bucket.layout.shard_numel, dtype=dtype, device=device)
         for index, p in enumerate(bucket.params):

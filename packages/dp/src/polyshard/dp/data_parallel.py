@@ -99,6 +99,7 @@ class DataParallel(BucketShards, nn.Module):
         check_same_on_all_ranks(states, group)
         broadcast_from_first([t for _, t in states], group)
         self._master_init = self._stash_masters(sets)
+        self._homes: dict[int, torch.Tensor] = {}  # padded storage of parameters whose rows are masters
         if mixed_precision is not None:  # frozen layers compute in the same dtype as the rest
             for p in module.parameters():
                 if not p.requires_grad and p.is_floating_point():
@@ -148,7 +149,8 @@ class DataParallel(BucketShards, nn.Module):
         return [s for s in sets if s[0]]
 
     def _stash_masters(self, sets: list[_Reduction]) -> dict[int, torch.Tensor]:
-        """fp32 copies of this rank's rows, taken before the cast to the compute dtype."""
+        """fp32 copies of this rank's rows, taken before a cast to a lower compute dtype loses bits.
+        Parameters that stay fp32 need none: ``master_init`` hands out views of their own rows."""
         if self.mixed_precision is None:
             return {}
         stash = {}
@@ -156,8 +158,10 @@ class DataParallel(BucketShards, nn.Module):
             n = 1 if self.zero_stage == 0 else dist.get_world_size(set_group)
             rank = dist.get_rank(set_group) if self.zero_stage else 0
             for _, p in set_params:
-                stash[id(p)] = ShardSpec(tuple(p.shape), n).shard_of(p.detach().float(), rank)
-                p.data = p.data.to(compute_dtype(p, self.mixed_precision))
+                dtype = compute_dtype(p, self.mixed_precision)
+                if dtype != torch.float32:
+                    stash[id(p)] = ShardSpec(tuple(p.shape), n).shard_of(p.detach().float(), rank)
+                p.data = p.data.to(dtype)
         return stash
 
     def _build_buckets(

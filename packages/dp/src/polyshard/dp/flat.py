@@ -20,7 +20,7 @@ N = 1 the layout is plain concatenation (used by the all-reduce buckets).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +58,10 @@ class ShardSpec:
     @property
     def padded_shape(self) -> tuple[int, ...]:
         return (self.rows_per_rank * self.n, *self.rest)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.n
 
     def padded(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` (any shape == self.shape) as (n, shard_numel), padding rows with zeros."""
@@ -117,6 +121,52 @@ class FlatLayout:
         """Parameter ``index``'s rows inside this rank's shard (shard_numel,), as a view."""
         spec, offset = self.specs[index], self.offsets[index]
         return shard[offset : offset + spec.shard_numel].view(spec.shard_shape)
+
+
+def master_rows(
+    dtype: torch.dtype, rows: Callable[[], torch.Tensor], full: torch.Tensor, spec: ShardSpec, rank: int
+) -> torch.Tensor:
+    """The float32 rows an optimizer steps for one parameter on ``rank`` (shape ``spec.shard_shape``).
+
+    ``rows()`` gives the rows the wrapper itself keeps, in ``dtype``, and
+    all-gathers from (ZeRO-3: a view of its flat shard; stages 0-2: a view of
+    the parameter's storage). When ``dtype`` is float32 they *are* the master:
+    the optimizer steps them in place and no second copy exists, so the bytes
+    held are the ZeRO formulas'. Otherwise (mixed precision, or a low-precision
+    model) the master is a float32 copy cut from ``full``, the parameter's
+    value before any cast, and ``rows`` is not called.
+    """
+    return rows() if dtype == torch.float32 else spec.shard_of(full.float(), rank)
+
+
+def write_rows(rows: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy an optimizer's result into ``rows``; nothing to do when it stepped ``rows`` in place."""
+    if value.data_ptr() != rows.data_ptr():
+        rows.copy_(value)
+
+
+def rows_view(param: torch.Tensor, spec: ShardSpec, rank: int, home: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``param`` (shape ``spec.shard_shape``) as a view of its storage.
+
+    That needs the storage to hold ``spec.padded_shape`` contiguously: when
+    dim 0 divides by ``spec.n`` (and ``param`` is contiguous) it already does;
+    otherwise ``home`` must be that storage, a flat tensor of the padded numel
+    whose first ``param.numel()`` elements ``param`` views (see :func:`padded_home`).
+    """
+    if home is None:
+        if param.numel() != spec.padded_numel or not param.is_contiguous():
+            raise ValueError(f"rows of a {tuple(param.shape)} parameter over {spec.n} ranks need a padded home")
+        home = param.detach().view(spec.padded_numel)
+    return home[rank * spec.shard_numel : (rank + 1) * spec.shard_numel].view(spec.shard_shape)
+
+
+def padded_home(param: torch.nn.Parameter, spec: ShardSpec) -> torch.Tensor:
+    """Move ``param`` into new storage of ``spec.padded_shape``'s numel (its value first, zeros after)
+    and return that storage as a flat tensor, so :func:`rows_view` can cut every rank's rows from it."""
+    home = param.new_zeros(spec.padded_numel)
+    home[: param.numel()].copy_(param.detach().reshape(-1))
+    param.data = home[: param.numel()].view(param.shape)
+    return home
 
 
 def shard_record(

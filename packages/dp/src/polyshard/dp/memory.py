@@ -8,6 +8,14 @@ ranks with mixed-precision Adam (bf16 params and grads, fp32 master, m, v):
     stage 2   2Ψ + 2Ψ/N + 12Ψ/N    = 2Ψ + 14Ψ/N
     stage 3   2Ψ/N + 2Ψ/N + 12Ψ/N  = 16Ψ/N
 
+In fp32 (no mixed precision) parameters and gradients take 4 bytes and the
+optimizer state K = 8 (m, v): the parameters are their own masters, so
+stage 1 is 8Ψ + 8Ψ/N (12Ψ at N = 2, as ``ZeroRedundancyOptimizer``), stage 2
+4Ψ + 12Ψ/N, stage 3 16Ψ/N. Beyond the formulas a rank holds only ZeRO's
+padding (dim 0 padded to a multiple of N), one presence flag per parameter
+in each gradient row, and AdamW's scalar ``step`` per parameter
+(``tests/dp/test_memory_and_ledger.py`` pins each byte).
+
 :func:`bytes_held` measures instead of computing: it sums the sizes of the
 distinct storages behind the tensors, so views (gradients that live inside a
 bucket) are counted once and freed storages (ZeRO-3 parameters between uses)
@@ -39,7 +47,8 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer_state
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` not already in ``seen`` (data pointers; updated)."""
     total = 0
     for t in tensors:
         storage = t.untyped_storage()
@@ -62,7 +71,7 @@ def bytes_held(model: DataParallelWrapper, optimizer: torch.optim.Optimizer | Ze
     """Measure ``model`` (a polyshard.dp wrapper) and ``optimizer`` (a ZeroOptimizer or torch optimizer)."""
     held = model.memory_tensors()
     seen: set[int] = set()
-    params = _storage_bytes(held["params"], seen)
-    grads = _storage_bytes(held["grads"], seen)
+    params = storage_bytes(held["params"], seen)
+    grads = storage_bytes(held["grads"], seen)
     inner = cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))  # a ZeroOptimizer's inner one
-    return MemoryReport(params, grads, _storage_bytes(_optimizer_tensors(inner), seen))
+    return MemoryReport(params, grads, storage_bytes(_optimizer_tensors(inner), seen))

@@ -10,11 +10,14 @@ only for the rows of each parameter that this rank owns. One step::
                                 stage 3 keeps them sharded until the next forward
 
 It wraps a model made by :class:`~polyshard.dp.DataParallel` (any
-``zero_stage``; at stage 0 it keeps full fp32 masters, which is what mixed
-precision needs) or :class:`~polyshard.dp.FullyShardedDataParallel`. The
+``zero_stage``; at stage 0 its masters are whole parameters, which is what
+mixed precision needs) or :class:`~polyshard.dp.FullyShardedDataParallel`. The
 inner optimizer's parameter groups (learning rates, weight decay) are kept;
 each parameter is swapped for its fp32 master rows, so its state is sized
-for those rows only.
+for those rows only. Without mixed precision the master rows are views of the
+rows the wrapper keeps (the parameter's own storage at stages 0-2, the shard
+at stage 3), stepped in place: no copy of the parameters exists, as in the
+ZeRO paper's accounting. With mixed precision they are fp32 copies.
 """
 
 from __future__ import annotations

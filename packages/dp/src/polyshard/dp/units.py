@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.dp.flat import FlatLayout, GradBuffer, shard_record
+from polyshard.dp.flat import FlatLayout, GradBuffer, master_rows, shard_record, write_rows
 from polyshard.mesh import get_placement, set_placement
 
 
@@ -46,8 +46,8 @@ class Unit:
             view = self.layout.shard_view(self.local, index)
             view.copy_(spec.shard_of(full, self.rank))
             self.local_views.append(set_placement(view, shard_record(get_placement(p), name, spec, axis)))
-            # Without mixed precision the fp32 local rows can be the optimizer's master: no second copy.
-            self.master_init[id(p)] = view if dtype == torch.float32 else spec.shard_of(full.float(), self.rank)
+            # Without mixed precision the fp32 local rows are the optimizer's master: no second copy.
+            self.master_init[id(p)] = master_rows(dtype, view.detach, full, spec, self.rank)
             p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below
         self.gathered = True
         self.free()
@@ -100,8 +100,7 @@ class Unit:
         """Set this rank's rows from optimizer results (keyed by ``id(param)``); no communication."""
         with torch.no_grad():
             for view, p in zip(self.local_views, self.params):
-                if values[id(p)].data_ptr() != view.data_ptr():  # fp32 masters *are* the local rows
-                    view.copy_(values[id(p)])
+                write_rows(view, values[id(p)])  # nothing to copy when the master is the view
 
     # -- gradients ------------------------------------------------------------------
     @property

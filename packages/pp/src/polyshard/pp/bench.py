@@ -9,9 +9,10 @@ ScheduleInterleaved1F1B / ScheduleZBVZeroBubble / ScheduleDualPipeV,
 interleaved in one process. Each record carries the ratio ours/peer, whether
 losses and gradients match, and our measured bubble beside two predictions:
 the simulator's on unit costs (``bubble_theory``) and the simulator's replay of
-the compute times this run measured, with free communication
-(``bubble_sim_measured``) - the gap between that and the measured bubble is
-what communication and Python between actions cost, split per rank into
+the compute times this run measured, each exchange keeping its rank busy for the
+mean posting time measured and transfers free (``bubble_sim_measured``) - the
+gap between that and the measured bubble is what waiting on peers and Python
+between actions cost, split per rank into
 ``post``/``wait``/``other`` shares of the step. PyTorch's pipelining appears
 only here, as the peer.
 """
@@ -42,7 +43,7 @@ from polyshard.pp.actions import Schedule
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages
 from polyshard.pp.schedules import make_schedule
-from polyshard.pp.simulator import simulate
+from polyshard.pp.simulator import measured_costs, simulate
 from polyshard.pp.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -138,10 +139,11 @@ def _median_timeline(
 
 
 def _bubbles(timeline: Timeline, schedule: Schedule, executor: PipelineExecutor) -> dict[str, float]:
-    """The measured bubble, the simulator's replay of the measured compute times (free communication),
-    and where each step's time went, as shares of ranks x step time."""
+    """The measured bubble, the simulator's replay of the measured compute and posting times (free
+    transfers), and where each step's time went, as shares of ranks x step time."""
     measured = {span.label: span.end - span.start for span in timeline.spans if span.kind not in ("X", "R")}
-    replay = simulate(schedule, lambda action: measured[str(action)], program=executor.program)
+    post = measured_costs(timeline)["post"]  # each exchange keeps its rank busy this long (gloo's calls)
+    replay = simulate(schedule, lambda action: measured[str(action)], post_cost=post, program=executor.program)
     parts = [timeline.breakdown(r) for r in range(schedule.num_ranks)]
     whole = schedule.num_ranks * timeline.total_time
     shares = {f"share_{key}": sum(part[key] for part in parts) / whole for key in ("post", "wait", "other")}
@@ -214,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{r['ab_ratio']:.2f}, bubble {r['bubble_late']:.3f}"
                 )
             print(
-                f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  simulator on measured compute "
+                f"{r['case']:<40} bubble measured {r['bubble_measured']:.3f}  simulator on measured costs "
                 f"{r['bubble_sim_measured']:.3f}  theory {r['bubble_theory']:.3f}  | step shares: post "
                 f"{r['share_post']:.3f} wait {r['share_wait']:.3f} other {r['share_other']:.3f}"
             )

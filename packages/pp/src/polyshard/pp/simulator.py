@@ -2,7 +2,10 @@
 
 Each rank walks its steps in order with a clock, as the executor does:
 
-* an :class:`Exchange` posts its sends and receives at the rank's clock and never blocks;
+* an :class:`Exchange` posts its sends and receives at the rank's clock and never blocks
+  on its peer; posting itself keeps the rank busy for ``post_cost`` (on gloo each
+  isend/irecv call costs CPU time), drawn as an ``X`` span and counted as idle, as the
+  executor's measured timelines count it;
 * a :class:`Wait` blocks until each of its receives holds data: ``comm_cost`` after
   both the send and the receive are posted (on gloo a transfer starts only then);
 * a compute step starts when the rank is free and its same-rank inputs exist, and
@@ -75,13 +78,15 @@ def _cost_function(costs: Costs | None) -> tuple[Callable[[Action], float], floa
 
 def measured_costs(timeline: Timeline) -> dict[str, float]:
     """Median seconds per F, B and W span of a measured timeline (an executor's, through
-    :func:`gather_timeline`), and per posting of an exchange as ``"p2p"``: costs to simulate the
-    same run with. A backward that was not split is measured whole; W is 0 then."""
+    :func:`gather_timeline`), and the mean seconds of posting an exchange as ``"post"``
+    (``simulate``'s ``post_cost``; the mean, so the step's total posting time is kept: a few
+    postings take far longer than most): costs to simulate the same run with. A backward that was
+    not split is measured whole; W is 0 then."""
     durations: dict[str, list[float]] = {}
     for span in timeline.spans:
         durations.setdefault(span.kind, []).append(span.end - span.start)
     costs = {kind: statistics.median(durations[kind]) if durations.get(kind) else 0.0 for kind in ("F", "B", "W")}
-    costs["p2p"] = statistics.median(durations["X"]) if durations.get("X") else 0.0
+    costs["post"] = statistics.fmean(durations["X"]) if durations.get("X") else 0.0
     return costs
 
 
@@ -101,8 +106,8 @@ def _local_inputs(schedule: Schedule, rank: int, action: Action) -> list[Action]
 
 
 class _Run:
-    def __init__(self, schedule: Schedule, program: Program, costs: Costs | None, comm_cost: float):
-        self.schedule, self.program, self.comm_cost = schedule, program, comm_cost
+    def __init__(self, schedule: Schedule, program: Program, costs: Costs | None, comm_cost: float, post_cost: float):
+        self.schedule, self.program, self.comm_cost, self.post_cost = schedule, program, comm_cost, post_cost
         self.cost, self.pair_cost = _cost_function(costs)
         self.partner = dict(schedule.overlapped) if self.pair_cost is not None else {}
         p = schedule.num_ranks
@@ -117,6 +122,10 @@ class _Run:
         """Try to run rank's next step; True when it ran."""
         step = self.program[rank][self.pc[rank]]
         if isinstance(step, Exchange):
+            start = self.clock[rank]
+            self.clock[rank] = start + self.post_cost
+            if self.post_cost > 0:
+                self.spans.append(Span(rank, "post", "X", start, self.clock[rank]))
             self._post(rank, step, self.clock[rank])
         elif isinstance(step, Wait):
             arrived = self._arrival(step.ops)
@@ -240,18 +249,21 @@ def simulate(
     costs: Costs | None = None,
     *,
     comm_cost: float = 0.0,
+    post_cost: float = 0.0,
     program: Program | None = None,
 ) -> SimResult:
-    """Run ``schedule`` (or an already lowered ``program`` for it) without tensors."""
+    """Run ``schedule`` (or an already lowered ``program`` for it) without tensors. ``post_cost``:
+    the time each exchange keeps its rank busy posting (exchanges inside an overlapped F&B unit
+    are posted around it, free)."""
     check_complete(schedule)
     program = lower(schedule) if program is None else program
     check_program(schedule, program)
-    run = _Run(schedule, program, costs, comm_cost)
+    run = _Run(schedule, program, costs, comm_cost, post_cost)
     run.run()
     if run.stuck():
         raise _deadlock(run)
     total = max(run.clock) if run.clock else 0.0
-    busy = sum(s.end - s.start for s in run.spans)
+    busy = sum(s.end - s.start for s in run.spans if s.kind != "X")
     bubble = 1.0 - busy / (schedule.num_ranks * total) if total > 0 else 0.0
     timeline = Timeline(schedule.num_ranks, tuple(run.spans), with_stage=schedule.virtual_stages > 1)
     return SimResult(schedule, program, total, bubble, tuple(run.peak), timeline)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.collectives import gather_from, scatter_to
+from polyshard.tp.overlap import check_options, column_parallel_matmul
 from polyshard.tp.regions import enter_region, leave_region
 from polyshard.tp.shard import (
     check_divides,
@@ -64,6 +65,15 @@ class ColumnParallelLinear(nn.Module):
     input (see :class:`polyshard.tp.TPEntry`), so q/k/v share one collective
     instead of one each. ``pad_output``: pad O up to a multiple of tp with
     zero rows (a vocabulary head); ``gather_output`` drops the padding again.
+
+    ``overlap`` (default): entry and matmul are one autograd Function whose
+    backward sums the input gradient over tp *while* it computes the weight
+    gradient (:mod:`polyshard.tp.overlap`); False builds them from the region
+    collectives, one after the other. With ``sequence_parallel`` two more
+    options: ``regather_input`` keeps only the input's sequence shard for
+    backward and gathers it again there (less memory, one more all-gather);
+    ``overlap_forward_gather`` multiplies this rank's shard while the others
+    arrive. Neither applies with ``input_entered`` (no collective here).
     """
 
     def __init__(
@@ -78,12 +88,16 @@ class ColumnParallelLinear(nn.Module):
         input_entered: bool = False,
         pad_output: bool = False,
         sequence_dim: int = 1,
+        overlap: bool = True,
+        regather_input: bool = False,
+        overlap_forward_gather: bool = False,
         axis: str = "tp",
         source: nn.Linear | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
         super().__init__()
+        check_options(sequence_parallel, input_entered, overlap, regather_input, overlap_forward_gather)
         tp = tp_size(tp_group)
         if source is not None:
             in_features, out_features, bias = source.in_features, source.out_features, source.bias is not None
@@ -93,6 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group, self.axis = tp_group, axis
         self.gather_output, self.sequence_parallel, self.input_entered = gather_output, sequence_parallel, input_entered
         self.sequence_dim = sequence_dim
+        self.overlap, self.regather_input, self.overlap_forward_gather = overlap, regather_input, overlap_forward_gather
         full = _full_linear(in_features, out_features, bias, source, device, dtype)
         self.weight = nn.Parameter(take_shard(full.weight, 0, tp_group, padded))
         record_shard(self.weight, "weight", (out_features, in_features), 0, axis, (padded, in_features))
@@ -102,9 +117,22 @@ class ColumnParallelLinear(nn.Module):
             record_shard(self.bias, "bias", (out_features,), 0, axis, (padded,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_entered:
+        if self.input_entered:  # the region was entered upstream: nothing to overlap here
+            y = F.linear(x, self.weight, self.bias)  # (B, S, I) @ (I, O/tp) -> (B, S, O/tp)
+        elif self.overlap:  # entry + matmul in one Function; its backward overlaps the gradient's sum
+            y = column_parallel_matmul(
+                x,
+                self.weight,
+                self.bias,
+                self.tp_group,
+                sequence_parallel=self.sequence_parallel,
+                sequence_dim=self.sequence_dim,
+                regather_input=self.regather_input,
+                overlap_forward_gather=self.overlap_forward_gather,
+            )
+        else:
             x = enter_region(x, self.tp_group, self.sequence_parallel, self.sequence_dim)
-        y = F.linear(x, self.weight, self.bias)  # (B, S, I) @ (I, O/tp) -> (B, S, O/tp)
+            y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
         y = gather_from(y, -1, self.tp_group)  # (B, S, O/tp) -> (B, S, padded O)
@@ -113,7 +141,7 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (local {self.weight.shape[0]}), "
-            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
         )
 
 

@@ -15,9 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.mesh import Placement, Replicate, Shard
-from polyshard.tp.errors import PlanError
+from polyshard.tp.errors import PlanError, TPError
 from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
+from polyshard.tp.overlap import check_options
 from polyshard.tp.regions import enter_region, split_sequence
 from polyshard.tp.shard import check_divides, mark_sequence_parallel, padded_size, record_replicate, tp_size
 from polyshard.tp.vocab import VocabParallelEmbedding
@@ -51,11 +52,15 @@ class Style:
 
 @dataclass(frozen=True)
 class ColumnParallel(Style):
-    """``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split)."""
+    """``nn.Linear`` -> :class:`ColumnParallelLinear` (output features split). ``overlap``,
+    ``regather_input`` and ``overlap_forward_gather``: see :mod:`polyshard.tp.overlap`."""
 
     gather_output: bool = False
     sequence_parallel: bool = False
     input_entered: bool = False
+    overlap: bool = True
+    regather_input: bool = False
+    overlap_forward_gather: bool = False
     replaces = True
 
     def accepts(self, module: nn.Module) -> bool:
@@ -65,6 +70,16 @@ class ColumnParallel(Style):
         super().check(module, name, tp)
         module = cast(nn.Linear, module)  # accepts() lets only nn.Linear through
         check_divides(module.out_features, tp, f"out_features of {name}")
+        try:
+            check_options(
+                self.sequence_parallel,
+                self.input_entered,
+                self.overlap,
+                self.regather_input,
+                self.overlap_forward_gather,
+            )
+        except TPError as err:
+            raise PlanError(f"{self} on {name!r}: {err}") from None
 
     def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
         return Shard(0), None  # weight (out, in) and bias (out,): output features split
@@ -78,6 +93,9 @@ class ColumnParallel(Style):
             gather_output=self.gather_output,
             sequence_parallel=self.sequence_parallel,
             input_entered=self.input_entered,
+            overlap=self.overlap,
+            regather_input=self.regather_input,
+            overlap_forward_gather=self.overlap_forward_gather,
             axis=axis,
             source=module,
         )

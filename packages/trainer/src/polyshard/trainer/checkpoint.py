@@ -80,7 +80,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     path = tmp / rank_file(rank)
-    # clone(): safetensors refuses tensors that share memory (ZeRO-3's fp32 masters are its shards).
+    # clone(): safetensors refuses tensors that share memory (fp32 ZeRO masters are views of the
+    # parameters at stages 1-2 and of the shards at stage 3).
     save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
     inject("save", step, rank)
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})

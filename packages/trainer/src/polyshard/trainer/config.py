@@ -422,6 +422,13 @@ class LoggingConfig:
     predicted_step_s: float | None = None
     """Seconds per step the layout planner predicted (`--layout auto` sets it): after its first steps the
     run logs it against the measured step, and the planner's memory against what the ranks hold."""
+    profile_steps: list[int] | None = None
+    """[first, last]: profile steps first..last (counted from 1, both included) with torch.profiler on every
+    rank: a Chrome trace per rank in <run>/profile/rank<N>.json and, with pp > 1, the pipeline timeline of the
+    last profiled step as measured beside the simulator's prediction (profile/pipeline.txt and .svg)."""
+    tensorboard: bool = False
+    """Also write each metrics record as TensorBoard scalars into <run>/tensorboard/ (rank 0); needs the
+    tensorboard package: pip install 'polyshard-trainer[tensorboard]'."""
 
     def __post_init__(self):
         if self.predicted_step_s is not None and not self.predicted_step_s > 0:
@@ -429,6 +436,8 @@ class LoggingConfig:
         _check_positive("logging.every", self.every)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0, or unset")
+        if self.profile_steps is not None:
+            _check_step_range("logging.profile_steps", self.profile_steps)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -455,6 +464,21 @@ SECTIONS: dict[str, type] = {
 def _check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+
+
+def _check_step_range(name: str, value: Any) -> None:
+    """``[first, last]``: two steps counted from 1, first <= last (the bound by training.steps is
+    :func:`polyshard.trainer.constraints.validate`'s)."""
+    ints = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if not ints or len(value) != 2:
+        raise ConfigError(f"{name}={value!r} must be two steps [first, last], e.g. [2, 3]")
+    first, last = value
+    if first < 1:
+        raise ConfigError(f"{name}={value!r}: steps count from 1; give [first, last], e.g. [1, {max(last, 1)}]")
+    if first > last:
+        raise ConfigError(
+            f"{name}={value!r}: the first step comes after the last; give [first, last], e.g. [{last}, {first}]"
+        )
 
 
 def _check_at_least(name: str, value: float, low: float) -> None:

@@ -7,6 +7,8 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 
 from __future__ import annotations
 
+import importlib
+
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
@@ -31,6 +33,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_pipeline(config)
     _check_experts(config)
     _check_context(config)
+    _check_logging(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -143,3 +146,22 @@ def _check_experts(config: Config) -> None:
         raise ConfigError(
             f"parallel.ep={config.parallel.ep} needs experts; set model.kind='moe-gpt' (a family with experts) or ep=1"
         )
+
+
+def _check_logging(config: Config) -> None:
+    logging, steps = config.logging, config.training.steps
+    if logging.profile_steps is not None and logging.profile_steps[1] > steps:
+        first = min(logging.profile_steps[0], steps)
+        raise ConfigError(
+            f"logging.profile_steps={logging.profile_steps} ends past training.steps={steps}; give steps within "
+            f"1..{steps}, e.g. [{first}, {steps}]"
+        )
+    if logging.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # needs the tensorboard package (and protobuf)
+        except ImportError as err:
+            raise ConfigError(
+                f"logging.tensorboard = true needs the tensorboard package ({err}); install it with "
+                "pip install 'polyshard-trainer[tensorboard]' (or pip install tensorboard), or set "
+                "logging.tensorboard = false"
+            ) from err

@@ -41,6 +41,7 @@ from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
 from polyshard.trainer.planner.measure import PlanCheck, plan_check_line
+from polyshard.trainer.profiling import StepProfiler
 from polyshard.trainer.reshard import load_into
 from polyshard.trainer.state import state_tensors
 
@@ -288,7 +289,9 @@ def train(
             print(f"initialised from the Hugging Face model in {source.folder}", flush=True)
     elif source is not None:
         start = _load(engine, config, source, train_data, result, log)
-    metrics = MetricsLog(out, enabled=rank0 and log, resume_from=start if resume else None)
+    metrics = MetricsLog(
+        out, enabled=rank0 and log, resume_from=start if resume else None, tensorboard=config.logging.tensorboard
+    )
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
     tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
     flops_per_step = tokens_per_step * model_flops_per_token(
@@ -299,12 +302,14 @@ def train(
     nonfinite = 0  # non-finite steps in a row
     plan_check = PlanCheck(config, engine, start)  # a planned run: predicted against measured, after its first steps
     end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
+    profiler = StepProfiler(config, engine, out, end)  # logging.profile_steps: traces and the pipeline timeline
     if train_cfg.stop_at and train_cfg.stop_at <= start:
         raise ConfigError(
             f"training.stop_at={train_cfg.stop_at}, but the run continues from step {start}; "
             f"give a later step or drop --stop-at"
         )
     for step in range(start, end):
+        profiler.begin(step + 1)  # the whole step: data, forward/backward, evaluation, checkpoint
         started = time.perf_counter()
         lr = lr_at(
             step,
@@ -382,7 +387,9 @@ def train(
                 assets=assets,
             )
             inject("saved", step + 1, mesh.rank)
+        profiler.end(step + 1)
 
+    metrics.close()
     finished = end == train_cfg.steps
     if finished and spec_of(config.model).task.generates_text and train_cfg.sample_tokens and rank0:
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the

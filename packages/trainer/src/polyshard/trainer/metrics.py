@@ -2,7 +2,8 @@
 
 Rank 0 alone writes; every line of ``metrics.jsonl`` is one JSON object
 (step, loss, grad_norm, lr, tokens_per_s, mfu, peak memory per rank, and
-val_loss/accuracy when evaluated).
+val_loss/accuracy when evaluated). With ``logging.tensorboard`` the same
+records go to ``tensorboard/`` as scalars too.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ def peak_memory_bytes() -> int:
 class MetricsLog:
     """``metrics.jsonl``: one JSON record a line. ``resume_from=K`` keeps the records of steps up to K
     and drops later ones, written after the checkpoint the run resumes from, so the log of a run that
-    crashed and resumed equals the log of one that did not; None starts a new log."""
+    crashed and resumed equals the log of one that did not; None starts a new log. With ``tensorboard``
+    each record also goes to :class:`TensorBoardScalars`."""
 
-    def __init__(self, out_dir: Path, *, enabled: bool, resume_from: int | None = None):
+    def __init__(self, out_dir: Path, *, enabled: bool, resume_from: int | None = None, tensorboard: bool = False):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.scalars = TensorBoardScalars(out_dir, enabled=enabled and tensorboard, resume_from=resume_from)
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = [] if resume_from is None or not self.path.exists() else self.records()
@@ -49,9 +52,47 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self.scalars.write(record)
+
+    def close(self) -> None:
+        self.scalars.close()
 
     def records(self) -> list[dict]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+class TensorBoardScalars:
+    """``tensorboard/``: each metrics record as TensorBoard scalars at its step, tagged with the record's
+    keys (``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ...); a list of numbers (peak memory per
+    rank) gives one tag per entry (``peak_memory_bytes_per_rank/rank1``), text is left out. TensorBoard
+    stores float32. ``resume_from=K`` hides the events of steps after K that an earlier run wrote, as
+    :class:`MetricsLog` drops its lines (TensorBoard's purge_step); a fresh run hides all earlier ones."""
+
+    def __init__(self, out_dir: Path, *, enabled: bool, resume_from: int | None = None):
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter  # the optional tensorboard package
+
+            self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=(resume_from or 0) + 1)
+
+    def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
+        step = record["step"]
+        for key, value in record.items():
+            if key == "step" or isinstance(value, (bool, str)):
+                continue
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    self.writer.add_scalar(f"{key}/rank{i}", item, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class Progress:

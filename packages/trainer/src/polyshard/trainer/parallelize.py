@@ -44,7 +44,7 @@ from polyshard.dp import (
 )
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
-from polyshard.pp import PipelineExecutor, balanced_partition, make_schedule
+from polyshard.pp import PipelineExecutor, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
     is_sequence_parallel,
 )
@@ -99,6 +99,7 @@ class Engine:
     optimizers: list
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
+    timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
 
     @property
     def device(self) -> torch.device:
@@ -121,6 +122,7 @@ class Engine:
         result = self.executor.step(
             inputs if self.holds_first_stage else None, targets if self.holds_last_stage else None
         )
+        self.timeline = result.timeline
         return result.loss
 
     def finish_gradients(self) -> None:
@@ -271,7 +273,9 @@ def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str,
 
 
 def keeps_masters(config: Config) -> bool:
-    """Whether the optimizer steps fp32 master copies (ZeRO, or bf16 parameters) rather than the parameters."""
+    """Whether a ZeroOptimizer steps fp32 master rows (ZeRO, or bf16 parameters) rather than the parameters.
+    In fp32 those rows are views of the parameters (or ZeRO-3's shards), not copies; checkpoints still
+    save them under ``optim/<name>/master``, as before."""
     return config.parallel.zero_stage > 0 or config.training.precision == "bf16"
 
 

@@ -44,7 +44,7 @@ def choose(
 
 def overrides(chosen: Candidate) -> list[str]:
     """``--set`` items that make a config run ``chosen`` (and remember its predicted step time)."""
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}  # cp only where polyshard has it
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     items = [f"parallel.{key}={json.dumps(value)}" for key, value in chosen.layout.as_dict().items() if key in fields]
     items.append(f"training.activation_checkpointing={json.dumps(chosen.layout.activation_checkpointing)}")
     items.append('parallel.layout="manual"')

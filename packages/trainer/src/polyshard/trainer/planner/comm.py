@@ -9,7 +9,8 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
          sequence parallelism 4 all-gathers + 4 reduce-scatters of it; +2 (+2+2) when checkpointing
          recomputes the forward; the vocabulary-parallel embedding 1, its head 1 and the loss 3 small
     ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward)
-    cp   per block: K and V go round the ring, cp-1 hops forward and twice that backward (K, V, dK, dV)
+    cp   per block (ring): K and V packed, cp-1 hops forward, cp-1 again backward plus cp hops of fp32
+         dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward
     pp   one activation forward and one gradient backward per stage boundary (÷ tp under SP)
     dp   ZeRO-3: all-gather every parameter in forward and again in backward, reduce-scatter grads
 
@@ -21,6 +22,7 @@ for a language model the count of target tokens over the replicas (the loss divi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -93,13 +95,30 @@ def _ep_cp(config: Config, layout: Layout, layers: range, act: float) -> list[Tr
         routed = act * model.top_k
         out += [Traffic("ep", "all_to_all", layout.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
     if layout.cp > 1:
-        kv = 2 * act * model.kv_heads / model.num_heads  # this rank's K and V chunk
-        hops = (layout.cp - 1) * blocks
-        out += [
-            Traffic("cp", "p2p", layout.cp, kv, hops, "forward"),
-            Traffic("cp", "p2p", layout.cp, kv, 2 * hops, "backward"),
-        ]
+        out += _cp(config, layout, blocks, act)
     return out
+
+
+def _cp(config: Config, layout: Layout, blocks: int, act: float) -> list[Traffic]:
+    """Context parallelism's K/V traffic per microbatch (``act``: this rank's b·s/cp·h·e). The ring
+    (polyshard.cp.ring) sends K and V packed, cp-1 hops forward; backward re-sends them cp-1 hops and
+    passes the fp32 dK/dV partial sums cp hops. The all-gather style gathers K and V in forward and
+    reduce-scatters their fp32 gradients in backward."""
+    model, cp, e = config.model, layout.cp, 2 if config.training.precision == "bf16" else 4
+    kv_heads = model.kv_heads // layout.tp if model.kv_heads % layout.tp == 0 else 1  # replicated past kv heads
+    chunk = act * kv_heads / model.num_heads  # this rank's K (or V): its tokens x its kv heads
+    if config.parallel.cp_style == "ring":
+        forward = Traffic("cp", "p2p", cp, 2 * chunk, (cp - 1) * blocks, "forward")
+        backward = [
+            dataclasses.replace(forward, phase="backward"),
+            Traffic("cp", "p2p", cp, 8 * chunk / e, cp * blocks, "backward"),
+        ]
+    else:
+        forward = Traffic("cp", "all_gather", cp, chunk * cp, 2 * blocks, "forward")
+        backward = [Traffic("cp", "reduce_scatter", cp, chunk * cp * 4 / e, 2 * blocks, "backward")]
+    if layout.activation_checkpointing:  # the recomputed forward moves K and V again
+        backward.append(dataclasses.replace(forward, phase="backward"))
+    return [forward, *backward]
 
 
 def microbatch_traffic(config: Config, layers: range, micro_batch: int) -> list[Traffic]:

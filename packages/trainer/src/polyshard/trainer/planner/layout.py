@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from polyshard.trainer.config import Config
-from polyshard.trainer.errors import ConfigError
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -83,7 +82,7 @@ class Layout:
             tp=par.tp,
             pp=par.pp,
             ep=par.ep,
-            cp=getattr(par, "cp", 1),
+            cp=par.cp,
             zero_stage=par.zero_stage,
             microbatches=par.microbatches,
             schedule=par.schedule,
@@ -95,8 +94,6 @@ class Layout:
     def apply(self, config: Config) -> Config:
         """``config`` with this layout (its pipeline split left to balance by size)."""
         fields = {f.name for f in dataclasses.fields(config.parallel)}
-        if self.cp > 1 and "cp" not in fields:
-            raise ConfigError(f"layout cp={self.cp}: this polyshard has no context parallelism; use cp=1")
         changes = {k: v for k, v in self.as_dict().items() if k in fields and k != "activation_checkpointing"}
         if config.parallel.stage_layers is not None and self.pp * self.virtual_stages != len(
             config.parallel.stage_layers

@@ -78,7 +78,7 @@ class Held:
 def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str) -> ModelStates:
     """Bytes polyshard's engine holds for ``held`` (parameter -> how many of it) at the optimizer step."""
     weight = 2 if precision == "bf16" else 4
-    numel = shard = flags = grad_rows = 0  # elements: whole, this rank's ZeRO rows, flags, gradient buffer
+    numel = shard = flags = grad_rows = padded = 0  # whole, this rank's ZeRO rows, flags, gradient buffer, padded
     for h, count in held.items():
         n = h.replicas if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
         rows = ShardSpec(h.shape, n).shard_numel
@@ -86,11 +86,17 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
         shard += count * rows
         flags += count
         grad_rows += count * n * (rows + 1)  # ZeRO-1 keeps every rank's row of the bucket
+        padded += count * n * rows
     grads = {0: numel + flags, 1: grad_rows, 2: shard + flags, 3: shard + flags}[zero_stage]
-    masters = precision == "bf16" or zero_stage in (1, 2)  # a separate fp32 copy the optimizer steps
+    masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
     state_elems = shard if zero_stage >= 1 else numel
+    params = numel
+    if zero_stage == 3:
+        params = shard
+    elif zero_stage >= 1 and not masters:  # storage padded to whole rows per rank: each rank's rows are a view
+        params = padded
     return ModelStates(
-        params=weight * (shard if zero_stage == 3 else numel),
+        params=weight * params,
         grads=FLAG_AND_GRAD_BYTES * grads,
         optimizer=(12 if masters else 8) * state_elems + STEP_BYTES * flags,
     )

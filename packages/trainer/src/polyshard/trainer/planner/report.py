@@ -16,21 +16,19 @@ COLUMNS = (
     ("{unit}/rank", 8),
     ("states", 7),
     ("acts", 7),
-    ("tp {unit}", 7),
-    ("pp {unit}", 7),
-    ("dp {unit}", 7),
 )
 """pipeline: compute, in-stage collectives, transfers and bubbles (the simulator's step); dp: exposed
 gradient reduction and ZeRO's gathers after it; optim: the AdamW step. {unit}/rank: the heaviest rank's
-memory (model states + activations). tp/pp/dp: bytes one rank sends per step on that axis. The unit is
-GB (1e9 bytes), or MB for small models."""
+memory (model states + activations). Then per axis (tp, pp, dp; ep and cp where a layout uses them):
+bytes one rank sends per step on it. The unit is GB (1e9 bytes), or MB for small models."""
+AXIS_WIDTH = 7
 
 
-def _cells(rank: int, c: Candidate, scale: float) -> list[str]:
+def _cells(rank: int, c: Candidate, scale: float, axes: Sequence[str]) -> list[str]:
     s = c.memory.states
     parts = c.step.parts if c.step else {}
     seconds = [c.step_s, parts.get("pipeline", 0.0), parts.get("dp", 0.0), parts.get("optimizer", 0.0)]
-    sent = [c.comm_bytes.get(axis, 0.0) for axis in ("tp", "pp", "dp")]
+    sent = [c.comm_bytes.get(axis, 0.0) for axis in axes]
     memory = [c.memory.total, s.total, c.memory.activations]
     return [str(rank), c.layout.label(), *(f"{v:.4g}" for v in seconds), *(f"{v / scale:.3g}" for v in memory + sent)]
 
@@ -38,10 +36,12 @@ def _cells(rank: int, c: Candidate, scale: float) -> list[str]:
 def table(ranked: Sequence[Candidate]) -> str:
     """A header and one line per candidate (see :data:`COLUMNS`)."""
     unit, scale = ("GB", 1e9) if max((c.memory.total for c in ranked), default=0.0) >= 1e9 else ("MB", 1e6)
+    axes = ["tp", "pp", "dp"] + [a for a in ("ep", "cp") if any(c.comm_bytes.get(a) for c in ranked)]
+    widths = [width for _, width in COLUMNS] + [AXIS_WIDTH] * len(axes)
 
     def line(cells: Sequence[str]) -> str:
-        first, name, *rest = zip(cells, (width for _, width in COLUMNS))
+        first, name, *rest = zip(cells, widths)
         return f"{first[0]:>{first[1]}}  {name[0]:<{name[1]}}" + "".join(f" {c:>{w}}" for c, w in rest)
 
-    header = [h.format(unit=unit) for h, _ in COLUMNS]
-    return "\n".join([line(header), *(line(_cells(i + 1, c, scale)) for i, c in enumerate(ranked))])
+    header = [h.format(unit=unit) for h, _ in COLUMNS] + [f"{axis} {unit}" for axis in axes]
+    return "\n".join([line(header), *(line(_cells(i + 1, c, scale, axes)) for i, c in enumerate(ranked))])

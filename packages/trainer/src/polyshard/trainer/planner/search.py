@@ -31,6 +31,10 @@ from polyshard.trainer.planner.memory import ModelStates, rank_model_states
 from polyshard.trainer.planner.profile import Profile
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
+MIN_CONTEXT_TOKENS = 4096
+"""Context parallelism is weighed only while each rank keeps at least this many of a sequence's tokens:
+below it the ring's K/V transfers hide less and less behind the block's compute (Llama 3 used cp 16 at 128K
+tokens, 8K per rank). A cp the user fixes is always weighed."""
 MAX_PIPELINE = 32
 """Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
 SIMULATED = 32
@@ -103,15 +107,24 @@ def comm_of(config: Config) -> dict[str, float]:
 
 
 def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
-    """Every dp x tp x pp x ep (x cp) of the devices that the model's shape allows."""
+    """Every dp x tp x pp x ep x cp of the devices that the model's shape allows (tp splits the query
+    heads and either splits the kv heads or replicates each on tp / kv ranks; cp cuts each sequence
+    into 2·cp chunks, for a family whose attention polyshard.cp can split)."""
     model, n = config.model, request.devices
-    has_cp = "cp" in {f.name for f in dataclasses.fields(config.parallel)}
-    experts = spec_of(model).has_experts
+    spec = spec_of(model)
+    context = spec.context_parallel and model.dropout == 0
     for tp in divisors(n):
-        if tp > request.devices_per_node or model.kv_heads % tp or model.mlp_width % tp:
+        if tp > request.devices_per_node or model.num_heads % tp or model.mlp_width % tp:
             continue
-        for cp in divisors(n // tp) if has_cp else [1]:
-            for ep in divisors(n // (tp * cp)) if experts else [1]:
+        if model.kv_heads % tp and tp % model.kv_heads:
+            continue
+        for cp in divisors(n // tp) if context else [1]:
+            if "cp" in request.fixed:
+                if cp != request.fixed["cp"]:
+                    continue
+            elif cp > 1 and (model.sequence_length % (2 * cp) or model.sequence_length // cp < MIN_CONTEXT_TOKENS):
+                continue
+            for ep in divisors(n // (tp * cp)) if spec.has_experts else [1]:
                 if model.num_experts % ep:
                     continue
                 for pp in divisors(n // (tp * cp * ep)):
@@ -128,6 +141,8 @@ def layouts(config: Config, request: Request) -> Iterator[Layout]:
             continue
         pp = mesh["pp"]
         counts = [m for m in divisors(batch // data_ranks) if pp == 1 or m >= pp]
+        if mesh["cp"] > 1:  # split a sequence only once microbatches are down to one: before, split the batch
+            counts = [batch // data_ranks] if batch // data_ranks >= pp else []
         for zero, m, schedule, sp in itertools.product(range(4), counts, SCHEDULES if pp > 1 else ["1f1b"], (0, 1)):
             if sp and mesh["tp"] == 1:
                 continue
