@@ -8,7 +8,7 @@ from polyshard.trainer.planner.search import Candidate
 
 COLUMNS = (
     ("#", 3),
-    ("layout", 42),
+    ("layout", 46),
     ("step s", 9),
     ("pipeline", 9),
     ("dp", 8),
