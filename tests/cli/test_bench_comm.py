@@ -11,6 +11,7 @@ import pytest
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bench_comm_two_processes(tmp_path: Path):
     out = tmp_path / "comm.json"

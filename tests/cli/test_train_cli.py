@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 
@@ -28,6 +30,7 @@ def test_config_errors_stop_before_any_process(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was launched or written
 
 
+@pytest.mark.long
 def test_profile_steps_past_the_run_stop_before_any_process(tmp_path):
     config = ROOT / "apps/configs/gpt-tiny-pp.toml"
     overrides = ["--set", "training.steps=10", "--set", "logging.profile_steps=[5,12]"]
@@ -58,6 +61,7 @@ def test_bench_matmul_reports_tflops():
     assert result.returncode == 0 and "TFLOP/s" in result.stdout
 
 
+@pytest.mark.long
 def test_inspect_and_export_reject_a_modified_shard(distributed, tmp_path):
     distributed.run(2, _save_small, str(tmp_path))
     folder = next(tmp_path.glob("step_*"))
@@ -84,6 +88,7 @@ def _save_small(root):
     save_checkpoint(root, 1, {"model/w": LocalTensor(piece, record)}, mesh_axes={"tp": 2})
 
 
+@pytest.mark.long
 def test_init_from_a_missing_checkpoint_stops_before_any_process(tmp_path):
     config = ROOT / "apps/configs/gpt-tiny-dp.toml"
     cmd = POLYSHARD + ["train", str(config), "--init-from", str(tmp_path), "--out", str(tmp_path / "run")]
@@ -94,6 +99,7 @@ def test_init_from_a_missing_checkpoint_stops_before_any_process(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_an_out_file_or_a_resume_without_checkpoints_stops_before_any_process(tmp_path):
     # Before: both were accepted and failed inside the workers with tracebacks.
     config = ROOT / "apps/configs/gpt-tiny-dp.toml"
@@ -112,6 +118,7 @@ def test_an_out_file_or_a_resume_without_checkpoints_stops_before_any_process(tm
     assert "Traceback" not in as_file.stderr + nothing.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.long
 def test_inspect_of_a_run_falls_back_past_a_corrupt_newest_checkpoint(distributed, tmp_path):
     distributed.run(2, _save_small, str(tmp_path))
     older = next(tmp_path.glob("step_*"))

@@ -102,7 +102,9 @@ def _ledger_counts():
     )
 
 
-@pytest.mark.parametrize("world", [4, 6])  # the tp group (2 ranks) must differ from the world
+@pytest.mark.parametrize(  # the tp group (2 ranks) must differ from the world
+    "world", [4, pytest.param(6, marks=pytest.mark.long)]
+)
 def test_ledger_ring_volumes(distributed, world):
     for calls, ar_bytes, ar_wire, tp_wire, ag_bytes, ag_wire, rs_wire, size, has_summary in distributed.run(
         world, _ledger_counts

@@ -30,6 +30,7 @@ def test_workers_are_reused(distributed):
     assert [r[1:] for r in first] == [(0, 2), (1, 2)]
 
 
+@pytest.mark.long
 def test_failure_on_one_rank_shows_its_traceback(distributed):
     with pytest.raises(WorkerFailure) as info:
         distributed.run(2, _fails_on_rank_one, timeout_s=60)

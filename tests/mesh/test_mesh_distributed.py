@@ -22,6 +22,7 @@ def _group_sums(axes):
     return out
 
 
+@pytest.mark.long
 def test_quintnet_groups_on_eight_ranks(distributed):
     # 8 ranks, [dp, tp, pp] = 2x2x2: every group's all-reduce sums exactly its listed ranks.
     results = distributed.run(8, _group_sums, {"dp": 2, "tp": 2, "pp": 2})

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "apps/configs"
 DP = "gpt-tiny-dp.toml"
@@ -105,6 +107,7 @@ def test_every_bad_input_stops_before_launch_naming_the_field(tmp_path):
     _check(run_cases(str(tmp_path)))
 
 
+@pytest.mark.long
 def test_the_same_checks_hold_under_python_O(tmp_path):
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); "

@@ -28,6 +28,7 @@ from tests.reliability._jobs import (
 )
 
 
+@pytest.mark.long
 def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(tmp_path):
     job = start(tmp_path, *LONG)
     try:

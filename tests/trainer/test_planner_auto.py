@@ -37,6 +37,7 @@ def test_the_chosen_layout_goes_into_the_config():
     validate(chosen, world_size=4)
 
 
+@pytest.mark.long
 def test_train_layout_auto_prints_the_candidates_and_why(tmp_path):
     profile = tmp_path / "flat.json"
     profile.write_text(flat_profile(memory_gb=1.0, devices_per_node=4).to_json())

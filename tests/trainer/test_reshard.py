@@ -203,6 +203,7 @@ MATRIX = [
         "cp2-dp2-zero1",
         [({"dp": 4}, {}), ({"cp": 4}, {"zero_stage": 3}), ({"cp": 2, "tp": 2}, {"zero_stage": 0})],
         id="cp-hops",
+        marks=pytest.mark.long,  # the cp rows of the other reshard tests stay in the default suite
     ),
 ]
 
@@ -346,6 +347,7 @@ def test_exported_weights_give_the_parallel_models_outputs(distributed, trained,
     assert abs(plain - fresh.item()) > 1e-3  # the trained weights moved the loss: a misplaced shard would show
 
 
+@pytest.mark.long
 def test_reshard_command(trained, tmp_path):
     import subprocess
     import sys

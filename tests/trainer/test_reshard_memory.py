@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -45,6 +46,7 @@ def _one_rank_checkpoint(folder, config) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@pytest.mark.long
 def test_peak_memory_is_bounded_by_the_block_not_the_checkpoint(tmp_path):
     # A large vocabulary makes single tensors big: the embedding and head are 32 MiB each, 16 MiB per tp shard.
     model = {"hidden": 256, "num_layers": 2, "num_heads": 4, "context_length": 64, "vocab_size": 32768}
