@@ -25,6 +25,7 @@ def test_bench_comm_two_processes(tmp_path: Path):
     assert all(set(r) == keys and r["world_size"] == 2 for r in records)
 
 
+@pytest.mark.long
 def test_bench_comm_rejects_unknown_ops():
     cmd = POLYSHARD + ["bench", "comm", "--ops", "all_reduce,telepathy"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

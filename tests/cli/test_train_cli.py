@@ -54,6 +54,7 @@ def test_every_example_config_is_valid():
         assert "memory per rank" in describe(config)
 
 
+@pytest.mark.long
 def test_bench_matmul_reports_tflops():
     result = subprocess.run(
         POLYSHARD + ["bench", "matmul", "--size", "128", "--iters", "2"], capture_output=True, text=True, timeout=120

@@ -41,6 +41,7 @@ def test_failure_on_one_rank_shows_its_traceback(distributed):
     assert [r[1] for r in distributed.run(2, _pid_and_rank)] == [0, 1]
 
 
+@pytest.mark.long
 def test_hang_times_out(distributed):
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match=r"ranks \[0, 1\] did not finish within 2"):

@@ -28,6 +28,7 @@ def test_folder_and_errors(tmp_path):
         packed_splits(str(tmp_path / "tiny.txt"), context_length=9, val_fraction=0.1)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_shakespeare_is_fetched_once_and_cached(tmp_path):
     files = shakespeare_files(tmp_path)

@@ -236,7 +236,7 @@ def test_dense_gpt_losses_match_one_process(distributed, corpus, reference, tmp_
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(4, {"dp": 2, "ep": 2}, id="dp2xep2"),
         pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2"),
-        pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
+        pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1", marks=pytest.mark.long),
         pytest.param(2, {"tp": 2}, id="tp2"),
     ],
 )
@@ -260,7 +260,9 @@ def _stop_and_resume(config, out):
     "world, parallel",
     [
         pytest.param(1, {}, id="single"),
-        pytest.param(4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 1}, id="dp2xpp2-zero1"),
+        pytest.param(
+            4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 1}, id="dp2xpp2-zero1", marks=pytest.mark.long
+        ),
         pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
         pytest.param(2, {"pp": 2, "microbatches": 2, "dropout": 0.2}, id="pp2-dropout"),
     ],

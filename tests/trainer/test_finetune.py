@@ -157,6 +157,7 @@ def test_missing_file_non_utf8_and_vocabulary_errors(tmp_path):
         check_pairs_source(DataConfig(source=words), 32, 8, 100)  # 'y' is byte 121
 
 
+@pytest.mark.long
 def test_the_cli_stops_a_bad_file_before_any_process_starts(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join([GOOD, '{"prompt": "the king?"}'] + [GOOD] * 30) + "\n")

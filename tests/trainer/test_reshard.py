@@ -186,7 +186,12 @@ MATRIX = [
     pytest.param("tp2", [({"tp": 4}, {})], id="tp2->tp4-vocab-padding"),
     pytest.param("moe-dp2-ep2", [({"ep": 4}, {}), ({}, {})], id="moe-dp2xep2->ep4->ep1"),
     pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
-    pytest.param("dp2-zero3", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 3})], id="zero3->dp->zero3"),
+    pytest.param(
+        "dp2-zero3",
+        [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 3})],
+        id="zero3->dp->zero3",
+        marks=pytest.mark.long,
+    ),
     pytest.param("dp2-zero3", [({"dp": 4}, {"zero_stage": 1})], id="zero3-dp2->zero1-dp4"),
     pytest.param(
         "dp2-zero2-bf16", [({}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 2})], id="bf16-zero2->1->zero2"
@@ -252,7 +257,7 @@ def _continue(config, out, init_from):
 @pytest.mark.parametrize(
     "world, parallel, offline",
     [
-        pytest.param(8, {"tp": 4, "pp": 2}, True, id="offline-tp4xpp2"),
+        pytest.param(8, {"tp": 4, "pp": 2}, True, id="offline-tp4xpp2", marks=pytest.mark.long),
         pytest.param(4, {"pp": 4, "microbatches": 4, "stage_layers": [2, 1, 1, 2]}, True, id="offline-pp4"),
         pytest.param(4, {"dp": 4, "zero_stage": 3}, False, id="online-dp4-zero3"),
         pytest.param(4, {"cp": 2, "tp": 2}, True, id="offline-cp2xtp2"),
