@@ -10,6 +10,7 @@ waits for them, so none outlives the command.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,15 +53,21 @@ def run_local(nproc: int, module: str, args: Sequence[str], torchrun_args: Seque
     env.setdefault("OMP_NUM_THREADS", "1")
     agent = subprocess.Popen(torchrun_command(nproc, module, args, torchrun_args), env=env)
     try:
-        return agent.wait()
+        code = agent.wait()
     except KeyboardInterrupt:  # the terminal sent SIGINT to the agent and the workers too
         try:
             agent.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             agent.kill()  # its workers die with it (parent-death signal)
             agent.wait()
+        code = INTERRUPTED
+    if code in (INTERRUPTED, -signal.SIGINT):  # also when the agent ended before our own handler ran
         print("interrupted: every process stopped; the last complete checkpoint is intact", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+    return code
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 # How long the agent gets to stop its workers after Ctrl-C before it is killed.
