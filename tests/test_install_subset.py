@@ -1,5 +1,6 @@
 """Installing a lower subset of the packages works and pulls in no other polyshard package:
-polyshard-mesh with polyshard-collectives, and those two with one strategy package (cp)."""
+polyshard-mesh with polyshard-collectives, those two with one strategy package (cp), and
+polyshard-mesh with polyshard-checkpoint, whose command line inspects, reshards and exports."""
 
 import os
 import subprocess
@@ -21,7 +22,31 @@ SUBSETS = {
         "from polyshard.cp import context_parallel_attention, shard_sequence",
         ("tp", "ep", "trainer"),
     ),
+    ("mesh", "checkpoint"): (
+        "from polyshard.checkpoint import Checkpoint, export, write_resharded",
+        ("collectives", "tp", "trainer"),
+    ),
 }
+
+# Run in the fresh venv with only polyshard-mesh and polyshard-checkpoint: save a two-rank-shaped
+# checkpoint without processes, then inspect, reshard and export it through the package's own command.
+CHECKPOINT_ALONE = """
+import subprocess, sys, torch
+from safetensors.torch import load_file
+from polyshard.checkpoint import LocalTensor, save_checkpoint
+from polyshard.mesh import Replicate, TensorPlacement
+w = torch.arange(12.0).reshape(4, 3)
+record = TensorPlacement("w", (4, 3), (("dp", Replicate()),))
+save_checkpoint("run/checkpoints", 5, {"model/w": LocalTensor(w, record)}, mesh_axes={"dp": 1})
+def cli(*args):
+    command = [sys.executable, "-m", "polyshard.checkpoint", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout
+assert "step 5, mesh {'dp': 1}" in cli("inspect", "run")
+cli("reshard", "run/checkpoints/step_00000005", "moved", "--mesh", "dp=2")
+cli("export", "moved", "w.safetensors")
+assert torch.equal(load_file("w.safetensors")["w"], w)
+print("ok")
+"""
 
 
 @pytest.mark.long
@@ -55,3 +80,5 @@ def test_subset_installs_alone(tmp_path, packages):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     out = subprocess.check_output([py, "-c", probe], text=True, cwd=tmp_path, env=env).split()
     assert out == ["True"] * (len(absent) + 1)
+    if "checkpoint" in packages:
+        assert subprocess.check_output([py, "-c", CHECKPOINT_ALONE], text=True, cwd=tmp_path, env=env).split() == ["ok"]

@@ -80,8 +80,8 @@ def _save_small(root):
     import torch
     import torch.distributed as dist
 
+    from polyshard.checkpoint import LocalTensor, save_checkpoint
     from polyshard.mesh import Shard, TensorPlacement
-    from polyshard.trainer.checkpoint import LocalTensor, save_checkpoint
 
     rank = dist.get_rank()
     record = TensorPlacement("w", (4, 3), (("tp", Shard(0)),))

@@ -78,8 +78,8 @@ def metrics(out: Path) -> list[tuple]:
 
 
 def final_weights(out: Path):
-    from polyshard.trainer.checkpoint import latest_checkpoint
-    from polyshard.trainer.export import consolidate
+    from polyshard.checkpoint import latest_checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate
 
     return consolidate(latest_checkpoint(out / "checkpoints"))
 

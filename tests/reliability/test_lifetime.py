@@ -47,7 +47,7 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
 
 @pytest.mark.long
 def test_ctrl_c_stops_every_process_and_keeps_the_checkpoints(tmp_path):
-    from polyshard.trainer.checkpoint import open_checkpoint
+    from polyshard.checkpoint import open_checkpoint
 
     job = start(tmp_path, *LONG)
     try:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint_format import CheckpointError
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.hf import HFSource, hf_state, model_settings, write_hf
 
@@ -78,11 +78,11 @@ def _hf_logits_and_loss(folder: Path):
 
 
 def _import_score_save(config, folder, out):
-    from polyshard.trainer.checkpoint import save_checkpoint
+    from polyshard.checkpoint import save_checkpoint
+    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.loop import evaluate_batches
     from polyshard.trainer.parallelize import build_engine
-    from polyshard.trainer.reshard import load_into
-    from polyshard.trainer.state import state_tensors
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -115,7 +115,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
-    from polyshard.trainer.export import consolidate
+    from polyshard.trainer.checkpointing.export import consolidate
     from polyshard.trainer.models import build_model
 
     tie, parallel = LAYOUTS[layout]
@@ -144,9 +144,9 @@ def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path
 def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
     """polyshard train --init-from hf:DIR on dp2 x tp2, then export --format hf: transformers loads it
     with no missing or unexpected keys, and its logits are polyshard's."""
-    from polyshard.trainer.checkpoint import latest_checkpoint
+    from polyshard.checkpoint import latest_checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate
     from polyshard.trainer.data import decode
-    from polyshard.trainer.export import consolidate
     from polyshard.trainer.models import build_model
 
     settings = model_settings(gpt2)
@@ -230,7 +230,7 @@ def test_a_sharded_folder_reads_like_one_file(gpt2, corpus, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
     config = _config(gpt2, corpus)
     whole, sharded = HFSource(gpt2, config), HFSource(tmp_path, config)
-    for name in whole.sources:
+    for name in whole.locations:
         key = "model/" + name
         shape = whole.global_shape(key)
         assert sharded.global_shape(key) == shape
@@ -263,7 +263,7 @@ def test_export_shards_above_the_size_limit_and_transformers_loads_it(gpt2, corp
 
 
 def _shapes(source):
-    return [(name, source.global_shape("model/" + name)) for name in source.sources]
+    return [(name, source.global_shape("model/" + name)) for name in source.locations]
 
 
 def test_the_hubs_gpt2_model_names_read_like_the_lm_head_models(gpt2, corpus, tmp_path):

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint_format import CheckpointError
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
 from polyshard.trainer.hf.llama import settings as llama_settings
@@ -81,11 +81,11 @@ def _hf_logits(folder):
 
 def _import_and_score(config, folder, out):
     """On each rank: import, then (this data rank's logits shard, the mean loss) and a checkpoint."""
-    from polyshard.trainer.checkpoint import save_checkpoint
+    from polyshard.checkpoint import save_checkpoint
+    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.loop import evaluate_batches
     from polyshard.trainer.parallelize import build_engine
-    from polyshard.trainer.reshard import load_into
-    from polyshard.trainer.state import state_tensors
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -133,7 +133,7 @@ QUICK = {"one", "tp2", "tied-tp2xpp2", "pp3-uneven", "scaled-tp2"}
     "layout", [name if name in QUICK else pytest.param(name, marks=pytest.mark.long) for name in LAYOUTS]
 )
 def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
-    from polyshard.trainer.export import consolidate
+    from polyshard.trainer.checkpointing.export import consolidate
     from polyshard.trainer.models import build_model
 
     name, parallel = LAYOUTS[layout]
@@ -175,8 +175,8 @@ def test_the_settings_are_the_folders(folders):
 def test_export_after_training_loads_in_transformers(distributed, folders, corpus, tmp_path):
     """Initialise from the scaled Llama on tp2, train a few steps, export: transformers loads the folder
     with no missing or unexpected keys, and its logits are polyshard's."""
-    from polyshard.trainer.checkpoint import latest_checkpoint
-    from polyshard.trainer.export import consolidate
+    from polyshard.checkpoint import latest_checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate
     from polyshard.trainer.models import build_model
 
     folder = folders["scaled"]
@@ -302,7 +302,7 @@ def test_a_base_model_file_reads_like_the_causal_lm(folders, corpus, tmp_path):
     bare = _broken(folders["tied"], tmp_path, "bare", tensors_edit=edit)
     config = _config(folders["tied"], corpus)
     whole, base = HFSource(folders["tied"], config), HFSource(bare, config)
-    for name in whole.sources:
+    for name in whole.locations:
         shape = whole.global_shape("model/" + name)
         assert torch.equal(base.read("model/" + name, (0,) * len(shape), shape, torch.float32),
                            whole.read("model/" + name, (0,) * len(shape), shape, torch.float32))  # fmt: skip

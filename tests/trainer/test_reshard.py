@@ -1,6 +1,6 @@
 """Resharding: a checkpoint saved on one mesh, laid out for another, offline and while loading.
 
-Source checkpoints come from real (short) training runs on live processes, so
+Checkpoint checkpoints come from real (short) training runs on live processes, so
 they hold AdamW moments, ZeRO masters, padding and RNG states as training
 writes them. Resharding itself runs in this process: it needs no group.
 """
@@ -11,14 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, read_index, step_dir
 from polyshard.mesh import Mesh
-from polyshard.trainer.checkpoint import latest_checkpoint
-from polyshard.trainer.checkpoint_format import CheckpointError, Source, read_index, step_dir
+from polyshard.trainer.checkpointing.records import plan_ranks
+from polyshard.trainer.checkpointing.reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from polyshard.trainer.records import plan_ranks
-from polyshard.trainer.reshard import reshard, target_config
 
 STEPS = 4
 SAVE_AT = 2
@@ -107,7 +106,7 @@ def _checkpoint(trained, name, step=SAVE_AT):
 
 def _global_state(folder) -> dict[str, torch.Tensor]:
     """Every model and optimizer tensor of a checkpoint, whole and without padding."""
-    source = Source(folder)
+    source = Checkpoint(folder)
     return {
         key: source.read(key, tuple(0 for _ in source.global_shape(key)), source.global_shape(key), source.dtype(key))
         for key in source.pieces
@@ -136,7 +135,7 @@ def _files(folder) -> list[dict[str, torch.Tensor]]:
 
 
 def _reshard(src, dst, mesh, **parallel):
-    config = target_config(Source(src), mesh, parallel)
+    config = target_config(Checkpoint(src), mesh, parallel)
     return reshard(src, dst, config, max_block_bytes=4096)  # small blocks: many tensors span several
 
 
@@ -147,7 +146,7 @@ def _reshard(src, dst, mesh, **parallel):
 def test_planned_layout_equals_what_training_saved(trained, name):
     config, folder, _ = trained[name]
     index = read_index(_checkpoint(trained, name))
-    source = Source(_checkpoint(trained, name))
+    source = Checkpoint(_checkpoint(trained, name))
     plans = plan_ranks(config, source.params(), source.optim_state())
     files = _files(_checkpoint(trained, name))
     for rank, (plan, entry) in enumerate(zip(plans, index["ranks"])):
@@ -292,7 +291,7 @@ def test_a_corrupt_source_is_named_and_nothing_is_written(trained, tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     victim.unlink()
     with pytest.raises(CheckpointError, match="rank_00001.safetensors is missing"):
-        Source(src)
+        Checkpoint(src)
 
 
 def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
@@ -315,12 +314,12 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
 
 
 def _parallel_loss(config, folder, tokens):
+    from polyshard.trainer.checkpointing.reshard import load_into
     from polyshard.trainer.loop import evaluate
     from polyshard.trainer.parallelize import build_engine
-    from polyshard.trainer.reshard import load_into
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))
-    load_into(engine, Source(folder))
+    load_into(engine, Checkpoint(folder))
     return evaluate(engine, tokens[:, :-1], tokens[:, 1:])[0]  # every data rank gets the same batch
 
 
@@ -328,7 +327,7 @@ def _parallel_loss(config, folder, tokens):
 def test_exported_weights_give_the_parallel_models_outputs(distributed, trained, tmp_path, name):
     import torch.nn.functional as F
 
-    from polyshard.trainer.export import export
+    from polyshard.trainer.checkpointing.export import export
     from polyshard.trainer.models import build_model
 
     config, _, _ = trained[name]

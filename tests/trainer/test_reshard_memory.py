@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from polyshard.trainer.checkpoint_format import FORMAT_VERSION, rank_file, sha256
+from polyshard.checkpoint import FORMAT_VERSION
+from polyshard.checkpoint.format import rank_file, sha256
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.models import build_model
 
@@ -56,15 +57,15 @@ def test_peak_memory_is_bounded_by_the_block_not_the_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import json
-        from polyshard.trainer.checkpoint_format import Source
-        from polyshard.trainer.reshard import reshard, target_config
+        from polyshard.checkpoint import Checkpoint
+        from polyshard.trainer.checkpointing.reshard import reshard, target_config
 
         def status(field):
             for line in open("/proc/self/status"):
                 if line.startswith(field):
                     return int(line.split()[1]) * 1024
 
-        source = Source({str(tmp_path / "src")!r})
+        source = Checkpoint({str(tmp_path / "src")!r})
         config = target_config(source, {{"dp": 2, "tp": 2, "pp": 2}}, {{"microbatches": 2}})
         del source
         before = status("VmRSS")

@@ -42,8 +42,8 @@ def _train(config, out):
 
 
 def test_a_run_trains_with_the_bpe(distributed, bpe, corpus, tmp_path):
-    from polyshard.trainer.checkpoint import latest_checkpoint
-    from polyshard.trainer.export import consolidate
+    from polyshard.checkpoint import latest_checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate
     from polyshard.trainer.loop import sample_text
 
     config = from_dict(
@@ -68,8 +68,8 @@ def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
     reads it even when the file the config named is gone, and resharding carries it along."""
     from typer.testing import CliRunner
 
+    from polyshard.checkpoint import Checkpoint, CheckpointError
     from polyshard.cli.main import app
-    from polyshard.trainer.checkpoint_format import CheckpointError, Source
 
     assert (checkpoint / "tokenizer.json").read_bytes() == bpe.read_bytes()
     moved = tmp_path / "moved" / checkpoint.name
@@ -95,7 +95,7 @@ def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
     assert json.loads((exported / "config.json").read_text())["eos_token_id"] is None  # a plain BPE has none
     (moved / "tokenizer.json").write_text("{}")  # tampered with
     with pytest.raises(CheckpointError, match="tokenizer.json is missing or does not match its sha256"):
-        Source(moved)
+        Checkpoint(moved)
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(bpe, corpus):

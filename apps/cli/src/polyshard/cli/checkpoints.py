@@ -9,9 +9,7 @@ import typer
 
 def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder.")) -> None:
     """Print mesh, step, parameter names, global shapes and sizes; verify every checksum."""
-    from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError
-    from polyshard.trainer.export import describe
+    from polyshard.checkpoint import CheckpointError, describe, open_checkpoint
 
     try:
         typer.echo(describe(open_checkpoint(ckpt, _report_skip)))
@@ -32,10 +30,9 @@ def export(
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama)."""
-    from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError
-    from polyshard.trainer.export import consolidate
-    from polyshard.trainer.export import export as export_checkpoint
+    from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
+    from polyshard.trainer.checkpointing.export import export as export_checkpoint
+    from polyshard.trainer.checkpointing.export import saved_config
     from polyshard.trainer.hf import write_hf
 
     if format not in ("polyshard", "hf"):
@@ -44,7 +41,8 @@ def export(
         source = open_checkpoint(ckpt, _report_skip)
         if format == "hf":
             tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
-            written = write_hf(consolidate(source), source.config.model, out, int(max_shard_mb * 2**20), tokenizer)
+            model = saved_config(source).model  # streamed from the checkpoint, one tensor at a time
+            written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer)
         else:
             written = export_checkpoint(source, out)
         typer.echo(f"wrote {written}")
@@ -64,11 +62,10 @@ def generate(
     """Sample text from a GPT checkpoint: its shards are gathered on one process, as export does."""
     import math
 
-    from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError
+    from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate, saved_config
     from polyshard.trainer.data.tokenizer import load_tokenizer
     from polyshard.trainer.errors import DataError
-    from polyshard.trainer.export import consolidate
     from polyshard.trainer.loop import sample_text
     from polyshard.trainer.models import spec_of
 
@@ -78,14 +75,15 @@ def generate(
         raise typer.BadParameter("give some text to continue", param_hint="--prompt")
     try:
         source = open_checkpoint(ckpt, _report_skip)
-        if not spec_of(source.config.model).task.generates_text:
-            kind = source.config.model.kind
+        config = saved_config(source)
+        if not spec_of(config.model).task.generates_text:
+            kind = config.model.kind
             raise CheckpointError(f"{source.folder} holds a {kind!r} model, which makes no text; generate needs a GPT")
         saved = source.asset(TOKENIZER)  # the run's own tokenizer, saved with its checkpoints
-        tokenizer = load_tokenizer(str(saved) if saved else source.config.data.tokenizer)
+        tokenizer = load_tokenizer(str(saved) if saved else config.data.tokenizer)
         state = consolidate(source)
         text = sample_text(
-            source.config, state, tokens, prompt, temperature=temperature, top_k=top_k, seed=seed, tokenizer=tokenizer
+            config, state, tokens, prompt, temperature=temperature, top_k=top_k, seed=seed, tokenizer=tokenizer
         )
     except (CheckpointError, DataError) as err:
         typer.echo(f"{'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}", err=True)
@@ -127,13 +125,13 @@ def reshard(
     max_block_mb: float = typer.Option(64.0, "--max-block-mb", help="Most tensor data held at once (MiB, about)."),
 ) -> None:
     """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
+    from polyshard.checkpoint import CheckpointError, open_checkpoint
     from polyshard.mesh import MeshError, PlacementError
-    from polyshard.trainer.checkpoint import open_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError
+    from polyshard.trainer.checkpointing.export import saved_config
+    from polyshard.trainer.checkpointing.reshard import reshard as reshard_checkpoint
+    from polyshard.trainer.checkpointing.reshard import target_config
     from polyshard.trainer.config import apply_overrides
     from polyshard.trainer.errors import ConfigError
-    from polyshard.trainer.reshard import reshard as reshard_checkpoint
-    from polyshard.trainer.reshard import target_config
 
     parallel: dict = {}
     if zero_stage is not None:
@@ -150,13 +148,13 @@ def reshard(
         parallel.update(extra.get("parallel", {}))
         source = open_checkpoint(src, _report_skip)
         config = target_config(source, parse_mesh(mesh), parallel)
-        # The Source verified every file's sha256 once; reshard reads through it.
+        # The Checkpoint verified every file's sha256 once; reshard reads through it.
         report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20))
     except (ConfigError, CheckpointError, MeshError, PlacementError) as err:
         typer.echo(f"reshard error: {err}", err=True)
         raise typer.Exit(2) from err
     typer.echo(str(report))
-    changed = " ".join(f"--set parallel.{k}={_toml(v)}" for k, v in _changes(source.config, config).items())
+    changed = " ".join(f"--set parallel.{k}={_toml(v)}" for k, v in _changes(saved_config(source), config).items())
     run = dst.parent if dst.name == "checkpoints" else dst
     typer.echo(f"continue with: polyshard train CONFIG {changed} --out {run} --resume")
 

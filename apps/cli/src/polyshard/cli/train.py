@@ -51,9 +51,8 @@ def train(
     ),
 ) -> None:
     """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
+    from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint
     from polyshard.trainer import faults
-    from polyshard.trainer.checkpoint import find_checkpoint, latest_checkpoint
-    from polyshard.trainer.checkpoint_format import CheckpointError
     from polyshard.trainer.config import load_config
     from polyshard.trainer.constraints import layout_notes, validate
     from polyshard.trainer.errors import ConfigError, DataError

@@ -10,6 +10,7 @@ Read one step from top to bottom in :func:`train`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,17 +22,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from polyshard.checkpoint import (
+    TOKENIZER,
+    Checkpoint,
+    CheckpointError,
+    latest_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+)
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
 from polyshard.trainer import hf
-from polyshard.trainer.checkpoint import latest_checkpoint, open_checkpoint, save_checkpoint
-from polyshard.trainer.checkpoint_format import TOKENIZER, CheckpointError, Source
+from polyshard.trainer.checkpointing.export import consolidate, saved_config
+from polyshard.trainer.checkpointing.reshard import load_into
+from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.data.tokenizer import FileTokenizer, Tokenizer, load_tokenizer
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
-from polyshard.trainer.export import consolidate
 from polyshard.trainer.faults import inject
 from polyshard.trainer.integrity import check_replicas, weights_finite
 from polyshard.trainer.loss import IGNORE_INDEX, global_token_mean
@@ -42,8 +51,6 @@ from polyshard.trainer.parallelize import Engine, build_engine
 from polyshard.trainer.plan import parameter_count
 from polyshard.trainer.planner.measure import PlanCheck, plan_check_line
 from polyshard.trainer.profiling import StepProfiler
-from polyshard.trainer.reshard import load_into
-from polyshard.trainer.state import state_tensors
 
 
 @dataclass
@@ -154,7 +161,7 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def _load(
-    engine: Engine, config: Config, source: Source, train_data: ShardedLoader, result: RunResult, log: bool
+    engine: Engine, config: Config, source: Checkpoint, train_data: ShardedLoader, result: RunResult, log: bool
 ) -> int:
     """Continue from the checkpoint ``source``, saved on this mesh or any other; returns its step."""
     folder = source.folder
@@ -162,7 +169,7 @@ def _load(
     extra = source.extra()
     train_data.load_state_dict(extra["data"])
     result.losses = list(extra["losses"])
-    saved_batch = source.config.training.global_batch_size
+    saved_batch = saved_config(source).training.global_batch_size
     if log and dist.get_rank() == 0:
         last = f", last loss {result.losses[-1]:.4f}" if result.losses else ""
         origin = source.index.get("resharded_from", {}).get("mesh")
@@ -180,7 +187,7 @@ def _load(
 
 def checkpoint_to_load(
     config: Config, out: Path, resume: bool, init_from: str | Path | None
-) -> Source | hf.HFSource | None:
+) -> Checkpoint | hf.HFSource | None:
     """The checkpoint a run starts from, opened and verified: ``init_from`` (a step folder or a folder
     of them, or ``hf:DIR``, a Hugging Face model folder: weights only, from step 0), or with
     ``resume`` the newest valid one under ``out/checkpoints`` (newer ones that fail verification
@@ -385,6 +392,7 @@ def train(
                 config=dataclasses.asdict(config),
                 keep=config.checkpoint.keep,
                 assets=assets,
+                after_write=functools.partial(inject, "save", step + 1, mesh.rank),
             )
             inject("saved", step + 1, mesh.rank)
         profiler.end(step + 1)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from polyshard.checkpoint import CheckpointError
 from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
-from polyshard.trainer.checkpoint_format import CheckpointError
 from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError

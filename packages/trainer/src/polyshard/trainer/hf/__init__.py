@@ -36,16 +36,17 @@ Llama's q and k need no permutation: polyshard's rotary embedding pairs dims i a
 ``rope_original_context``); anything polyshard does not compute (biases, another activation or
 rope type, a head dim of its own) is refused, naming the key.
 
-Import: :class:`HFSource` opens the folder as a checkpoint source for
-:func:`polyshard.trainer.reshard.load_into`, so each rank of any mesh reads only the regions its
-placement records name (safetensors' lazy slices, one tensor region at a time), exactly as an
-online reshard reads a polyshard checkpoint. Export: :func:`write_hf` writes ``config.json`` and
-``model.safetensors`` that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+Import: :class:`HFSource` opens the folder as a checkpoint source (``polyshard.checkpoint.HFWeights``)
+for :func:`polyshard.trainer.checkpointing.reshard.load_into`, so each rank of any mesh reads only
+the regions its placement records name (safetensors' lazy slices, one tensor region at a time),
+exactly as an online reshard reads a polyshard checkpoint. Export: :func:`write_hf` writes
+``config.json`` and ``model.safetensors`` (streamed from a checkpoint, one tensor at a time) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
 Each family is one record (:mod:`.gpt2`, :mod:`.llama`); :mod:`.folder` reads and writes any of them.
 """
 
-from polyshard.trainer.hf.family import Family, Source
+from polyshard.trainer.hf.family import Family
 from polyshard.trainer.hf.folder import (
     CONFIG_FILE,
     FAMILIES,
@@ -69,7 +70,6 @@ __all__ = [
     "WEIGHTS_FILE",
     "Family",
     "HFSource",
-    "Source",
     "check_matches",
     "family_of",
     "hf_config",

@@ -13,21 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyshard.trainer.checkpoint_format import CheckpointError
+from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one of our tensors lives in a Hugging Face file: its name; whether it is stored transposed
-    (GPT-2's ``Conv1D`` keeps ``x @ W``'s W, a ``Linear`` weight transposed); and, when ``parts``
-    of our tensors sit side by side along the stored tensor's last dim (GPT-2's fused q, k, v in
-    ``c_attn``), the offset of this one there."""
-
-    name: str
-    transposed: bool = False
-    offset: int = 0
-    parts: int = 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +29,7 @@ class Family:
     """A validated ``config.json`` (its path for messages) -> polyshard's ``[model]`` settings."""
     differences: Callable[[ModelConfig], dict[str, object]]
     """The settings a model would need to change to be of this family (empty: it is)."""
-    sources: Callable[[ModelConfig], dict[str, Source]]
+    locations: Callable[[ModelConfig], dict[str, TensorLocation]]
     """Our parameter name -> where it lives in the family's files."""
     config: Callable[[ModelConfig], dict[str, object]]
     """The ``config.json`` written for a model of this family."""

@@ -8,16 +8,23 @@ on export the family is the one the model's settings describe.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from polyshard.trainer.checkpoint_format import MASTER, MODEL, OPTIM, TOKENIZER, CheckpointError
+from polyshard.checkpoint import MODEL, TOKENIZER, Checkpoint, CheckpointError
+from polyshard.checkpoint.hf import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    PREFIX,
+    WEIGHTS_FILE,
+    HFWeights,
+    check_new_folder,
+    read_config,
+    write_hf_folder,
+)
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.data.tokenizer import FileTokenizer
 from polyshard.trainer.hf.family import Family, setting
@@ -25,8 +32,8 @@ from polyshard.trainer.hf.gpt2 import GPT2
 from polyshard.trainer.hf.llama import LLAMA_FAMILY
 from polyshard.trainer.models import build_model, spec_of
 
-PREFIX = "hf:"
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+__all__ = ["CONFIG_FILE", "INDEX_FILE", "PREFIX", "WEIGHTS_FILE"]  # where a folder's files are named
+
 FAMILIES: dict[str, Family] = {family.model_type: family for family in (GPT2, LLAMA_FAMILY)}
 
 
@@ -59,125 +66,37 @@ def _toml(value: object) -> str:
     return json.dumps(value) if isinstance(value, str) else str(value).lower()
 
 
-class HFSource:
-    """A Hugging Face model folder (GPT-2 or Llama), opened as a source of model weights for any mesh
-    (no optimizer state, no RNG: a run initialised from it starts at step 0)."""
+class HFSource(HFWeights):
+    """A Hugging Face model folder (GPT-2 or Llama) whose ``config.json`` matches ``config``'s model,
+    opened as a source of model weights for any mesh (:class:`polyshard.checkpoint.HFWeights`)."""
 
     def __init__(self, folder: str | Path, config: Config):
-        self.folder = Path(folder)
-        self.family = check_matches(self.folder, config.model)
-        stored = _weight_files(self.folder)
-        # A base model's file (the Hub's "gpt2") names the tensors without the causal LM's prefix:
-        # read both under the longer names.
-        self.stored = {self.family.canonical(name): name for name in stored}
-        self.files = {self.family.canonical(name): file for name, file in stored.items()}
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for name, file in self.files.items():
-            with safe_open(str(self.folder / file), "pt") as f:
-                if self.stored[name] not in f.keys():
-                    raise CheckpointError(
-                        f"{self.folder / file} holds no tensor {self.stored[name]!r}, which the index lists"
-                    )
-                self.shapes[name] = tuple(f.get_slice(self.stored[name]).get_shape())
-        self.sources = self.family.sources(config.model)
-        needed = {s.name for s in self.sources.values()}
-        missing = sorted(needed - set(self.shapes))
-        unexpected = sorted(n for n in set(self.shapes) - needed if not n.endswith(self.family.buffers))
-        if missing or unexpected:
-            raise CheckpointError(
-                f"{self.folder} is not the {self.family.title} these settings describe: missing {missing}, "
-                f"unexpected {unexpected}"
-            )
+        family = check_matches(folder, config.model)
+        super().__init__(
+            folder,
+            family.locations(config.model),
+            title=family.title,
+            canonical=family.canonical,
+            buffers=family.buffers,
+        )
+        self.family = family
         skeleton = build_model(config.model, layers=())  # the meta device: shapes only
         wanted = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
-        for ours, source in self.sources.items():
+        for ours, location in self.locations.items():
             if self.global_shape(MODEL + ours) != wanted[ours]:
                 raise CheckpointError(
-                    f"{self.folder}: {source.name} is {list(self.shapes[source.name])}, which does not make "
+                    f"{self.folder}: {location.name} is {list(self.shapes[location.name])}, which does not make "
                     f"{ours} {list(wanted[ours])}; config.json and the weights disagree"
                 )
-
-    # -- what load_into asks of a source --------------------------------------------------------------
-    def resolve(self, key: str) -> str:
-        """Model keys as they are; an fp32 master is read from the weights it starts as."""
-        if key.startswith(OPTIM) and key.endswith(f"/{MASTER}"):
-            key = MODEL + key[len(OPTIM) : -len(MASTER) - 1]
-        if not key.startswith(MODEL) or key[len(MODEL) :] not in self.sources:
-            raise CheckpointError(f"{self.folder} holds no tensor for {key!r}")
-        return key
-
-    def global_shape(self, key: str) -> tuple[int, ...]:
-        source = self.sources[self.resolve(key)[len(MODEL) :]]
-        saved = self.shapes[source.name]
-        if source.transposed:  # our (out, in) is HF's (in, out); a fused tensor's out holds several of ours
-            return (saved[-1] // source.parts, saved[0])
-        if source.parts > 1:
-            return (saved[0] // source.parts, *saved[1:])
-        return saved
-
-    def read(self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The region ``start`` + ``shape`` of our tensor ``key``, zero past its shape (padding)."""
-        key = self.resolve(key)
-        source, full = self.sources[key[len(MODEL) :]], self.global_shape(key)
-        out = torch.zeros(shape, dtype=dtype)
-        want = [(s, min(s + n, g)) for s, n, g in zip(start, shape, full)]
-        if any(hi <= lo for lo, hi in want):
-            return out  # all padding
-        with safe_open(str(self.folder / self.files[source.name]), "pt") as f:
-            stored = f.get_slice(self.stored[source.name])
-            if source.transposed:
-                (r0, r1), (c0, c1) = want
-                block = stored[c0:c1, source.offset + r0 : source.offset + r1].T
-            elif len(want) == 1:
-                ((lo, hi),) = want
-                block = stored[source.offset + lo : source.offset + hi]
-            else:
-                block = stored[tuple(slice(lo, hi) for lo, hi in want)]
-        out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
-        return out
-
-    def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
-        return {}
-
-    def rng_piece(self, coords: Mapping[str, int]) -> None:
-        return None
 
 
 def _read_config(folder: Path) -> tuple[Family, dict[str, Any], str]:
     """The folder's family, its parsed ``config.json`` and that file's path (for messages)."""
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{folder} holds no {CONFIG_FILE}; give a Hugging Face model folder")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    kind = hf.get("model_type") if isinstance(hf, dict) else None
+    hf, path = read_config(folder)
+    kind = hf.get("model_type")
     if not isinstance(kind, str) or kind not in FAMILIES:
         raise CheckpointError(f"{path}: model_type {kind!r} is not supported; polyshard reads {sorted(FAMILIES)}")
     return FAMILIES[kind], hf, str(path)
-
-
-def _weight_files(folder: Path) -> dict[str, str]:
-    """HF tensor name -> the file (a bare name inside ``folder``) that holds it."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{index} is not a safetensors index with a weight_map: {err}") from err
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to files")
-        for file in set(weight_map.values()):
-            path = folder / str(file)
-            if not isinstance(file, str) or Path(file).name != file or path.is_symlink() or not path.is_file():
-                raise CheckpointError(f"{index} names {file!r}; each file must be a bare name of a file in {folder}")
-        return dict(weight_map)
-    single = folder / WEIGHTS_FILE
-    if not single.is_file() or single.is_symlink():
-        raise CheckpointError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-    with safe_open(str(single), "pt") as f:
-        return {name: WEIGHTS_FILE for name in f.keys()}
 
 
 # -- export --------------------------------------------------------------------------------------------
@@ -200,19 +119,37 @@ def family_of(model: ModelConfig) -> Family:
     )
 
 
+def _hf_tensors(
+    model: ModelConfig, ours: Callable[[str], torch.Tensor], dtype: Callable[[str], torch.dtype]
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Callable[[str], torch.Tensor]]:
+    """The family's tensors (name -> dtype and shape, in file order) and a function making each from
+    our weights (``ours(name)``), one at a time: transposed where the family stores ``x @ W``, and
+    fused tensors (GPT-2's q, k, v) put side by side along the last dim in their parts' order."""
+    parts: dict[str, list[tuple[str, bool]]] = {}
+    for name, location in family_of(model).locations(model).items():
+        parts.setdefault(location.name, []).append((name, location.transposed))
+    skeleton = build_model(model, layers=())  # the meta device: shapes only
+    shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+
+    def shape_of(hf_name: str) -> tuple[int, ...]:
+        pieces = [shapes[n][::-1] if transposed else shapes[n] for n, transposed in parts[hf_name]]
+        if len(pieces) == 1:
+            return pieces[0]
+        return (*pieces[0][:-1], sum(p[-1] for p in pieces))
+
+    def make(hf_name: str) -> torch.Tensor:
+        pieces = [ours(n).T if transposed else ours(n) for n, transposed in parts[hf_name]]
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).contiguous()
+
+    specs = {hf_name: (dtype(members[0][0]), shape_of(hf_name)) for hf_name, members in sorted(parts.items())}
+    return specs, make
+
+
 def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our unsharded weights (:func:`polyshard.trainer.export.consolidate`) in the family's names and layouts."""
-    out: dict[str, torch.Tensor] = {}
-    fused: dict[str, list[torch.Tensor]] = {}
-    for ours, source in family_of(model).sources(model).items():
-        tensor = state[ours].T if source.transposed else state[ours]
-        if source.parts > 1:  # in source order (q, k, v), side by side along HF's last dim
-            fused.setdefault(source.name, []).append(tensor)
-        else:
-            out[source.name] = tensor
-    for name, parts in fused.items():
-        out[name] = torch.cat(parts, dim=-1)
-    return {name: t.contiguous().clone() for name, t in sorted(out.items())}
+    """Our unsharded weights (:func:`polyshard.trainer.checkpointing.export.consolidate`) in the family's
+    names and layouts."""
+    specs, make = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
+    return {name: make(name).clone() for name in specs}
 
 
 def hf_config(model: ModelConfig) -> dict[str, object]:
@@ -221,7 +158,7 @@ def hf_config(model: ModelConfig) -> dict[str, object]:
 
 
 def write_hf(
-    state: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | Checkpoint,
     model: ModelConfig,
     destination: str | Path,
     max_shard_bytes: int = 5 << 30,
@@ -229,62 +166,22 @@ def write_hf(
 ) -> Path:
     """Write a Hugging Face folder into ``destination``, which must not exist yet: ``config.json`` and
     ``model.safetensors``, or above ``max_shard_bytes`` the shards ``model-00001-of-0000N.safetensors``
-    with ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). With ``tokenizer`` (the
-    run's ``tokenizer.json``) the folder gets it too, with a ``tokenizer_config.json``, so
+    with ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). ``state`` is our
+    unsharded weights, or a checkpoint to stream them from one tensor at a time. With ``tokenizer``
+    (the run's ``tokenizer.json``) the folder gets it too, with a ``tokenizer_config.json``, so
     ``AutoTokenizer.from_pretrained`` reads it; ``config.json``'s bos/eos ids are then its end-of-text
     token (or none). It is built under a temporary name and renamed, so it is whole or absent."""
-    destination = Path(destination)
-    if destination.exists():
-        raise CheckpointError(f"{destination} exists; give a new folder for the Hugging Face model")
-    if not destination.parent.is_dir():
-        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
-    tensors = hf_state(state, model)
-    tmp = destination.with_name(f".tmp-{destination.name}")
-    if tmp.is_dir():  # left by an export that was killed
-        for file in tmp.iterdir():
-            file.unlink()
-        tmp.rmdir()
-    tmp.mkdir()
-    try:
-        config = hf_config(model)
-        if tokenizer is not None:
-            end = FileTokenizer(tokenizer).end_of_text
-            config.update(bos_token_id=end, eos_token_id=end)
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
-            (tmp / "tokenizer_config.json").write_text(
-                json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
-            )
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, names in enumerate(shards, start=1):
-                shard = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n] for n in names}, str(tmp / shard), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(names, shard))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        tmp.rename(destination)
-    except BaseException:
-        for file in tmp.iterdir():
-            file.unlink()
-        tmp.rmdir()
-        raise
-    return destination
-
-
-def _shards(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Tensor names in file order, cut into groups of at most ``max_bytes`` (a larger tensor alone)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    return groups
+    check_new_folder(destination)  # before any tensor is read
+    if isinstance(state, Checkpoint):
+        source = state
+        specs, make = _hf_tensors(model, lambda n: source.whole(MODEL + n), lambda n: source.dtype(MODEL + n))
+    else:
+        specs, make = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
+    config = hf_config(model)
+    files: dict[str, Path | str] = {}
+    if tokenizer is not None:
+        end = FileTokenizer(tokenizer).end_of_text
+        config.update(bos_token_id=end, eos_token_id=end)
+        files[TOKENIZER] = tokenizer
+        files["tokenizer_config.json"] = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
+    return write_hf_folder(destination, config, specs, make, max_shard_bytes=max_shard_bytes, files=files)

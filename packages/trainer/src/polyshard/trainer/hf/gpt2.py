@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from polyshard.trainer.checkpoint_format import CheckpointError
+from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import ModelConfig
-from polyshard.trainer.hf.family import Family, Source, read_bool, read_int, read_number, require, shape_differences
+from polyshard.trainer.hf.family import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT GPT-2's architecture.
 SHAPE: dict[str, object] = {"kind": "gpt", "norm": "layer", "activation": "gelu", "positions": "learned", "bias": True}
@@ -45,28 +45,31 @@ def differences(model: ModelConfig) -> dict[str, object]:
     return out
 
 
-def sources(model: ModelConfig) -> dict[str, Source]:
+def locations(model: ModelConfig) -> dict[str, TensorLocation]:
     """Our parameter name -> where it lives in a GPT-2 file."""
     h, last = model.hidden, model.num_layers + 1
     out = {
-        "layers.0.tok.weight": Source("transformer.wte.weight"),
-        "layers.0.pos.weight": Source("transformer.wpe.weight"),
+        "layers.0.tok.weight": TensorLocation("transformer.wte.weight"),
+        "layers.0.pos.weight": TensorLocation("transformer.wpe.weight"),
     }
     for i in range(1, last):
         hf = f"transformer.h.{i - 1}"
         ours = f"layers.{i}"
         for a, b in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            out[f"{ours}.{a}.weight"], out[f"{ours}.{a}.bias"] = Source(f"{hf}.{b}.weight"), Source(f"{hf}.{b}.bias")
+            out[f"{ours}.{a}.weight"], out[f"{ours}.{a}.bias"] = (
+                TensorLocation(f"{hf}.{b}.weight"),
+                TensorLocation(f"{hf}.{b}.bias"),
+            )
         for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-            out[f"{ours}.attn.{proj}.weight"] = Source(f"{hf}.attn.c_attn.weight", True, j * h, parts=3)
-            out[f"{ours}.attn.{proj}.bias"] = Source(f"{hf}.attn.c_attn.bias", False, j * h, parts=3)
+            out[f"{ours}.attn.{proj}.weight"] = TensorLocation(f"{hf}.attn.c_attn.weight", True, j * h, parts=3)
+            out[f"{ours}.attn.{proj}.bias"] = TensorLocation(f"{hf}.attn.c_attn.bias", False, j * h, parts=3)
         for a, b in (("attn.o_proj", "attn.c_proj"), ("mlp.fc_in", "mlp.c_fc"), ("mlp.fc_out", "mlp.c_proj")):
-            out[f"{ours}.{a}.weight"] = Source(f"{hf}.{b}.weight", True)
-            out[f"{ours}.{a}.bias"] = Source(f"{hf}.{b}.bias")
-    out[f"layers.{last}.norm.weight"] = Source("transformer.ln_f.weight")
-    out[f"layers.{last}.norm.bias"] = Source("transformer.ln_f.bias")
+            out[f"{ours}.{a}.weight"] = TensorLocation(f"{hf}.{b}.weight", True)
+            out[f"{ours}.{a}.bias"] = TensorLocation(f"{hf}.{b}.bias")
+    out[f"layers.{last}.norm.weight"] = TensorLocation("transformer.ln_f.weight")
+    out[f"layers.{last}.norm.bias"] = TensorLocation("transformer.ln_f.bias")
     if not model.tie_embeddings:
-        out[f"layers.{last}.proj.weight"] = Source("lm_head.weight")
+        out[f"layers.{last}.proj.weight"] = TensorLocation("lm_head.weight")
     return out
 
 
@@ -95,7 +98,7 @@ GPT2 = Family(
     title="GPT-2",
     settings=settings,
     differences=differences,
-    sources=sources,
+    locations=locations,
     config=config,
     # GPT2Model's files (the Hub's "gpt2") name the tensors without GPT2LMHeadModel's "transformer.".
     base_prefix="transformer.",

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from polyshard.trainer.checkpoint_format import CheckpointError
+from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.hf.family import Family, Source, read_bool, read_int, read_number, require, shape_differences
+from polyshard.trainer.hf.family import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT Llama's architecture.
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA}
@@ -106,21 +106,21 @@ def differences(model: ModelConfig) -> dict[str, object]:
     return shape_differences(model, SHAPE)
 
 
-def sources(model: ModelConfig) -> dict[str, Source]:
+def locations(model: ModelConfig) -> dict[str, TensorLocation]:
     """Our parameter name -> where it lives in a Llama file (the same layout, other names)."""
     last = model.num_layers + 1
-    out = {"layers.0.tok.weight": Source("model.embed_tokens.weight")}
+    out = {"layers.0.tok.weight": TensorLocation("model.embed_tokens.weight")}
     for i in range(1, last):
         hf, ours = f"model.layers.{i - 1}", f"layers.{i}"
-        out[f"{ours}.norm1.weight"] = Source(f"{hf}.input_layernorm.weight")
-        out[f"{ours}.norm2.weight"] = Source(f"{hf}.post_attention_layernorm.weight")
+        out[f"{ours}.norm1.weight"] = TensorLocation(f"{hf}.input_layernorm.weight")
+        out[f"{ours}.norm2.weight"] = TensorLocation(f"{hf}.post_attention_layernorm.weight")
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{ours}.attn.{proj}.weight"] = Source(f"{hf}.self_attn.{proj}.weight")
+            out[f"{ours}.attn.{proj}.weight"] = TensorLocation(f"{hf}.self_attn.{proj}.weight")
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{ours}.mlp.{proj}.weight"] = Source(f"{hf}.mlp.{proj}.weight")
-    out[f"layers.{last}.norm.weight"] = Source("model.norm.weight")
+            out[f"{ours}.mlp.{proj}.weight"] = TensorLocation(f"{hf}.mlp.{proj}.weight")
+    out[f"layers.{last}.norm.weight"] = TensorLocation("model.norm.weight")
     if not model.tie_embeddings:
-        out[f"layers.{last}.proj.weight"] = Source("lm_head.weight")
+        out[f"layers.{last}.proj.weight"] = TensorLocation("lm_head.weight")
     return out
 
 
@@ -164,7 +164,7 @@ LLAMA_FAMILY = Family(
     title="Llama",
     settings=settings,
     differences=differences,
-    sources=sources,
+    locations=locations,
     config=config,
     base_prefix="model.",  # LlamaModel's files: embed_tokens, layers, norm without "model."
     base_names=("embed_tokens.", "layers.", "norm."),

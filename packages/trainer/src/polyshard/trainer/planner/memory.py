@@ -30,12 +30,12 @@ from polyshard.dp import ShardSpec
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import Replicate
 from polyshard.tp import planned_placement
+from polyshard.trainer.checkpointing.records import data_axes
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 from polyshard.trainer.parallelize import pipeline_bounds
 from polyshard.trainer.planner.layout import Layout
 from polyshard.trainer.planner.pipeline import stages_by_rank
-from polyshard.trainer.records import data_axes
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
@@ -120,7 +120,7 @@ def _tp_plan_by_layer(model: ModelConfig, tp: int, sequence_parallel: bool) -> d
 
 
 def _held(config: Config, layout: Layout, name: str, shape: tuple[int, ...]) -> Held:
-    """As :func:`polyshard.trainer.records.base_record` places it (tp, then ep), with the tp plan
+    """As :func:`polyshard.trainer.checkpointing.records.base_record` places it (tp, then ep), with the tp plan
     looked up per layer so a 126-layer model does not match every name against every pattern."""
     plan = _tp_plan_by_layer(config.model, layout.tp, layout.sequence_parallel).get(layer_of(name), {})
     record = planned_placement(plan, name, shape, layout.tp)

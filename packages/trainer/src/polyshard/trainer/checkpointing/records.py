@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from polyshard.checkpoint import MASTER, Planned, model_key, optim_key
 from polyshard.dp import ShardSpec, shard_record
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
-from polyshard.trainer.checkpoint_format import MASTER, model_key, optim_key
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import spec_of, tied_names
 from polyshard.trainer.parallelize import keeps_masters, layer_of, pipeline_bounds, tp_plan
@@ -60,15 +59,6 @@ def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
     if is_expert(config, record) and config.parallel.zero_stage < 3:
         return ("dp",)
     return config.parallel.replica_axes
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One tensor a target rank will hold: its record (None: the same whole tensor on every holder)."""
-
-    record: TensorPlacement | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def plan_ranks(

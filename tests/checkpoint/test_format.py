@@ -1,4 +1,4 @@
-"""Sharded checkpoints: atomic folders, placement records in the index, checksums."""
+"""Sharded checkpoints: atomic folders, placement records in the index, checksums (no trainer involved)."""
 
 import json
 
@@ -6,9 +6,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from polyshard.checkpoint import (
+    CheckpointError,
+    LocalTensor,
+    latest_checkpoint,
+    load_rank,
+    read_index,
+    save_checkpoint,
+    verify_files,
+)
 from polyshard.mesh import Replicate, Shard, TensorPlacement
-from polyshard.trainer.checkpoint import LocalTensor, latest_checkpoint, load_rank, save_checkpoint
-from polyshard.trainer.checkpoint_format import CheckpointError, read_index, verify_files
 
 
 def _save_two_steps(root):
@@ -100,7 +107,7 @@ def _craft(folder, change):
     ],
 )
 def test_a_crafted_index_is_refused_before_anything_is_read(tmp_path, change, message):
-    from polyshard.trainer.checkpoint_format import Source
+    from polyshard.checkpoint import Checkpoint
 
     outside = tmp_path / "elsewhere"
     outside.mkdir()
@@ -108,7 +115,7 @@ def test_a_crafted_index_is_refused_before_anything_is_read(tmp_path, change, me
     folder = _one_rank_checkpoint(tmp_path / "run")
     _craft(folder, change)
     with pytest.raises(CheckpointError, match=message):
-        Source(folder)  # what inspect, export, reshard and --resume open
+        Checkpoint(folder)  # what inspect, export, reshard and --resume open
 
 
 def test_a_link_out_of_the_folder_is_refused(tmp_path):
@@ -121,7 +128,7 @@ def test_a_link_out_of_the_folder_is_refused(tmp_path):
 
 
 def test_export_refuses_a_folder_or_a_missing_parent_and_leaves_nothing(tmp_path):
-    from polyshard.trainer.export import export
+    from polyshard.checkpoint import export
 
     folder = _one_rank_checkpoint(tmp_path / "run")
     with pytest.raises(CheckpointError, match="is a folder; give the file to write"):

@@ -1,11 +1,11 @@
 """What a rank saves and restores: its parameters, optimizer state, RNG and data position.
 
-Tensor keys follow :mod:`polyshard.trainer.checkpoint_format` (``model/<name>``,
+Tensor keys follow :mod:`polyshard.checkpoint.format` (``model/<name>``,
 ``optim/<name>/<state>``, ``rng/torch``).
 Each carries its placement record into the checkpoint index. Restoring into
 the same layout is exact: on CPU a resumed run's losses equal an
 uninterrupted run's bit for bit. Restoring into another layout goes through
-:mod:`polyshard.trainer.reshard`.
+:mod:`polyshard.trainer.checkpointing.reshard`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polyshard.checkpoint import MASTER, RNG, LocalTensor, model_key, optim_key
 from polyshard.dp import ZeroOptimizer
 from polyshard.mesh import get_placement
-from polyshard.trainer.checkpoint import LocalTensor
-from polyshard.trainer.checkpoint_format import MASTER, RNG, model_key, optim_key
 from polyshard.trainer.parallelize import Engine
 
 
@@ -61,7 +60,7 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
 def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors laid out for this rank of ``engine`` into it: parameters, optimizer state, RNG.
 
-    :func:`polyshard.trainer.reshard.load_into` cuts them from a checkpoint of any layout.
+    :func:`polyshard.trainer.checkpointing.reshard.load_into` cuts them from a checkpoint of any layout.
     """
     for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():

@@ -1,4 +1,4 @@
-"""Sharded checkpoints: one safetensors file per rank plus a JSON index.
+"""Saving and opening checkpoints: one safetensors file per rank plus a JSON index.
 
 Layout of ``<dir>/step_00000100/``::
 
@@ -17,7 +17,7 @@ resharding reads; it never needs the model or a process group.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,11 +26,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from polyshard.mesh import TensorPlacement
-from polyshard.trainer.checkpoint_format import (
+from polyshard.checkpoint.format import (
     ASSETS,
     CheckpointError,
-    Source,
     copy_assets,
     make_index,
     publish,
@@ -41,7 +39,8 @@ from polyshard.trainer.checkpoint_format import (
     step_dir,
     verify_files,
 )
-from polyshard.trainer.faults import inject
+from polyshard.checkpoint.source import Checkpoint
+from polyshard.mesh import TensorPlacement
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,7 @@ def save_checkpoint(
     config: Mapping[str, Any] | None = None,
     keep: int | None = None,
     assets: Mapping[str, Path] | None = None,
+    after_write: Callable[[], None] | None = None,
 ) -> Path:
     """Collectively save this rank's ``tensors``; returns the finished folder.
 
@@ -69,7 +69,8 @@ def save_checkpoint(
     under ``"ranks"``; use it for data positions and other small state.
     ``config`` (the run's settings as a dict) lets offline tools lay the
     checkpoint out for another mesh. ``assets`` (name -> file, read on rank 0) are copied in
-    beside the tensors and verified like them: the run's tokenizer.
+    beside the tensors and verified like them: the run's tokenizer. ``after_write`` runs on every rank
+    once its own file is written, before the index is (the trainer's fault injection kills a rank there).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
@@ -83,7 +84,8 @@ def save_checkpoint(
     # clone(): safetensors refuses tensors that share memory (fp32 ZeRO masters are views of the
     # parameters at stages 1-2 and of the shards at stage 3).
     save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
-    inject("save", step, rank)
+    if after_write is not None:
+        after_write()
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
     entries = _gather(entry)
     if rank == 0:
@@ -112,19 +114,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def open_checkpoint(path: str | Path, on_skip=None) -> Source:
+def open_checkpoint(path: str | Path, on_skip: Callable[[Path, CheckpointError], None] | None = None) -> Checkpoint:
     """``path``'s checkpoint, opened and verified. A step folder is taken as named; under a run folder
     (or its ``checkpoints/``) the newest *valid* one is taken, and each newer one that fails
     verification is reported to ``on_skip(folder, error)`` and passed over, so a corrupt last save
     does not lose the run."""
     path = Path(path)
     if (path / "index.json").exists():
-        return Source(path)
+        return Checkpoint(path)
     for root in (path, path / "checkpoints"):
         done = complete_checkpoints(root)
         for folder in reversed(done):
             try:
-                return Source(folder)
+                return Checkpoint(folder)
             except CheckpointError as err:
                 if on_skip is not None:
                     on_skip(folder, err)
@@ -146,7 +148,9 @@ def find_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
 
 
-def load_rank(folder: str | Path, rank: int, index: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def load_rank(
+    folder: str | Path, rank: int, index: dict[str, Any] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Verify and load one rank's tensors and its ``extra`` dict."""
     folder = Path(folder)
     index = index or read_index(folder)

@@ -1,0 +1,108 @@
+"""Read a checkpoint without any process group: describe it, gather its weights, or export one plain file.
+
+All go through :class:`~polyshard.checkpoint.source.Checkpoint`, which checks every rank file's
+sha256 first and rebuilds a global tensor from the pieces its placement records locate. Export
+writes every ``model/...`` tensor, without vocabulary or ZeRO padding, to one safetensors file
+whose keys are the plain model's parameter names. It streams: one block of one tensor is held at
+a time, so a model larger than memory exports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from polyshard.checkpoint.format import MODEL, CheckpointError
+from polyshard.checkpoint.source import Checkpoint
+from polyshard.checkpoint.writer import StreamWriter
+
+DEFAULT_BLOCK_BYTES = 64 << 20
+
+
+def _opened(checkpoint: str | Path | Checkpoint) -> Checkpoint:
+    return checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+
+
+def model_names(source: Checkpoint, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Plain parameter name -> the saved key holding its values, sorted by name. A tied weight is saved
+    once; ``aliases`` (other name -> saved name, e.g. a tied output head -> the embedding) adds its
+    other names, so the plain model loads with ``strict=True``."""
+    names = {key[len(MODEL) :]: key for key in source.pieces if key.startswith(MODEL)}
+    for alias, name in (aliases or {}).items():
+        if name in names:
+            names[alias] = names[name]
+    return dict(sorted(names.items()))
+
+
+def consolidate(
+    checkpoint: str | Path | Checkpoint, aliases: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The unsharded model weights in memory (verified first; nothing is half-loaded); see :func:`model_names`."""
+    source = _opened(checkpoint)
+    # safetensors stores no shared tensors: an alias gets its own copy.
+    return {name: source.whole(key) for name, key in model_names(source, aliases).items()}
+
+
+def blocks(source: Checkpoint, key: str, max_block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[torch.Tensor]:
+    """The global tensor ``key`` in row blocks of at most ``max_block_bytes`` (at least one row each)."""
+    shape, dtype = source.global_shape(key), source.dtype(key)
+    if not shape:
+        yield source.whole(key)
+        return
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    rows = max(1, max_block_bytes // max(1, row_bytes))
+    for first in range(0, shape[0], rows):
+        n = min(rows, shape[0] - first)
+        yield source.read(key, (first, *(0 for _ in shape[1:])), (n, *shape[1:]), dtype)
+
+
+def export(
+    checkpoint: str | Path | Checkpoint,
+    destination: str | Path,
+    aliases: Mapping[str, str] | None = None,
+    *,
+    max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Path:
+    """Write the consolidated weights of ``checkpoint`` to one safetensors file (a temporary file,
+    renamed when complete), one block at a time."""
+    destination = Path(destination)
+    if destination.is_dir():
+        raise CheckpointError(
+            f"{destination} is a folder; give the file to write, e.g. {destination / 'model.safetensors'}"
+        )
+    if not destination.parent.is_dir():
+        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
+    source = _opened(checkpoint)
+    names = model_names(source, aliases)
+    tmp = destination.with_name(destination.name + ".tmp")
+    writer = StreamWriter(tmp, {name: (source.dtype(key), source.global_shape(key)) for name, key in names.items()})
+    try:
+        for name, key in names.items():
+            for block in blocks(source, key, max_block_bytes):
+                writer.write(name, block)
+        writer.close()
+        tmp.rename(destination)
+    except BaseException:
+        writer.abort()
+        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
+        raise
+    return destination
+
+
+def describe(checkpoint: str | Path | Checkpoint) -> str:
+    """Mesh, step, every model tensor's global shape and size; checksums verified."""
+    source = _opened(checkpoint)
+    lines = [
+        f"checkpoint {source.folder}",
+        f"step {source.step}, mesh {source.mesh}, {source.index['world_size']} rank files, sha256 verified",
+    ]
+    total = 0
+    for key in sorted(k for k in source.pieces if k.startswith(MODEL)):
+        shape = tuple(source.global_shape(key))
+        total += math.prod(shape)
+        lines.append(f"  {key[len(MODEL) :]:<48} {str(list(shape)):<16} {math.prod(shape):>12,}")
+    lines.append(f"{total:,} parameters")
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Hugging Face model folders: read one as a checkpoint source, write one tensor at a time.
+
+A folder is ``config.json`` plus ``model.safetensors``, or shards named by
+``model.safetensors.index.json`` (as ``save_pretrained`` writes them). This module knows no model
+family: the caller says where each of its tensors lives (:class:`TensorLocation`) and what
+``config.json`` holds. The trainer's model families (``polyshard.trainer.models.<family>.hf``) do.
+Every file is untrusted input: the index may name only bare files inside the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from polyshard.checkpoint.format import MASTER, MODEL, OPTIM, CheckpointError
+from polyshard.checkpoint.source import Piece
+from polyshard.checkpoint.writer import StreamWriter
+
+PREFIX = "hf:"  # --init-from hf:DIR
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one of our tensors lives in a Hugging Face file: its name; whether it is stored transposed
+    (GPT-2's ``Conv1D`` keeps ``x @ W``'s W, a ``Linear`` weight transposed); and, when ``parts``
+    of our tensors sit side by side along the stored tensor's last dim (GPT-2's fused q, k, v in
+    ``c_attn``), the offset of this one there."""
+
+    name: str
+    transposed: bool = False
+    offset: int = 0
+    parts: int = 1
+
+
+def read_config(folder: Path) -> tuple[dict[str, Any], Path]:
+    """A folder's parsed ``config.json`` (a JSON object) and its path."""
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{folder} holds no {CONFIG_FILE}; give a Hugging Face model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds {type(config).__name__}, not a JSON object")
+    return config, path
+
+
+def weight_files(folder: Path) -> dict[str, str]:
+    """HF tensor name -> the file (a bare name inside ``folder``) that holds it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{index} is not a safetensors index with a weight_map: {err}") from err
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to files")
+        for file in set(weight_map.values()):
+            path = folder / str(file)
+            if not isinstance(file, str) or Path(file).name != file or path.is_symlink() or not path.is_file():
+                raise CheckpointError(f"{index} names {file!r}; each file must be a bare name of a file in {folder}")
+        return {str(name): file for name, file in weight_map.items()}
+    single = folder / WEIGHTS_FILE
+    if not single.is_file() or single.is_symlink():
+        raise CheckpointError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    with _opened(single) as f:
+        return {name: WEIGHTS_FILE for name in f.keys()}
+
+
+def _opened(path: Path) -> Any:
+    try:
+        return safe_open(str(path), "pt")
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from err
+
+
+class HFWeights:
+    """The weights of a Hugging Face folder, opened as a checkpoint source (no optimizer state, no
+    RNG: a run initialised from it starts at step 0).
+
+    ``locations``: our parameter name -> where it lives. ``canonical`` maps a stored name to the
+    name ``locations`` uses (a base model's file omits the causal LM's prefix). Stored names ending
+    in one of ``buffers`` hold no weights and are ignored; any other name nobody asked for, or a
+    missing one, is an error naming them.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        locations: Mapping[str, TensorLocation],
+        *,
+        title: str = "model",
+        canonical: Callable[[str], str] = lambda name: name,
+        buffers: tuple[str, ...] = (),
+    ):
+        self.folder = Path(folder)
+        self.locations = dict(locations)
+        stored = weight_files(self.folder)
+        self.stored = {canonical(name): name for name in stored}
+        self.files = {canonical(name): file for name, file in stored.items()}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, file in self.files.items():
+            with _opened(self.folder / file) as f:
+                if self.stored[name] not in f.keys():
+                    raise CheckpointError(
+                        f"{self.folder / file} holds no tensor {self.stored[name]!r}, which the index lists"
+                    )
+                self.shapes[name] = tuple(f.get_slice(self.stored[name]).get_shape())
+        needed = {location.name for location in self.locations.values()}
+        missing = sorted(needed - set(self.shapes))
+        unexpected = sorted(n for n in set(self.shapes) - needed if not n.endswith(buffers))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{self.folder} is not the {title} these settings describe: missing {missing}, unexpected {unexpected}"
+            )
+
+    def resolve(self, key: str) -> str:
+        """Model keys as they are; an fp32 master is read from the weights it starts as."""
+        if key.startswith(OPTIM) and key.endswith(f"/{MASTER}"):
+            key = MODEL + key[len(OPTIM) : -len(MASTER) - 1]
+        if not key.startswith(MODEL) or key[len(MODEL) :] not in self.locations:
+            raise CheckpointError(f"{self.folder} holds no tensor for {key!r}")
+        return key
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        location = self.locations[self.resolve(key)[len(MODEL) :]]
+        saved = self.shapes[location.name]
+        if location.transposed:  # our (out, in) is HF's (in, out); a fused tensor's out holds several of ours
+            return (saved[-1] // location.parts, saved[0])
+        if location.parts > 1:
+            return (saved[0] // location.parts, *saved[1:])
+        return saved
+
+    def read(self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The region ``start`` + ``shape`` of our tensor ``key``, zero past its shape (padding)."""
+        key = self.resolve(key)
+        location, full = self.locations[key[len(MODEL) :]], self.global_shape(key)
+        out = torch.zeros(shape, dtype=dtype)
+        want = [(s, min(s + n, g)) for s, n, g in zip(start, shape, full)]
+        if any(hi <= lo for lo, hi in want):
+            return out  # all padding
+        with _opened(self.folder / self.files[location.name]) as f:
+            stored = f.get_slice(self.stored[location.name])
+            if location.transposed:
+                (r0, r1), (c0, c1) = want
+                block = stored[c0:c1, location.offset + r0 : location.offset + r1].T
+            elif len(want) == 1:
+                ((lo, hi),) = want
+                block = stored[location.offset + lo : location.offset + hi]
+            else:
+                block = stored[tuple(slice(lo, hi) for lo, hi in want)]
+        out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
+        return out
+
+    def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+        return {}
+
+    def rng_piece(self, coords: Mapping[str, int]) -> Piece | None:
+        return None
+
+    def read_piece(self, piece: Piece, key: str, local: tuple[slice, ...] = ()) -> torch.Tensor:
+        raise CheckpointError(f"{self.folder} is a Hugging Face folder: it holds no per-rank pieces")
+
+
+def check_new_folder(destination: str | Path) -> Path:
+    """``destination`` as a folder to create: it must not exist, its parent must."""
+    destination = Path(destination)
+    if destination.exists():
+        raise CheckpointError(f"{destination} exists; give a new folder for the Hugging Face model")
+    if not destination.parent.is_dir():
+        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
+    return destination
+
+
+def write_hf_folder(
+    destination: str | Path,
+    config: Mapping[str, object],
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    produce: Callable[[str], torch.Tensor],
+    *,
+    max_shard_bytes: int = 5 << 30,
+    files: Mapping[str, Path | str] | None = None,
+) -> Path:
+    """Write a Hugging Face folder into ``destination``, which must not exist yet.
+
+    ``tensors`` is every HF tensor's (dtype, shape) in file order; ``produce(name)`` returns one
+    (called once each, so only one is held at a time). Up to ``max_shard_bytes`` they go into
+    ``model.safetensors``, above it into ``model-00001-of-0000N.safetensors`` shards with
+    ``model.safetensors.index.json``. ``files`` (name -> a file to copy, or text) lands beside
+    ``config.json``. The folder is built under a temporary name and renamed, so it is whole or absent.
+    """
+    destination = check_new_folder(destination)
+    tmp = destination.with_name(f".tmp-{destination.name}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
+    tmp.mkdir()
+    try:
+        for name, content in (files or {}).items():
+            if isinstance(content, Path):
+                shutil.copyfile(content, tmp / name)
+            else:
+                (tmp / name).write_text(content)
+        (tmp / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
+        shards = _shards(tensors, max_shard_bytes)
+        weight_map = {}
+        for i, names in enumerate(shards, start=1):
+            shard = WEIGHTS_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            writer = StreamWriter(tmp / shard, {n: tensors[n] for n in names}, metadata={"format": "pt"})
+            try:
+                for name in names:
+                    writer.write(name, produce(name).to(tensors[name][0]))
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            weight_map.update(dict.fromkeys(names, shard))
+        if len(shards) > 1:
+            total = sum(_nbytes(*spec) for spec in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        tmp.rename(destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return destination
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
+
+
+def _shards(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[str]]:
+    """Tensor names in file order, cut into groups of at most ``max_bytes`` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, spec in tensors.items():
+        nbytes = _nbytes(*spec)
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups

@@ -1,0 +1,39 @@
+"""Exports that need the run's settings: the plain model's weights (tied names included) and a
+Hugging Face folder. Both stream from the checkpoint, one tensor at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from polyshard.checkpoint import Checkpoint, CheckpointError
+from polyshard.checkpoint import consolidate as consolidate_weights
+from polyshard.checkpoint import export as export_weights
+from polyshard.trainer.config import Config, from_dict
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.models import tied_names
+
+
+def saved_config(source: Checkpoint) -> Config:
+    """The settings of the run that saved ``source``, parsed and checked like a config file."""
+    try:
+        return from_dict(source.settings)
+    except ConfigError as err:
+        raise CheckpointError(f"{source.folder}/index.json: the saved config is not valid: {err}") from err
+
+
+def _aliases(source: Checkpoint) -> dict[str, str]:
+    return tied_names(saved_config(source).model) if "config" in source.index else {}
+
+
+def consolidate(source: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
+    """The unsharded weights the plain model loads with ``load_state_dict(strict=True)``."""
+    source = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    return consolidate_weights(source, _aliases(source))
+
+
+def export(source: str | Path | Checkpoint, destination: str | Path) -> Path:
+    """One safetensors file of the plain model's weights (streamed; see :func:`polyshard.checkpoint.export`)."""
+    source = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    return export_weights(source, destination, _aliases(source))
