@@ -45,7 +45,13 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llam
                 **(LLAMA if llama else {}),
             },
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 2, "eval_every": 0},
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 2,
+                "eval_every": 0,
+                "sample_tokens": 0,
+            },
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -247,7 +247,14 @@ def _config(path, packing=False, **parallel):
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 32},
             "parallel": parallel,
             # weight_decay 0.1 (the default) acts on the matrices in every AdamW step
-            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 2, "lr": 3e-3, "eval_every": STEPS},
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 2,
+                "lr": 3e-3,
+                "eval_every": STEPS,
+                "sample_tokens": 0,
+            },
             "data": {"source": path, "packing": packing, "val_fraction": 0.2},
             "logging": {"progress_bar": False},
         }

@@ -72,6 +72,7 @@ def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=Fa
                 "warmup_steps": 1,
                 "eval_every": 0,
                 "precision": precision,
+                "sample_tokens": 0,
             },
             "data": {"source": corpus},
             "checkpoint": {"every": SAVE_AT, "keep": 4},
