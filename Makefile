@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := packages/mesh packages/collectives packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/trainer apps/cli
+PACKAGES := packages/mesh packages/collectives packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/trainer packages/planner apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
 .PHONY: setup test test-long demo lint format clean

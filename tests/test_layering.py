@@ -1,4 +1,4 @@
-"""Packages depend only downward: mesh <- collectives <- {tp, pp, dp, ep, cp} <- trainer <- cli,
+"""Packages depend only downward: mesh <- collectives <- {tp, pp, dp, ep, cp} <- trainer <- planner <- cli,
 and mesh <- checkpoint <- trainer.
 
 Reads every import in every package's source (and its pyproject dependencies)
@@ -24,7 +24,8 @@ ALLOWED = {
     "ep": {"mesh", "collectives"},
     "cp": {"mesh", "collectives"},
     "trainer": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp"},
-    "cli": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer"},
+    "planner": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer"},
+    "cli": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer", "planner"},
 }
 
 

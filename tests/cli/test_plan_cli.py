@@ -6,9 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from polyshard.cli.main import app
+from polyshard.planner.layout import Layout
+from polyshard.planner.search import memory_of
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.search import memory_of
 
 from ..trainer._planner import flat_profile
 

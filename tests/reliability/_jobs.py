@@ -50,7 +50,7 @@ def job_processes(out: Path) -> dict[int, str]:
 
 def worker_pid(out: Path, rank: int) -> int:
     for pid, cmdline in job_processes(out).items():
-        if "polyshard.trainer.run" in cmdline:
+        if "polyshard.trainer.runtime.worker" in cmdline:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if f"RANK={rank}".encode() in env:
                 return pid

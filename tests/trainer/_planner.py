@@ -1,6 +1,6 @@
 """A made-up machine for planner tests."""
 
-from polyshard.trainer.planner.profile import Link, Profile
+from polyshard.planner.profile import Link, Profile
 
 
 def flat_profile(**changes):

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from polyshard.cli.main import app
-from polyshard.trainer.benchmarks import peers
+from polyshard.planner.benchmarks import peers
 
 
 def _composed(layout, grad_clip=1.0):
@@ -34,9 +34,9 @@ def test_composed_gpt_matches_the_torch_native_composition(distributed, layout):
     assert r["ours_s"] > 0 and r["peer_s"] > 0 and r["ratio"] == pytest.approx(r["ours_s"] / r["peer_s"])
     # Parameters, gradients and AdamW's two moments, float32: 16 bytes per parameter unsharded.
     config = peers.composed_config(layout)
-    from polyshard.trainer.plan import parameter_count
+    from polyshard.trainer.models import parameter_count
 
-    unsharded = 16 * parameter_count(config)
+    unsharded = 16 * parameter_count(config.model)
     for held in (r["ours_held_bytes"], r["peer_held_bytes"]):
         if "dp" in layout:  # ZeRO-3 and fully_shard: about half on each of two ranks
             assert 0.45 * unsharded < held < 0.6 * unsharded

@@ -2,22 +2,22 @@
 
 import pytest
 
+from polyshard.planner.activations import activation_bytes
+from polyshard.planner.dry_run import describe
+from polyshard.planner.memory import rank_model_states
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import build_model
-from polyshard.trainer.plan import describe, parameter_count
-from polyshard.trainer.planner.activations import activation_bytes
-from polyshard.trainer.planner.memory import rank_model_states
+from polyshard.trainer.models import build_model, parameter_count
 
 
 def test_parameter_count_matches_the_real_model():
     config = from_dict({"model": {"preset": "tiny"}})
-    assert parameter_count(config) == sum(p.numel() for p in build_model(config.model).parameters())
+    assert parameter_count(config.model) == sum(p.numel() for p in build_model(config.model).parameters())
     gpt2 = from_dict({"model": {"preset": "gpt2-124m"}})
     # GPT-2 small: token table 50257 x 768, positions 1024 x 768, 12 blocks of 7,087,872, the final norm
     # 2 x 768: 124,439,808 with the head tied to the token table; ours is untied by default (+ 50257 x 768).
-    assert parameter_count(gpt2) == 163_037_184
+    assert parameter_count(gpt2.model) == 163_037_184
     tied = from_dict({"model": {"preset": "gpt2-124m", "tie_embeddings": True}})
-    assert parameter_count(tied) == 124_439_808
+    assert parameter_count(tied.model) == 124_439_808
 
 
 def _mib(text, what, rank):

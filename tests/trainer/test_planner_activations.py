@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
+from polyshard.planner.activations import activation_bytes
 from polyshard.trainer.config import from_dict
+from polyshard.trainer.loop.plan_check import SavedTensorMeter
 from polyshard.trainer.parallelize import build_engine
-from polyshard.trainer.planner.activations import activation_bytes
-from polyshard.trainer.planner.measure import SavedTensorMeter
 
 TOLERANCE = 0.25  # the bound; the count leaves out a few small saved tensors (masks, indices)
 

@@ -8,12 +8,15 @@ from pathlib import Path
 import pytest
 
 from polyshard.mesh import Mesh
+from polyshard.planner.activations import activation_bytes
+from polyshard.planner.auto import choose, overrides, prediction
+from polyshard.planner.layout import Layout
+from polyshard.planner.memory import rank_model_states
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from polyshard.trainer.planner.auto import choose, overrides
-from polyshard.trainer.planner.layout import Layout
+from polyshard.trainer.loop.plan_check import Prediction
 
 from ._planner import flat_profile
 
@@ -21,20 +24,23 @@ ROOT = Path(__file__).resolve().parents[2]
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 
 
-def test_the_chosen_layout_goes_into_the_config():
-    config = from_dict(
-        {"model": {"preset": "tiny"}, "parallel": {"layout": "auto"}, "training": {"global_batch_size": 16}}
-    )
-    with pytest.raises(ConfigError, match="resolved by `polyshard train`"):
-        validate(config)  # a worker never runs an unresolved layout
+def test_the_chosen_layout_goes_into_the_config_and_its_prediction_into_a_file(tmp_path):
+    config = from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}})
     plan = choose(config, 4, flat_profile(memory_gb=1.0, devices_per_node=4))
     best = plan.ranked[0]
     steps = [c.step_s for c in plan.ranked]
     assert steps == sorted(steps)
     chosen = load_config(None, ['model.preset="tiny"', "training.global_batch_size=16", *overrides(best)])
-    assert Layout.of(chosen) == best.layout and chosen.parallel.layout == "manual"
-    assert chosen.logging.predicted_step_s == best.step_s
+    assert Layout.of(chosen) == best.layout
     validate(chosen, world_size=4)
+    expected = prediction(config, best)
+    assert expected.step_s == best.step_s and len(expected.states_bytes) == chosen.parallel.pp
+    assert expected.states_bytes[0] == rank_model_states(chosen, 0).total  # the chosen layout's, not the input's
+    expected.write(tmp_path / "plan.json")
+    assert Prediction.read(tmp_path / "plan.json") == expected
+    (tmp_path / "bad.json").write_text(json.dumps({"step_s": -1, "states_bytes": [1], "activation_bytes": [1]}))
+    with pytest.raises(ConfigError, match="bad.json: not a plan prediction"):
+        Prediction.read(tmp_path / "bad.json")
 
 
 @pytest.mark.long
@@ -51,8 +57,8 @@ def test_train_layout_auto_prints_the_candidates_and_why(tmp_path):
     assert missing.returncode == 2 and "--layout auto needs --nproc" in missing.stderr
 
 
-def _planned_run(config, out):
-    train(config, Mesh(config.parallel.mesh_axes), Path(out))
+def _planned_run(config, out, prediction):
+    train(config, Mesh(config.parallel.mesh_axes), Path(out), prediction=prediction)
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "plan_step_s_predicted" in r]
 
@@ -64,10 +70,12 @@ def test_a_planned_run_logs_predicted_against_measured(distributed, corpus, tmp_
             "parallel": {"dp": 2, "zero_stage": 1},
             "training": {"steps": 5, "global_batch_size": 8, "eval_every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
-            "logging": {"progress_bar": False, "predicted_step_s": 0.5, "every": 10},
+            "logging": {"progress_bar": False, "every": 10},
         }
     )
-    [record] = distributed.run(2, _planned_run, config, str(tmp_path))[0]
+    states = float(rank_model_states(config, 0).total)
+    planned = Prediction(step_s=0.5, states_bytes=(states,), activation_bytes=(float(activation_bytes(config, 0)),))
+    [record] = distributed.run(2, _planned_run, config, str(tmp_path), planned)[0]
     assert record["step"] == 4 and record["plan_step_s_predicted"] == 0.5 and record["plan_step_s_measured"] > 0
     assert record["plan_states_bytes_held"] == record["plan_states_bytes_predicted"]  # to the byte
     saved, predicted = record["plan_activation_bytes_saved"], record["plan_activation_bytes_predicted"]

@@ -4,14 +4,14 @@ import dataclasses
 
 import pytest
 
+from polyshard.planner.calibrate import fit_link
+from polyshard.planner.cost import crosses_nodes, estimate_step, stage_costs
+from polyshard.planner.layout import Layout
+from polyshard.planner.pipeline import PipelineCosts, peak_in_flight, step_time
+from polyshard.planner.profile import BUILTIN, Profile, load_profile
 from polyshard.pp import make_schedule, simulate
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.planner.calibrate import fit_link
-from polyshard.trainer.planner.cost import crosses_nodes, estimate_step, stage_costs
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.pipeline import PipelineCosts, peak_in_flight, step_time
-from polyshard.trainer.planner.profile import BUILTIN, Profile, load_profile
 
 from ._planner import flat_profile
 
@@ -84,7 +84,7 @@ def test_step_time_senses():
 
 @pytest.mark.long  # a minute on a loaded 2-core machine (most of it the workers' first AdamW step and startup)
 def test_quick_calibration_measures_every_table():
-    from polyshard.trainer.planner.calibrate import QUICK, calibrate
+    from polyshard.planner.calibrate import QUICK, calibrate
 
     profile = calibrate(processes=(1, 2), plan=QUICK, log=lambda line: None)
     assert set(profile.matmul_tflops) == {1, 2} and set(profile.collectives) == {1, 2}
@@ -97,7 +97,7 @@ def test_quick_calibration_measures_every_table():
 
 
 def test_bench_report_ranks_and_counts():
-    from polyshard.trainer.planner.bench import LAYOUTS, Row, report
+    from polyshard.planner.bench import LAYOUTS, Row, report
 
     six = [
         Row(name, layout, 0.1 * (i + 1), [0.1 * (i + 1) * 1.1] * 3) for i, (name, layout) in enumerate(LAYOUTS.items())

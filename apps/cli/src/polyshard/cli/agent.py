@@ -6,7 +6,7 @@
   run accepts no connection from the network. Multi-node runs bind as torchrun does, where the
   user's ``--rdzv-endpoint`` / ``--master-addr`` / ``--local-addr`` say.
 - **No orphans.** The agent dies with the ``polyshard`` process that started it; torchrun then
-  stops its workers, and each worker also dies with the agent (see ``polyshard.trainer.lifetime``).
+  stops its workers, and each worker also dies with the agent (see ``polyshard.trainer.runtime.lifetime``).
   A worker stopped with SIGSTOP is woken so that it dies too.
 
 A failed worker group is summarised in one line (which rank failed first, its exit code); the
@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from polyshard.mesh.init import tcp_store
-from polyshard.trainer.lifetime import die_with_parent
+from polyshard.trainer.runtime.lifetime import die_with_parent
 
 
 def _wake_then_close(close):

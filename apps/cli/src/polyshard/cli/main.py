@@ -99,7 +99,7 @@ def bench_cp_memory(
     if style not in ("ring", "allgather") or not sizes or min(sizes) < 1 or not lengths:
         raise typer.BadParameter("give cp sizes >= 1, sequence lengths, and --style ring or allgather")
     for cp in sizes:
-        code = run_local(cp, "polyshard.trainer.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
+        code = run_local(cp, "polyshard.planner.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
         if code:
             raise typer.Exit(code)
 
@@ -116,9 +116,9 @@ def bench_plan(
     """The layout planner's predicted step time against the measured one for six layouts of the tiny GPT."""
     import json
 
+    from polyshard.planner import bench
+    from polyshard.planner.profile import load_profile
     from polyshard.trainer.errors import ConfigError
-    from polyshard.trainer.planner import bench
-    from polyshard.trainer.planner.profile import load_profile
 
     try:
         machine = load_profile(profile) if profile is not None else None
@@ -145,7 +145,7 @@ def bench_peers(
 ) -> None:
     """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
     parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
-    from polyshard.trainer.benchmarks.peers import GROUPS, LAYOUTS, PRESETS
+    from polyshard.planner.benchmarks.peers import GROUPS, LAYOUTS, PRESETS
 
     if nproc not in LAYOUTS:
         raise typer.BadParameter(
@@ -167,7 +167,7 @@ def bench_peers(
     args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset]
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
-    raise typer.Exit(run_local(nproc, "polyshard.trainer.benchmarks.peers", args))
+    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))
 
 
 def _bench_with_peer(package: str):

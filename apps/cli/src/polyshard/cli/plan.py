@@ -50,12 +50,12 @@ def plan_command(
     out: Path = typer.Option(DEFAULT_PROFILE, "--out", help="With --calibrate: where to write the profile."),
 ) -> None:
     """Rank the layouts of a model on N devices by estimated step time (or --calibrate this machine)."""
+    from polyshard.planner.calibrate import FULL, QUICK
+    from polyshard.planner.calibrate import calibrate as measure
+    from polyshard.planner.profile import load_profile
+    from polyshard.planner.report import table
+    from polyshard.planner.search import Request, search
     from polyshard.trainer.errors import ConfigError
-    from polyshard.trainer.planner.calibrate import FULL, QUICK
-    from polyshard.trainer.planner.calibrate import calibrate as measure
-    from polyshard.trainer.planner.profile import load_profile
-    from polyshard.trainer.planner.report import table
-    from polyshard.trainer.planner.search import Request, search
 
     if calibrate:
         profile = measure(plan=QUICK if quick else FULL, log=typer.echo)
@@ -136,8 +136,8 @@ def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, prec
 
 
 def default_profile() -> Path:
+    from polyshard.planner.profile import BUILTIN
     from polyshard.trainer.errors import ConfigError
-    from polyshard.trainer.planner.profile import BUILTIN
 
     if not DEFAULT_PROFILE.is_file():
         raise ConfigError(

@@ -1,1 +1,92 @@
-"""polyshard.trainer: config, models, data and the training loop."""
+"""polyshard.trainer: config, models, data, the engine and the training loop.
+
+The front door. What a launcher, a notebook or the ``polyshard`` command needs is importable from
+here (each name loads its module on first use, so ``import polyshard.trainer`` costs nothing):
+
+    from polyshard.trainer import read_settings, prepare_launch, train, load_config
+
+The parts, one folder each: ``config`` (the settings and their checks), ``models`` (families, their
+specs and Hugging Face adapters), ``data``, ``engine`` (parallelize, context, experts, optimizer,
+loss), ``loop`` (a run: step, evaluate, save, the plan check), ``checkpointing`` (what an engine
+saves and how it moves between layouts), ``runtime`` (launch checks, the worker, heartbeats,
+lifetime, faults).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Config": "polyshard.trainer.config",
+    "MESH_AXES": "polyshard.trainer.config",
+    "apply_overrides": "polyshard.trainer.config",
+    "from_dict": "polyshard.trainer.config",
+    "load_config": "polyshard.trainer.config",
+    "ConfigError": "polyshard.trainer.errors",
+    "DataError": "polyshard.trainer.errors",
+    "NonFiniteError": "polyshard.trainer.errors",
+    "CheckpointError": "polyshard.checkpoint",
+    "validate": "polyshard.trainer.constraints",
+    "Launch": "polyshard.trainer.runtime.launch",
+    "prepare_launch": "polyshard.trainer.runtime.launch",
+    "read_settings": "polyshard.trainer.runtime.launch",
+    "train": "polyshard.trainer.loop",
+    "sample_text": "polyshard.trainer.loop",
+    "build_model": "polyshard.trainer.models",
+    "spec_of": "polyshard.trainer.models",
+    "saved_config": "polyshard.trainer.checkpointing.export",
+    "consolidate": "polyshard.trainer.checkpointing.export",
+    "export": "polyshard.trainer.checkpointing.export",
+    "reshard": "polyshard.trainer.checkpointing.reshard",
+    "target_config": "polyshard.trainer.checkpointing.reshard",
+    "write_hf": "polyshard.trainer.hf",
+    "load_tokenizer": "polyshard.trainer.data.tokenizer",
+}
+
+__all__ = [
+    "CheckpointError",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "Launch",
+    "MESH_AXES",
+    "NonFiniteError",
+    "apply_overrides",
+    "build_model",
+    "consolidate",
+    "export",
+    "from_dict",
+    "load_config",
+    "load_tokenizer",
+    "prepare_launch",
+    "read_settings",
+    "reshard",
+    "sample_text",
+    "saved_config",
+    "spec_of",
+    "target_config",
+    "train",
+    "validate",
+    "write_hf",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'polyshard.trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+if TYPE_CHECKING:
+    from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
+    from polyshard.trainer.checkpointing.reshard import reshard, target_config
+    from polyshard.trainer.config import MESH_AXES, Config, apply_overrides, from_dict, load_config
+    from polyshard.trainer.constraints import validate
+    from polyshard.trainer.data.tokenizer import load_tokenizer
+    from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
+    from polyshard.trainer.hf import write_hf
+    from polyshard.trainer.loop import sample_text, train
+    from polyshard.trainer.models import build_model, spec_of
+    from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings

@@ -225,13 +225,8 @@ class ParallelConfig:
     """Seconds any collective may wait for a peer before the job fails (a stopped or lost rank)."""
     stage_layers: list[int] | None = None
     """Pipeline layers per stage, e.g. [3, 2, 2, 1] (embedding and head count as layers); None balances by size."""
-    layout: str = "manual"
-    """manual: the axes above as written. auto: `polyshard train` asks the layout planner for the fastest
-    layout that fits the processes and memory at hand (dp, tp, pp, ep, ZeRO stage, microbatches, schedule,
-    sequence parallelism, activation checkpointing) and runs that."""
 
     def __post_init__(self):
-        _check_choice("parallel.layout", self.layout, ("manual", "auto"))
         for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
         _check_choice("parallel.cp_style", self.cp_style, ("ring", "allgather"))
@@ -419,9 +414,6 @@ class LoggingConfig:
     """Show a progress bar with loss, tokens/s and ETA on rank 0."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per process for MFU (`polyshard bench matmul` measures it)."""
-    predicted_step_s: float | None = None
-    """Seconds per step the layout planner predicted (`--layout auto` sets it): after its first steps the
-    run logs it against the measured step, and the planner's memory against what the ranks hold."""
     profile_steps: list[int] | None = None
     """[first, last]: profile steps first..last (counted from 1, both included) with torch.profiler on every
     rank: a Chrome trace per rank in <run>/profile/rank<N>.json and, with pp > 1, the pipeline timeline of the
@@ -431,8 +423,6 @@ class LoggingConfig:
     tensorboard package: pip install 'polyshard-trainer[tensorboard]'."""
 
     def __post_init__(self):
-        if self.predicted_step_s is not None and not self.predicted_step_s > 0:
-            raise ConfigError(f"logging.predicted_step_s={self.predicted_step_s} must be > 0, or unset")
         _check_positive("logging.every", self.every)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0, or unset")
@@ -621,13 +611,16 @@ def load_config(
 ) -> Config:
     """Read a TOML file (or the defaults when ``path`` is None) and apply overrides; ``world_size``
     resolves ``parallel.dp = "auto"``."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML: {err}") from err
+    raw = read_toml(path) if path is not None else {}
     return from_dict(apply_overrides(raw, overrides), world_size)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's tables, as written (checked by :func:`from_dict`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from err

@@ -19,11 +19,6 @@ from polyshard.trainer.models import spec_of
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first constraint ``config`` breaks."""
     model, par, train = config.model, config.parallel, config.training
-    if par.layout == "auto":
-        raise ConfigError(
-            "parallel.layout='auto' is resolved by `polyshard train` before launch (the planner picks the axes); "
-            "start the run with `polyshard train CONFIG --layout auto`, or set the axes and layout='manual'"
-        )
     if world_size is not None and par.world_size != world_size:
         raise ConfigError(
             f"the mesh dp={par.dp} x ep={par.ep} x cp={par.cp} x pp={par.pp} x tp={par.tp} has {par.world_size} ranks "

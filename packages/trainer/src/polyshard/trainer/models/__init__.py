@@ -58,6 +58,12 @@ def build_model(
     return model
 
 
+def parameter_count(config: ModelConfig) -> int:
+    """The model's parameters, counted on the meta device (nothing is allocated); a tied weight once."""
+    model = build_model(config, layers=())
+    return sum(p.numel() for p in model.parameters())
+
+
 def tied_names(config: ModelConfig) -> dict[str, str]:
     """Parameter names that are another parameter of the same model (tied weights): alias -> name.
 

@@ -1,11 +1,12 @@
-"""``parallel.layout = "auto"``: the planner picks the layout a run starts with, and says why.
+"""``polyshard train --layout auto``: the planner picks the layout a run starts with, and says why.
 
 ``polyshard train CONFIG --layout auto --nproc N`` calls :func:`choose` before launching: every
-layout of the config's model on N processes is weighed (:func:`polyshard.trainer.planner.search.search`
+layout of the config's model on N processes is weighed (:func:`polyshard.planner.search.search`
 with the given machine profile), the fastest that fits is written into the run's overrides
-(:func:`overrides`), and its predicted step time goes with it (``logging.predicted_step_s``), so
-the run can log predicted against measured after its first steps (:class:`polyshard.trainer.planner.measure.PlanCheck`).
-The axes written in the config are replaced; the rest of it (model, batch, precision) is kept.
+(:func:`overrides`), and its :func:`prediction` (step time, memory per pipeline rank) goes into the
+run folder, so the run logs predicted against measured after its first steps
+(:class:`polyshard.trainer.loop.plan_check.PlanCheck`). The axes written in the config are
+replaced; the rest of it (model, batch, precision) is kept.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from polyshard.planner.activations import activation_bytes
+from polyshard.planner.memory import rank_model_states
+from polyshard.planner.profile import Profile
+from polyshard.planner.report import table
+from polyshard.planner.search import Candidate, Plan, Request, search
 from polyshard.trainer.config import Config, ParallelConfig
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.planner.profile import Profile
-from polyshard.trainer.planner.report import table
-from polyshard.trainer.planner.search import Candidate, Plan, Request, search
+from polyshard.trainer.loop.plan_check import Prediction
 
 
 def choose(
@@ -29,10 +33,9 @@ def choose(
     memory_gb: float | None = None,
 ) -> Plan:
     """The ranked layouts of ``config``'s model on ``devices`` processes of ``profile``'s machine."""
-    base = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, layout="manual"))
     memory = memory_gb if memory_gb is not None else profile.memory_gb
     per_node = devices_per_node or min(devices, profile.devices_per_node)
-    plan = search(base, Request(devices=devices, devices_per_node=per_node, memory_gb=memory), profile)
+    plan = search(config, Request(devices=devices, devices_per_node=per_node, memory_gb=memory), profile)
     if not plan.ranked:
         raise ConfigError(
             f"--layout auto: none of the {plan.considered} layouts of this model on {devices} processes fits in "
@@ -43,12 +46,23 @@ def choose(
 
 
 def overrides(chosen: Candidate) -> list[str]:
-    """``--set`` items that make a config run ``chosen`` (and remember its predicted step time)."""
+    """``--set`` items that make a config run ``chosen``."""
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
     items = [f"parallel.{key}={json.dumps(value)}" for key, value in chosen.layout.as_dict().items() if key in fields]
     items.append(f"training.activation_checkpointing={json.dumps(chosen.layout.activation_checkpointing)}")
-    items.append('parallel.layout="manual"')
-    return [*items, f"logging.predicted_step_s={chosen.step_s!r}"]
+    return items
+
+
+def prediction(config: Config, chosen: Candidate) -> Prediction:
+    """What the run of ``chosen`` (``config`` laid out as it says) should measure: its step time and,
+    per pipeline rank, the model-state bytes and the bytes saved for backward at peak."""
+    laid_out = chosen.layout.apply(config)
+    stages = range(laid_out.parallel.pp)
+    return Prediction(
+        step_s=chosen.step_s,
+        states_bytes=tuple(float(rank_model_states(laid_out, rank).total) for rank in stages),
+        activation_bytes=tuple(float(activation_bytes(laid_out, rank)) for rank in stages),
+    )
 
 
 def explain(plan: Plan, top: int = 5) -> str:

@@ -1,6 +1,6 @@
 """``polyshard plan --calibrate``: measure this machine and write a :class:`Profile`.
 
-Workers are spawned with :class:`polyshard.mesh.testing.WorkerPool` (one intra-op thread each, as
+Workers are spawned with :class:`polyshard.mesh.pool.WorkerPool` (one intra-op thread each, as
 torchrun gives every process; gloo on CPUs). It measures, per process:
 
 * with 1, 2 and 4 processes computing at once (on a CPU they share the cores): the TFLOP/s of a
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.collectives.ledger import bus_factor
-from polyshard.trainer.planner.profile import OPS, Link, Profile, interpolate
+from polyshard.planner.profile import OPS, Link, Profile, interpolate
 
 PROCESSES = (1, 2, 4)
 
@@ -106,9 +106,9 @@ def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s:
 def probe_saved_bytes(widths: Sequence[int]) -> dict[int, float]:
     """Bytes per token the probe block saves for backward, as :mod:`activations` counts them (worked
     out here in the parent: the workers need not import the trainer)."""
+    from polyshard.planner.activations import block_bytes_per_token
+    from polyshard.planner.layout import Layout
     from polyshard.trainer.config import ModelConfig
-    from polyshard.trainer.planner.activations import block_bytes_per_token
-    from polyshard.trainer.planner.layout import Layout
 
     return {
         h: block_bytes_per_token(ModelConfig(hidden=h, num_heads=h // 16, context_length=64), Layout(), "fp32")
@@ -264,7 +264,7 @@ def to_profile(rounds: Rounds, log: Callable[[str], None] = print) -> Profile:
 def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Callable[[str], None] = print) -> Profile:
     """Measure this machine and return its profile (FULL: a few minutes on a loaded 2-core machine;
     QUICK: one short round at fewer sizes, for a first look)."""
-    from polyshard.mesh.testing import WorkerPool
+    from polyshard.mesh.pool import WorkerPool
 
     pools = {k: WorkerPool(k) for k in processes}
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polyshard.trainer.planner.search import Candidate
+from polyshard.planner.search import Candidate
 
 COLUMNS = (
     ("#", 3),

@@ -2,7 +2,7 @@
 mesh against the torch-native composition, in one run, one table.
 
     polyshard bench peers --nproc 2 --json peers.json
-    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.trainer.benchmarks.peers --steps 10
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.planner.benchmarks.peers --steps 10
 
 Strategy rows come from each package's own benchmark, called as a function (``polyshard.dp.bench``:
 DataParallel vs DDP, ZeRO-1 vs ZeroRedundancyOptimizer, ZeRO-3 vs FSDP2; ``polyshard.tp.bench``:

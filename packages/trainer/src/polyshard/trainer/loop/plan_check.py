@@ -1,4 +1,8 @@
-"""Measured memory, to hold the planner's estimates against.
+"""The plan check: a run the planner laid out holds the planner's predictions against what it measures.
+
+The launcher (``polyshard train --layout auto``) writes the prediction for the chosen layout into
+the run folder (:data:`PLAN_FILE`, a :class:`Prediction`) and names it to the workers; the trainer
+needs nothing of the planner to compare (:class:`PlanCheck`).
 
 :class:`SavedTensorMeter` counts the bytes autograd saves for backward while a step runs, through
 ``torch.autograd.graph.saved_tensors_hooks``: each saved tensor's storage is counted once while
@@ -12,8 +16,13 @@ own hooks take over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import math
 import statistics
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +30,9 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.dp import bytes_held
+from polyshard.trainer.errors import ConfigError
+
+PLAN_FILE = "plan.json"  # in the run folder: the planner's prediction for the layout it chose
 
 
 class _Saved:
@@ -85,16 +97,46 @@ def model_state_bytes_held(engine: Any) -> tuple[int, int, int]:
     return totals[0], totals[1], totals[2]
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner predicts for a layout: the step time, and per pipeline rank the model-state
+    bytes and the peak bytes saved for backward."""
+
+    step_s: float
+    states_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Prediction:
+        """A prediction file (untrusted: each value is checked; a bad one is a ConfigError naming it)."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            step_s, states, activations = raw["step_s"], raw["states_bytes"], raw["activation_bytes"]
+            numbers = [step_s, *states, *activations]
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers):
+                raise ValueError("every value must be a finite number")
+            if step_s <= 0 or not states or len(states) != len(activations):
+                raise ValueError("step_s must be > 0 and both byte lists as long as the pipeline")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConfigError(
+                f"{path}: not a plan prediction ({err}); run `polyshard train --layout auto` again"
+            ) from err
+        return cls(float(step_s), tuple(map(float, states)), tuple(map(float, activations)))
+
+
 class PlanCheck:
-    """After the first steps of a run the planner laid out (``logging.predicted_step_s`` set): the
+    """After the first steps of a run the planner laid out (given a :class:`Prediction`): the
     predicted step time against the median of steps 2 and 3 (step 1 warms up), and on step 4 the
     planner's memory per rank against the model-state bytes the engine holds at the optimizer step
     and the peak of bytes saved for backward (:class:`SavedTensorMeter`, whose hooks slow that step,
     so it is not timed). The rank the planner expects to be heaviest is reported."""
 
-    def __init__(self, config: Any, engine: Any, start: int):
-        self.config, self.engine = config, engine
-        self.enabled = config.logging.predicted_step_s is not None
+    def __init__(self, prediction: Prediction | None, engine: Any, start: int):
+        self.prediction, self.engine = prediction, engine
+        self.enabled = prediction is not None
         self.timed, self.checked = (start + 1, start + 2), start + 3  # 0-based step indices
         self.seconds: list[float] = []
         self.meter: SavedTensorMeter | None = None
@@ -118,24 +160,26 @@ class PlanCheck:
 
     def after(self, step: int, seconds: float) -> dict[str, float] | None:
         """The check's record at step 4 (every rank must call it: it gathers over ranks); None before."""
-        if not self.enabled:
+        if self.prediction is None:
             return None
         if step in self.timed:
             self.seconds.append(seconds)
         if step != self.checked or self.held is None or self.meter is None:
             return None
-        from polyshard.trainer.planner.activations import activation_bytes
-        from polyshard.trainer.planner.memory import rank_model_states
-
-        rank = self.engine.mesh.coord("pp")
-        predicted = rank_model_states(self.config, rank).total, activation_bytes(self.config, rank)
+        stage = self.engine.mesh.coord("pp")
+        if len(self.prediction.states_bytes) != self.engine.mesh.size("pp"):
+            raise ConfigError(
+                f"the plan prediction covers {len(self.prediction.states_bytes)} pipeline ranks, this run has "
+                f"{self.engine.mesh.size('pp')}; it was made for another layout"
+            )
+        predicted = self.prediction.states_bytes[stage], self.prediction.activation_bytes[stage]
         mine = torch.tensor(
             [predicted[0], float(sum(self.held)), predicted[1], float(self.meter.peak)], dtype=torch.float64
         )
         everyone = ops.all_gather(mine.to(self.engine.device), 0).view(-1, 4).cpu()
         heaviest = everyone[int((everyone[:, 0] + everyone[:, 2]).argmax())].tolist()
         return {
-            "plan_step_s_predicted": float(self.config.logging.predicted_step_s),
+            "plan_step_s_predicted": self.prediction.step_s,
             "plan_step_s_measured": statistics.median(self.seconds) if self.seconds else seconds,
             "plan_states_bytes_predicted": heaviest[0],
             "plan_states_bytes_held": heaviest[1],

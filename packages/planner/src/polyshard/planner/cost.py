@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.planner import activations
+from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
+from polyshard.planner.layout import Layout
+from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
+from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
+from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import layer_of, spec_of, tied_names
-from polyshard.trainer.planner import activations
-from polyshard.trainer.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import Held, global_shapes, holdings, stage_bounds
-from polyshard.trainer.planner.pipeline import PipelineCosts, stages_by_rank, step_time
-from polyshard.trainer.planner.profile import Profile
 
 
 def layer_matmul_params(config: Config) -> list[float]:

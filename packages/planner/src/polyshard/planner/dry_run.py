@@ -2,7 +2,7 @@
 
 Used by ``polyshard train --dry-run``. The parameter count is exact (the
 model is built on the meta device, which allocates nothing); the memory per
-rank is the layout planner's (:mod:`polyshard.trainer.planner`), the same
+rank is the layout planner's (:mod:`polyshard.planner`), the same
 numbers ``polyshard plan`` prints for this layout: model states to the byte
 as the engine holds them (ZeRO padding and all), activations counted from
 what each block saves for backward times the in-flight microbatches the
@@ -14,17 +14,12 @@ from __future__ import annotations
 import math
 
 from polyshard.mesh import MeshLayout
+from polyshard.planner.activations import activation_bytes
+from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import build_model, tied_names
+from polyshard.trainer.models import build_model, parameter_count, tied_names
 from polyshard.trainer.parallelize import layer_costs, pipeline_bounds
-from polyshard.trainer.planner.activations import activation_bytes
-from polyshard.trainer.planner.memory import rank_model_states
-
-
-def parameter_count(config: Config) -> int:
-    model = build_model(config.model, layers=())  # the meta device: shapes only
-    return sum(p.numel() for p in model.parameters())
 
 
 def describe(config: Config) -> str:
@@ -52,7 +47,7 @@ def describe(config: Config) -> str:
             f"  stage {stage} on pp rank {schedule.rank_of(stage)}: layers {layers.start}-{layers.stop - 1} "
             f"({count:,} parameters)"
         )
-    num_params = parameter_count(config)
+    num_params = parameter_count(config.model)
     bounds = pipeline_bounds(config, shapes)
     owner = {i: schedule.rank_of(stage) for stage, layers in enumerate(bounds) for i in layers}
     for alias, name in tied_names(config.model).items():

@@ -17,16 +17,16 @@ insides live again while it is recomputed. The first layer keeps the token ids (
 keeps its norm, its normed input and the loss's fp32 log-probabilities (vocabulary ÷ tp).
 
 ``tests/trainer/test_planner_activations.py`` compares this with the peak of bytes saved for
-backward measured by :class:`polyshard.trainer.planner.measure.SavedTensorMeter` on real engines.
+backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter` on real engines.
 """
 
 from __future__ import annotations
 
+from polyshard.planner.layout import Layout
+from polyshard.planner.memory import stage_bounds
+from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import spec_of
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import stage_bounds
-from polyshard.trainer.planner.pipeline import peak_in_flight, stages_by_rank
 
 
 def _element_bytes(precision: str) -> int:

@@ -1,4 +1,8 @@
-"""The worker entry point ``polyshard train`` launches under torchrun (one process per rank)."""
+"""The worker entry point ``polyshard train`` launches under torchrun (one process per rank).
+
+It reads the config the launcher resolved into the run folder
+(:data:`polyshard.trainer.runtime.launch.RESOLVED_CONFIG`), never the TOML file or the overrides.
+"""
 
 from __future__ import annotations
 
@@ -14,26 +18,28 @@ import torch.distributed as dist
 from polyshard.checkpoint import CheckpointError
 from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
-from polyshard.trainer.config import load_config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError
-from polyshard.trainer.heartbeat import Heartbeat
-from polyshard.trainer.lifetime import die_with_parent, quiet_interrupts
 from polyshard.trainer.loop import saved_by_this_job, train
+from polyshard.trainer.loop.plan_check import Prediction
+from polyshard.trainer.runtime.heartbeat import Heartbeat
+from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, read_resolved
+from polyshard.trainer.runtime.lifetime import die_with_parent, quiet_interrupts
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="polyshard training worker (launched by `polyshard train`)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--out", required=True, help="the run folder, holding the resolved config.json")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-from", default=None)
+    parser.add_argument("--plan", default=None, help="the planner's prediction for this layout (plan.json)")
     args = parser.parse_args(argv)
     die_with_parent()  # no worker trains on after its launcher is gone
     quiet_interrupts()
     # torchrun's WORLD_SIZE: after an elastic restart it counts the processes present now.
-    config = load_config(args.config, args.overrides, world_size=int(os.environ.get("WORLD_SIZE", "0")) or None)
+    world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    config = read_resolved(Path(args.out) / RESOLVED_CONFIG, world_size)
+    prediction = Prediction.read(args.plan) if args.plan else None
     ctx = init_distributed(mesh_axes=config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)
@@ -53,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     heartbeat, mesh = Heartbeat(ctx.rank, ctx.world_size), None
     try:
         mesh = Mesh(config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
-        result = train(config, mesh, out, resume=resume, init_from=init_from)
+        result = train(config, mesh, out, resume=resume, init_from=init_from, prediction=prediction)
     except (NonFiniteError, ReplicaMismatchError) as err:  # every rank raises it at the same step
         if ctx.rank == 0:
             ended = "non-finite" if isinstance(err, NonFiniteError) else "replicas-differ"

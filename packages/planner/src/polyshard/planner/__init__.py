@@ -5,12 +5,13 @@ memory.py       parameters, gradients and optimizer state per rank (ZeRO paper; 
 activations.py  bytes saved for backward per rank, in-flight microbatches from the pipeline simulator
 comm.py         every collective per step: axis, op, group, bytes
 pipeline.py     the simulator as the planner asks it (cached, extrapolated for long steps)
-measure.py      measured counterparts: saved-tensor bytes, model-state bytes an engine holds
 profile.py      a machine: matmul and elementwise rates, AdamW, collectives (measured, or vendor figures)
 calibrate.py    measures this machine into a profile (`polyshard plan --calibrate`)
 cost.py         step time: compute from FLOPs, collectives from bytes, bubbles from the simulator
 search.py       every layout of a model on N devices: keep those that fit, rank by step time
 report.py       the ranked table
-auto.py         parallel.layout = "auto": choose, explain, and hand the choice to the run
+auto.py         `polyshard train --layout auto`: choose, explain, hand the choice and its prediction to the run
 bench.py        `polyshard bench plan`: predicted against measured step times of the tiny GPT
+dry_run.py      `polyshard train --dry-run`: the mesh, every group, memory per rank
+benchmarks/     `polyshard bench peers` (against PyTorch's DDP, FSDP2, DTensor, pipelining) and cp memory
 """

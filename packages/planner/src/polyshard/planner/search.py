@@ -19,16 +19,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from polyshard.mesh import divisors
+from polyshard.planner.activations import activation_bytes
+from polyshard.planner.comm import bytes_per_axis, rank_traffic
+from polyshard.planner.cost import StepEstimate, estimate_step
+from polyshard.planner.layout import Layout
+from polyshard.planner.memory import ModelStates, rank_model_states
+from polyshard.planner.profile import Profile
 from polyshard.trainer.config import V_SCHEDULES, Config
 from polyshard.trainer.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import spec_of
-from polyshard.trainer.planner.activations import activation_bytes
-from polyshard.trainer.planner.comm import bytes_per_axis, rank_traffic
-from polyshard.trainer.planner.cost import StepEstimate, estimate_step
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import ModelStates, rank_model_states
-from polyshard.trainer.planner.profile import Profile
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
 MIN_CONTEXT_TOKENS = 4096

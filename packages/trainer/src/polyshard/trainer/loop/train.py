@@ -41,16 +41,15 @@ from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.data.tokenizer import FileTokenizer, Tokenizer, load_tokenizer
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.experts import keep_idle_experts
-from polyshard.trainer.faults import inject
 from polyshard.trainer.integrity import check_replicas, weights_finite
+from polyshard.trainer.loop.plan_check import PlanCheck, Prediction, plan_check_line
 from polyshard.trainer.loss import IGNORE_INDEX, global_token_mean
 from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
-from polyshard.trainer.models import build_model, spec_of
+from polyshard.trainer.models import build_model, parameter_count, spec_of
 from polyshard.trainer.optim import clip_grad_norm, lr_at
 from polyshard.trainer.parallelize import Engine, build_engine
-from polyshard.trainer.plan import parameter_count
-from polyshard.trainer.planner.measure import PlanCheck, plan_check_line
 from polyshard.trainer.profiling import StepProfiler
+from polyshard.trainer.runtime.faults import inject
 
 
 @dataclass
@@ -273,18 +272,20 @@ def train(
     log: bool = True,
     resume: bool = False,
     init_from: str | Path | None = None,
+    prediction: Prediction | None = None,
 ) -> RunResult:
     """Train ``config`` on ``mesh``, writing metrics and checkpoints under ``out``.
 
     Every rank returns the same losses. With ``resume`` the run continues from
     the latest complete checkpoint in ``out/checkpoints``; with ``init_from``
-    from the given checkpoint. Either may have been saved on another mesh.
+    from the given checkpoint. Either may have been saved on another mesh. With ``prediction`` (the
+    planner's, for this layout) the run logs predicted against measured after its first steps.
     """
     train_cfg = config.training
     rank0 = dist.get_rank() == 0
     torch.manual_seed(train_cfg.seed)  # dropout; the weights have their own per-layer generators
     engine = build_engine(config, mesh, device=_device())
-    num_params = parameter_count(config)
+    num_params = parameter_count(config.model)
     train_data, val_data = make_loaders(config, mesh)
     result = RunResult()
     checkpoints = out / "checkpoints"
@@ -307,7 +308,9 @@ def train(
     tokenizer = load_tokenizer(config.data.tokenizer)
     assets = {TOKENIZER: tokenizer.path} if isinstance(tokenizer, FileTokenizer) else {}  # saved with every checkpoint
     nonfinite = 0  # non-finite steps in a row
-    plan_check = PlanCheck(config, engine, start)  # a planned run: predicted against measured, after its first steps
+    plan_check = PlanCheck(
+        prediction, engine, start
+    )  # a planned run: predicted against measured, after its first steps
     end = train_cfg.last_step  # `stop_at` ends the run early; the schedule below still spans `steps`
     profiler = StepProfiler(config, engine, out, end)  # logging.profile_steps: traces and the pipeline timeline
     if train_cfg.stop_at and train_cfg.stop_at <= start:

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.planner.layout import Layout
+from polyshard.planner.memory import holdings, stage_bounds
+from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
 from polyshard.trainer.models import spec_of, tied_names
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.memory import holdings, stage_bounds
-from polyshard.trainer.planner.pipeline import stages_by_rank
 from polyshard.trainer.tasks import LANGUAGE
 
 

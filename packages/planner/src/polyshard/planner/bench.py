@@ -1,7 +1,7 @@
 """``polyshard bench plan``: the planner's predicted step times against measured ones, for the tiny GPT.
 
 Six layouts (dp2, tp2, pp2 with 1F1B and with ZB-H1, dp2 x tp2, tp2 x pp2; at most 4 processes) run
-real training steps on live worker pools (:class:`polyshard.mesh.testing.WorkerPool`, one thread per
+real training steps on live worker pools (:class:`polyshard.mesh.pool.WorkerPool`, one thread per
 process, gloo). A shared machine's load comes and goes, so the machine is calibrated in the same
 rounds: every round measures the profile's figures once (:func:`calibrate.measure_round`) and visits
 each layout once (one warm-up step, then ``steps`` timed steps, the slowest rank's time each); every
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polyshard.planner.auto import choose
+from polyshard.planner.calibrate import Plan, measure_round, probe_saved_bytes, to_profile
+from polyshard.planner.cost import estimate_step
+from polyshard.planner.layout import Layout
+from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config, from_dict
-from polyshard.trainer.planner.auto import choose
-from polyshard.trainer.planner.calibrate import Plan, measure_round, probe_saved_bytes, to_profile
-from polyshard.trainer.planner.cost import estimate_step
-from polyshard.trainer.planner.layout import Layout
-from polyshard.trainer.planner.profile import Profile
 
 LAYOUTS: dict[str, Layout] = {
     "dp2": Layout(dp=2),
@@ -111,7 +111,7 @@ def run(
 ) -> tuple[list[Row], Row, Row, Profile]:
     """(the six layouts, the auto pick for 4 processes, the fastest of the six measured beside it, the
     profile), predicted and measured. With ``profile`` None the machine is calibrated in the rounds."""
-    from polyshard.mesh.testing import WorkerPool
+    from polyshard.mesh.pool import WorkerPool
 
     config = tiny_gpt(global_batch)
     six = [Row(name, layout, 0.0, []) for name, layout in LAYOUTS.items()]

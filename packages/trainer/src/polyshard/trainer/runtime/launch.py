@@ -1,0 +1,135 @@
+"""Before any process starts: the config parsed, validated and resolved once, written for the workers.
+
+``polyshard train`` reads the TOML file and its ``--set`` overrides once (:func:`read_settings`),
+then :func:`prepare_launch` checks everything a user can get wrong before a process starts (every
+field, the constraints between them, each node count an elastic job may take, the run folder,
+``--resume`` and ``--init-from``, the data source, a Hugging Face folder's settings). The workers
+do not parse the file or the overrides again: :meth:`Launch.write` puts the resolved settings into
+the run folder (:data:`RESOLVED_CONFIG`), and each worker reads that (:func:`read_resolved`).
+``parallel.dp = "auto"`` stays symbolic there, so a restart on another number of nodes resolves it
+again from the processes present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint
+from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
+from polyshard.trainer.constraints import layout_notes, validate
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.hf import PREFIX, check_matches
+from polyshard.trainer.models import spec_of
+from polyshard.trainer.runtime import faults
+
+RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
+
+
+def read_settings(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The TOML file ``path`` with ``overrides`` (``section.key=value``) applied: raw settings, not yet checked."""
+    return apply_overrides(read_toml(path), overrides)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A run that passed every check: what the launcher starts and what its workers read."""
+
+    settings: dict[str, Any]
+    """The resolved settings (``parallel.dp`` may stay ``"auto"``)."""
+    config: Config
+    """The settings parsed for the first node count."""
+    out: Path
+    nproc: int
+    """Processes per node."""
+    nodes: tuple[int, int]
+    """torchrun's --nnodes: (N, N), or (MIN, MAX) for an elastic job."""
+    resume: bool = False
+    init_from: str | None = None
+    """A checkpoint folder, or ``hf:DIR``; absolute."""
+    notes: list[str] = field(default_factory=list)
+    """What the layout does that the user may not expect."""
+
+    def write(self) -> Path:
+        """Write the resolved settings into the run folder (whole or not at all); returns the file."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / RESOLVED_CONFIG
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.settings, indent=1) + "\n")
+        tmp.replace(path)
+        return path
+
+    def worker_args(self, prediction: Path | None = None) -> list[str]:
+        """The worker's command line (:mod:`polyshard.trainer.runtime.worker`)."""
+        args = ["--out", str(self.out.resolve())]
+        if self.resume:
+            args.append("--resume")
+        if self.init_from is not None:
+            args += ["--init-from", self.init_from]
+        if prediction is not None:
+            args += ["--plan", str(prediction.resolve())]
+        return args
+
+
+def prepare_launch(
+    settings: Mapping[str, Any],
+    *,
+    out: Path,
+    nproc: int | None = None,
+    nodes: tuple[int, int] = (1, 1),
+    resume: bool = False,
+    init_from: str | None = None,
+) -> Launch:
+    """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,
+    :class:`CheckpointError` or :class:`DataError` naming the field, file or flag (or a ValueError
+    for ``POLYSHARD_FAULT``)."""
+    settings = apply_overrides(dict(settings), [])  # a copy, tables included
+    low, high = nodes
+    if resume and init_from is not None:
+        raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
+    hf_folder = Path(init_from[len(PREFIX) :]) if init_from is not None and init_from.startswith(PREFIX) else None
+    if init_from is not None and hf_folder is None:
+        find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give the folder the run writes into")
+    if resume and latest_checkpoint(out / "checkpoints") is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start")
+    if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
+        nproc = from_dict(settings).parallel.world_size // low
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: give at least one process per node")
+    # Every size an elastic job may take must be a valid mesh.
+    sizes = {count: from_dict(settings, world_size=nproc * count) for count in range(low, high + 1)}
+    if low != high and sizes[low].parallel.dp == sizes[high].parallel.dp:
+        raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
+    for count, parsed in sizes.items():
+        validate(parsed, world_size=nproc * count)
+    config = sizes[low]
+    if hf_folder is not None:
+        check_matches(hf_folder, config.model)
+    spec_of(config.model).task.check_data(config)
+    faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
+    if hf_folder is not None:
+        init_from = f"{PREFIX}{hf_folder.resolve()}"
+    elif init_from is not None:
+        init_from = str(Path(init_from).resolve())
+    return Launch(dict(settings), config, out, nproc, nodes, resume, init_from, layout_notes(config))
+
+
+def read_resolved(path: str | Path, world_size: int | None = None) -> Config:
+    """A worker's config: the settings :meth:`Launch.write` wrote, with ``parallel.dp = "auto"``
+    resolved for ``world_size`` processes."""
+    path = Path(path)
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{path}: the run's resolved config is unreadable ({err}); launch with `polyshard train`"
+        ) from err
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{path}: the run's resolved config is not a table; launch with `polyshard train`")
+    return from_dict(settings, world_size)

@@ -1,0 +1,53 @@
+"""One config, parsed once: the launcher checks and resolves it, writes it into the run folder, and
+the workers read that file (``parallel.dp = "auto"`` stays symbolic for elastic restarts)."""
+
+import json
+
+import pytest
+
+from polyshard.trainer import ConfigError, prepare_launch, read_settings
+from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, read_resolved
+
+
+def _settings(corpus, **parallel):
+    return {
+        "model": {"preset": "tiny"},
+        "parallel": {"dp": "auto", "tp": 2, **parallel},
+        "training": {"global_batch_size": 16},
+        "data": {"source": corpus},
+    }
+
+
+def test_the_resolved_config_keeps_dp_auto_for_every_node_count(corpus, tmp_path):
+    out = tmp_path / "run"
+    launch = prepare_launch(_settings(corpus), out=out, nproc=2, nodes=(1, 2))  # elastic: 2 or 4 processes
+    assert launch.config.parallel.dp == 1 and launch.nproc == 2 and not out.exists()  # checks write nothing
+    written = launch.write()
+    assert written == out / RESOLVED_CONFIG and json.loads(written.read_text())["parallel"]["dp"] == "auto"
+    assert read_resolved(written, world_size=4).parallel.dp == 2  # a restart on two nodes
+    assert read_resolved(written, world_size=2).parallel.dp == 1
+    assert launch.worker_args() == ["--out", str(out.resolve())]
+    assert launch.worker_args(tmp_path / "plan.json")[-2:] == ["--plan", str((tmp_path / "plan.json").resolve())]
+
+
+def test_a_mistake_is_named_before_anything_is_written(corpus, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="tp=3"):
+        prepare_launch(_settings(corpus, tp=3), out=out, nproc=3)  # tiny has 4 heads
+    with pytest.raises(ConfigError, match="elastic\\) needs parallel.dp='auto'"):
+        settings = _settings(corpus)
+        settings["parallel"]["dp"] = 1
+        prepare_launch(settings, out=out, nproc=2, nodes=(1, 2))
+    with pytest.raises(ConfigError, match="not both"):
+        prepare_launch(_settings(corpus), out=out, nproc=2, resume=True, init_from=str(tmp_path))
+    assert not out.exists()
+
+
+def test_settings_are_read_once_with_overrides_typed_by_field(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npreset = "tiny"\n[training]\nlr = 1e-3\n')
+    settings = read_settings(path, ["training.lr=3e-4", "model.tie_embeddings=False"])
+    assert settings["training"]["lr"] == 3e-4 and settings["model"]["tie_embeddings"] is False
+    (tmp_path / "broken.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="broken.json: the run's resolved config is not a table"):
+        read_resolved(tmp_path / "broken.json")
