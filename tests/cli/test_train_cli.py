@@ -44,7 +44,7 @@ def test_profile_steps_past_the_run_stop_before_any_process(tmp_path):
 def test_every_example_config_is_valid():
     from polyshard.planner.dry_run import describe
     from polyshard.trainer.config import load_config
-    from polyshard.trainer.constraints import validate
+    from polyshard.trainer.engine.constraints import validate
 
     configs = sorted((ROOT / "apps/configs").glob("*.toml"))
     assert len(configs) >= 7

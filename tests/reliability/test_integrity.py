@@ -30,10 +30,10 @@ def _config(corpus, **parallel):
 def _drift_one_replica(config, drifted_rank):
     import torch.distributed as dist
 
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
-    from polyshard.trainer.integrity import check_replicas
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
-    from polyshard.trainer.parallelize import build_engine
+    from polyshard.trainer.loop.integrity import check_replicas
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))
     train_data, _ = make_loaders(config, engine.mesh)
@@ -70,9 +70,9 @@ def test_every_rank_stops_when_one_dp_group_drifted(distributed, corpus):
 def _nan_on_one_rank(config):
     import torch.distributed as dist
 
-    from polyshard.trainer.integrity import weights_finite
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
-    from polyshard.trainer.parallelize import build_engine
+    from polyshard.trainer.loop.integrity import weights_finite
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))
     train_data, _ = make_loaders(config, engine.mesh)

@@ -195,8 +195,8 @@ def test_bf16_gradient_norms_are_measured(distributed, corpus, reference, tmp_pa
 
 def _sequence_parallel_norms(config):
     from polyshard.tp import is_sequence_parallel
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -284,8 +284,8 @@ def test_resume_is_bitwise_identical(distributed, corpus, tmp_path, world, paral
 
 def _eval_twice(config, out):
 
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import evaluate, make_loaders, split_batch
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -352,8 +352,8 @@ def _evaluate_in_order(config, tokens):
     import datasets
 
     from polyshard.trainer.data import ShardedLoader
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import evaluate_batches, split_batch
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -428,8 +428,8 @@ def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, 
 
 
 def _nan_on_one_rank(config):
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)

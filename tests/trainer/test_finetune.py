@@ -3,7 +3,7 @@
 Data is generated here (no download). The parity runs train the small GPT on
 pairs whose responses have different lengths, so microbatches and data ranks
 hold different numbers of counted tokens: only the global token-mean rule
-(:mod:`polyshard.trainer.loss`) makes one process and every layout agree.
+(:mod:`polyshard.trainer.models.loss`) makes one process and every layout agree.
 """
 
 import json
@@ -22,7 +22,7 @@ from polyshard.trainer.config import DataConfig, from_dict
 from polyshard.trainer.data import check_pairs_source
 from polyshard.trainer.data.pairs import pair_rows
 from polyshard.trainer.errors import DataError
-from polyshard.trainer.loss import IGNORE_INDEX, global_token_mean
+from polyshard.trainer.models.loss import IGNORE_INDEX, global_token_mean
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
@@ -190,7 +190,7 @@ def _by_hand(logits, targets):
 
 
 def _masked_loss(tp):
-    from polyshard.trainer.parallelize import loss_function
+    from polyshard.trainer.engine.parallelize import loss_function
 
     config = from_dict({"model": {"vocab_size": 11, "num_heads": 2}, "parallel": {"tp": tp}})
     mesh = Mesh({"tp": tp})
@@ -216,7 +216,7 @@ def test_masked_tokens_add_nothing_to_the_loss_or_its_gradient(distributed, tp):
 
 def _global_mean_over_data_ranks():
     """2 data ranks x 2 microbatches of one row, holding 1, 5 | 3, 0 counted tokens."""
-    from polyshard.trainer.loss import TokenMeanLoss
+    from polyshard.trainer.models.loss import TokenMeanLoss
 
     group = Mesh({"dp": 2}).group("dp")
     g = torch.Generator().manual_seed(1)

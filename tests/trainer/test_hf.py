@@ -20,7 +20,7 @@ import torch
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.hf import HFSource, hf_state, model_settings, write_hf
+from polyshard.trainer.models.hf import HFSource, hf_state, model_settings, write_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,8 +81,8 @@ def _import_score_save(config, folder, out):
     from polyshard.checkpoint import save_checkpoint
     from polyshard.trainer.checkpointing.reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import evaluate_batches
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
-from polyshard.trainer.hf.llama import settings as llama_settings
+from polyshard.trainer.models.gpt.llama import settings as llama_settings
+from polyshard.trainer.models.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
 from tests.trainer.test_hf import _asdict, _tokens
 
 transformers = pytest.importorskip("transformers")
@@ -84,8 +84,8 @@ def _import_and_score(config, folder, out):
     from polyshard.checkpoint import save_checkpoint
     from polyshard.trainer.checkpointing.reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import evaluate_batches
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)

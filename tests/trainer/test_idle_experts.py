@@ -66,8 +66,8 @@ def _expert_weights(engine):
 
 
 def _run(config):
+    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
-    from polyshard.trainer.parallelize import build_engine
 
     mesh = Mesh(config.parallel.mesh_axes)
     torch.manual_seed(config.training.seed)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import GPT, ViT, build_model
+from polyshard.trainer.models import GPT, ViT, build_model, sequence_length
 
 
 def _gpt2_by_hand(weights, tokens, num_heads):
@@ -82,7 +82,7 @@ def test_vit_shapes():
     torch.manual_seed(0)
     config = from_dict({"model": {"kind": "vit", "hidden": 32, "num_layers": 2, "num_heads": 4}}).model
     model = build_model(config)
-    assert isinstance(model, ViT) and config.sequence_length == 17  # 16 patches + class token
+    assert isinstance(model, ViT) and sequence_length(config) == 17  # 16 patches + class token
     images = torch.randn(3, 1, 8, 8)
     assert model.layers[0](images).shape == (3, 17, 32)
     assert model(images).shape == (3, 10)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import MeshLayout, Replicate, Shard, TensorPlacement, set_placement
-from polyshard.trainer.optim import clip_grad_norm, lr_at, parameter_gradients
+from polyshard.trainer.engine.optim import clip_grad_norm, lr_at, parameter_gradients
 
 
 def test_warmup_then_cosine():

@@ -13,7 +13,7 @@ from polyshard.planner.auto import choose, overrides, prediction
 from polyshard.planner.layout import Layout
 from polyshard.planner.memory import rank_model_states
 from polyshard.trainer.config import from_dict, load_config
-from polyshard.trainer.constraints import validate
+from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.plan_check import Prediction

@@ -8,7 +8,7 @@ import pytest
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict, load_config
-from polyshard.trainer.constraints import validate
+from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
 
@@ -80,7 +80,7 @@ def test_tensorboard_scalars_equal_the_metrics_log(distributed, corpus, tmp_path
 def test_a_resumed_run_hides_the_scalars_after_its_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from polyshard.trainer.metrics import MetricsLog
+    from polyshard.trainer.loop.metrics import MetricsLog
 
     log = MetricsLog(tmp_path, enabled=True, tensorboard=True)
     for step in range(1, 6):  # the run crashed after step 5; its last checkpoint is step 3
@@ -134,7 +134,7 @@ def test_tensorboard_without_its_package_says_how_to_install_it(monkeypatch):
 
 def test_pipeline_report_draws_both_timelines_on_one_scale():
     from polyshard.pp import lower, make_schedule, simulate
-    from polyshard.trainer.profiling import pipeline_report
+    from polyshard.trainer.loop.profiling import pipeline_report
 
     schedule = make_schedule("1f1b", 2, 4)
     # a "measured" step whose transfers took 1 ms each; the simulator replays its compute with free ones

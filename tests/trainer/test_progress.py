@@ -1,6 +1,6 @@
 """The progress line: redrawn on a terminal, plain lines in a pipe or a CI log."""
 
-from polyshard.trainer.metrics import Progress
+from polyshard.trainer.loop.metrics import Progress
 
 
 def test_piped_progress_prints_plain_lines(capsys):
@@ -21,7 +21,7 @@ def test_terminal_progress_redraws_one_line(capsys):
 
 
 def test_a_resumed_log_drops_the_steps_after_its_checkpoint(tmp_path):
-    from polyshard.trainer.metrics import MetricsLog
+    from polyshard.trainer.loop.metrics import MetricsLog
 
     log = MetricsLog(tmp_path, enabled=True)
     for step in range(1, 6):  # the run crashed after step 5; its last checkpoint is step 3

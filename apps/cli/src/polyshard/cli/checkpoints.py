@@ -33,7 +33,7 @@ def export(
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
     from polyshard.trainer.checkpointing.export import export as export_checkpoint
     from polyshard.trainer.checkpointing.export import saved_config
-    from polyshard.trainer.hf import write_hf
+    from polyshard.trainer.models.hf import write_hf
 
     if format not in ("polyshard", "hf"):
         raise typer.BadParameter(f"{format!r}: choose polyshard or hf", param_hint="--format")

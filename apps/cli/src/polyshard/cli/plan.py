@@ -55,7 +55,8 @@ def plan_command(
     from polyshard.planner.profile import load_profile
     from polyshard.planner.report import table
     from polyshard.planner.search import Request, search
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import ConfigError
+    from polyshard.trainer.models import sequence_length
 
     if calibrate:
         profile = measure(plan=QUICK if quick else FULL, log=typer.echo)
@@ -80,9 +81,10 @@ def plan_command(
     except (ConfigError, ValueError) as err:
         typer.echo(f"plan error: {err}", err=True)
         raise typer.Exit(2) from err
+    tokens = sequence_length(config.model)
     typer.echo(
         f"{config.model.kind} on {devices} devices ({per_node} per node, {memory:g} GB each), global batch "
-        f"{config.training.global_batch_size} x {config.model.sequence_length} tokens, {config.training.precision}; "
+        f"{config.training.global_batch_size} x {tokens} tokens, {config.training.precision}; "
         f"profile {profile.name}: {profile.source}"
     )
     typer.echo(f"{plan.considered} layouts considered, {plan.fitting} fit; the best {len(plan.ranked)} simulated:")
@@ -126,7 +128,7 @@ def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, prec
         return load_config(None, [f'model.preset="{spec}"', *overrides])
     if path.is_dir() or path.name == "config.json":
         from polyshard.trainer.config import apply_overrides
-        from polyshard.trainer.hf import model_settings
+        from polyshard.trainer.models.hf import model_settings
 
         folder = path if path.is_dir() else path.parent
         return from_dict(apply_overrides({"model": dict(model_settings(folder))}, overrides))

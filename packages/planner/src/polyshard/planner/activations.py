@@ -26,7 +26,7 @@ from polyshard.planner.layout import Layout
 from polyshard.planner.memory import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig
-from polyshard.trainer.models import spec_of
+from polyshard.trainer.models import sequence_length, spec_of
 
 
 def _element_bytes(precision: str) -> int:
@@ -67,7 +67,7 @@ def _head_per_token(model: ModelConfig, layout: Layout, precision: str) -> float
 def stage_bytes(config: Config, layers: range, micro_batch: int) -> float:
     """Bytes one microbatch leaves saved on the stage holding pipeline ``layers``."""
     model, layout, precision = config.model, Layout.of(config), config.training.precision
-    seq = model.sequence_length
+    seq = sequence_length(model)
     tokens = micro_batch * seq
     last = model.num_layers + 1
     blocks = sum(1 for i in layers if 0 < i < last)
@@ -91,7 +91,9 @@ def recompute_bytes(config: Config, micro_batch: int) -> float:
         return 0.0
     model = config.model
     return (
-        block_bytes_per_token(model, Layout.of(config), config.training.precision) * micro_batch * model.sequence_length
+        block_bytes_per_token(model, Layout.of(config), config.training.precision)
+        * micro_batch
+        * sequence_length(model)
     )
 
 

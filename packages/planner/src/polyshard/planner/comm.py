@@ -33,8 +33,8 @@ from polyshard.planner.layout import Layout
 from polyshard.planner.memory import holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import spec_of, tied_names
-from polyshard.trainer.tasks import LANGUAGE
+from polyshard.trainer.models import sequence_length, spec_of, tied_names
+from polyshard.trainer.models.tasks import LANGUAGE
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Traffic:
 
 def _activation(config: Config, layout: Layout, micro_batch: int) -> float:
     e = 2 if config.training.precision == "bf16" else 4
-    return micro_batch * config.model.sequence_length * config.model.hidden * e / layout.cp
+    return micro_batch * sequence_length(config.model) * config.model.hidden * e / layout.cp
 
 
 def _tp(config: Config, layout: Layout, layers: range, act: float) -> list[Traffic]:

@@ -31,7 +31,7 @@ from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import layer_of, spec_of, tied_names
+from polyshard.trainer.models import layer_of, sequence_length, spec_of, tied_names
 
 
 def layer_matmul_params(config: Config) -> list[float]:
@@ -96,14 +96,14 @@ def stage_costs(
     the profile's ``overlap`` share of the compute hides some (prefetching the next block's)."""
     model, layout = config.model, Layout.of(config)
     micro_batch = layout.micro_batch_size(config.training.global_batch_size)
-    tokens = micro_batch * model.sequence_length / layout.cp
+    tokens = micro_batch * sequence_length(model) / layout.cp
     k = processes_per_node(layout, profile)
     width = math.sqrt(model.hidden * model.mlp_width / layout.tp) / 2  # the calibration's (h, 4h) at tp = 1
     rate = profile.matmul_flops(width, k)
     params = layer_matmul_params(config)
     matmul = 2 * tokens * sum(params[i] for i in layers) / layout.tp / rate
     blocks = sum(1 for i in layers if 0 < i < model.num_layers + 1)
-    attention = blocks * 2 * tokens * model.sequence_length * model.hidden / layout.tp / rate
+    attention = blocks * 2 * tokens * sequence_length(model) * model.hidden / layout.tp / rate
     plain = dataclasses.replace(layout, activation_checkpointing=False).apply(config)  # what runs, saved or not
     elementwise = activations.stage_bytes(plain, layers, micro_batch) / profile.elementwise_bandwidth(width, k)
     elementwise += blocks * profile.block_overhead(width, k)

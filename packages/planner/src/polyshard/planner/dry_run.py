@@ -18,8 +18,8 @@ from polyshard.planner.activations import activation_bytes
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
 from polyshard.trainer.models import build_model, parameter_count, tied_names
-from polyshard.trainer.parallelize import layer_costs, pipeline_bounds
 
 
 def describe(config: Config) -> str:

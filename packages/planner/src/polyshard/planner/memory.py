@@ -34,8 +34,8 @@ from polyshard.planner.pipeline import stages_by_rank
 from polyshard.tp import planned_placement
 from polyshard.trainer.checkpointing.records import data_axes
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.engine.parallelize import pipeline_bounds
 from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
-from polyshard.trainer.parallelize import pipeline_bounds
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar

@@ -4,7 +4,7 @@ For every mesh dp x tp x pp x ep (x cp, where polyshard has it) of the devices, 
 microbatch count, pipeline schedule, sequence parallelism and activation checkpointing: the
 heaviest rank's memory (model states to the byte, activations from the simulator's in-flight
 count) decides whether it fits; the cost model estimates the step of those that do. The trainer's
-own checks (:func:`polyshard.trainer.constraints.validate`) reject what polyshard cannot run.
+own checks (:func:`polyshard.trainer.engine.constraints.validate`) reject what polyshard cannot run.
 tp stays inside a node and pipelines have at most :data:`MAX_PIPELINE` ranks. Activation
 checkpointing is only tried where the layout does not fit without it (it never makes a step
 faster). Every fitting layout is screened with the unit-cost simulation scaled by its costs; the
@@ -26,9 +26,9 @@ from polyshard.planner.layout import Layout
 from polyshard.planner.memory import ModelStates, rank_model_states
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import V_SCHEDULES, Config
-from polyshard.trainer.constraints import validate
+from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import spec_of
+from polyshard.trainer.models import sequence_length, spec_of
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
 MIN_CONTEXT_TOKENS = 4096
@@ -122,7 +122,7 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
             if "cp" in request.fixed:
                 if cp != request.fixed["cp"]:
                     continue
-            elif cp > 1 and (model.sequence_length % (2 * cp) or model.sequence_length // cp < MIN_CONTEXT_TOKENS):
+            elif cp > 1 and (sequence_length(model) % (2 * cp) or sequence_length(model) // cp < MIN_CONTEXT_TOKENS):
                 continue
             for ep in divisors(n // (tp * cp)) if spec.has_experts else [1]:
                 if model.num_experts % ep:

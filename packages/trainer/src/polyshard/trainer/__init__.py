@@ -27,7 +27,7 @@ _EXPORTS = {
     "DataError": "polyshard.trainer.errors",
     "NonFiniteError": "polyshard.trainer.errors",
     "CheckpointError": "polyshard.checkpoint",
-    "validate": "polyshard.trainer.constraints",
+    "validate": "polyshard.trainer.engine.constraints",
     "Launch": "polyshard.trainer.runtime.launch",
     "prepare_launch": "polyshard.trainer.runtime.launch",
     "read_settings": "polyshard.trainer.runtime.launch",
@@ -40,7 +40,7 @@ _EXPORTS = {
     "export": "polyshard.trainer.checkpointing.export",
     "reshard": "polyshard.trainer.checkpointing.reshard",
     "target_config": "polyshard.trainer.checkpointing.reshard",
-    "write_hf": "polyshard.trainer.hf",
+    "write_hf": "polyshard.trainer.models.hf",
     "load_tokenizer": "polyshard.trainer.data.tokenizer",
 }
 
@@ -83,10 +83,10 @@ if TYPE_CHECKING:
     from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.reshard import reshard, target_config
     from polyshard.trainer.config import MESH_AXES, Config, apply_overrides, from_dict, load_config
-    from polyshard.trainer.constraints import validate
     from polyshard.trainer.data.tokenizer import load_tokenizer
+    from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
-    from polyshard.trainer.hf import write_hf
     from polyshard.trainer.loop import sample_text, train
     from polyshard.trainer.models import build_model, spec_of
+    from polyshard.trainer.models.hf import write_hf
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.context import apply_context_parallel, local_tokens
+from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
 from polyshard.trainer.models import build_model
 
 

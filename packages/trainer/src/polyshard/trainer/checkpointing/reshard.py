@@ -31,8 +31,8 @@ from polyshard.trainer.checkpointing.export import saved_config
 from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
 from polyshard.trainer.config import MESH_AXES, Config, from_dict
-from polyshard.trainer.constraints import validate
-from polyshard.trainer.parallelize import Engine
+from polyshard.trainer.engine.constraints import validate
+from polyshard.trainer.engine.parallelize import Engine
 
 # -- offline -------------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from torch import nn
 from polyshard.checkpoint import MASTER, RNG, LocalTensor, model_key, optim_key
 from polyshard.dp import ZeroOptimizer
 from polyshard.mesh import get_placement
-from polyshard.trainer.parallelize import Engine
+from polyshard.trainer.engine.parallelize import Engine
 
 
 def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch.Tensor]:

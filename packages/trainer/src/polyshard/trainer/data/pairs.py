@@ -45,7 +45,8 @@ import numpy as np
 from polyshard.trainer.config import DataConfig
 from polyshard.trainer.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.trainer.errors import DataError
-from polyshard.trainer.loss import IGNORE_INDEX
+
+IGNORE_INDEX = -100  # the label of a position the loss skips (a prompt or padding); PyTorch's default
 
 Rows = dict[str, np.ndarray]  # "tokens" and "labels", each (rows, context_length + 1) int64
 

@@ -1,5 +1,7 @@
-"""One training run: the step, evaluation, loading and saving (:mod:`.train`), and the plan check
-that holds a planned run against its prediction (:mod:`.plan_check`)."""
+"""One training run: the step, evaluation, loading and saving (:mod:`.train`), and what runs beside
+it: metrics and the progress line (:mod:`.metrics`), the profiler (:mod:`.profiling`), the replica
+and finiteness checks (:mod:`.integrity`), the plan check that holds a planned run against its
+prediction (:mod:`.plan_check`) and injected faults (:mod:`.faults`)."""
 
 from polyshard.trainer.loop.train import (
     RunResult,

@@ -32,24 +32,23 @@ from polyshard.checkpoint import (
 )
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
-from polyshard.trainer import hf
 from polyshard.trainer.checkpointing.export import consolidate, saved_config
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.data.tokenizer import FileTokenizer, Tokenizer, load_tokenizer
+from polyshard.trainer.engine.experts import keep_idle_experts
+from polyshard.trainer.engine.optim import clip_grad_norm, lr_at
+from polyshard.trainer.engine.parallelize import Engine, build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
-from polyshard.trainer.experts import keep_idle_experts
-from polyshard.trainer.integrity import check_replicas, weights_finite
+from polyshard.trainer.loop.faults import inject
+from polyshard.trainer.loop.integrity import check_replicas, weights_finite
+from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction, plan_check_line
-from polyshard.trainer.loss import IGNORE_INDEX, global_token_mean
-from polyshard.trainer.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
-from polyshard.trainer.models import build_model, parameter_count, spec_of
-from polyshard.trainer.optim import clip_grad_norm, lr_at
-from polyshard.trainer.parallelize import Engine, build_engine
-from polyshard.trainer.profiling import StepProfiler
-from polyshard.trainer.runtime.faults import inject
+from polyshard.trainer.loop.profiling import StepProfiler
+from polyshard.trainer.models import build_model, hf, parameter_count, sequence_length, spec_of
+from polyshard.trainer.models.loss import IGNORE_INDEX, global_token_mean
 
 
 @dataclass
@@ -234,7 +233,7 @@ def train_step(
 ) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
     gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
-    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.loss);
+    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.models.loss);
     the gradient norm before clipping), the same on every rank.
 
     Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
@@ -301,9 +300,9 @@ def train(
         out, enabled=rank0 and log, resume_from=start if resume else None, tensorboard=config.logging.tensorboard
     )
     progress = Progress(train_cfg.steps, enabled=rank0 and log and config.logging.progress_bar, start_step=start)
-    tokens_per_step = train_cfg.global_batch_size * config.model.sequence_length
+    tokens_per_step = train_cfg.global_batch_size * sequence_length(config.model)
     flops_per_step = tokens_per_step * model_flops_per_token(
-        num_params, config.model.num_layers, config.model.hidden, config.model.sequence_length
+        num_params, config.model.num_layers, config.model.hidden, sequence_length(config.model)
     )
     tokenizer = load_tokenizer(config.data.tokenizer)
     assets = {TOKENIZER: tokenizer.path} if isinstance(tokenizer, FileTokenizer) else {}  # saved with every checkpoint

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from polyshard.trainer.config import ModelConfig
+from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import gpt, moe, vit
 from polyshard.trainer.models.gpt import GPT
 from polyshard.trainer.models.spec import BuildOptions, ModelSpec, layer_of
@@ -22,8 +23,21 @@ SPECS: dict[str, ModelSpec] = {spec.kind: spec for spec in (gpt.SPEC, moe.SPEC, 
 
 
 def spec_of(config: ModelConfig) -> ModelSpec:
-    """The spec of ``config``'s family (``ModelConfig`` has already checked the kind is known)."""
-    return SPECS[config.kind]
+    """The spec of ``config``'s family; an unknown ``model.kind`` is a :class:`ConfigError` naming the kinds."""
+    spec = SPECS.get(config.kind)
+    if spec is None:
+        raise ConfigError(f"model.kind={config.kind!r}; choose one of {list(SPECS)}")
+    return spec
+
+
+def check_model(config: ModelConfig) -> None:
+    """The family's constraints between ``[model]`` fields (a :class:`ConfigError` naming them)."""
+    spec_of(config).check_model(config)
+
+
+def sequence_length(config: ModelConfig) -> int:
+    """Positions per example the transformer sees (patches + class token for the ViT)."""
+    return spec_of(config).sequence_length(config)
 
 
 def build_model(
@@ -41,6 +55,7 @@ def build_model(
     gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several).
     """
     spec = spec_of(config)
+    spec.check_model(config)  # a model is built only from settings its family accepts
     with torch.device("meta"):
         model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
     ties = spec.tied(config)
@@ -80,4 +95,17 @@ def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
 
 
-__all__ = ["GPT", "SPECS", "BuildOptions", "ModelSpec", "ViT", "build_model", "layer_of", "spec_of", "tied_names"]
+__all__ = [
+    "GPT",
+    "SPECS",
+    "BuildOptions",
+    "ModelSpec",
+    "ViT",
+    "build_model",
+    "check_model",
+    "layer_of",
+    "parameter_count",
+    "sequence_length",
+    "spec_of",
+    "tied_names",
+]

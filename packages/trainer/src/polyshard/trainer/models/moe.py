@@ -17,9 +17,9 @@ from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import gpt
+from polyshard.trainer.models.gpt import model as gpt
 from polyshard.trainer.models.spec import BuildOptions, ModelSpec, attention_plan, split_sequence
-from polyshard.trainer.tasks import LANGUAGE
+from polyshard.trainer.models.tasks import LANGUAGE
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -36,7 +36,7 @@ from polyshard.tp import (
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.init import init_weights
-from polyshard.trainer.tasks import Task
+from polyshard.trainer.models.tasks import Task
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class ModelSpec:
     sequence_length: Callable[[ModelConfig], int] = lambda model: model.context_length
     """Positions per example the transformer sees."""
     hf_families: tuple[str, ...] = ()
-    """The Hugging Face architectures (``model_type``) its weights can map to (``polyshard.trainer.hf``)."""
+    """The Hugging Face architectures (``model_type``) its weights can map to (``polyshard.trainer.models.hf``)."""
 
 
 def check_mlp_split(width: int, tp: int) -> None:

@@ -23,7 +23,7 @@ from polyshard.trainer.models.spec import (
     sequence_plan,
     split_sequence,
 )
-from polyshard.trainer.tasks import IMAGES
+from polyshard.trainer.models.tasks import IMAGES
 
 
 class PatchEmbedding(nn.Module):

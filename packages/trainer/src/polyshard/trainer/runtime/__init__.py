@@ -1,3 +1,2 @@
 """Processes: checks and the resolved config before launch (:mod:`.launch`), the worker entry point
-(:mod:`.worker`), heartbeats (:mod:`.heartbeat`), dying with the launcher (:mod:`.lifetime`) and
-injected faults (:mod:`.faults`)."""
+(:mod:`.worker`), heartbeats (:mod:`.heartbeat`) and dying with the launcher (:mod:`.lifetime`)."""

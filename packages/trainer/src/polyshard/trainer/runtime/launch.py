@@ -21,11 +21,11 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
-from polyshard.trainer.constraints import layout_notes, validate
+from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.hf import PREFIX, check_matches
+from polyshard.trainer.loop import faults
 from polyshard.trainer.models import spec_of
-from polyshard.trainer.runtime import faults
+from polyshard.trainer.models.hf import PREFIX, check_matches
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
 

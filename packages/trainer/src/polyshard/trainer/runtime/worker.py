@@ -18,7 +18,7 @@ import torch.distributed as dist
 from polyshard.checkpoint import CheckpointError
 from polyshard.collectives.flight import describe_failure, is_comm_failure
 from polyshard.mesh import Mesh, init_distributed
-from polyshard.trainer.constraints import validate
+from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError
 from polyshard.trainer.loop import saved_by_this_job, train
 from polyshard.trainer.loop.plan_check import Prediction

@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-
-IGNORE_INDEX = -100  # F.cross_entropy's default
+from polyshard.trainer.data.pairs import IGNORE_INDEX  # the data marks the positions; the loss skips them
 
 
 class TokenMeanLoss:

@@ -27,7 +27,7 @@ from polyshard.trainer.models.spec import (
     sequence_plan,
     split_sequence,
 )
-from polyshard.trainer.tasks import LANGUAGE
+from polyshard.trainer.models.tasks import LANGUAGE
 
 
 class Embedding(nn.Module):
@@ -205,5 +205,5 @@ SPEC = ModelSpec(
     tied=tied,
     check=check,
     context_parallel=True,
-    hf_families=("gpt2", "llama"),  # polyshard.trainer.hf's name tables; the architecture fields pick one
+    hf_families=("gpt2", "llama"),  # polyshard.trainer.models.hf's name tables; the architecture fields pick one
 )

@@ -7,7 +7,7 @@ A :class:`~polyshard.trainer.models.spec.ModelSpec` names one task. Two exist:
   but the last) and the targets (all but the first; a fine-tuning row takes them from its
   ``labels``, IGNORE_INDEX on prompt and padding). The loss is cross-entropy over the vocabulary,
   vocabulary-parallel under tp, averaged over the counted tokens of the global batch
-  (:mod:`polyshard.trainer.loss`).
+  (:mod:`polyshard.trainer.models.loss`).
 * :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
   evaluation also reports accuracy.
 """
@@ -26,7 +26,7 @@ from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import check_pairs_source, check_text_source, digits_splits, packed_splits, pair_splits
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.loss import IGNORE_INDEX, TokenMeanLoss
+from polyshard.trainer.models.loss import IGNORE_INDEX, TokenMeanLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

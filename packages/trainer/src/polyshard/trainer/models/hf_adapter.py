@@ -2,7 +2,7 @@
 
 A :class:`Family` is a small record of functions: ``config.json`` -> polyshard's ``[model]``
 settings, our parameter names -> where each lives in the family's files, and back. The reader
-and writer in :mod:`polyshard.trainer.hf.folder` know nothing of any one family; a model-spec
+and writer in :mod:`polyshard.trainer.models.hf` know nothing of any one family; a model-spec
 registry can point a model kind at one of these records.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.hf.family import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT Llama's architecture.
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA}

@@ -52,10 +52,10 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
-from polyshard.trainer.context import apply_context_parallel, local_tokens
+from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
+from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.errors import TiedWeightError
-from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
-from polyshard.trainer.optim import param_groups
+from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
 
 
 def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
@@ -318,7 +318,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
     del full, skeleton
     if par.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"), par.cp_style, config.model.sequence_length, device)
+        apply_context_parallel(model, mesh.group("cp"), par.cp_style, sequence_length(config.model), device)
     aliases = tied_names(config.model)
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:

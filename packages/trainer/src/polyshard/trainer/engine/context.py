@@ -10,7 +10,7 @@
   (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
 
 Nothing else changes: blocks, norms and MLPs act on each token alone, the loss is a sum over
-tokens (divided by the global count, :mod:`polyshard.trainer.loss`), and the parameters are
+tokens (divided by the global count, :mod:`polyshard.trainer.models.loss`), and the parameters are
 replicated over cp, so their gradients average over dp x ep x cp like any replica's.
 """
 

@@ -13,12 +13,13 @@ from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import spec_of
+from polyshard.trainer.models import check_model, sequence_length, spec_of
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first constraint ``config`` breaks."""
     model, par, train = config.model, config.parallel, config.training
+    check_model(model)  # the family's own constraints between [model] fields
     if world_size is not None and par.world_size != world_size:
         raise ConfigError(
             f"the mesh dp={par.dp} x ep={par.ep} x cp={par.cp} x pp={par.pp} x tp={par.tp} has {par.world_size} ranks "
@@ -71,12 +72,12 @@ def _check_tensor_parallel(config: Config) -> None:
             f"parallel.sequence_parallel with parallel.zero_stage={config.parallel.zero_stage} is not supported; "
             "use zero_stage=0 with sequence parallelism, or turn sequence_parallel off"
         )
-    if config.parallel.sequence_parallel and model.sequence_length % tp:
+    if config.parallel.sequence_parallel and sequence_length(model) % tp:
         # Offer only sizes that also pass the head and MLP checks above.
         widths = (model.kv_heads, model.mlp_width)
-        valid = [d for d in divisors(model.sequence_length) if all(w % d == 0 for w in widths)]
+        valid = [d for d in divisors(sequence_length(model)) if all(w % d == 0 for w in widths)]
         raise ConfigError(
-            f"sequence parallelism splits the {model.sequence_length} positions over tp={tp}; "
+            f"sequence parallelism splits the {sequence_length(model)} positions over tp={tp}; "
             f"choose tp in {valid} or turn parallel.sequence_parallel off"
         )
 
@@ -118,20 +119,20 @@ def _check_context(config: Config) -> None:
             "causal sequence polyshard.cp can split, or its experts would need gradients over cp); use cp=1"
         )
     chunks = 2 * par.cp
-    if model.sequence_length % chunks:
-        fits = divisors(model.sequence_length // 2)  # cp divides S/2: S splits into 2 x cp chunks
+    if sequence_length(model) % chunks:
+        fits = divisors(sequence_length(model) // 2)  # cp divides S/2: S splits into 2 x cp chunks
         raise ConfigError(
             f"context parallelism cuts each sequence into 2 x cp = {chunks} chunks (two per rank, load-balanced); "
-            f"model.context_length={model.sequence_length} does not split into them; choose cp in {fits}"
+            f"model.context_length={sequence_length(model)} does not split into them; choose cp in {fits}"
         )
     if model.dropout > 0:
         raise ConfigError(
             f"model.dropout={model.dropout} with parallel.cp={par.cp}: the context-parallel attention kernel has no "
             "attention dropout; set model.dropout=0"
         )
-    if par.sequence_parallel and (model.sequence_length // par.cp) % par.tp:
+    if par.sequence_parallel and (sequence_length(model) // par.cp) % par.tp:
         raise ConfigError(
-            f"sequence parallelism splits each cp rank's {model.sequence_length // par.cp} positions over "
+            f"sequence parallelism splits each cp rank's {sequence_length(model) // par.cp} positions over "
             f"tp={par.tp}; choose another tp or cp, or turn parallel.sequence_parallel off"
         )
 
