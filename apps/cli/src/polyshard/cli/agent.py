@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from polyshard.mesh.init import tcp_store
-from polyshard.trainer.runtime.lifetime import die_with_parent
+from polyshard.trainer import die_with_parent
 
 
 def _wake_then_close(close):

@@ -31,9 +31,8 @@ def export(
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama)."""
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
-    from polyshard.trainer.checkpointing.export import export as export_checkpoint
-    from polyshard.trainer.checkpointing.export import saved_config
-    from polyshard.trainer.models.hf import write_hf
+    from polyshard.trainer import export as export_checkpoint
+    from polyshard.trainer import saved_config, write_hf
 
     if format not in ("polyshard", "hf"):
         raise typer.BadParameter(f"{format!r}: choose polyshard or hf", param_hint="--format")
@@ -63,11 +62,7 @@ def generate(
     import math
 
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
-    from polyshard.trainer.checkpointing.export import consolidate, saved_config
-    from polyshard.trainer.data.tokenizer import load_tokenizer
-    from polyshard.trainer.errors import DataError
-    from polyshard.trainer.loop import sample_text
-    from polyshard.trainer.models import spec_of
+    from polyshard.trainer import DataError, consolidate, load_tokenizer, sample_text, saved_config, spec_of
 
     if not math.isfinite(temperature):
         raise typer.BadParameter("give a finite temperature", param_hint="--temperature")
@@ -97,7 +92,7 @@ def _report_skip(folder: Path, err: Exception) -> None:
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'dp=1,tp=4,pp=2' -> {'dp': 1, 'tp': 4, 'pp': 2} (axes left out are 1)."""
-    from polyshard.trainer.config import MESH_AXES
+    from polyshard.trainer import MESH_AXES
 
     mesh: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -127,11 +122,8 @@ def reshard(
     """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
     from polyshard.checkpoint import CheckpointError, open_checkpoint
     from polyshard.mesh import MeshError, PlacementError
-    from polyshard.trainer.checkpointing.export import saved_config
-    from polyshard.trainer.checkpointing.reshard import reshard as reshard_checkpoint
-    from polyshard.trainer.checkpointing.reshard import target_config
-    from polyshard.trainer.config import apply_overrides
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import ConfigError, apply_overrides, saved_config, target_config
+    from polyshard.trainer import reshard as reshard_checkpoint
 
     parallel: dict = {}
     if zero_stage is not None:

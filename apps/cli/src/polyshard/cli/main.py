@@ -118,7 +118,7 @@ def bench_plan(
 
     from polyshard.planner import bench
     from polyshard.planner.profile import load_profile
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import ConfigError
 
     try:
         machine = load_profile(profile) if profile is not None else None

@@ -55,8 +55,7 @@ def plan_command(
     from polyshard.planner.profile import load_profile
     from polyshard.planner.report import table
     from polyshard.planner.search import Request, search
-    from polyshard.trainer import ConfigError
-    from polyshard.trainer.models import sequence_length
+    from polyshard.trainer import ConfigError, sequence_length
 
     if calibrate:
         profile = measure(plan=QUICK if quick else FULL, log=typer.echo)
@@ -113,8 +112,7 @@ def plan_json(plan: Any, profile: str) -> dict[str, Any]:
 
 def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, precision: str | None) -> Any:
     """A Config for a preset name, a TOML config, or a Hugging Face folder (or its config.json)."""
-    from polyshard.trainer.config import PRESETS, from_dict, load_config
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import PRESETS, ConfigError, from_dict, load_config
 
     overrides = []
     if global_batch is not None:
@@ -127,8 +125,7 @@ def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, prec
     if spec in PRESETS:
         return load_config(None, [f'model.preset="{spec}"', *overrides])
     if path.is_dir() or path.name == "config.json":
-        from polyshard.trainer.config import apply_overrides
-        from polyshard.trainer.models.hf import model_settings
+        from polyshard.trainer import apply_overrides, model_settings
 
         folder = path if path.is_dir() else path.parent
         return from_dict(apply_overrides({"model": dict(model_settings(folder))}, overrides))
@@ -139,7 +136,7 @@ def load_model(spec: str, *, global_batch: int | None, seq_len: int | None, prec
 
 def default_profile() -> Path:
     from polyshard.planner.profile import BUILTIN
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import ConfigError
 
     if not DEFAULT_PROFILE.is_file():
         raise ConfigError(
@@ -150,8 +147,7 @@ def default_profile() -> Path:
 
 
 def _check_fixed(fixed: dict[str, Any], devices: int) -> None:
-    from polyshard.trainer.config import SCHEDULES
-    from polyshard.trainer.errors import ConfigError
+    from polyshard.trainer import SCHEDULES, ConfigError
 
     if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
         raise ConfigError(f"--schedule {fixed['schedule']!r}; choose one of {list(SCHEDULES)}")

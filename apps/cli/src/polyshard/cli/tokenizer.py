@@ -14,9 +14,7 @@ def tokenizer_command(
 ) -> None:
     """Train a byte-level BPE (GPT-2's kind: every string round-trips) and save it as tokenizer.json;
     then train with --set data.tokenizer=OUT --set model.vocab_size=N (N at least --vocab-size)."""
-    from polyshard.trainer.data.text import local_files
-    from polyshard.trainer.data.tokenizer import train_bpe
-    from polyshard.trainer.errors import DataError
+    from polyshard.trainer import DataError, local_files, train_bpe
 
     try:
         if out.is_dir():

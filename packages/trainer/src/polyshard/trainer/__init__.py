@@ -42,6 +42,13 @@ _EXPORTS = {
     "target_config": "polyshard.trainer.checkpointing.reshard",
     "write_hf": "polyshard.trainer.models.hf",
     "load_tokenizer": "polyshard.trainer.data.tokenizer",
+    "SCHEDULES": "polyshard.trainer.config",
+    "PRESETS": "polyshard.trainer.config",
+    "sequence_length": "polyshard.trainer.models",
+    "model_settings": "polyshard.trainer.models.hf",
+    "train_bpe": "polyshard.trainer.data.tokenizer",
+    "local_files": "polyshard.trainer.data.text",
+    "die_with_parent": "polyshard.trainer.runtime.lifetime",
 }
 
 __all__ = [
@@ -52,21 +59,28 @@ __all__ = [
     "Launch",
     "MESH_AXES",
     "NonFiniteError",
+    "PRESETS",
+    "SCHEDULES",
     "apply_overrides",
     "build_model",
     "consolidate",
+    "die_with_parent",
     "export",
     "from_dict",
     "load_config",
     "load_tokenizer",
+    "local_files",
+    "model_settings",
     "prepare_launch",
     "read_settings",
     "reshard",
     "sample_text",
     "saved_config",
+    "sequence_length",
     "spec_of",
     "target_config",
     "train",
+    "train_bpe",
     "validate",
     "write_hf",
 ]
@@ -82,11 +96,13 @@ if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
     from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.reshard import reshard, target_config
-    from polyshard.trainer.config import MESH_AXES, Config, apply_overrides, from_dict, load_config
-    from polyshard.trainer.data.tokenizer import load_tokenizer
+    from polyshard.trainer.config import MESH_AXES, PRESETS, SCHEDULES, Config, apply_overrides, from_dict, load_config
+    from polyshard.trainer.data.text import local_files
+    from polyshard.trainer.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train
-    from polyshard.trainer.models import build_model, spec_of
-    from polyshard.trainer.models.hf import write_hf
+    from polyshard.trainer.models import build_model, sequence_length, spec_of
+    from polyshard.trainer.models.hf import model_settings, write_hf
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings
+    from polyshard.trainer.runtime.lifetime import die_with_parent

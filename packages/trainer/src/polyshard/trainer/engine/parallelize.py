@@ -1,6 +1,6 @@
 """Compose the strategies on one model: TP -> EP -> PP -> DP/ZeRO, for any subset of axes.
 
-The mesh axes are ``pp x dp x ep x tp`` (tp fastest). The order matters:
+The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
 
 1. **TP** converts the full model's linears and embeddings in place
    (:func:`polyshard.tp.parallelize`), so every rank starts from the same
@@ -12,9 +12,10 @@ The mesh axes are ``pp x dp x ep x tp`` (tp fastest). The order matters:
    accumulation have a single code path.
 4. **DP/ZeRO** wraps each stage: :class:`polyshard.dp.DataParallel` (stages
    0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
-   Non-expert gradients average over dp x ep (every data rank); expert
-   gradients reduce over dp only and are divided by dp x ep, because each
-   expert already summed its gradient over the ep ranks' tokens.
+   Non-expert gradients average over dp x ep x cp (every replica: the data
+   ranks and the cp ranks that split their sequences); expert gradients
+   reduce over dp only and are divided by dp x ep, because each expert
+   already summed its gradient over the ep ranks' tokens.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -246,7 +247,7 @@ def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataPar
     mp = None
     if config.training.precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    # The data-parallel group spans every replica axis (dp x ep); records name each axis so
+    # The data-parallel group spans every replica axis (dp x ep x cp); records name each axis so
     # checkpoints and the gradient-norm clip know a ZeRO shard is split over each.
     data_axes = par.replica_axes
     data_group = mesh.group(data_axes)

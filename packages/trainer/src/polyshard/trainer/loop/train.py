@@ -245,9 +245,9 @@ def train_step(
         for group in optimizer.param_groups:
             group["lr"] = lr
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
-    data_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
+    replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
-    with global_token_mean(engine.executor.loss_fn, targets, data_group, microbatches):
+    with global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches):
         loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()

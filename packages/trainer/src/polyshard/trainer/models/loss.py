@@ -14,13 +14,14 @@ of per-microbatch means would weigh a token of a microbatch holding few
 response tokens more than one of a full microbatch, and differently per layout.)
 
 The pipeline executor divides each microbatch's loss by m microbatches and
-data parallelism averages gradients over D data ranks, so microbatch k's loss
-is its token-loss sum divided by N / (D x m). Worked example, dp=2 and m=2,
+data parallelism averages gradients over R replicas (dp x ep x cp: every rank
+that holds a part of the loss), so microbatch k's loss is its token-loss sum
+divided by N / (R x m). Worked example, dp=2 and m=2,
 microbatches holding 3 and 5 (rank 0), 4 and 0 (rank 1) counted tokens: N = 12,
 each sum s_k is divided by 12 / 4 = 3; the averaged gradient is that of
 (s_1/3 + s_2/3)/2 and (s_3/3 + s_4/3)/2 averaged, i.e. of (s_1+s_2+s_3+s_4) / 12.
 
-Text counts every token: N / (D x m) is each microbatch's own token count and
+Text counts every token: N / (R x m) is each microbatch's own token count and
 the loss is the plain per-microbatch mean, bit for bit as before. A global
 batch without a counted token (possible only with packed prompts longer than
 whole rows) divides by 1: loss 0 and zero gradients.
@@ -58,18 +59,19 @@ class TokenMeanLoss:
 
 @contextlib.contextmanager
 def global_token_mean(
-    loss_fn: Callable, targets: torch.Tensor, data_group: dist.ProcessGroup, num_microbatches: int
+    loss_fn: Callable, targets: torch.Tensor, replica_group: dist.ProcessGroup, num_microbatches: int
 ) -> Iterator[None]:
-    """Within: ``loss_fn`` divides by the counted tokens of the global batch over (data ranks x
-    microbatches). ``targets`` is this data rank's part; one all-reduce of one number over
-    ``data_group`` adds the parts up. A loss that is no :class:`TokenMeanLoss` (the ViT's) is left as it is."""
+    """Within: ``loss_fn`` divides by the counted tokens of the global batch over (replicas x
+    microbatches). ``targets`` is this rank's part; one all-reduce of one number over
+    ``replica_group`` (dp x ep x cp) adds the parts up. A loss that is no :class:`TokenMeanLoss`
+    (the ViT's) is left as it is."""
     if not isinstance(loss_fn, TokenMeanLoss):
         yield
         return
     count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
-    ops.all_reduce(count, data_group)
-    data_ranks = dist.get_world_size(data_group)
-    loss_fn.tokens_per_microbatch = max(float(count), 1.0) / (data_ranks * num_microbatches)
+    ops.all_reduce(count, replica_group)
+    replicas = dist.get_world_size(replica_group)
+    loss_fn.tokens_per_microbatch = max(float(count), 1.0) / (replicas * num_microbatches)
     try:
         yield
     finally:
