@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,18 +185,19 @@ def write_hf_folder(
     destination: str | Path,
     config: Mapping[str, object],
     tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    produce: Callable[[str], torch.Tensor],
+    produce: Callable[[str], torch.Tensor | Iterable[torch.Tensor]],
     *,
     max_shard_bytes: int = 5 << 30,
     files: Mapping[str, Path | str] | None = None,
 ) -> Path:
     """Write a Hugging Face folder into ``destination``, which must not exist yet.
 
-    ``tensors`` is every HF tensor's (dtype, shape) in file order; ``produce(name)`` returns one
-    (called once each, so only one is held at a time). Up to ``max_shard_bytes`` they go into
-    ``model.safetensors``, above it into ``model-00001-of-0000N.safetensors`` shards with
-    ``model.safetensors.index.json``. ``files`` (name -> a file to copy, or text) lands beside
-    ``config.json``. The folder is built under a temporary name and renamed, so it is whole or absent.
+    ``tensors`` is every HF tensor's (dtype, shape) in file order; ``produce(name)`` returns one, or
+    its row blocks in order (called once each, so only one tensor or block is held at a time). Up to
+    ``max_shard_bytes`` they go into ``model.safetensors``, above it into
+    ``model-00001-of-0000N.safetensors`` shards with ``model.safetensors.index.json``. ``files``
+    (name -> a file to copy, or text) lands beside ``config.json``. The folder is built under a
+    temporary name and renamed, so it is whole or absent.
     """
     destination = check_new_folder(destination)
     tmp = destination.with_name(f".tmp-{destination.name}")
@@ -216,7 +217,9 @@ def write_hf_folder(
             writer = StreamWriter(tmp / shard, {n: tensors[n] for n in names}, metadata={"format": "pt"})
             try:
                 for name in names:
-                    writer.write(name, produce(name).to(tensors[name][0]))
+                    made = produce(name)
+                    for block in [made] if isinstance(made, torch.Tensor) else made:
+                        writer.write(name, block.to(tensors[name][0]))
                 writer.close()
             except BaseException:
                 writer.abort()

@@ -48,7 +48,7 @@ class StreamWriter:
         self.position, self.written = 0, 0
         self.current: str | None = None
 
-    def _put(self, data: bytes) -> None:
+    def _put(self, data: bytes | memoryview) -> None:
         self.file.write(data)
         self.digest.update(data)
 
@@ -66,8 +66,9 @@ class StreamWriter:
                 raise CheckpointError(f"internal: {key!r} written out of order")
             self.position += 1
             self.current, self.written = key, 0
-        data = block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        self.written += len(data)
+        # The block's own bytes, without a copy: written and hashed through the buffer protocol.
+        data = memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.written += data.nbytes
         self._put(data)
 
     def _next_size(self) -> int:

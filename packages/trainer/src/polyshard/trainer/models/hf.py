@@ -50,13 +50,14 @@ declared as :class:`polyshard.trainer.models.hf_adapter.Family`); this module re
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from polyshard.checkpoint import MODEL, TOKENIZER, Checkpoint, CheckpointError
+from polyshard.checkpoint.export import blocks
 from polyshard.checkpoint.hf import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -180,9 +181,7 @@ def _hf_tensors(
     """The family's tensors (name -> dtype and shape, in file order) and a function making each from
     our weights (``ours(name)``), one at a time: transposed where the family stores ``x @ W``, and
     fused tensors (GPT-2's q, k, v) put side by side along the last dim in their parts' order."""
-    parts: dict[str, list[tuple[str, bool]]] = {}
-    for name, location in family_of(model).locations(model).items():
-        parts.setdefault(location.name, []).append((name, location.transposed))
+    parts = _parts(model)
     skeleton = build_model(model, layers=())  # the meta device: shapes only
     shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
 
@@ -198,6 +197,14 @@ def _hf_tensors(
 
     specs = {hf_name: (dtype(members[0][0]), shape_of(hf_name)) for hf_name, members in sorted(parts.items())}
     return specs, make
+
+
+def _parts(model: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
+    """HF tensor name -> the (our name, transposed) pieces it is made of, in their order."""
+    parts: dict[str, list[tuple[str, bool]]] = {}
+    for name, location in family_of(model).locations(model).items():
+        parts.setdefault(location.name, []).append((name, location.transposed))
+    return parts
 
 
 def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -227,11 +234,19 @@ def write_hf(
     ``AutoTokenizer.from_pretrained`` reads it; ``config.json``'s bos/eos ids are then its end-of-text
     token (or none). It is built under a temporary name and renamed, so it is whole or absent."""
     check_new_folder(destination)  # before any tensor is read
+    produce: Callable[[str], torch.Tensor | Iterator[torch.Tensor]]
     if isinstance(state, Checkpoint):
         source = state
         specs, make = _hf_tensors(model, lambda n: source.whole(MODEL + n), lambda n: source.dtype(MODEL + n))
+        parts = _parts(model)
+
+        def produce(hf_name: str) -> torch.Tensor | Iterator[torch.Tensor]:
+            pieces = parts[hf_name]
+            if len(pieces) == 1 and not pieces[0][1]:  # stored as we store it: in row blocks
+                return blocks(source, MODEL + pieces[0][0])  # the embeddings, the largest tensors
+            return make(hf_name)  # transposed or fused (GPT-2's Conv1D weights): a few MB each, whole
     else:
-        specs, make = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
+        specs, produce = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
     config = hf_config(model)
     files: dict[str, Path | str] = {}
     if tokenizer is not None:
@@ -239,4 +254,4 @@ def write_hf(
         config.update(bos_token_id=end, eos_token_id=end)
         files[TOKENIZER] = tokenizer
         files["tokenizer_config.json"] = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
-    return write_hf_folder(destination, config, specs, make, max_shard_bytes=max_shard_bytes, files=files)
+    return write_hf_folder(destination, config, specs, produce, max_shard_bytes=max_shard_bytes, files=files)
