@@ -29,8 +29,8 @@ from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.parallelize import keeps_masters, layer_of, pipeline_bounds, tp_plan
-from polyshard.trainer.models import spec_of, tied_names
+from polyshard.trainer.engine.parallelize import keeps_masters, pipeline_bounds, tp_plan
+from polyshard.trainer.models import layer_of, spec_of, tied_names
 
 
 def model_dtype(config: Config) -> torch.dtype:

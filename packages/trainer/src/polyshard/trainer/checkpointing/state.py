@@ -10,11 +10,14 @@ uninterrupted run's bit for bit. Restoring into another layout goes through
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 import torch
 from torch import nn
 
 from polyshard.checkpoint import MASTER, RNG, LocalTensor, model_key, optim_key
-from polyshard.dp import ZeroOptimizer
+from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
 from polyshard.mesh import get_placement
 from polyshard.trainer.engine.parallelize import Engine
 
@@ -23,11 +26,14 @@ def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch
     """Global name -> this rank's tensor for a stage's parameters (ZeRO-3: this rank's rows)."""
     names = engine.global_names(index)
     if engine.config.parallel.zero_stage == 3:
-        return {names[n]: v for n, v in engine.wrappers[index].local_shards().items()}
+        # ZeRO-3's wrappers are FullyShardedDataParallel.
+        return {names[n]: v for n, v in cast(FullyShardedDataParallel, engine.wrappers[index]).local_shards().items()}
     return {names[n]: p for n, p in engine.stages[index].named_parameters()}
 
 
-def optimizer_entries(engine: Engine):
+def optimizer_entries(
+    engine: Engine,
+) -> Iterator[tuple[str, nn.Parameter, torch.optim.Optimizer, nn.Parameter | None]]:
     """(global name, the tensor the optimizer steps, its inner optimizer, master or None) per parameter."""
     for index, optimizer in zip(engine.wrappers, engine.optimizers):
         names = engine.global_names(index)

@@ -100,7 +100,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
     """``parallel.dp = "auto"``: the processes left after the other axes, ``world_size / (tp x pp x ep x cp)``."""
-    others = {axis: parallel.get(axis, 1) for axis in ("tp", "pp", "ep", "cp")}
+    others: dict[str, int] = {axis: parallel.get(axis, 1) for axis in ("tp", "pp", "ep", "cp")}
     for axis, size in others.items():
         _check_positive(f"parallel.{axis}", size)
     if world_size is None:

@@ -107,7 +107,7 @@ class ModelConfig:
     num_classes: int = 10
     """Output classes (vit)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # model.kind and each family's own constraints are the family's to check (models.check_model).
         if self.preset is not None:
             _check_choice("model.preset", self.preset, list(PRESETS))
@@ -206,7 +206,7 @@ class ParallelConfig:
     stage_layers: list[int] | None = None
     """Pipeline layers per stage, e.g. [3, 2, 2, 1] (embedding and head count as layers); None balances by size."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
         _check_choice("parallel.cp_style", self.cp_style, ("ring", "allgather"))
@@ -305,7 +305,7 @@ class TrainingConfig:
     """Every N steps (and before each checkpoint) check that data-parallel replicas hold bitwise equal
     parameters: one all-gather of a checksum per rank; a replica that drifted stops the run (0 disables)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size"):
             _check_positive(f"training.{name}", getattr(self, name))
         _check_choice("training.precision", self.precision, PRECISIONS)
@@ -359,7 +359,7 @@ class DataConfig:
     itself; true joins examples end to end and cuts the stream into rows like text: no padding, but attention
     crosses example boundaries (a response also sees the examples before it in its row)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
         if not self.prompt_field or not self.response_field or self.prompt_field == self.response_field:
@@ -381,7 +381,7 @@ class CheckpointConfig:
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
 
@@ -402,7 +402,7 @@ class LoggingConfig:
     """Also write each metrics record as TensorBoard scalars into <run>/tensorboard/ (rank 0); needs the
     tensorboard package: pip install 'polyshard-trainer[tensorboard]'."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_positive("logging.every", self.every)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0, or unset")

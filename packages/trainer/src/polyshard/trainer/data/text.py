@@ -10,6 +10,7 @@ a token in [0, 256). The token stream is cut into examples of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
@@ -26,7 +27,7 @@ def encode(text: str) -> list[int]:
     return ByteTokenizer().encode(text)
 
 
-def decode(tokens) -> str:
+def decode(tokens: Sequence[int]) -> str:
     """Bytes back to text; a token past the byte range (a larger vocabulary) shows as U+FFFD."""
     return ByteTokenizer().decode(tokens)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 from polyshard.trainer.errors import DataError
@@ -38,7 +39,7 @@ class ByteTokenizer:
     """Each UTF-8 byte is a token; a token past the byte range (a larger model vocabulary) decodes as U+FFFD."""
 
     vocab_size = 256
-    end_of_text = None  # every id is a byte of text; no id is left for a special token
+    end_of_text: int | None = None  # every id is a byte of text; no id is left for a special token
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -64,9 +65,9 @@ class FileTokenizer:
         except Exception as err:  # the library raises its own exception type for a malformed file
             raise DataError(f"data.tokenizer: {path} is not a tokenizer file tokenizers can read ({err})") from err
         self.path = path
-        self.vocab_size = self.inner.get_vocab_size()
+        self.vocab_size: int = self.inner.get_vocab_size()
         special = {t.content: i for i, t in self.inner.get_added_tokens_decoder().items() if t.special}
-        self.end_of_text = next((special[n] for n in END_OF_TEXT_NAMES if n in special), None)
+        self.end_of_text: int | None = next((special[n] for n in END_OF_TEXT_NAMES if n in special), None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.inner.encode(text).ids)
@@ -107,7 +108,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, destination: str | Path) ->
     return destination
 
 
-def _tokenizers():
+def _tokenizers() -> ModuleType:
     try:
         import tokenizers
     except ImportError as err:

@@ -48,7 +48,8 @@ def apply_context_parallel(
         if isinstance(module, Attention):
             core = module.core
             assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
-            module.core = ContextParallelCore(group, causal=core.causal, style=style)
+            # polyshard.tp types core as the CoreAttention it builds; this module takes (q, k, v) alike.
+            module.core = ContextParallelCore(group, causal=core.causal, style=style)  # type: ignore[assignment]
             module.positions = positions
         elif isinstance(module, Embedding):
             module.positions = positions

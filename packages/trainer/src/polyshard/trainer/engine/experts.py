@@ -26,12 +26,14 @@ stacked expert weights, without this guard, decays idle experts.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.dp import ZeroOptimizer
+from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
 from polyshard.ep import MoELayer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.trainer.engine.parallelize import Engine
@@ -46,7 +48,7 @@ def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:
     ]
 
 
-def _idle_experts(engine: Engine, layers) -> list[set[int]]:
+def _idle_experts(engine: Engine, layers: list[tuple[int, str, MoELayer]]) -> list[set[int]]:
     """Per MoE layer, the global indices of its experts that processed no row on any data rank."""
     counts = [layer.take_rows_seen() for _, _, layer in layers]
     total = torch.cat(counts).to(engine.device)
@@ -59,11 +61,13 @@ def _idle_experts(engine: Engine, layers) -> list[set[int]]:
     return idle
 
 
-def _held_tensors(engine: Engine, index: int, local_name: str, param: nn.Parameter):
+def _held_tensors(
+    engine: Engine, index: int, local_name: str, param: nn.Parameter
+) -> Iterator[tuple[torch.Tensor, TensorPlacement | None]]:
     """Every tensor holding rows of ``param`` on this rank, with the record that places its rows."""
     wrapper = engine.wrappers[index]
     if engine.config.parallel.zero_stage == 3:
-        view = wrapper.local_shards()[local_name]
+        view = cast(FullyShardedDataParallel, wrapper).local_shards()[local_name]  # ZeRO-3's wrapper
         yield view, get_placement(view)
     else:
         yield param, get_placement(param)
@@ -84,7 +88,7 @@ def _local_rows(record: TensorPlacement, length: int, idle: set[int], engine: En
 
 
 @contextlib.contextmanager
-def keep_idle_experts(engine: Engine):
+def keep_idle_experts(engine: Engine) -> Iterator[None]:
     """Run the optimizer step inside: experts no data rank routed a token to come out unchanged."""
     layers = _moe_layers(engine)
     if not layers:
@@ -96,7 +100,8 @@ def keep_idle_experts(engine: Engine):
             continue
         for weight, param in layer.experts.named_parameters():
             for tensor, record in _held_tensors(engine, index, f"{name}.experts.{weight}", param):
-                rows = _local_rows(record, tensor.shape[0], idle, engine)
+                # Every tensor _held_tensors yields has a record: parameters, ZeRO-3 views, masters, moments.
+                rows = _local_rows(cast(TensorPlacement, record), tensor.shape[0], idle, engine)
                 if rows:
                     saved.append((tensor, rows, tensor.detach()[rows].clone()))
     yield

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ def param_groups(
     named: Iterable[tuple[str, nn.Parameter]],
     weight_decay: float,
     decays: Callable[[str, nn.Parameter], bool] | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """AdamW's two groups: the parameters ``decays`` picks (by model name) and the rest, undecayed.
 
     ``named``: (model name, parameter) pairs. Model names, not stage-local ones, decide: a
@@ -26,7 +27,8 @@ def param_groups(
     ``decays`` defaults to the usual rule, :func:`polyshard.trainer.models.spec.decays`.
     """
     decays = decays or default_decays
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in named:
         if not p.requires_grad:
             continue

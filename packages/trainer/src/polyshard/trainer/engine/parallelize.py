@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from polyshard.dp import (
 )
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
-from polyshard.pp import PipelineExecutor, Timeline, balanced_partition, make_schedule
+from polyshard.pp import PipelineExecutor, Schedule, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
     is_sequence_parallel,
 )
@@ -57,9 +58,10 @@ from polyshard.trainer.engine.context import apply_context_parallel, local_token
 from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
+from polyshard.trainer.models.tasks import LossFn
 
 
-def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict:
+def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict[str, Any]:
     """The model family's tensor-parallel plan (over names ``layers.{i}.attn.q_proj`` ...), for every
     pipeline layer or only ``layers``."""
     plan = spec_of(config.model).tp_plan(config.model, config.parallel)
@@ -83,7 +85,7 @@ def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list
     return bounds
 
 
-def loss_function(config: Config, mesh: Mesh):
+def loss_function(config: Config, mesh: Mesh) -> LossFn:
     """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp)."""
     return spec_of(config.model).task.loss(config, mesh.group("tp") if config.parallel.tp > 1 else None)
 
@@ -94,10 +96,10 @@ class Engine:
 
     config: Config
     mesh: Mesh
-    stages: dict[int, nn.Module]  # pipeline stage index -> the plain stage (nn.Sequential of layers)
+    stages: dict[int, nn.Sequential]  # pipeline stage index -> the plain stage (nn.Sequential of layers)
     layer_ids: dict[int, range]  # pipeline stage index -> its global layer indices
     wrappers: dict[int, DataParallelWrapper]  # pipeline stage index -> its data-parallel wrapper
-    optimizers: list
+    optimizers: list[torch.optim.Optimizer | ZeroOptimizer]
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
     timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
@@ -176,10 +178,10 @@ class Engine:
                     f"a copy of the tied weight {name!r} got no gradient this step (seen on rank {self.mesh.rank}); "
                     "the embedding and the output head must both run in every training step"
                 )
-            for grad in grads:
+            for grad in cast(list[torch.Tensor], grads):  # every copy has one: the check above raised otherwise
                 grad.copy_(flat[:-1].view_as(grad))
 
-    def gradients(self) -> tuple[list[tuple[torch.Tensor, object]], list[torch.Tensor]]:
+    def gradients(self) -> tuple[list[tuple[torch.Tensor, TensorPlacement]], list[torch.Tensor]]:
         """After finish_gradients: (gradient, placement record) for every gradient this rank holds,
         and apart from them the gradients of second copies of tied weights (the last stage's copy of
         a tied embedding), which the global norm must not count twice but clipping must scale."""
@@ -232,8 +234,8 @@ def _name_records_globally(stage: nn.Module, layer_ids: range, aliases: Mapping[
         set_placement(param, dataclasses.replace(record, name=names[local], layer=layer_of(names[local])))
 
 
-def _no_sync_all(wrappers):
-    def context():
+def _no_sync_all(wrappers: Sequence[DataParallelWrapper]) -> Callable[[], contextlib.ExitStack]:
+    def context() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for wrapper in wrappers:
             stack.enter_context(wrapper.no_sync())
@@ -242,7 +244,7 @@ def _no_sync_all(wrappers):
     return context
 
 
-def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataParallelWrapper:
+def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> DataParallelWrapper:
     par = config.parallel
     mp = None
     if config.training.precision == "bf16":
@@ -263,7 +265,9 @@ def _wrap_data_parallel(stage: nn.Module, config: Config, mesh: Mesh) -> DataPar
     )
 
 
-def _optimizer(wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str]):
+def _optimizer(
+    wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str]
+) -> torch.optim.Optimizer | ZeroOptimizer:
     train = config.training
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
     groups = param_groups(named, train.weight_decay, spec_of(config.model).decays)
@@ -316,7 +320,8 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         aux_loss_scale=1.0 / par.microbatches,  # each microbatch's aux loss, like its CE, counts 1/m
     )
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
-    model.layers = nn.ModuleDict({str(i): full.layers[i] for i in owned})
+    # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
+    model.layers = nn.ModuleDict({str(i): cast(nn.ModuleList, full.layers)[i] for i in owned})
     del full, skeleton
     if par.cp > 1:
         apply_context_parallel(model, mesh.group("cp"), par.cp_style, sequence_length(config.model), device)
@@ -332,7 +337,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     wrappers = {s: _wrap_data_parallel(stage, config, mesh) for s, stage in stages.items()}
     optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases)) for s, w in wrappers.items()]
     executor = PipelineExecutor(
-        wrappers,
+        cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,
         loss_function(config, mesh),
         mesh.group("pp"),
@@ -359,11 +364,12 @@ def _untie_across_stages(model: nn.Module, aliases: Mapping[str, str], stage_of:
         if alias_stage is None or name_stage is None or alias_stage == name_stage:
             continue
         module_name, _, attr = alias.partition(".")[2].partition(".")[2].rpartition(".")
-        module = model.layers[str(layer_of(alias))].get_submodule(module_name)
+        # model.layers is the nn.ModuleDict build_engine made; torch types a module's attributes Tensor | Module.
+        module = cast(nn.ModuleDict, model.layers)[str(layer_of(alias))].get_submodule(module_name)
         setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
 
 
-def _tied_group(config: Config, mesh: Mesh, schedule) -> dist.ProcessGroup | None:
+def _tied_group(config: Config, mesh: Mesh, schedule: Schedule) -> dist.ProcessGroup | None:
     """The group of pipeline ranks holding the first and the last stage (Megatron-LM's embedding group),
     when a tied weight lives on both and they are different ranks; created collectively on every rank."""
     if not tied_names(config.model) or config.parallel.pp == 1:

@@ -8,18 +8,22 @@ and its errors reach every checkpoint; a checksum per rank, gathered over the dp
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
+from polyshard.dp import FullyShardedDataParallel
+from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.errors import ReplicaMismatchError
 
 # A float's bits read as a signed integer of the same width, so a checksum sees every bit.
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def checksum(tensors) -> int:
+def checksum(tensors: Iterable[torch.Tensor]) -> int:
     """Sum of the tensors' bit patterns (as integers, in int64 with wrap-around): equal tensors give
     equal sums on any rank, and any single changed element changes the sum."""
     total = torch.zeros((), dtype=torch.int64)
@@ -30,7 +34,7 @@ def checksum(tensors) -> int:
     return int(total)
 
 
-def check_replicas(engine, step: int) -> None:
+def check_replicas(engine: Engine, step: int) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank when the replicas of any dp group hold different
     parameters, naming the ranks that differ from their group's majority. One all-gather of one int64
     per rank over dp, then one all-reduce of a per-rank flag over the world, so every rank stops at
@@ -67,10 +71,13 @@ def check_replicas(engine, step: int) -> None:
     )
 
 
-def weights_finite(engine) -> bool:
+def weights_finite(engine: Engine) -> bool:
     """Whether every rank's parameters (and fp32 masters) are finite: one all-reduce of a flag."""
     if engine.config.parallel.zero_stage == 3:  # the rows live outside the (freed) parameters
-        tensors = [t for w in engine.wrappers.values() for t in w.local_shards().values()]
+        # ZeRO-3's wrappers are FullyShardedDataParallel.
+        tensors = [
+            t for w in engine.wrappers.values() for t in cast(FullyShardedDataParallel, w).local_shards().values()
+        ]
     else:
         tensors = [t for stage in engine.stages.values() for t in stage.parameters() if t.is_floating_point()]
     tensors += [master for opt in engine.optimizers for master in getattr(opt, "masters", {}).values()]

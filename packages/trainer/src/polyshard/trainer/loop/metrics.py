@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class MetricsLog:
             tmp.write_text("".join(lines))
             tmp.replace(self.path)  # atomic: a crash here leaves the old log whole
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -57,7 +58,7 @@ class MetricsLog:
     def close(self) -> None:
         self.scalars.close()
 
-    def records(self) -> list[dict]:
+    def records(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
@@ -75,7 +76,7 @@ class TensorBoardScalars:
 
             self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=(resume_from or 0) + 1)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         if self.writer is None:
             return
         step = record["step"]
@@ -124,7 +125,7 @@ class Progress:
         print(f"\r[{bar}] {text}", end="\n" if last else "", flush=True)
 
 
-def plot_losses(records: list[dict], path: Path) -> None:
+def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     """Training (and validation) loss against step, as a PNG."""
     import matplotlib
 

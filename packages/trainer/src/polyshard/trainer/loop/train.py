@@ -15,9 +15,10 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,10 @@ from polyshard.trainer.loop.integrity import check_replicas, weights_finite
 from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction, plan_check_line
 from polyshard.trainer.loop.profiling import StepProfiler
-from polyshard.trainer.models import build_model, hf, parameter_count, sequence_length, spec_of
+from polyshard.trainer.models import GPT, build_model, hf, parameter_count, sequence_length, spec_of
 from polyshard.trainer.models.loss import IGNORE_INDEX, global_token_mean
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,7 +76,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _first_then_rest(fn):
+def _first_then_rest(fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 first (it may download or write caches), then on the others."""
     if dist.get_rank() == 0:
         value = fn()
@@ -95,7 +98,7 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
     )
 
 
-def split_batch(config: Config, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def split_batch(config: Config, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """A loader batch -> (inputs, targets), as the model's task cuts it."""
     return spec_of(config.model).task.split_batch(batch)
 
@@ -117,7 +120,9 @@ def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tup
     return evaluate_batches(engine, [(inputs, targets)])
 
 
-def evaluate_batches(engine: Engine, batches) -> tuple[float, float | None]:
+def evaluate_batches(
+    engine: Engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[float, float | None]:
     """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
     ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss over every counted
     target (image, or token not IGNORE_INDEX) of every data rank, and the accuracy (ViT)."""
@@ -335,7 +340,7 @@ def train(
         result.losses.append(loss_value)
         result.grad_norms.append(grad_norm)
         seconds = time.perf_counter() - started
-        record = {
+        record: dict[str, Any] = {
             "step": step + 1,
             "loss": loss_value,
             "grad_norm": grad_norm,
@@ -404,7 +409,7 @@ def train(
     if finished and spec_of(config.model).task.generates_text and train_cfg.sample_tokens and rank0:
         # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
         # unsharded weights from it with the same placement-driven code `polyshard export` uses.
-        state = consolidate(latest_checkpoint(checkpoints))
+        state = consolidate(cast(Path, latest_checkpoint(checkpoints)))
         result.sample = sample_text(config, state, train_cfg.sample_tokens, tokenizer=tokenizer)
     if rank0 and log:
         plot_losses(metrics.records(), out / "loss.png")
@@ -429,5 +434,6 @@ def sample_text(
     tokenizer = tokenizer or load_tokenizer(config.data.tokenizer)
     tokens = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
-    out = model.generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    # Only language models generate, and every one of them is a GPT (models.gpt, models.moe).
+    out = cast(GPT, model).generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     return tokenizer.decode(out[0].tolist())

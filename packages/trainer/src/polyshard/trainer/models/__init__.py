@@ -7,6 +7,7 @@ full build on one process.
 """
 
 from collections.abc import Collection
+from typing import cast
 
 import torch
 from torch import nn
@@ -59,12 +60,13 @@ def build_model(
     with torch.device("meta"):
         model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
     ties = spec.tied(config)
-    wanted = set(range(len(model.layers)) if layers is None else layers)
+    # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
+    wanted = set(range(len(cast(nn.ModuleList, model.layers))) if layers is None else layers)
     for alias, name in ties.items():  # an alias is drawn from its weight's layer's generator
         if layer_of(alias) in wanted:
             wanted.add(layer_of(name))
     for i in sorted(wanted):
-        layer = model.layers[i].to_empty(device=device)
+        layer = cast(nn.ModuleList, model.layers)[i].to_empty(device=device)
         with torch.no_grad():
             spec.init(layer, config.num_layers, layer_generator(seed, i, device))
     for alias, name in ties.items():  # to_empty gave each its own tensor: tie them again

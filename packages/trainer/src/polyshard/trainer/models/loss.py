@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.trainer.data.pairs import IGNORE_INDEX  # the data marks the positions; the loss skips them
+
+# The data marks the positions; the loss skips them. Re-exported: tasks and the loop import it from here.
+from polyshard.trainer.data.pairs import IGNORE_INDEX as IGNORE_INDEX
 
 
 class TokenMeanLoss:
@@ -59,7 +61,10 @@ class TokenMeanLoss:
 
 @contextlib.contextmanager
 def global_token_mean(
-    loss_fn: Callable, targets: torch.Tensor, replica_group: dist.ProcessGroup, num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    replica_group: dist.ProcessGroup,
+    num_microbatches: int,
 ) -> Iterator[None]:
     """Within: ``loss_fn`` divides by the counted tokens of the global batch over (replicas x
     microbatches). ``targets`` is this rank's part; one all-reduce of one number over

@@ -10,6 +10,8 @@ without a second output, as Megatron-LM's MoE aux-loss scaler does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -26,12 +28,12 @@ class _AttachAuxLoss(torch.autograd.Function):
     """forward: identity on ``x`` / backward: ``x``'s gradient, and ``scale`` as the aux loss's gradient."""
 
     @staticmethod
-    def forward(ctx, x, aux, scale):
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.aux_shape = scale, aux.shape
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         return grad, torch.full(ctx.aux_shape, ctx.scale, device=grad.device), None
 
 
@@ -48,7 +50,11 @@ class MoEMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, aux = self.moe(x)
         self.last_aux_loss = float(aux.detach())
-        return _AttachAuxLoss.apply(y, aux, self.aux_loss_scale) if torch.is_grad_enabled() else y
+        return (  # type: ignore[no-any-return]  # Function.apply and nn.Module.__call__ return Any
+            _AttachAuxLoss.apply(y, aux, self.aux_loss_scale)  # type: ignore[no-untyped-call]
+            if torch.is_grad_enabled()
+            else y
+        )
 
 
 # -- the family's spec ----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
@@ -30,7 +31,8 @@ class Heartbeat:
             threading.Thread(target=self._run, name="polyshard-heartbeat", daemon=True).start()
 
     def _beat(self) -> None:
-        self.store.set(f"polyshard/heartbeat/{self.rank}", repr(time.time()))
+        # Called only when there is a store (__init__ checks before the first beat and the thread).
+        cast(dist.Store, self.store).set(f"polyshard/heartbeat/{self.rank}", repr(time.time()))
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):

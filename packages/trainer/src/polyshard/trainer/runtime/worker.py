@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -88,14 +89,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def _write_summary(out: Path, record: dict) -> None:
+def _write_summary(out: Path, record: dict[str, Any]) -> None:
     """``summary.json``, replaced whole (several ranks may report one failure at once)."""
     tmp = out / f".summary.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(out / "summary.json")
 
 
-def _report_comm_failure(err: Exception, mesh: Mesh | None, heartbeat: Heartbeat, out: Path, timeout_s) -> None:
+def _report_comm_failure(err: Exception, mesh: Mesh | None, heartbeat: Heartbeat, out: Path, timeout_s: float) -> None:
     """A collective timed out or lost a peer: say which call, group and ranks, and which ranks stopped
     beating, then exit at once (code 4). The process group cannot be torn down cleanly with a peer
     missing, so this rank does not try; torchrun sees the exit and stops every other worker."""

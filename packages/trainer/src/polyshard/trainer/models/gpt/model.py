@@ -12,6 +12,8 @@ family to the trainer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -33,7 +35,7 @@ from polyshard.trainer.models.tasks import LANGUAGE
 class Embedding(nn.Module):
     """Token embedding, plus a learned position table unless positions are rotary: (B, S) int -> (B, S, H)."""
 
-    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0, learned=True):
+    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0, learned: bool = True):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, hidden)
         self.pos = nn.Embedding(context_length, hidden) if learned else None
@@ -45,7 +47,7 @@ class Embedding(nn.Module):
         if self.pos is not None:
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
             x = x + self.pos(positions.to(tokens.device))
-        return self.drop(x)
+        return self.drop(x)  # type: ignore[no-any-return]  # nn.Module.__call__ returns Any in torch's stubs
 
 
 class LMHead(nn.Module):
@@ -57,7 +59,7 @@ class LMHead(nn.Module):
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
+        return self.proj(self.norm(x))  # type: ignore[no-any-return]
 
 
 class GPT(nn.Module):
@@ -86,7 +88,7 @@ class GPT(nn.Module):
         super().__init__()
         self.context_length = context_length
         kv_heads = num_kv_heads or num_heads
-        block = {
+        block: dict[str, Any] = {
             "dropout": dropout,
             "checkpoint_activations": checkpoint_activations,
             "norm": norm,
@@ -102,7 +104,8 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList([embedding, *blocks])
         self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
         if tie_embeddings:
-            self.layers[-1].proj.weight = self.layers[0].tok.weight
+            # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
+            self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens
@@ -112,8 +115,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(
-        self, prompt: torch.Tensor, new_tokens: int, *, temperature: float = 1.0, top_k: int = 0, generator=None
-    ):
+        self,
+        prompt: torch.Tensor,
+        new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
         ``top_k`` > 0 samples among the k likeliest tokens only."""
         tokens = prompt
