@@ -67,7 +67,7 @@ class StreamWriter:
             self.position += 1
             self.current, self.written = key, 0
         # The block's own bytes, without a copy: written and hashed through the buffer protocol.
-        data = memoryview(block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = block.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
         self.written += data.nbytes
         self._put(data)
 
