@@ -20,7 +20,7 @@ import dataclasses
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from torch import nn
 from polyshard.collectives import ops
 from polyshard.dp import bytes_held
 from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.loop.hooks import Hook
 
 PLAN_FILE = "plan.json"  # in the run folder: the planner's prediction for the layout it chose
 
@@ -127,39 +128,43 @@ class Prediction:
         return cls(float(step_s), tuple(map(float, states)), tuple(map(float, activations)))
 
 
-class PlanCheck:
+class PlanCheck(Hook):
     """After the first steps of a run the planner laid out (given a :class:`Prediction`): the
     predicted step time against the median of steps 2 and 3 (step 1 warms up), and on step 4 the
     planner's memory per rank against the model-state bytes the engine holds at the optimizer step
     and the peak of bytes saved for backward (:class:`SavedTensorMeter`, whose hooks slow that step,
     so it is not timed). The rank the planner expects to be heaviest is reported."""
 
-    def __init__(self, prediction: Prediction | None, engine: Any, start: int):
-        self.prediction, self.engine = prediction, engine
+    def __init__(self, prediction: Prediction | None, engine: Any, start: int, verbose: bool = False):
+        self.prediction, self.engine, self.verbose = prediction, engine, verbose
         self.enabled = prediction is not None
-        self.timed, self.checked = (start + 1, start + 2), start + 3  # 0-based step indices
+        self.timed, self.checked = (start + 2, start + 3), start + 4  # steps counted from 1
         self.seconds: list[float] = []
         self.meter: SavedTensorMeter | None = None
         self.held: tuple[int, int, int] | None = None
 
-    def measuring(self, step: int) -> contextlib.AbstractContextManager[Any]:
+    def around_update(self, step: int) -> contextlib.AbstractContextManager[Any]:
         if not (self.enabled and step == self.checked):
             return contextlib.nullcontext()
         params = [p for stage in self.engine.stages.values() for p in stage.parameters()]
         self.meter = SavedTensorMeter(params)
         return self.meter
 
-    def before_zero_grad(self, step: int) -> Callable[[], None] | None:
-        if not (self.enabled and step == self.checked):
-            return None
-
-        def hold() -> None:
+    def before_zero_grad(self, step: int) -> None:
+        if self.enabled and step == self.checked:
             self.held = model_state_bytes_held(self.engine)
 
-        return hold
+    def after_step(self, step: int, seconds: float, record: dict[str, Any]) -> None:
+        """At the checked step, the check's figures join the record (every rank must call it: it
+        gathers over ranks), and rank 0 prints them when verbose."""
+        checked = self.check(step, seconds)
+        if checked is not None:
+            record.update(checked)
+            if self.verbose:
+                print(plan_check_line(checked), flush=True)
 
-    def after(self, step: int, seconds: float) -> dict[str, float] | None:
-        """The check's record at step 4 (every rank must call it: it gathers over ranks); None before."""
+    def check(self, step: int, seconds: float) -> dict[str, float] | None:
+        """The check's figures at the checked step; None before (and after)."""
         if self.prediction is None:
             return None
         if step in self.timed:

@@ -27,11 +27,12 @@ import torch.distributed as dist
 
 from polyshard.pp import Timeline, gather_timeline, measured_costs, simulate
 from polyshard.trainer.config import Config
+from polyshard.trainer.loop.hooks import Hook
 
 FOLDER = "profile"
 
 
-class StepProfiler:
+class StepProfiler(Hook):
     """Profiles steps ``first..last`` of ``logging.profile_steps`` (the part of them this run reaches:
     a run resumed past ``first`` starts at its first step, one that stops before ``last`` ends there)."""
 
@@ -42,7 +43,7 @@ class StepProfiler:
         self.profiler: torch.profiler.profile | None = None
         self.range: torch.profiler.record_function | None = None  # the step's range in the trace
 
-    def begin(self, step: int) -> None:
+    def begin_step(self, step: int) -> None:
         """At the start of step ``step`` (counted from 1), on every rank."""
         if not self.first <= step <= self.last:
             return
@@ -55,7 +56,7 @@ class StepProfiler:
         self.range = torch.profiler.record_function(f"step {step}")
         self.range.__enter__()
 
-    def end(self, step: int) -> None:
+    def end_step(self, step: int) -> None:
         """At the end of step ``step``, after its metrics, evaluation and checkpoint, on every rank."""
         if not self.first <= step <= self.last:
             return

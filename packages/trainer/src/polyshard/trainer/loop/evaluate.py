@@ -1,0 +1,60 @@
+"""Evaluation: forward only, in eval mode, pipelined like training, over any number of batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from polyshard.collectives import ops
+from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.models import spec_of
+from polyshard.trainer.models.loss import IGNORE_INDEX
+
+
+def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
+    """One batch (each data rank passes its own, of equal size), forward only in eval mode: (mean loss, accuracy)."""
+    return evaluate_batches(engine, [(inputs, targets)])
+
+
+def evaluate_batches(
+    engine: Engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[float, float | None]:
+    """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
+    ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss over every counted
+    target (image, or token not IGNORE_INDEX) of every data rank, and the accuracy (ViT)."""
+    for stage in engine.stages.values():
+        stage.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, counted targets
+    try:
+        for batch in batches:
+            totals += _evaluate(engine, *(t.to(engine.device) for t in batch))
+    finally:
+        for stage in engine.stages.values():
+            stage.train()
+    # Only the last stage's tp-rank-0 holds results (tp ranks hold equal copies); one all-reduce adds them up.
+    if not (engine.holds_last_stage and engine.mesh.coord("tp") == 0):
+        totals.zero_()
+    totals = totals.to(engine.device)
+    ops.all_reduce(totals)
+    loss, correct, count = totals.tolist()
+    return loss / count, (correct / count if spec_of(engine.config.model).task.reports_accuracy else None)
+
+
+def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(loss sum, correct, counted targets) of one batch on the last stage; zeros elsewhere. The
+    pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
+    stages, whose collectives its peers need, but scores nothing). Under cp each rank scores its chunks."""
+    inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)
+    n, accuracy = int((targets != IGNORE_INDEX).sum()), spec_of(engine.config.model).task.reports_accuracy
+
+    def score(output: torch.Tensor) -> torch.Tensor:
+        totals = torch.zeros(3, dtype=torch.float64)
+        if n:  # the loss is the batch's mean over its counted targets
+            totals[0] = float(engine.executor.loss_fn(output, targets)) * n
+            totals[1] = float((output.argmax(-1) == targets).sum()) if accuracy else 0.0
+            totals[2] = n
+        return totals
+
+    result = engine.executor.forward_only(inputs if engine.holds_first_stage else None, score)
+    return result if result is not None else torch.zeros(3, dtype=torch.float64)

@@ -1,0 +1,86 @@
+"""Where a run starts: a fresh engine, a checkpoint saved on any mesh (``--resume``,
+``--init-from``), a Hugging Face folder (``--init-from hf:DIR``), or, after torchrun restarted the
+worker group, the newest checkpoint this same job wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, open_checkpoint
+from polyshard.trainer.checkpointing.export import saved_config
+from polyshard.trainer.checkpointing.reshard import load_into
+from polyshard.trainer.config import Config
+from polyshard.trainer.data import ShardedLoader
+from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.models import hf
+
+
+def continue_from(
+    engine: Engine, config: Config, source: Checkpoint, train_data: ShardedLoader, log: bool
+) -> tuple[int, list[float]]:
+    """Continue from the checkpoint ``source``, saved on this mesh or any other: the engine's state and
+    the data position are restored; returns its step and the losses it recorded."""
+    folder = source.folder
+    load_into(engine, source)
+    extra = source.extra()
+    train_data.load_state_dict(extra["data"])
+    losses = [float(loss) for loss in extra["losses"]]
+    saved_batch = saved_config(source).training.global_batch_size
+    if log and dist.get_rank() == 0:
+        last = f", last loss {losses[-1]:.4f}" if losses else ""
+        origin = source.index.get("resharded_from", {}).get("mesh")
+        mesh = f"mesh {source.index['mesh']}" + (f" (resharded from {origin})" if origin else "")
+        print(f"continuing from {folder}: step {source.step}, {mesh}{last}", flush=True)
+    if dist.get_rank() == 0 and saved_batch != config.training.global_batch_size:
+        print(
+            f"note: {folder} was trained with global_batch_size={saved_batch}; the data position "
+            f"(epoch {extra['data']['epoch']}, example {extra['data']['position']}) carries over, later batches "
+            f"hold {config.training.global_batch_size} examples",
+            flush=True,
+        )
+    return source.step, losses
+
+
+def checkpoint_to_load(
+    config: Config, out: Path, resume: bool, init_from: str | Path | None
+) -> Checkpoint | hf.HFSource | None:
+    """The checkpoint a run starts from, opened and verified: ``init_from`` (a step folder or a folder
+    of them, or ``hf:DIR``, a Hugging Face model folder: weights only, from step 0), or with
+    ``resume`` the newest valid one under ``out/checkpoints`` (newer ones that fail verification
+    are named and passed over); None for a fresh start."""
+
+    def skipped(folder: Path, err: Exception) -> None:
+        if dist.get_rank() == 0:
+            print(f"skipping {folder}: {err}", flush=True)
+
+    if init_from is not None and str(init_from).startswith(hf.PREFIX):
+        return hf.HFSource(str(init_from)[len(hf.PREFIX) :], config)
+    if init_from is not None:
+        return open_checkpoint(init_from, skipped)
+    if resume:
+        if latest_checkpoint(out / "checkpoints") is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}")
+        return open_checkpoint(out / "checkpoints", skipped)
+    return None
+
+
+def job_id() -> str | None:
+    """The torchrun job this process belongs to (its rendezvous id; every restart of the job keeps it)."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def saved_by_this_job(out: Path) -> bool:
+    """Whether the newest complete checkpoint under ``out`` was written by this torchrun job: a
+    restarted worker group (after a crash, or an elastic change of nodes) continues from it."""
+    latest = latest_checkpoint(out / "checkpoints")
+    if latest is None or job_id() is None:
+        return False
+    try:
+        ranks = json.loads((latest / "index.json").read_text()).get("ranks", [])
+        return bool(ranks) and ranks[0].get("extra", {}).get("job") == job_id()
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False  # an unreadable index: the normal resume path reports it

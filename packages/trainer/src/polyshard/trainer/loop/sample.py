@@ -1,0 +1,34 @@
+"""Text from the unsharded weights, on one process."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from polyshard.trainer.config import Config
+from polyshard.trainer.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.trainer.models import GPT, build_model
+
+
+def sample_text(
+    config: Config,
+    state: dict[str, torch.Tensor],
+    new_tokens: int,
+    prompt: str = "ROMEO:",
+    *,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+    tokenizer: Tokenizer | None = None,
+) -> str:
+    """Generate from the unsharded weights on one process, with ``tokenizer`` (default: the config's)."""
+    model = build_model(config.model)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    tokenizer = tokenizer or load_tokenizer(config.data.tokenizer)
+    tokens = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    # Only language models generate, and every one of them is a GPT (models.gpt, models.moe).
+    out = cast(GPT, model).generate(tokens, new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,77 @@
+"""One optimizer step, read top to bottom in :func:`train_step`:
+
+this data rank's batch -> pipeline forward/backward over microbatches (dp reduces once,
+overlapped with the last backward) -> finish gradient reductions -> one global norm clip ->
+optimizer step (skipped by every rank alike when the loss or the norm is not finite).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from polyshard.collectives import ops
+from polyshard.trainer.config import Config
+from polyshard.trainer.engine.experts import keep_idle_experts
+from polyshard.trainer.engine.optim import clip_grad_norm
+from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.models import spec_of
+from polyshard.trainer.models.loss import global_token_mean
+
+
+def split_batch(config: Config, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loader batch -> (inputs, targets), as the model's task cuts it."""
+    return spec_of(config.model).task.split_batch(batch)
+
+
+def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
+    """Average a per-replica value (a data rank's, or under cp its chunks') that only last-stage ranks
+    hold (tp ranks hold equal copies)."""
+    mesh, par = engine.mesh, engine.config.parallel
+    holder = engine.holds_last_stage and mesh.coord("tp") == 0
+    total = torch.tensor(
+        [float(value) if holder and value is not None else 0.0], dtype=torch.float64, device=engine.device
+    )
+    ops.all_reduce(total)
+    return float(total) / par.replicas
+
+
+def train_step(
+    engine: Engine,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    lr: float,
+    before_zero_grad: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
+    gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
+    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.models.loss);
+    the gradient norm before clipping), the same on every rank.
+
+    Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
+    infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
+    scale) and the caller decides whether to go on. No extra collective is needed to agree.
+    ``before_zero_grad`` runs after the optimizer step while the gradients are still held (to measure them).
+    """
+    for optimizer in engine.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
+    replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
+    microbatches = engine.executor.schedule.num_microbatches
+    with global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches):
+        loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
+    engine.finish_gradients()
+    gradients, tied_copies = engine.gradients()
+    axis_sizes = engine.mesh.layout.as_dict()
+    grad_norm = clip_grad_norm(gradients, engine.config.training.grad_clip, axis_sizes, tied_copies)
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        with keep_idle_experts(engine):
+            for optimizer in engine.optimizers:
+                optimizer.step()
+    if before_zero_grad is not None:
+        before_zero_grad()
+    engine.zero_grad()
+    return loss, grad_norm

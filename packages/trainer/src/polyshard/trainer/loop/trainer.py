@@ -1,0 +1,314 @@
+"""One training run on this rank: a :class:`Trainer` with :meth:`~Trainer.step`,
+:meth:`~Trainer.evaluate` and :meth:`~Trainer.save`, and hooks beside the step (:mod:`.hooks`).
+
+Read one step from top to bottom in :meth:`Trainer.step`: the learning rate, this data rank's
+batch, the optimizer step (:func:`~polyshard.trainer.loop.step.train_step`), the metrics record,
+evaluation when due, logging, the non-finite policy, a checkpoint when due. Every rank runs the
+same steps and the same collectives in the same order, hooks included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from polyshard.checkpoint import TOKENIZER, latest_checkpoint, save_checkpoint
+from polyshard.collectives import ops
+from polyshard.mesh import Mesh
+from polyshard.trainer.checkpointing.export import consolidate
+from polyshard.trainer.checkpointing.reshard import load_into
+from polyshard.trainer.checkpointing.state import state_tensors
+from polyshard.trainer.config import Config
+from polyshard.trainer.data import ShardedLoader
+from polyshard.trainer.data.tokenizer import FileTokenizer, load_tokenizer
+from polyshard.trainer.engine.optim import lr_at
+from polyshard.trainer.engine.parallelize import build_engine
+from polyshard.trainer.errors import ConfigError, NonFiniteError
+from polyshard.trainer.loop.evaluate import evaluate_batches
+from polyshard.trainer.loop.hooks import FaultInjection, Hook, ReplicaCheck
+from polyshard.trainer.loop.integrity import weights_finite
+from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
+from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
+from polyshard.trainer.loop.profiling import StepProfiler
+from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
+from polyshard.trainer.loop.sample import sample_text
+from polyshard.trainer.loop.step import split_batch, train_step
+from polyshard.trainer.models import hf, parameter_count, sequence_length, spec_of
+
+T = TypeVar("T")
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    accuracy: float | None = None
+    sample: str | None = None
+
+    def summary(self, step: int) -> str:
+        parts = [f"final step={step}", f"loss={self.losses[-1]:.4f}"]
+        if self.val_loss is not None:
+            parts.append(f"val_loss={self.val_loss:.4f}")
+        if self.accuracy is not None:
+            parts.append(f"accuracy={self.accuracy:.4f}")
+        return " ".join(parts)
+
+
+def _device() -> torch.device:
+    """This rank's GPU under NCCL (init_distributed set it from LOCAL_RANK), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _first_then_rest(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 first (it may download or write caches), then on the others."""
+    if dist.get_rank() == 0:
+        value = fn()
+        dist.barrier()
+    else:
+        dist.barrier()
+        value = fn()
+    return value
+
+
+def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
+    par, train = config.parallel, config.training
+    splits = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
+    data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
+    batch = train.global_batch_size // data_ranks
+    common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
+    return ShardedLoader(splits[0], shuffle=config.data.shuffle, **common), ShardedLoader(
+        splits[1], shuffle=False, **common
+    )
+
+
+class Trainer:
+    """Train ``config`` on ``mesh``, writing metrics and checkpoints under ``out``.
+
+    With ``resume`` the run continues from the latest complete checkpoint in ``out/checkpoints``;
+    with ``init_from`` from the given checkpoint (or ``hf:DIR``). Either may have been saved on
+    another mesh. With ``prediction`` (the planner's, for this layout) the run logs predicted against
+    measured after its first steps. ``hooks`` run after the trainer's own (profiler, plan check,
+    replica check, fault injection).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        mesh: Mesh,
+        out: Path,
+        *,
+        log: bool = True,
+        resume: bool = False,
+        init_from: str | Path | None = None,
+        prediction: Prediction | None = None,
+        hooks: Sequence[Hook] = (),
+    ):
+        self.config, self.mesh, self.out = config, mesh, out
+        train = config.training
+        self.rank0 = dist.get_rank() == 0
+        self.verbose = log and self.rank0
+        torch.manual_seed(train.seed)  # dropout; the weights have their own per-layer generators
+        self.engine = build_engine(config, mesh, device=_device())
+        self.train_data, self.val_data = make_loaders(config, mesh)
+        self.result = RunResult()
+        self.start = self._start(resume, init_from)
+        self.end = train.last_step  # `stop_at` ends the run early; the schedule still spans `steps`
+        if train.stop_at and train.stop_at <= self.start:
+            raise ConfigError(
+                f"training.stop_at={train.stop_at}, but the run continues from step {self.start}; "
+                f"give a later step or drop --stop-at"
+            )
+        self.metrics = MetricsLog(
+            out,
+            enabled=self.verbose,
+            resume_from=self.start if resume else None,
+            tensorboard=config.logging.tensorboard,
+        )
+        self.progress = Progress(
+            train.steps, enabled=self.verbose and config.logging.progress_bar, start_step=self.start
+        )
+        tokens = sequence_length(config.model)
+        self.tokens_per_step = train.global_batch_size * tokens
+        flops_per_token = model_flops_per_token(
+            parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
+        )
+        self.flops_per_step = self.tokens_per_step * flops_per_token
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        # The run's tokenizer is saved with every checkpoint, so the weights keep their meaning.
+        self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
+        self.nonfinite = 0  # non-finite steps in a row
+        self.hooks: list[Hook] = [
+            StepProfiler(config, self.engine, out, self.end),  # logging.profile_steps
+            PlanCheck(prediction, self.engine, self.start, verbose=self.verbose),  # a planned run
+            ReplicaCheck(self.engine, train.consistency_every),
+            FaultInjection(mesh.rank),  # POLYSHARD_FAULT
+            *hooks,
+        ]
+
+    def _start(self, resume: bool, init_from: str | Path | None) -> int:
+        """Load what the run starts from; returns the number of steps already done."""
+        source = checkpoint_to_load(self.config, self.out, resume, init_from)
+        if isinstance(source, hf.HFSource):
+            load_into(self.engine, source)  # weights only: the optimizer, data and step start fresh
+            if self.verbose:
+                print(f"initialised from the Hugging Face model in {source.folder}", flush=True)
+            return 0
+        if source is None:
+            return 0
+        step, self.result.losses = continue_from(self.engine, self.config, source, self.train_data, self.verbose)
+        return step
+
+    def run(self) -> RunResult:
+        """Every remaining step, then the sample; every rank returns the same losses."""
+        for step in range(self.start + 1, self.end + 1):
+            self.step(step)
+        return self.finish()
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Step number ``step`` (counted from 1) and all that is due after it; returns its record."""
+        train = self.config.training
+        for hook in self.hooks:
+            hook.begin_step(step)
+        started = time.perf_counter()  # the step's time: data, update, and the hooks at its points
+        lr = lr_at(step - 1, lr=train.lr, min_lr=train.min_lr, warmup_steps=train.warmup_steps, total_steps=train.steps)
+        inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, self.train_data.next_batch()))
+        with contextlib.ExitStack() as around:
+            for hook in self.hooks:
+                around.enter_context(hook.around_update(step))
+            loss, grad_norm = train_step(self.engine, inputs, targets, lr, lambda: self._call("before_zero_grad", step))
+        self.nonfinite = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else self.nonfinite + 1
+        self.result.losses.append(loss)
+        self.result.grad_norms.append(grad_norm)
+        record, hooked = self._record(step, loss, grad_norm, lr, time.perf_counter() - started)
+        if train.eval_every and (step % train.eval_every == 0 or step == train.steps):
+            record.update(self.evaluate())
+        self._log(step, record, always=hooked)
+        self._stop_if_nonfinite(step, loss, grad_norm)
+        every = self.config.checkpoint.every
+        saving = step == self.end or bool(every and step % every == 0)
+        self._call("before_save", step, saving)  # a drifted replica stops the run before it is saved
+        if saving:
+            self.save(step)
+        self._call("end_step", step)
+        return record
+
+    def _call(self, point: str, *args: Any) -> None:
+        for hook in self.hooks:
+            getattr(hook, point)(*args)
+
+    def _record(
+        self, step: int, loss: float, grad_norm: float, lr: float, seconds: float
+    ) -> tuple[dict[str, Any], bool]:
+        """The step's metrics, and whether a hook added to them (what a hook adds is always logged)."""
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": self.tokens_per_step / seconds,
+        }
+        if self.nonfinite:
+            record["skipped"] = "non-finite loss or gradient norm: no rank updated"
+        before = len(record)
+        self._call("after_step", step, seconds, record)
+        hooked = len(record) > before
+        peak_tflops = self.config.logging.peak_tflops
+        if peak_tflops:
+            record["mfu"] = self.flops_per_step / seconds / (peak_tflops * 1e12 * dist.get_world_size())
+        return record, hooked
+
+    def evaluate(self) -> dict[str, float]:
+        """The validation loss (and accuracy) over ``training.eval_batches`` batches (0: all of them)."""
+        config = self.config
+        parts = self.val_data.in_order(config.training.eval_batches or None)
+        val_loss, accuracy = evaluate_batches(self.engine, (split_batch(config, part) for part in parts))
+        self.result.val_loss = val_loss
+        figures = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+        if accuracy is not None:
+            self.result.accuracy = figures["accuracy"] = accuracy
+        return figures
+
+    def _log(self, step: int, record: dict[str, Any], always: bool) -> None:
+        last = step == self.config.training.steps
+        if step % self.config.logging.every == 0 or last or always:
+            peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=self.engine.device)
+            record["peak_memory_bytes_per_rank"] = ops.all_gather(peak, 0).tolist()  # collective: every rank's
+            self.metrics.write(record)
+        elif self.nonfinite:
+            self.metrics.write(record)  # a skipped step is always on record
+        self.progress.update(step - 1, record["loss"], record["tokens_per_s"])
+
+    def _stop_if_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        train = self.config.training
+        if self.nonfinite and (train.on_nonfinite == "stop" or self.nonfinite >= train.nonfinite_patience):
+            raise NonFiniteError(
+                f"step {step}: loss {loss} and gradient norm {grad_norm}, non-finite for {self.nonfinite} "
+                f"step(s) in a row; no rank updated in them and no checkpoint holds them. Lower training.lr "
+                f"(now {train.lr}) or warm up longer, then resume from the last checkpoint"
+            )
+
+    def save(self, step: int) -> Path:
+        """A checkpoint of step ``step`` under ``out/checkpoints`` (collective: every rank writes its file)."""
+        if not weights_finite(self.engine):  # finite gradients can still step weights to inf (lr=1e30)
+            raise NonFiniteError(
+                f"step {step}: the weights hold NaN or infinite values; the checkpoint was not written "
+                f"and the earlier ones are kept. Lower training.lr (now {self.config.training.lr}) and resume"
+            )
+        extra = {"data": self.train_data.state_dict(), "losses": self.result.losses, "job": job_id()}
+        folder = save_checkpoint(
+            self.out / "checkpoints",
+            step,
+            state_tensors(self.engine),
+            mesh_axes=self.config.parallel.mesh_axes,
+            extra=extra,
+            config=dataclasses.asdict(self.config),
+            keep=self.config.checkpoint.keep,
+            assets=self.assets,
+            after_write=lambda: self._call("during_save", step),
+        )
+        self._call("after_save", step)
+        return folder
+
+    def finish(self) -> RunResult:
+        """Close the metrics; a run that reached training.steps samples text from its last checkpoint."""
+        self.metrics.close()
+        train = self.config.training
+        generates = spec_of(self.config.model).task.generates_text
+        if self.end == train.steps and generates and train.sample_tokens and self.rank0:
+            # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
+            # unsharded weights from it with the same placement-driven code `polyshard export` uses.
+            latest = latest_checkpoint(self.out / "checkpoints")
+            if latest is not None:
+                state = consolidate(latest)
+                self.result.sample = sample_text(self.config, state, train.sample_tokens, tokenizer=self.tokenizer)
+        if self.verbose:
+            plot_losses(self.metrics.records(), self.out / "loss.png")
+        return self.result
+
+
+def train(
+    config: Config,
+    mesh: Mesh,
+    out: Path,
+    *,
+    log: bool = True,
+    resume: bool = False,
+    init_from: str | Path | None = None,
+    prediction: Prediction | None = None,
+    hooks: Sequence[Hook] = (),
+) -> RunResult:
+    """Build a :class:`Trainer` and run it (the arguments are its)."""
+    trainer = Trainer(
+        config, mesh, out, log=log, resume=resume, init_from=init_from, prediction=prediction, hooks=hooks
+    )
+    return trainer.run()
