@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,11 +33,11 @@ from polyshard.mesh.init import tcp_store
 from polyshard.trainer import die_with_parent
 
 
-def _wake_then_close(close):
+def _wake_then_close(close: Callable[..., None]) -> Callable[..., None]:
     """A worker stopped with SIGSTOP holds the death signal pending forever and torchrun waits 30 s
     before SIGKILL; SIGCONT after the signal lets it die at once."""
 
-    def wrapped(self, death_sig=None):
+    def wrapped(self: SubprocessHandler, death_sig: signal.Signals | None = None) -> None:
         close(self, death_sig)
         try:
             os.killpg(self.proc.pid, signal.SIGCONT)
@@ -54,19 +55,21 @@ def main() -> None:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # The two rendezvous backends a polyshard job uses (static for one node, c10d for several) build
     # their store through these module attributes.
-    static_tcp_rendezvous.TCPStore = tcp_store
-    c10d_rendezvous_backend.TCPStore = tcp_store
+    # (torch's stubs type the attribute as the TCPStore class; our factory takes the same arguments)
+    static_tcp_rendezvous.TCPStore = tcp_store  # type: ignore[attr-defined,assignment]
+    c10d_rendezvous_backend.TCPStore = tcp_store  # type: ignore[attr-defined,assignment]
     # The c10d backend's node 0 also serves the workers' store, at --local-addr (127.0.0.1 for two
     # "nodes" on one machine): loopback only there too.
-    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: tcp_store(
+    # Patching torch's methods is the point here: mypy sees assignments to methods.
+    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: tcp_store(  # type: ignore[method-assign,assignment]
         addr, port, is_master=True, multi_tenant=True
     )
     if hasattr(signal, "SIGCONT"):
-        SubprocessHandler.close = _wake_then_close(SubprocessHandler.close)
+        SubprocessHandler.close = _wake_then_close(SubprocessHandler.close)  # type: ignore[method-assign]
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(sys.argv[1:]))
+        run(parse_args(sys.argv[1:]))  # type: ignore[no-untyped-call]  # torchrun's own entry, untyped
     except SignalException as stop:  # torchrun stopped its workers before raising this
         print(f"torchrun agent: {stop}; its workers are stopped", file=sys.stderr)
         raise SystemExit(128 + int(stop.sigval)) from None

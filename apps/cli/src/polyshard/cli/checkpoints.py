@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from polyshard.trainer import Config
 
 
 def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder.")) -> None:
@@ -125,7 +129,7 @@ def reshard(
     from polyshard.trainer import ConfigError, apply_overrides, saved_config, target_config
     from polyshard.trainer import reshard as reshard_checkpoint
 
-    parallel: dict = {}
+    parallel: dict[str, object] = {}
     if zero_stage is not None:
         parallel["zero_stage"] = zero_stage
     if stage_layers is not None:
@@ -151,7 +155,7 @@ def reshard(
     typer.echo(f"continue with: polyshard train CONFIG {changed} --out {run} --resume")
 
 
-def _changes(before, after) -> dict:
+def _changes(before: Config, after: Config) -> dict[str, object]:
     """Parallel settings that differ between two configs."""
     import dataclasses
 
@@ -159,7 +163,7 @@ def _changes(before, after) -> dict:
     return {k: v for k, v in new.items() if old[k] != v}
 
 
-def _toml(value) -> str:
+def _toml(value: object) -> str:
     if isinstance(value, list):
         return "[" + ",".join(map(str, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)

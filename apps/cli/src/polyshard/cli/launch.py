@@ -21,7 +21,8 @@ from collections.abc import Sequence
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str], torchrun_args: Sequence[str] = ()) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -170,7 +171,7 @@ def bench_peers(
     raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))
 
 
-def _bench_with_peer(package: str):
+def _bench_with_peer(package: str) -> Callable[..., None]:
     """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
 
     The module's ``main(argv)`` accepts ``--json FILE`` and prints ours vs the PyTorch peer.

@@ -14,11 +14,22 @@ from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import tied_names
 
+# Settings older checkpoints record that no longer exist: the launcher now resolves the layout
+# (`--layout auto`) and hands the planner's prediction to the run in a file of its own.
+RETIRED = {"parallel": ("layout",), "logging": ("predicted_step_s",)}
+
 
 def saved_config(source: Checkpoint) -> Config:
-    """The settings of the run that saved ``source``, parsed and checked like a config file."""
+    """The settings of the run that saved ``source``, parsed and checked like a config file (the
+    :data:`RETIRED` ones an older checkpoint records are passed over)."""
+    settings = {
+        section: {k: v for k, v in values.items() if k not in RETIRED.get(section, ())}
+        if isinstance(values, dict)
+        else values
+        for section, values in source.settings.items()
+    }
     try:
-        return from_dict(source.settings)
+        return from_dict(settings)
     except ConfigError as err:
         raise CheckpointError(f"{source.folder}/index.json: the saved config is not valid: {err}") from err
 
