@@ -86,7 +86,7 @@ def test_step_time_senses():
 def test_quick_calibration_measures_every_table():
     from polyshard.planner.calibrate import QUICK, calibrate
 
-    profile = calibrate(processes=(1, 2), plan=QUICK, log=lambda line: None)
+    profile = calibrate(processes=(1, 2), sweep=QUICK, log=lambda line: None)
     assert set(profile.matmul_tflops) == {1, 2} and set(profile.collectives) == {1, 2}
     assert all(v > 0 for table in profile.matmul_tflops.values() for v in table.values())
     assert all(v > 0 for table in profile.elementwise_gbps.values() for v in table.values())

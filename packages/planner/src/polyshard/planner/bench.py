@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.planner.auto import choose
-from polyshard.planner.calibrate import Plan, measure_round, probe_saved_bytes, to_profile
+from polyshard.planner.calibrate import Sweep, measure_round, probe_saved_bytes, to_profile
 from polyshard.planner.cost import estimate_step
 from polyshard.planner.layout import Layout
 from polyshard.planner.profile import Profile
@@ -92,7 +92,7 @@ class Row:
         }
 
 
-CALIBRATION = Plan(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20), rounds=1)
+CALIBRATION = Sweep(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20), rounds=1)
 
 
 def _visit(pools: dict[int, Any], rows: list[Row], config: Config, steps: int) -> None:
