@@ -29,7 +29,6 @@ from functools import lru_cache
 from polyshard.dp import ShardSpec
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import Replicate
-from polyshard.planner.layout import Layout
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.tp import planned_placement
 from polyshard.trainer.checkpointing.records import data_axes
@@ -119,16 +118,18 @@ def _tp_plan_by_layer(model: ModelConfig, tp: int, sequence_parallel: bool) -> d
     return by_layer
 
 
-def _held(config: Config, layout: Layout, name: str, shape: tuple[int, ...]) -> Held:
+def _held(config: Config, name: str, shape: tuple[int, ...]) -> Held:
     """As :func:`polyshard.trainer.checkpointing.records.base_record` places it (tp, then ep), with the tp plan
     looked up per layer so a 126-layer model does not match every name against every pattern."""
-    plan = _tp_plan_by_layer(config.model, layout.tp, layout.sequence_parallel).get(layer_of(name), {})
-    record = planned_placement(plan, name, shape, layout.tp)
+    par = config.parallel
+    plan = _tp_plan_by_layer(config.model, par.tp, par.sequence_parallel).get(layer_of(name), {})
+    record = planned_placement(plan, name, shape, par.tp)
     if spec_of(config.model).has_experts:
         record = planned_expert_placement(name, shape) or record
-    replicas = math.prod(layout.sizes[a] for a in data_axes(config, record))
-    tp_sharded = record.placement("tp") != Replicate() if layout.tp > 1 else False
-    return Held(record.local_shape(layout.sizes), replicas, tp_sharded)
+    sizes = par.mesh_axes
+    replicas = math.prod(sizes[a] for a in data_axes(config, record))
+    tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
+    return Held(record.local_shape(sizes), replicas, tp_sharded)
 
 
 def holdings(config: Config, pp_rank: int) -> Counter[Held]:
@@ -138,7 +139,7 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
     same split of the same model under many ZeRO stages, microbatch counts and schedules."""
     par = config.parallel
-    key = (config.model, tuple(sorted(Layout.of(config).sizes.items())), par.sequence_parallel, par.zero_stage == 3)
+    key = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel, par.zero_stage == 3)
     key += (par.schedule if par.virtual_stages > 1 else "", par.virtual_stages, tuple(par.stage_layers or ()), pp_rank)
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)
@@ -149,7 +150,7 @@ _HOLDINGS: dict[tuple[object, ...], Counter[Held]] = {}
 
 
 def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
-    par, layout = config.parallel, Layout.of(config)
+    par = config.parallel
     shapes = global_shapes(config.model)
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
@@ -159,7 +160,7 @@ def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
         layers = bounds[stage]
         names = [n for n in shapes if layer_of(n) in layers]
         names += [n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) not in layers]
-        held.update(_held(config, layout, n, shapes[n]) for n in names)
+        held.update(_held(config, n, shapes[n]) for n in names)
     return held
 
 
