@@ -20,13 +20,14 @@ it was measured under, which the predictions then assume.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -81,9 +82,18 @@ def _matmul(widths: Sequence[int], budget_s: float) -> dict[int, float]:
     rates = {}
     for h in widths:
         x, w, g = torch.randn(1024, h), torch.randn(h, 4 * h), torch.randn(1024, 4 * h)
-        seconds = _repeat(lambda x=x, w=w, g=g: (x @ w, g @ w.t(), x.t() @ g), budget_s)
+        seconds = _repeat(functools.partial(_linear_products, x, w, g), budget_s)
         rates[h] = 3 * 2 * 1024 * h * 4 * h / seconds / 1e12
     return rates
+
+
+def _linear_products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A linear layer's forward ``x @ w``, input gradient ``g @ w.T`` and weight gradient ``x.T @ g``."""
+    return x @ w, g @ w.t(), x.t() @ g
+
+
+def _forward_backward(block: torch.nn.Module, x: torch.Tensor) -> None:
+    block(x).sum().backward()
 
 
 def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s: float) -> tuple[float, float]:
@@ -95,7 +105,7 @@ def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s:
     points = []
     for batch in (4, 16):
         x = torch.randn(batch, seq, h, requires_grad=True)
-        seconds = _repeat(lambda x=x: block(x).sum().backward(), budget_s)
+        seconds = _repeat(functools.partial(_forward_backward, block, x), budget_s)
         tokens = batch * seq
         flops = 3 * 2 * tokens * 12 * h * h + 3 * 2 * tokens * seq * h  # matmuls, attention: F + B + W
         points.append((saved_per_token * tokens, max(seconds - flops / (matmul_tflops * 1e12), 0.05 * seconds)))
@@ -128,9 +138,20 @@ def _optimizer(budget_s: float) -> tuple[float, float]:
     return 28 * (1 << 20) / max(times[0] - per_tensor, 1e-9) / 1e9, per_tensor
 
 
+class _Round(TypedDict):
+    """One round of :func:`_compute`'s measurements on one process."""
+
+    matmul: dict[int, float]
+    """TFLOP/s by width."""
+    probe: dict[int, tuple[float, float]]
+    """(GB/s of saved bytes, seconds per block) by width."""
+    optimizer: tuple[float, float]
+    """(GB/s streamed, seconds per tensor) of AdamW."""
+
+
 def _compute(sweep: Sweep, saved: dict[int, float]) -> dict[str, Any]:
     """This process's figures while every process of the pool measures the same at once."""
-    rounds = []
+    rounds: list[_Round] = []
     for _ in range(sweep.rounds):
         dist.barrier()
         matmul = _matmul(sweep.widths, sweep.budget_s)

@@ -138,8 +138,9 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
     same split of the same model under many ZeRO stages, microbatch counts and schedules."""
     par = config.parallel
-    key = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel, par.zero_stage == 3)
-    key += (par.schedule if par.virtual_stages > 1 else "", par.virtual_stages, tuple(par.stage_layers or ()), pp_rank)
+    key: tuple[object, ...] = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
+    key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
+    key += (tuple(par.stage_layers or ()), pp_rank)
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)
     return _HOLDINGS[key]
