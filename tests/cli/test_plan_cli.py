@@ -6,7 +6,6 @@ import pytest
 from typer.testing import CliRunner
 
 from polyshard.cli.main import app
-from polyshard.planner.layout import Layout
 from polyshard.planner.search import memory_of
 from polyshard.trainer.config import from_dict
 
@@ -33,10 +32,11 @@ def test_plan_ranks_layouts_and_writes_json(tmp_path, profile):
     assert set(plan) >= {"per_rank_gb", "comm_bytes", "step_s", "layouts"}
     steps = [entry["step_s"] for entry in plan["layouts"]]
     assert steps == sorted(steps) and plan["step_s"] == steps[0]
-    best = Layout(**plan["layouts"][0]["layout"])
-    assert best.world_size == 4
+    best = dict(plan["layouts"][0]["layout"])
+    training = {"global_batch_size": 16, "activation_checkpointing": best.pop("activation_checkpointing")}
+    config = from_dict({"model": {"preset": "tiny"}, "parallel": best, "training": training})
+    assert config.parallel.world_size == 4
     # The same numbers as the planner's memory model for that layout (which --dry-run prints too).
-    config = best.apply(from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}}))
     assert plan["per_rank_gb"]["total"] == pytest.approx(memory_of(config).total / 1e9)
 
 

@@ -6,14 +6,18 @@ import pytest
 
 from polyshard.planner.calibrate import fit_link
 from polyshard.planner.cost import crosses_nodes, estimate_step, stage_costs
-from polyshard.planner.layout import Layout
 from polyshard.planner.pipeline import PipelineCosts, peak_in_flight, step_time
 from polyshard.planner.profile import BUILTIN, Profile, load_profile
 from polyshard.pp import make_schedule, simulate
-from polyshard.trainer.config import from_dict
+from polyshard.trainer.config import ParallelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
 
 from ._planner import flat_profile
+
+
+def _laid_out(config, **parallel):
+    """``config`` with these fields of its parallel section changed."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, **parallel))
 
 
 def test_profiles_round_trip_through_json_and_load_by_name(tmp_path):
@@ -45,15 +49,15 @@ def test_collective_time_is_latency_plus_bytes_over_bus_bandwidth():
 def test_a_step_of_more_microbatches_pays_more_fixed_costs():
     config = from_dict({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}})
     profile = flat_profile(block_overhead_s={1: {64: 1e-3}})
-    one, four = (estimate_step(Layout(microbatches=m).apply(config), profile).step_s for m in (1, 4))
+    one, four = (estimate_step(_laid_out(config, microbatches=m), profile).step_s for m in (1, 4))
     assert four == pytest.approx(one + 3 * 4 * 1e-3)  # 3 more microbatches through 4 blocks
 
 
 def test_groups_cross_nodes_by_their_stride():
     profile = flat_profile(devices_per_node=8)
-    layout = Layout(dp=4, tp=8, pp=2)  # tp is the fastest axis: inside a node; dp strides by 8
-    assert not crosses_nodes("tp", layout, profile) and crosses_nodes("dp", layout, profile)
-    assert not crosses_nodes("dp", Layout(dp=2, tp=4), profile)
+    parallel = ParallelConfig(dp=4, tp=8, pp=2)  # tp is the fastest axis: inside a node; dp strides by 8
+    assert not crosses_nodes("tp", parallel, profile) and crosses_nodes("dp", parallel, profile)
+    assert not crosses_nodes("dp", ParallelConfig(dp=2, tp=4), profile)
 
 
 def test_pipeline_time_comes_from_the_simulator_and_extrapolates_long_steps():
@@ -75,10 +79,11 @@ def test_step_time_senses():
     assert one.parts["pipeline"] == pytest.approx(costs.forward + costs.backward + costs.weight)
     faster = dataclasses.replace(profile, matmul_tflops={1: {64: 2.0}}, elementwise_gbps={1: {64: 2.0}})
     assert estimate_step(config, faster).parts["pipeline"] == pytest.approx(one.parts["pipeline"] / 2)
-    pp = Layout(pp=2, microbatches=4)
-    zb = dataclasses.replace(pp, schedule="zb-h1")
-    assert estimate_step(zb.apply(config), profile).step_s < estimate_step(pp.apply(config), profile).step_s
-    checkpointed = Layout(activation_checkpointing=True).apply(config)
+    pp = _laid_out(config, pp=2, microbatches=4)
+    zb = _laid_out(pp, schedule="zb-h1")
+    assert estimate_step(zb, profile).step_s < estimate_step(pp, profile).step_s
+    training = dataclasses.replace(config.training, activation_checkpointing=True)
+    checkpointed = dataclasses.replace(config, training=training)
     assert estimate_step(checkpointed, profile).step_s > one.step_s  # the forward runs twice
 
 
@@ -86,7 +91,7 @@ def test_step_time_senses():
 def test_quick_calibration_measures_every_table():
     from polyshard.planner.calibrate import QUICK, calibrate
 
-    profile = calibrate(processes=(1, 2), plan=QUICK, log=lambda line: None)
+    profile = calibrate(processes=(1, 2), sweep=QUICK, log=lambda line: None)
     assert set(profile.matmul_tflops) == {1, 2} and set(profile.collectives) == {1, 2}
     assert all(v > 0 for table in profile.matmul_tflops.values() for v in table.values())
     assert all(v > 0 for table in profile.elementwise_gbps.values() for v in table.values())
@@ -97,12 +102,14 @@ def test_quick_calibration_measures_every_table():
 
 
 def test_bench_report_ranks_and_counts():
-    from polyshard.planner.bench import LAYOUTS, Row, report
+    from polyshard.planner.bench import LAYOUTS, Row, report, tiny_gpt
 
+    config = tiny_gpt()
     six = [
-        Row(name, layout, 0.1 * (i + 1), [0.1 * (i + 1) * 1.1] * 3) for i, (name, layout) in enumerate(LAYOUTS.items())
+        Row(name, dataclasses.replace(config, parallel=parallel), 0.1 * (i + 1), [0.1 * (i + 1) * 1.1] * 3)
+        for i, (name, parallel) in enumerate(LAYOUTS.items())
     ]
-    auto = Row("auto: dp4", Layout(dp=4), 0.1, [0.105])
+    auto = Row("auto: dp4", _laid_out(config, dp=4), 0.1, [0.105])
     text = report(six, auto, six[0])
     assert "rankings equal; 6 of 6 predictions within 25%" in text
     assert "| dp2 (dp2 m1 z0) | 0.100 | 0.110 | -9% | 1 | 1 |" in text and "+-5%" not in text

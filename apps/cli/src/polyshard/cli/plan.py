@@ -58,7 +58,7 @@ def plan_command(
     from polyshard.trainer import ConfigError, sequence_length
 
     if calibrate:
-        profile = measure(plan=QUICK if quick else FULL, log=typer.echo)
+        profile = measure(sweep=QUICK if quick else FULL, log=typer.echo)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile.to_json())
         typer.echo(f"profile written to {out} ({profile.source})")

@@ -102,7 +102,7 @@ def _planned(settings: dict, nproc: int | None, nodes: tuple[int, int], profile:
     plan = choose(parsed, devices, load_profile(profile or default_profile()), devices_per_node=nproc)
     typer.echo(explain(plan))
     best = plan.ranked[0]
-    return apply_overrides(settings, overrides(best)), prediction(parsed, best)
+    return apply_overrides(settings, overrides(best)), prediction(best)
 
 
 def _nodes(torchrun_args: list[str]) -> tuple[int, int]:

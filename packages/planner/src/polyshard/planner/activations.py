@@ -22,10 +22,9 @@ backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter`
 
 from __future__ import annotations
 
-from polyshard.planner.layout import Layout
 from polyshard.planner.memory import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.models import sequence_length, spec_of
 
 
@@ -37,51 +36,59 @@ def _norm(model: ModelConfig, e: int) -> float:
     return (model.hidden + 2) * e if model.norm == "layer" else (2 * model.hidden + 1) * 4
 
 
-def block_bytes_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
+def micro_batch_size(config: Config) -> int:
+    """Examples per microbatch on one data rank."""
+    return config.training.global_batch_size // (config.parallel.data_ranks * config.parallel.microbatches)
+
+
+def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
     kv = h * model.kv_heads // n
-    tp, shard = layout.tp, layout.tp if layout.sequence_parallel else 1
+    tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
     attention = (2 * h + 2 * kv) * e + n * 4
     if spec_of(model).has_experts:  # routed copies in and out, the experts' SwiGLU, router scores
         mlp = 2 * model.top_k * h * e + 4 * f * e + model.num_experts * 4
     else:
         mlp = (2 if model.activation == "gelu" else 4) * f * e
-    return (outside + (attention + mlp) / tp) / layout.cp
+    return (outside + (attention + mlp) / tp) / parallel.cp
 
 
-def _checkpointed_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
-    shard = layout.tp if layout.sequence_parallel else 1
-    return model.hidden * _element_bytes(precision) / shard / layout.cp
+def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
+    shard = parallel.tp if parallel.sequence_parallel else 1
+    return model.hidden * _element_bytes(precision) / shard / parallel.cp
 
 
-def _head_per_token(model: ModelConfig, layout: Layout, precision: str) -> float:
+def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     e = _element_bytes(precision)
-    shard = layout.tp if layout.sequence_parallel else 1
+    shard = parallel.tp if parallel.sequence_parallel else 1
     vocab = model.vocab_size if spec_of(model).task.generates_text else model.num_classes
-    loss = vocab * 4 / layout.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
-    return (_norm(model, e) / shard + model.hidden * e + loss) / layout.cp
+    loss = vocab * 4 / parallel.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
+    return (_norm(model, e) / shard + model.hidden * e + loss) / parallel.cp
 
 
-def stage_bytes(config: Config, layers: range, micro_batch: int) -> float:
-    """Bytes one microbatch leaves saved on the stage holding pipeline ``layers``."""
-    model, layout, precision = config.model, Layout.of(config), config.training.precision
+def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: bool | None = None) -> float:
+    """Bytes one microbatch leaves saved on the stage holding pipeline ``layers``; ``checkpointing``
+    (default: the config's ``training.activation_checkpointing``) says whether blocks keep their input alone."""
+    model, parallel, precision = config.model, config.parallel, config.training.precision
+    if checkpointing is None:
+        checkpointing = config.training.activation_checkpointing
     seq = sequence_length(model)
     tokens = micro_batch * seq
     last = model.num_layers + 1
     blocks = sum(1 for i in layers if 0 < i < last)
-    if layout.activation_checkpointing:
-        per_block = _checkpointed_per_token(model, layout, precision) * tokens
+    if checkpointing:
+        per_block = _checkpointed_per_token(model, parallel, precision) * tokens
     else:
-        per_block = block_bytes_per_token(model, layout, precision) * tokens
+        per_block = block_bytes_per_token(model, parallel, precision) * tokens
         if model.positions == "rope":
             per_block += 16 * seq * (model.hidden // model.num_heads)
     total = blocks * per_block
     if 0 in layers:
         total += 8 * tokens  # the int64 token ids
     if last in layers:
-        total += _head_per_token(model, layout, precision) * tokens
+        total += _head_per_token(model, parallel, precision) * tokens
     return total
 
 
@@ -90,19 +97,15 @@ def recompute_bytes(config: Config, micro_batch: int) -> float:
     if not config.training.activation_checkpointing:
         return 0.0
     model = config.model
-    return (
-        block_bytes_per_token(model, Layout.of(config), config.training.precision)
-        * micro_batch
-        * sequence_length(model)
-    )
+    per_token = block_bytes_per_token(model, config.parallel, config.training.precision)
+    return per_token * micro_batch * sequence_length(model)
 
 
 def activation_bytes(config: Config, pp_rank: int) -> float:
     """Peak bytes saved for backward on pipeline rank ``pp_rank``: the simulator's peak count of
     (stage, microbatch) pairs in flight there, times the heaviest of its stages."""
     par = config.parallel
-    layout = Layout.of(config)
-    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
+    micro_batch = micro_batch_size(config)
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     heaviest = max(stage_bytes(config, bounds[s], micro_batch) for s in placement[pp_rank])

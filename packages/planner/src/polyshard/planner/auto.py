@@ -11,15 +11,14 @@ replaced; the rest of it (model, batch, precision) is kept.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.memory import rank_model_states
 from polyshard.planner.profile import Profile
 from polyshard.planner.report import table
-from polyshard.planner.search import Candidate, Plan, Request, search
-from polyshard.trainer.config import Config, ParallelConfig
+from polyshard.planner.search import CHOSEN, Candidate, Plan, Request, label, search
+from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop.plan_check import Prediction
 
@@ -47,21 +46,21 @@ def choose(
 
 def overrides(chosen: Candidate) -> list[str]:
     """``--set`` items that make a config run ``chosen``."""
-    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    items = [f"parallel.{key}={json.dumps(value)}" for key, value in chosen.layout.as_dict().items() if key in fields]
-    items.append(f"training.activation_checkpointing={json.dumps(chosen.layout.activation_checkpointing)}")
+    par = chosen.config.parallel
+    items = [f"parallel.{key}={json.dumps(getattr(par, key))}" for key in CHOSEN]
+    items.append(f"training.activation_checkpointing={json.dumps(chosen.config.training.activation_checkpointing)}")
     return items
 
 
-def prediction(config: Config, chosen: Candidate) -> Prediction:
-    """What the run of ``chosen`` (``config`` laid out as it says) should measure: its step time and,
-    per pipeline rank, the model-state bytes and the bytes saved for backward at peak."""
-    laid_out = chosen.layout.apply(config)
-    stages = range(laid_out.parallel.pp)
+def prediction(chosen: Candidate) -> Prediction:
+    """What the run of ``chosen`` (the searched config laid out as it says) should measure: its step
+    time and, per pipeline rank, the model-state bytes and the bytes saved for backward at peak."""
+    config = chosen.config
+    stages = range(config.parallel.pp)
     return Prediction(
         step_s=chosen.step_s,
-        states_bytes=tuple(float(rank_model_states(laid_out, rank).total) for rank in stages),
-        activation_bytes=tuple(float(activation_bytes(laid_out, rank)) for rank in stages),
+        states_bytes=tuple(float(rank_model_states(config, rank).total) for rank in stages),
+        activation_bytes=tuple(float(activation_bytes(config, rank)) for rank in stages),
     )
 
 
@@ -73,12 +72,12 @@ def explain(plan: Plan, top: int = 5) -> str:
     lines = [
         f"layout planner: {plan.considered} layouts considered, {plan.fitting} fit; the fastest of them:",
         table(plan.ranked[:top]),
-        f"chose {best.layout.label()}: the fastest predicted step ({best.step_s:.4g} s: {share}) among those that fit, "
+        f"chose {label(best.config)}: the fastest predicted step ({best.step_s:.4g} s: {share}) among those that fit, "
         f"using {_size(best.memory.total)} of the heaviest rank's memory",
     ]
     if len(plan.ranked) > 1:
         runner = plan.ranked[1]
-        lines[-1] += f"; next {runner.layout.label()} at {runner.step_s:.4g} s (+{runner.step_s / best.step_s - 1:.0%})"
+        lines[-1] += f"; next {label(runner.config)} at {runner.step_s:.4g} s (+{runner.step_s / best.step_s - 1:.0%})"
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ not assert.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -23,20 +24,21 @@ import torch
 import torch.distributed as dist
 
 from polyshard.planner.auto import choose
-from polyshard.planner.calibrate import Plan, measure_round, probe_saved_bytes, to_profile
+from polyshard.planner.calibrate import Sweep, measure_round, probe_saved_bytes, to_profile
 from polyshard.planner.cost import estimate_step
-from polyshard.planner.layout import Layout
 from polyshard.planner.profile import Profile
-from polyshard.trainer.config import Config, from_dict
+from polyshard.planner.search import label
+from polyshard.trainer.config import Config, ParallelConfig, from_dict
 
-LAYOUTS: dict[str, Layout] = {
-    "dp2": Layout(dp=2),
-    "tp2": Layout(tp=2),
-    "pp2 1f1b": Layout(pp=2, microbatches=4),
-    "pp2 zb-h1": Layout(pp=2, microbatches=4, schedule="zb-h1"),
-    "dp2 x tp2": Layout(dp=2, tp=2),
-    "tp2 x pp2": Layout(tp=2, pp=2, microbatches=4),
+LAYOUTS: dict[str, ParallelConfig] = {
+    "dp2": ParallelConfig(dp=2),
+    "tp2": ParallelConfig(tp=2),
+    "pp2 1f1b": ParallelConfig(pp=2, microbatches=4),
+    "pp2 zb-h1": ParallelConfig(pp=2, microbatches=4, schedule="zb-h1"),
+    "dp2 x tp2": ParallelConfig(dp=2, tp=2),
+    "tp2 x pp2": ParallelConfig(tp=2, pp=2, microbatches=4),
 }
+"""The tiny GPT's ``parallel`` section in each of the six measured layouts."""
 
 
 def tiny_gpt(global_batch: int = 16) -> Config:
@@ -69,7 +71,8 @@ def _time_steps(config: Config, steps: int) -> float:
 @dataclass
 class Row:
     name: str
-    layout: Layout
+    config: Config
+    """The tiny GPT laid out as this row measures it."""
     predicted_s: float
     measured_s: list[float]
 
@@ -84,7 +87,7 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "layout": self.layout.label(),
+            "layout": label(self.config),
             "predicted_s": self.predicted_s,
             "measured_s": self.measured,
             "rounds_s": self.measured_s,
@@ -92,13 +95,13 @@ class Row:
         }
 
 
-CALIBRATION = Plan(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20), rounds=1)
+CALIBRATION = Sweep(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 64 << 10, 256 << 10, 1 << 20), rounds=1)
 
 
-def _visit(pools: dict[int, Any], rows: list[Row], config: Config, steps: int) -> None:
+def _visit(pools: dict[int, Any], rows: list[Row], steps: int) -> None:
     for row in rows:
-        planned = row.layout.apply(config)
-        row.measured_s.append(pools[row.layout.world_size].run(_time_steps, planned, steps, timeout_s=600)[0])
+        pool = pools[row.config.parallel.world_size]
+        row.measured_s.append(pool.run(_time_steps, row.config, steps, timeout_s=600)[0])
 
 
 def run(
@@ -114,7 +117,7 @@ def run(
     from polyshard.mesh.pool import WorkerPool
 
     config = tiny_gpt(global_batch)
-    six = [Row(name, layout, 0.0, []) for name, layout in LAYOUTS.items()]
+    six = [Row(name, dataclasses.replace(config, parallel=parallel), 0.0, []) for name, parallel in LAYOUTS.items()]
     pools = {n: WorkerPool(n) for n in (1, 2, 4)}
     try:
         calibration: list[dict[str, Any]] = []
@@ -122,20 +125,20 @@ def run(
         for round_ in range(rounds):
             if profile is None:
                 calibration.append(measure_round(pools, CALIBRATION, saved))
-            _visit(pools, six, config, steps)
+            _visit(pools, six, steps)
             log(f"round {round_ + 1}/{rounds}: " + ", ".join(f"{r.name} {r.measured_s[-1]:.3f} s" for r in six))
         profile = profile or to_profile(calibration, log=log)
         for row in six:
-            row.predicted_s = estimate_step(row.layout.apply(config), profile).step_s
+            row.predicted_s = estimate_step(row.config, profile).step_s
         best = choose(config, 4, profile).ranked[0]
-        log(f"--layout auto on 4 processes picks {best.layout.label()} (predicted {best.step_s:.4g} s)")
+        log(f"--layout auto on 4 processes picks {label(best.config)} (predicted {best.step_s:.4g} s)")
         fastest = min(six, key=lambda r: r.measured)
         pair = [
-            Row(f"auto: {best.layout.label()}", best.layout, best.step_s, []),
-            Row(fastest.name, fastest.layout, fastest.predicted_s, []),
+            Row(f"auto: {label(best.config)}", best.config, best.step_s, []),
+            Row(fastest.name, fastest.config, fastest.predicted_s, []),
         ]
         for _ in range(rounds):
-            _visit(pools, pair, config, steps)
+            _visit(pools, pair, steps)
     finally:
         for pool in pools.values():
             pool.close()
@@ -153,18 +156,18 @@ def report(six: list[Row], auto: Row, beside: Row) -> str:
     for row in six:
         rounds = " ".join(f"{t:.3f}" for t in row.measured_s)
         lines.append(
-            f"| {row.name} ({row.layout.label()}) | {row.predicted_s:.3f} | {row.measured:.3f} | {row.error:+.0%} "
+            f"| {row.name} ({label(row.config)}) | {row.predicted_s:.3f} | {row.measured:.3f} | {row.error:+.0%} "
             f"| {by_prediction.index(row) + 1} | {by_measurement.index(row) + 1} | {rounds} |"
         )
     same = [r.name for r in by_prediction] == [r.name for r in by_measurement]
     within = sum(abs(r.error) <= 0.25 for r in six)
-    four = min((r for r in six if r.layout.world_size == 4), key=lambda r: r.measured)
+    four = min((r for r in six if r.config.parallel.world_size == 4), key=lambda r: r.measured)
     lines += [
         "",
         f"ranking by prediction: {', '.join(r.name for r in by_prediction)}",
         f"ranking by measurement: {', '.join(r.name for r in by_measurement)}",
         f"rankings {'equal' if same else 'differ'}; {within} of {len(six)} predictions within 25%",
-        f"--layout auto (4 processes) picks {auto.layout.label()} (predicted {auto.predicted_s:.3f} s): measured "
+        f"--layout auto (4 processes) picks {label(auto.config)} (predicted {auto.predicted_s:.3f} s): measured "
         f"{auto.measured:.3f} s against {beside.measured:.3f} s for the fastest of the six ({beside.name}) in the same "
         f"rounds ({auto.measured / beside.measured - 1:+.0%}); the fastest 4-process layout of the six ({four.name}) "
         f"measured {four.measured:.3f} s",

@@ -20,13 +20,14 @@ it was measured under, which the predictions then assume.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ PROCESSES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
-class Plan:
+class Sweep:
     """What to measure: widths of the matmuls and the block probes, collective sizes, rounds."""
 
     widths: tuple[int, ...] = (64, 256, 1024)
@@ -51,8 +52,8 @@ class Plan:
     """Seconds of repetitions per measurement."""
 
 
-FULL = Plan()
-QUICK = Plan(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 256 << 10), rounds=1, budget_s=0.03)
+FULL = Sweep()
+QUICK = Sweep(widths=(64, 256), probe_widths=(64,), sizes=(4 << 10, 256 << 10), rounds=1, budget_s=0.03)
 
 
 def _repeat(fn: Callable[[], object], budget_s: float, sync: bool = False) -> float:
@@ -81,9 +82,18 @@ def _matmul(widths: Sequence[int], budget_s: float) -> dict[int, float]:
     rates = {}
     for h in widths:
         x, w, g = torch.randn(1024, h), torch.randn(h, 4 * h), torch.randn(1024, 4 * h)
-        seconds = _repeat(lambda x=x, w=w, g=g: (x @ w, g @ w.t(), x.t() @ g), budget_s)
+        seconds = _repeat(functools.partial(_linear_products, x, w, g), budget_s)
         rates[h] = 3 * 2 * 1024 * h * 4 * h / seconds / 1e12
     return rates
+
+
+def _linear_products(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A linear layer's forward ``x @ w``, input gradient ``g @ w.T`` and weight gradient ``x.T @ g``."""
+    return x @ w, g @ w.t(), x.t() @ g
+
+
+def _forward_backward(block: torch.nn.Module, x: torch.Tensor) -> None:
+    block(x).sum().backward()
 
 
 def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s: float) -> tuple[float, float]:
@@ -95,7 +105,7 @@ def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s:
     points = []
     for batch in (4, 16):
         x = torch.randn(batch, seq, h, requires_grad=True)
-        seconds = _repeat(lambda x=x: block(x).sum().backward(), budget_s)
+        seconds = _repeat(functools.partial(_forward_backward, block, x), budget_s)
         tokens = batch * seq
         flops = 3 * 2 * tokens * 12 * h * h + 3 * 2 * tokens * seq * h  # matmuls, attention: F + B + W
         points.append((saved_per_token * tokens, max(seconds - flops / (matmul_tflops * 1e12), 0.05 * seconds)))
@@ -107,11 +117,11 @@ def probe_saved_bytes(widths: Sequence[int]) -> dict[int, float]:
     """Bytes per token the probe block saves for backward, as :mod:`activations` counts them (worked
     out here in the parent: the workers need not import the trainer)."""
     from polyshard.planner.activations import block_bytes_per_token
-    from polyshard.planner.layout import Layout
-    from polyshard.trainer.config import ModelConfig
+    from polyshard.trainer.config import ModelConfig, ParallelConfig
 
+    one_process = ParallelConfig()
     return {
-        h: block_bytes_per_token(ModelConfig(hidden=h, num_heads=h // 16, context_length=64), Layout(), "fp32")
+        h: block_bytes_per_token(ModelConfig(hidden=h, num_heads=h // 16, context_length=64), one_process, "fp32")
         for h in widths
     }
 
@@ -128,19 +138,30 @@ def _optimizer(budget_s: float) -> tuple[float, float]:
     return 28 * (1 << 20) / max(times[0] - per_tensor, 1e-9) / 1e9, per_tensor
 
 
-def _compute(plan: Plan, saved: dict[int, float]) -> dict[str, Any]:
+class _Round(TypedDict):
+    """One round of :func:`_compute`'s measurements on one process."""
+
+    matmul: dict[int, float]
+    """TFLOP/s by width."""
+    probe: dict[int, tuple[float, float]]
+    """(GB/s of saved bytes, seconds per block) by width."""
+    optimizer: tuple[float, float]
+    """(GB/s streamed, seconds per tensor) of AdamW."""
+
+
+def _compute(sweep: Sweep, saved: dict[int, float]) -> dict[str, Any]:
     """This process's figures while every process of the pool measures the same at once."""
-    rounds = []
-    for _ in range(plan.rounds):
+    rounds: list[_Round] = []
+    for _ in range(sweep.rounds):
         dist.barrier()
-        matmul = _matmul(plan.widths, plan.budget_s)
-        probe = {h: _elementwise(h, saved[h], interpolate(matmul, h), plan.budget_s) for h in plan.probe_widths}
-        rounds.append({"matmul": matmul, "probe": probe, "optimizer": _optimizer(plan.budget_s)})
+        matmul = _matmul(sweep.widths, sweep.budget_s)
+        probe = {h: _elementwise(h, saved[h], interpolate(matmul, h), sweep.budget_s) for h in sweep.probe_widths}
+        rounds.append({"matmul": matmul, "probe": probe, "optimizer": _optimizer(sweep.budget_s)})
     dist.barrier()
     return {
-        "matmul": {h: statistics.median(r["matmul"][h] for r in rounds) for h in plan.widths},
-        "elementwise": {h: statistics.median(r["probe"][h][0] for r in rounds) for h in plan.probe_widths},
-        "overhead": {h: statistics.median(r["probe"][h][1] for r in rounds) for h in plan.probe_widths},
+        "matmul": {h: statistics.median(r["matmul"][h] for r in rounds) for h in sweep.widths},
+        "elementwise": {h: statistics.median(r["probe"][h][0] for r in rounds) for h in sweep.probe_widths},
+        "overhead": {h: statistics.median(r["probe"][h][1] for r in rounds) for h in sweep.probe_widths},
         "memory": statistics.median(r["optimizer"][0] for r in rounds),
         "per_tensor": statistics.median(r["optimizer"][1] for r in rounds),
     }
@@ -169,7 +190,7 @@ def _one_call(op: str, nbytes: int, group: dist.ProcessGroup | None) -> Callable
     return ping_pong
 
 
-def _collectives(plan: Plan, group_size: int) -> dict[str, list[tuple[int, float]]]:
+def _collectives(sweep: Sweep, group_size: int) -> dict[str, list[tuple[int, float]]]:
     """Per op, (bytes, seconds per call) on groups of ``group_size`` consecutive ranks, all running at
     once (point-to-point: pairs, one transfer per call)."""
     world = dist.get_world_size()
@@ -177,8 +198,8 @@ def _collectives(plan: Plan, group_size: int) -> dict[str, list[tuple[int, float
     mine = groups[dist.get_rank() // group_size] if group_size < world else None
     out: dict[str, list[tuple[int, float]]] = {}
     for op in OPS:
-        for nbytes in plan.sizes:
-            seconds = _repeat(_one_call(op, nbytes, mine), plan.budget_s, sync=True)
+        for nbytes in sweep.sizes:
+            seconds = _repeat(_one_call(op, nbytes, mine), sweep.budget_s, sync=True)
             out.setdefault(op, []).append((nbytes, seconds / 2 if op == "p2p" else seconds))
     return out
 
@@ -201,13 +222,13 @@ Rounds = list[dict[str, Any]]
 """Raw measurements, one entry per round: {"compute": {k: per-rank results}, "collectives": {(k, n): times}}."""
 
 
-def measure_round(pools: Mapping[int, Any], plan: Plan, saved: Mapping[int, float]) -> dict[str, Any]:
+def measure_round(pools: Mapping[int, Any], sweep: Sweep, saved: Mapping[int, float]) -> dict[str, Any]:
     """One round of every measurement on live worker pools (processes -> pool)."""
     out: dict[str, Any] = {"compute": {}, "collectives": {}}
     for k, pool in sorted(pools.items()):
-        out["compute"][k] = pool.run(_compute, plan, dict(saved), timeout_s=600)
+        out["compute"][k] = pool.run(_compute, sweep, dict(saved), timeout_s=600)
         for n in sorted({k, 2} if k > 1 else set()):
-            out["collectives"][(k, n)] = pool.run(_collectives, plan, n, timeout_s=600)[0]
+            out["collectives"][(k, n)] = pool.run(_collectives, sweep, n, timeout_s=600)[0]
     return out
 
 
@@ -261,14 +282,14 @@ def to_profile(rounds: Rounds, log: Callable[[str], None] = print) -> Profile:
     )
 
 
-def calibrate(processes: Sequence[int] = PROCESSES, plan: Plan = FULL, log: Callable[[str], None] = print) -> Profile:
+def calibrate(processes: Sequence[int] = PROCESSES, sweep: Sweep = FULL, log: Callable[[str], None] = print) -> Profile:
     """Measure this machine and return its profile (FULL: a few minutes on a loaded 2-core machine;
     QUICK: one short round at fewer sizes, for a first look)."""
     from polyshard.mesh.pool import WorkerPool
 
     pools = {k: WorkerPool(k) for k in processes}
     try:
-        return to_profile([measure_round(pools, plan, probe_saved_bytes(plan.probe_widths))], log)
+        return to_profile([measure_round(pools, sweep, probe_saved_bytes(sweep.probe_widths))], log)
     finally:
         for pool in pools.values():
             pool.close()

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.planner.layout import Layout
+from polyshard.planner.activations import micro_batch_size
 from polyshard.planner.memory import holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
@@ -58,17 +58,17 @@ class Traffic:
         return self.nbytes * bus_factor(self.op, self.group) * self.calls
 
 
-def _activation(config: Config, layout: Layout, micro_batch: int) -> float:
+def _activation(config: Config, micro_batch: int) -> float:
     e = 2 if config.training.precision == "bf16" else 4
-    return micro_batch * sequence_length(config.model) * config.model.hidden * e / layout.cp
+    return micro_batch * sequence_length(config.model) * config.model.hidden * e / config.parallel.cp
 
 
-def _tp(config: Config, layout: Layout, layers: range, act: float) -> list[Traffic]:
-    t, last, sp = layout.tp, config.model.num_layers + 1, layout.sequence_parallel
+def _tp(config: Config, layers: range, act: float) -> list[Traffic]:
+    t, last, sp = config.parallel.tp, config.model.num_layers + 1, config.parallel.sequence_parallel
     if t == 1:
         return []
     blocks = sum(1 for i in layers if 0 < i < last)
-    recompute = 2 * blocks if layout.activation_checkpointing else 0
+    recompute = 2 * blocks if config.training.activation_checkpointing else 0
     if sp:  # each all-reduce becomes an all-gather and a reduce-scatter
         out = [Traffic("tp", op, t, act, 2 * blocks, "forward") for op in ("all_gather", "reduce_scatter")]
         out += [
@@ -88,24 +88,26 @@ def _tp(config: Config, layout: Layout, layers: range, act: float) -> list[Traff
     return out
 
 
-def _ep_cp(config: Config, layout: Layout, layers: range, act: float) -> list[Traffic]:
-    model, last, out = config.model, config.model.num_layers + 1, []
+def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
+    model, par, last = config.model, config.parallel, config.model.num_layers + 1
+    out: list[Traffic] = []
     blocks = sum(1 for i in layers if 0 < i < last)
-    if layout.ep > 1 and spec_of(model).has_experts:
+    if par.ep > 1 and spec_of(model).has_experts:
         routed = act * model.top_k
-        out += [Traffic("ep", "all_to_all", layout.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
-    if layout.cp > 1:
-        out += _cp(config, layout, blocks, act)
+        out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
+    if par.cp > 1:
+        out += _cp(config, blocks, act)
     return out
 
 
-def _cp(config: Config, layout: Layout, blocks: int, act: float) -> list[Traffic]:
+def _cp(config: Config, blocks: int, act: float) -> list[Traffic]:
     """Context parallelism's K/V traffic per microbatch (``act``: this rank's b·s/cp·h·e). The ring
     (polyshard.cp.ring) sends K and V packed, cp-1 hops forward; backward re-sends them cp-1 hops and
     passes the fp32 dK/dV partial sums cp hops. The all-gather style gathers K and V in forward and
     reduce-scatters their fp32 gradients in backward."""
-    model, cp, e = config.model, layout.cp, 2 if config.training.precision == "bf16" else 4
-    kv_heads = model.kv_heads // layout.tp if model.kv_heads % layout.tp == 0 else 1  # replicated past kv heads
+    model, tp, cp = config.model, config.parallel.tp, config.parallel.cp
+    e = 2 if config.training.precision == "bf16" else 4
+    kv_heads = model.kv_heads // tp if model.kv_heads % tp == 0 else 1  # replicated past kv heads
     chunk = act * kv_heads / model.num_heads  # this rank's K (or V): its tokens x its kv heads
     if config.parallel.cp_style == "ring":
         forward = Traffic("cp", "p2p", cp, 2 * chunk, (cp - 1) * blocks, "forward")
@@ -116,23 +118,22 @@ def _cp(config: Config, layout: Layout, blocks: int, act: float) -> list[Traffic
     else:
         forward = Traffic("cp", "all_gather", cp, chunk * cp, 2 * blocks, "forward")
         backward = [Traffic("cp", "reduce_scatter", cp, chunk * cp * 4 / e, 2 * blocks, "backward")]
-    if layout.activation_checkpointing:  # the recomputed forward moves K and V again
+    if config.training.activation_checkpointing:  # the recomputed forward moves K and V again
         backward.append(dataclasses.replace(forward, phase="backward"))
     return [forward, *backward]
 
 
 def microbatch_traffic(config: Config, layers: range, micro_batch: int) -> list[Traffic]:
     """What one microbatch's forward and backward on the stage holding ``layers`` communicate."""
-    layout = Layout.of(config)
-    act = _activation(config, layout, micro_batch)
-    return _tp(config, layout, layers, act) + _ep_cp(config, layout, layers, act)
+    act = _activation(config, micro_batch)
+    return _tp(config, layers, act) + _ep_cp(config, layers, act)
 
 
 def boundary_bytes(config: Config, micro_batch: int) -> float:
     """Bytes of one activation (or its gradient) sent between two pipeline stages."""
-    layout = Layout.of(config)
-    shard = layout.tp if layout.sequence_parallel else 1
-    return _activation(config, layout, micro_batch) / shard
+    par = config.parallel
+    shard = par.tp if par.sequence_parallel else 1
+    return _activation(config, micro_batch) / shard
 
 
 def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
@@ -162,22 +163,21 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
 
 def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Per-step collectives of pipeline rank ``pp_rank`` (ZeRO-3's gathers are per microbatch)."""
-    layout, model = Layout.of(config), config.model
+    par, model = config.parallel, config.model
     out = _gradient_traffic(config, pp_rank)
-    if tied_names(model) and layout.pp > 1 and pp_rank in (0, layout.pp - 1):
-        vocab = model.vocab_size / layout.tp
+    if tied_names(model) and par.pp > 1 and pp_rank in (0, par.pp - 1):
+        vocab = model.vocab_size / par.tp
         out.append(Traffic("pp", "all_reduce", 2, 4 * vocab * model.hidden, 1, "step"))
-    if layout.sequence_parallel and layout.tp > 1:  # norm weights on sequence shards: their grads sum over tp
+    if par.sequence_parallel and par.tp > 1:  # norm weights on sequence shards: their grads sum over tp
         norms = sum(
             c * math.prod(h.shape)
             for h, c in holdings(config, pp_rank).items()
             if len(h.shape) == 1 and not h.tp_sharded
         )
-        out.append(Traffic("tp", "all_reduce", layout.tp, 4 * norms, 1, "step"))
-    out.append(Traffic("world", "all_reduce", layout.world_size, 8, 2, "step"))  # loss, gradient norm
-    replicas = math.prod(layout.sizes[axis] for axis in config.parallel.replica_axes)
-    if spec_of(model).task is LANGUAGE and replicas > 1:  # the global batch's target-token count (fp64)
-        out.append(Traffic("dp", "all_reduce", replicas, 8, 1, "step"))
+        out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
+    out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
+    if spec_of(model).task is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
+        out.append(Traffic("dp", "all_reduce", par.replicas, 8, 1, "step"))
     return out
 
 
@@ -185,7 +185,7 @@ def rank_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Everything pipeline rank ``pp_rank`` communicates in a step: each of its stages' microbatch
     traffic, its sends to neighbouring stages, and the per-step collectives."""
     par = config.parallel
-    micro_batch = Layout.of(config).micro_batch_size(config.training.global_batch_size)
+    micro_batch = micro_batch_size(config)
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     stages = placement[pp_rank]

@@ -18,19 +18,17 @@ the AdamW step add up.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.planner import activations
+from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
-from polyshard.planner.layout import Layout
 from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
-from polyshard.trainer.config import Config
+from polyshard.trainer.config import Config, ParallelConfig
 from polyshard.trainer.models import layer_of, sequence_length, spec_of, tied_names
 
 
@@ -58,30 +56,30 @@ class StageCosts:
     weight: float
 
 
-def processes_per_node(layout: Layout, profile: Profile) -> int:
-    return min(layout.world_size, profile.devices_per_node)
+def processes_per_node(parallel: ParallelConfig, profile: Profile) -> int:
+    return min(parallel.world_size, profile.devices_per_node)
 
 
-def call_s(t: Traffic, layout: Layout, profile: Profile) -> float:
+def call_s(t: Traffic, parallel: ParallelConfig, profile: Profile) -> float:
     """Seconds of one call of ``t`` on this layout's placement."""
     factor = 1.0 if t.op == "p2p" else bus_factor(t.op, t.group)
-    inter = crosses_nodes(t.axis, layout, profile)
+    inter = crosses_nodes(t.axis, parallel, profile)
     return profile.collective_s(
-        t.op, t.group, t.nbytes, factor, inter=inter, processes=processes_per_node(layout, profile)
+        t.op, t.group, t.nbytes, factor, inter=inter, processes=processes_per_node(parallel, profile)
     )
 
 
-def _phase_s(traffic: list[Traffic], layout: Layout, profile: Profile, phase: str) -> float:
-    return sum(t.calls * call_s(t, layout, profile) for t in traffic if t.phase == phase)
+def _phase_s(traffic: list[Traffic], parallel: ParallelConfig, profile: Profile, phase: str) -> float:
+    return sum(t.calls * call_s(t, parallel, profile) for t in traffic if t.phase == phase)
 
 
-def crosses_nodes(axis: str, layout: Layout, profile: Profile) -> bool:
+def crosses_nodes(axis: str, parallel: ParallelConfig, profile: Profile) -> bool:
     """Whether a group of ``axis`` spans nodes: ranks are laid out pp, dp, ep, cp, tp (tp fastest), so a
     group's ranks are ``stride`` apart, stride the product of the faster axes."""
     order = ["pp", "dp", "ep", "cp", "tp"]
-    sizes = layout.sizes
+    sizes = parallel.mesh_axes
     if axis == "world":
-        return layout.world_size > profile.devices_per_node
+        return parallel.world_size > profile.devices_per_node
     axes = ["dp", "ep", "cp"] if axis == "dp" else [axis]
     fastest = max(order.index(a) for a in axes)
     stride = math.prod(sizes[a] for a in order[fastest + 1 :])
@@ -94,25 +92,26 @@ def stage_costs(
 ) -> StageCosts:
     """``gathers``: seconds of ZeRO-3's parameter traffic in this stage's forward and backward, of which
     the profile's ``overlap`` share of the compute hides some (prefetching the next block's)."""
-    model, layout = config.model, Layout.of(config)
-    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
-    tokens = micro_batch * sequence_length(model) / layout.cp
-    k = processes_per_node(layout, profile)
-    width = math.sqrt(model.hidden * model.mlp_width / layout.tp) / 2  # the calibration's (h, 4h) at tp = 1
+    model, par = config.model, config.parallel
+    micro_batch = micro_batch_size(config)
+    tokens = micro_batch * sequence_length(model) / par.cp
+    k = processes_per_node(par, profile)
+    width = math.sqrt(model.hidden * model.mlp_width / par.tp) / 2  # the calibration's (h, 4h) at tp = 1
     rate = profile.matmul_flops(width, k)
     params = layer_matmul_params(config)
-    matmul = 2 * tokens * sum(params[i] for i in layers) / layout.tp / rate
+    matmul = 2 * tokens * sum(params[i] for i in layers) / par.tp / rate
     blocks = sum(1 for i in layers if 0 < i < model.num_layers + 1)
-    attention = blocks * 2 * tokens * sequence_length(model) * model.hidden / layout.tp / rate
-    plain = dataclasses.replace(layout, activation_checkpointing=False).apply(config)  # what runs, saved or not
-    elementwise = activations.stage_bytes(plain, layers, micro_batch) / profile.elementwise_bandwidth(width, k)
+    attention = blocks * 2 * tokens * sequence_length(model) * model.hidden / par.tp / rate
+    touched = stage_bytes(config, layers, micro_batch, checkpointing=False)  # what runs, saved or not
+    elementwise = touched / profile.elementwise_bandwidth(width, k)
     elementwise += blocks * profile.block_overhead(width, k)
     traffic = microbatch_traffic(config, layers, micro_batch)
+    checkpointing = config.training.activation_checkpointing
     forward = matmul + attention + elementwise / 3
-    backward = matmul + 2 * attention + 2 * elementwise / 3 + (forward if layout.activation_checkpointing else 0.0)
-    forward += max(0.0, gathers[0] - profile.overlap * forward) + _phase_s(traffic, layout, profile, "forward")
+    backward = matmul + 2 * attention + 2 * elementwise / 3 + (forward if checkpointing else 0.0)
+    forward += max(0.0, gathers[0] - profile.overlap * forward) + _phase_s(traffic, par, profile, "forward")
     backward += max(0.0, gathers[1] - profile.overlap * (backward + matmul))
-    backward += _phase_s(traffic, layout, profile, "backward")
+    backward += _phase_s(traffic, par, profile, "backward")
     return StageCosts(forward, backward, matmul)
 
 
@@ -126,34 +125,36 @@ class StepEstimate:
 def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepEstimate:
     """Seconds per optimizer step of ``config``'s layout on ``profile``'s machine (not ``exact``: the
     pipeline from the unit-cost simulation scaled, to screen many layouts quickly)."""
-    par, layout = config.parallel, Layout.of(config)
+    par = config.parallel
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     per_rank = [step_traffic(config, rank) for rank in range(par.pp)]
-    gathers = {}  # ZeRO-3 gathers and reduces every microbatch, shared by the rank's stages
+    # ZeRO-3 gathers and reduces every microbatch: (forward, backward) seconds, shared by the rank's stages.
+    gathers: dict[int, tuple[float, float]] = {}
     for rank, traffic in enumerate(per_rank):
         stages = placement[rank]
         for s in stages:
-            gathers[s] = tuple(
-                _phase_s(traffic, layout, profile, phase) / len(stages) for phase in ("forward", "backward")
+            gathers[s] = (
+                _phase_s(traffic, par, profile, "forward") / len(stages),
+                _phase_s(traffic, par, profile, "backward") / len(stages),
             )
     costs = [stage_costs(config, bounds[s], profile, gathers[s]) for s in range(len(bounds))]
-    micro_batch = layout.micro_batch_size(config.training.global_batch_size)
+    micro_batch = micro_batch_size(config)
     transfer = Traffic("pp", "p2p", 2, boundary_bytes(config, micro_batch), 1, "forward")
     pipe = PipelineCosts(
         forward=tuple(c.forward for c in costs),
         backward=tuple(c.backward for c in costs),
         weight=tuple(c.weight for c in costs),
-        p2p=call_s(transfer, layout, profile) if par.pp > 1 else 0.0,
+        p2p=call_s(transfer, par, profile) if par.pp > 1 else 0.0,
     )
     pipeline = step_time(par.schedule, par.pp, par.microbatches, par.virtual_stages, pipe, exact)
-    k = processes_per_node(layout, profile)
+    k = processes_per_node(par, profile)
     slowest: dict[str, float] = {}
     for rank in range(par.pp):  # after the pipeline, the slowest pipeline rank sets the step's end
         traffic = [t for t in per_rank[rank] if t.phase == "step"]
-        reduce = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op != "all_gather")
-        gather = sum(call_s(t, layout, profile) for t in traffic if t.axis == "dp" and t.op == "all_gather")
-        other = sum(t.calls * call_s(t, layout, profile) for t in traffic if t.axis != "dp")
+        reduce = sum(call_s(t, par, profile) for t in traffic if t.axis == "dp" and t.op != "all_gather")
+        gather = sum(call_s(t, par, profile) for t in traffic if t.axis == "dp" and t.op == "all_gather")
+        other = sum(t.calls * call_s(t, par, profile) for t in traffic if t.axis != "dp")
         last_backward = max(costs[s].backward + costs[s].weight for s in placement[rank])
         dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
         held = holdings(config, rank)

@@ -27,15 +27,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from polyshard.dp import ShardSpec
-from polyshard.ep import planned_expert_placement
-from polyshard.mesh import Replicate
-from polyshard.planner.layout import Layout
+from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.planner.pipeline import stages_by_rank
-from polyshard.tp import planned_placement
-from polyshard.trainer.checkpointing.records import data_axes
-from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.checkpointing.records import base_record, data_axes
+from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.parallelize import pipeline_bounds
-from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
+from polyshard.trainer.models import build_model, layer_of, tied_names
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
@@ -109,26 +106,29 @@ def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
 
 
-@lru_cache(maxsize=64)
-def _tp_plan_by_layer(model: ModelConfig, tp: int, sequence_parallel: bool) -> dict[int, dict[str, object]]:
-    """The tp plan by layer; it depends on tp itself where kv heads are replicated (tp > kv heads)."""
-    parallel = ParallelConfig(tp=tp, sequence_parallel=sequence_parallel)
-    by_layer: dict[int, dict[str, object]] = {}
-    for pattern, style in spec_of(model).tp_plan(model, parallel).items():
-        by_layer.setdefault(layer_of(pattern), {})[pattern] = style
-    return by_layer
+def _records(config: Config) -> dict[str, TensorPlacement]:
+    """Every parameter's record after tp and ep, as the engine places it
+    (:func:`~polyshard.trainer.checkpointing.records.base_record`). Each record looks the name up in the whole
+    tp plan, so they are worked out once per model, tp size and sequence parallelism (all of the parallel
+    section the tp plan reads), not once per layout."""
+    par = config.parallel
+    key = (config.model, par.tp, par.sequence_parallel)
+    if key not in _RECORDS:
+        _RECORDS[key] = {name: base_record(config, name, shape) for name, shape in global_shapes(config.model).items()}
+    return _RECORDS[key]
 
 
-def _held(config: Config, layout: Layout, name: str, shape: tuple[int, ...]) -> Held:
-    """As :func:`polyshard.trainer.checkpointing.records.base_record` places it (tp, then ep), with the tp plan
-    looked up per layer so a 126-layer model does not match every name against every pattern."""
-    plan = _tp_plan_by_layer(config.model, layout.tp, layout.sequence_parallel).get(layer_of(name), {})
-    record = planned_placement(plan, name, shape, layout.tp)
-    if spec_of(config.model).has_experts:
-        record = planned_expert_placement(name, shape) or record
-    replicas = math.prod(layout.sizes[a] for a in data_axes(config, record))
-    tp_sharded = record.placement("tp") != Replicate() if layout.tp > 1 else False
-    return Held(record.local_shape(layout.sizes), replicas, tp_sharded)
+_RECORDS: dict[tuple[ModelConfig, int, bool], dict[str, TensorPlacement]] = {}
+
+
+def _held(config: Config, record: TensorPlacement) -> Held:
+    """A parameter's ``record`` after tp and ep, replicated over the axes the data-parallel wrapper spans
+    for it (:func:`~polyshard.trainer.checkpointing.records.data_axes`)."""
+    par = config.parallel
+    sizes = par.mesh_axes
+    replicas = math.prod(sizes[a] for a in data_axes(config, record))
+    tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
+    return Held(record.local_shape(sizes), replicas, tp_sharded)
 
 
 def holdings(config: Config, pp_rank: int) -> Counter[Held]:
@@ -138,8 +138,9 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
     same split of the same model under many ZeRO stages, microbatch counts and schedules."""
     par = config.parallel
-    key = (config.model, tuple(sorted(Layout.of(config).sizes.items())), par.sequence_parallel, par.zero_stage == 3)
-    key += (par.schedule if par.virtual_stages > 1 else "", par.virtual_stages, tuple(par.stage_layers or ()), pp_rank)
+    key: tuple[object, ...] = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
+    key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
+    key += (tuple(par.stage_layers or ()), pp_rank)
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)
     return _HOLDINGS[key]
@@ -149,17 +150,18 @@ _HOLDINGS: dict[tuple[object, ...], Counter[Held]] = {}
 
 
 def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
-    par, layout = config.parallel, Layout.of(config)
+    par = config.parallel
     shapes = global_shapes(config.model)
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     aliases = tied_names(config.model)
+    records = _records(config)
     held: Counter[Held] = Counter()
     for stage in placement[pp_rank]:
         layers = bounds[stage]
         names = [n for n in shapes if layer_of(n) in layers]
         names += [n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) not in layers]
-        held.update(_held(config, layout, n, shapes[n]) for n in names)
+        held.update(_held(config, records[n]) for n in names)
     return held
 
 

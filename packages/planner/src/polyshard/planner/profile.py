@@ -26,13 +26,16 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from polyshard.trainer.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,14 @@ class Profile:
         )
 
 
-def _keyed(raw: dict[str, Any], value: Any) -> dict[int, Any]:
+def _keyed(raw: dict[str, Any], value: Callable[[Any], T]) -> dict[int, T]:
     """JSON object keys back to ints; a missing or empty table is an error."""
     if not raw:
         raise ValueError("an empty table")
     return {int(k): value(v) for k, v in raw.items()}
 
 
-def _nearest(table: dict[int, Any], key: float) -> Any:
+def _nearest(table: Mapping[int, T], key: float) -> T:
     best = min(table, key=lambda k: (abs(math.log2(max(k, 1)) - math.log2(max(key, 1))), k))
     return table[best]
 

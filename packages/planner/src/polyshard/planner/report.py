@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polyshard.planner.search import Candidate
+from polyshard.planner.search import Candidate, label
 
 COLUMNS = (
     ("#", 3),
@@ -30,7 +30,7 @@ def _cells(rank: int, c: Candidate, scale: float, axes: Sequence[str]) -> list[s
     seconds = [c.step_s, parts.get("pipeline", 0.0), parts.get("dp", 0.0), parts.get("optimizer", 0.0)]
     sent = [c.comm_bytes.get(axis, 0.0) for axis in axes]
     memory = [c.memory.total, s.total, c.memory.activations]
-    return [str(rank), c.layout.label(), *(f"{v:.4g}" for v in seconds), *(f"{v / scale:.3g}" for v in memory + sent)]
+    return [str(rank), label(c.config), *(f"{v:.4g}" for v in seconds), *(f"{v / scale:.3g}" for v in memory + sent)]
 
 
 def table(ranked: Sequence[Candidate]) -> str:

@@ -22,10 +22,9 @@ from polyshard.mesh import divisors
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
-from polyshard.planner.layout import Layout
 from polyshard.planner.memory import ModelStates, rank_model_states
 from polyshard.planner.profile import Profile
-from polyshard.trainer.config import V_SCHEDULES, Config
+from polyshard.trainer.config import V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import sequence_length, spec_of
@@ -39,6 +38,31 @@ MAX_PIPELINE = 32
 """Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
 SIMULATED = 32
 """Layouts simulated with their own costs after the screen."""
+CHOSEN = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "microbatches", "schedule", "virtual_stages", "sequence_parallel")
+"""The fields of a config's ``parallel`` section the search chooses (with ``training.activation_checkpointing``);
+the rest of the section (cp_style, timeout_s, a stage split that still fits) is kept."""
+
+
+def choices(config: Config) -> dict[str, object]:
+    """What the search chose for ``config``: its :data:`CHOSEN` parallel fields and activation checkpointing."""
+    chosen: dict[str, object] = {name: getattr(config.parallel, name) for name in CHOSEN}
+    return {**chosen, "activation_checkpointing": config.training.activation_checkpointing}
+
+
+def label(config: Config) -> str:
+    """``dp2 tp2 pp2 1f1b m4 z1``: the mesh axes above 1, then the rest of the layout that matters."""
+    par = config.parallel
+    axes = " ".join(f"{a}{n}" for a, n in par.mesh_axes.items() if n > 1) or "1 rank"
+    parts = [axes]
+    if par.pp > 1:
+        parts.append(par.schedule + (f" v{par.virtual_stages}" if par.virtual_stages > 1 else ""))
+    parts.append(f"m{par.microbatches}")
+    parts.append(f"z{par.zero_stage}")
+    if par.sequence_parallel:
+        parts.append("sp")
+    if config.training.activation_checkpointing:
+        parts.append("ac")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -49,7 +73,8 @@ class Request:
     memory_gb: float
     """Memory per device, GB (1e9 bytes)."""
     fixed: Mapping[str, object] = field(default_factory=dict)
-    """Layout fields the user fixed (tp=8, zero_stage=1, schedule='1f1b', ...)."""
+    """Fields the user fixed: of :data:`CHOSEN` (tp=8, zero_stage=1, schedule='1f1b', ...), or
+    activation_checkpointing."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +96,9 @@ class Memory:
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    config: Config
+    """The searched config laid out: its ``parallel`` section and ``training.activation_checkpointing`` are this
+    candidate's layout."""
     memory: Memory
     comm_bytes: dict[str, float]
     step: StepEstimate | None = None
@@ -82,8 +109,8 @@ class Candidate:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "layout": self.layout.as_dict(),
-            "label": self.layout.label(),
+            "layout": choices(self.config),
+            "label": label(self.config),
             "per_rank_gb": self.memory.as_gb(),
             "comm_bytes": self.comm_bytes,
             "step_s": self.step_s,
@@ -132,9 +159,12 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
                         yield {"dp": n // (tp * cp * ep * pp), "tp": tp, "pp": pp, "ep": ep, "cp": cp}
 
 
-def layouts(config: Config, request: Request) -> Iterator[Layout]:
-    """Candidate layouts (before the memory check), the fixed fields applied."""
+def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
+    """Candidate ``parallel`` sections of ``config`` (before the memory check), the fixed fields applied. Its
+    ``stage_layers`` is kept where it splits the candidate's pipeline, else left to balance by size."""
     batch = config.training.global_batch_size
+    split = config.parallel.stage_layers
+    fixed = {key: value for key, value in request.fixed.items() if key != "activation_checkpointing"}
     for mesh in meshes(config, request):
         data_ranks = mesh["dp"] * mesh["ep"]
         if batch % data_ranks:
@@ -151,16 +181,22 @@ def layouts(config: Config, request: Request) -> Iterator[Layout]:
                 continue  # fewer layers than stages
             if (schedule == "interleaved" and m % pp) or (schedule == "dualpipev" and m < 2 * pp):
                 continue
-            layout = Layout(
-                **mesh,
+            parallel = dataclasses.replace(
+                config.parallel,
+                dp=mesh["dp"],
+                tp=mesh["tp"],
+                pp=pp,
+                ep=mesh["ep"],
+                cp=mesh["cp"],
                 zero_stage=zero,
                 microbatches=m,
                 schedule=schedule,
                 virtual_stages=virtual,
                 sequence_parallel=bool(sp),
+                stage_layers=split if split is None or len(split) == pp * virtual else None,
             )
-            if all(getattr(layout, key) == value for key, value in request.fixed.items()):
-                yield layout
+            if all(getattr(parallel, key) == value for key, value in fixed.items()):
+                yield parallel
 
 
 @dataclass(frozen=True)
@@ -178,29 +214,28 @@ def search(config: Config, request: Request, profile: Profile, simulated: int = 
     budget = request.memory_gb * 1e9
     fitting: list[Candidate] = []
     considered = 0
-    for layout in layouts(config, request):
+    for parallel in layouts(config, request):
         for checkpointing in (False, True):
             if request.fixed.get("activation_checkpointing", checkpointing) != checkpointing:
                 continue
-            candidate = dataclasses.replace(layout, activation_checkpointing=checkpointing)
-            planned = candidate.apply(config)
+            training = dataclasses.replace(config.training, activation_checkpointing=checkpointing)
+            candidate = dataclasses.replace(config, parallel=parallel, training=training)
             try:
-                validate(planned, world_size=request.devices)
+                validate(candidate, world_size=request.devices)
             except ConfigError:
                 break
             considered += 1
-            states = max((rank_model_states(planned, r) for r in range(layout.pp)), key=lambda s: s.total)
+            states = max((rank_model_states(candidate, r) for r in range(parallel.pp)), key=lambda s: s.total)
             if states.total > budget:
                 break  # checkpointing does not shrink model states
-            memory = memory_of(planned)
+            memory = memory_of(candidate)
             if memory.total <= budget:
-                screen = estimate_step(planned, profile, exact=False)
+                screen = estimate_step(candidate, profile, exact=False)
                 fitting.append(Candidate(candidate, memory, {}, screen))
                 break  # checkpointing would only slow a layout that already fits
     fitting.sort(key=lambda c: (c.step_s, c.memory.total))
     best = []
     for c in fitting[:simulated]:
-        planned = c.layout.apply(config)
-        best.append(dataclasses.replace(c, comm_bytes=comm_of(planned), step=estimate_step(planned, profile)))
+        best.append(dataclasses.replace(c, comm_bytes=comm_of(c.config), step=estimate_step(c.config, profile)))
     best.sort(key=lambda c: (c.step_s, c.memory.total))
     return Plan(best, considered, len(fitting))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from polyshard.trainer.engine.context import apply_context_parallel, local_token
 from polyshard.trainer.models import build_model
 
 
-def saved_bytes(fn) -> int:
+def saved_bytes(fn: Callable[[], object]) -> int:
     """Bytes of the tensors autograd saves while ``fn()`` runs, each storage counted once."""
     seen: dict[int, int] = {}
 

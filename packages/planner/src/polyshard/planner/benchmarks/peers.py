@@ -42,7 +42,7 @@ import math
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,8 @@ class Peer:
         full = build_model(config.model, seed=config.training.seed, device=device)
         bounds = pipeline_bounds(config, {n: p.shape for n, p in full.named_parameters()})
         layer_ids = bounds[self.pp_rank]
-        self.stage = nn.Sequential(*(full.layers[i] for i in layer_ids))
+        layers = cast(nn.ModuleList, full.layers)  # every model family keeps its pipeline layers in one list
+        self.stage = nn.Sequential(*(layers[i] for i in layer_ids))
         self.first, self.last = self.pp_rank == 0, self.pp_rank == par.pp - 1
         if par.tp > 1:
             self._tensor_parallel(layer_ids)
