@@ -44,7 +44,7 @@ demo: setup
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \
 		--set training.steps=620 --set training.eval_every=20 --set training.sample_tokens=0
 
-TYPED := mesh collectives checkpoint tp pp dp ep cp trainer
+TYPED := mesh collectives checkpoint tp pp dp ep cp trainer planner cli
 
 lint: setup
 	$(BIN)/ruff check .

@@ -63,8 +63,9 @@ def plan_command(
         out.write_text(profile.to_json())
         typer.echo(f"profile written to {out} ({profile.source})")
         return
-    fixed = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": zero, "microbatches": microbatches}
-    fixed = {key: value for key, value in {**fixed, "schedule": schedule}.items() if value is not None}
+    given: dict[str, int | str | None] = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": zero}
+    given |= {"microbatches": microbatches, "schedule": schedule}
+    fixed = {key: value for key, value in given.items() if value is not None}
     try:
         if model is None or devices is None:
             raise ConfigError("give a model and --devices, e.g. `polyshard plan tiny --devices 4` (or --calibrate)")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from polyshard.trainer import Prediction
 
 from polyshard.cli.launch import run_local
 
@@ -85,7 +89,9 @@ def train(
 WORKER = "polyshard.trainer.runtime.worker"
 
 
-def _planned(settings: dict, nproc: int | None, nodes: tuple[int, int], profile: str | None):
+def _planned(
+    settings: dict[str, Any], nproc: int | None, nodes: tuple[int, int], profile: str | None
+) -> tuple[dict[str, Any], Prediction]:
     """``settings`` laid out as the planner chose for ``nproc`` processes per node (printed with why),
     and the planner's prediction for that layout."""
     from polyshard.cli.plan import default_profile

@@ -32,6 +32,7 @@ _EXPORTS = {
     "prepare_launch": "polyshard.trainer.runtime.launch",
     "read_settings": "polyshard.trainer.runtime.launch",
     "train": "polyshard.trainer.loop",
+    "Prediction": "polyshard.trainer.loop.plan_check",
     "sample_text": "polyshard.trainer.loop",
     "build_model": "polyshard.trainer.models",
     "spec_of": "polyshard.trainer.models",
@@ -60,6 +61,7 @@ __all__ = [
     "MESH_AXES",
     "NonFiniteError",
     "PRESETS",
+    "Prediction",
     "SCHEDULES",
     "apply_overrides",
     "build_model",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:
     from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train
+    from polyshard.trainer.loop.plan_check import Prediction
     from polyshard.trainer.models import build_model, sequence_length, spec_of
     from polyshard.trainer.models.hf import model_settings, write_hf
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings
