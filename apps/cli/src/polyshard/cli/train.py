@@ -66,7 +66,9 @@ def train(
         prediction = None
         if layout == "auto":
             settings, prediction = _planned(settings, nproc, nodes, profile)
-        launch = prepare_launch(settings, out=out, nproc=nproc, nodes=nodes, resume=resume, init_from=init_from)
+        launch = prepare_launch(
+            settings, out=out, nproc=nproc, nodes=nodes, resume=resume, init_from=init_from, prediction=prediction
+        )
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
         kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
         typer.echo(f"{kind} error: {err}", err=True)
@@ -78,12 +80,8 @@ def train(
 
         typer.echo(describe(launch.config))
         return
-    launch.write()  # the resolved config every worker reads
-    plan_file = None
-    if prediction is not None:
-        plan_file = launch.out / "plan.json"
-        prediction.write(plan_file)
-    raise typer.Exit(run_local(launch.nproc, WORKER, launch.worker_args(plan_file), torchrun))
+    launch.write()  # the resolved config (and the planner's prediction) every worker reads
+    raise typer.Exit(run_local(launch.nproc, WORKER, launch.worker_args(), torchrun))
 
 
 WORKER = "polyshard.trainer.runtime.worker"

@@ -108,7 +108,10 @@ class Prediction:
     activation_bytes: tuple[float, ...]
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        """The prediction as JSON, whole or not at all."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1) + "\n")
+        tmp.replace(path)
 
     @classmethod
     def read(cls, path: str | Path) -> Prediction:

@@ -24,6 +24,7 @@ from polyshard.trainer.config import Config, apply_overrides, from_dict, read_to
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
+from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
 from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.hf import PREFIX, check_matches
 
@@ -53,25 +54,30 @@ class Launch:
     """A checkpoint folder, or ``hf:DIR``; absolute."""
     notes: list[str] = field(default_factory=list)
     """What the layout does that the user may not expect."""
+    prediction: Prediction | None = None
+    """The planner's, when it chose the layout (``--layout auto``)."""
 
     def write(self) -> Path:
-        """Write the resolved settings into the run folder (whole or not at all); returns the file."""
+        """Write the resolved settings (and the prediction, :data:`PLAN_FILE`) into the run folder,
+        each whole or not at all; returns the config file."""
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / RESOLVED_CONFIG
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(self.settings, indent=1) + "\n")
         tmp.replace(path)
+        if self.prediction is not None:
+            self.prediction.write(self.out / PLAN_FILE)
         return path
 
-    def worker_args(self, prediction: Path | None = None) -> list[str]:
+    def worker_args(self) -> list[str]:
         """The worker's command line (:mod:`polyshard.trainer.runtime.worker`)."""
         args = ["--out", str(self.out.resolve())]
         if self.resume:
             args.append("--resume")
         if self.init_from is not None:
             args += ["--init-from", self.init_from]
-        if prediction is not None:
-            args += ["--plan", str(prediction.resolve())]
+        if self.prediction is not None:
+            args += ["--plan", str((self.out / PLAN_FILE).resolve())]
         return args
 
 
@@ -83,6 +89,7 @@ def prepare_launch(
     nodes: tuple[int, int] = (1, 1),
     resume: bool = False,
     init_from: str | None = None,
+    prediction: Prediction | None = None,
 ) -> Launch:
     """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,
     :class:`CheckpointError` or :class:`DataError` naming the field, file or flag (or a ValueError
@@ -117,7 +124,7 @@ def prepare_launch(
         init_from = f"{PREFIX}{hf_folder.resolve()}"
     elif init_from is not None:
         init_from = str(Path(init_from).resolve())
-    return Launch(dict(settings), config, out, nproc, nodes, resume, init_from, layout_notes(config))
+    return Launch(dict(settings), config, out, nproc, nodes, resume, init_from, layout_notes(config), prediction)
 
 
 def read_resolved(path: str | Path, world_size: int | None = None) -> Config:
