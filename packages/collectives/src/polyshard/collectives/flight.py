@@ -9,18 +9,32 @@ failure can be explained as "all_reduce on the dp group (ranks [0, 2]) failed".
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
 class Posted:
-    op: str
-    group: dist.ProcessGroup | None
-    peer: int | None = None  # the other rank of a send or a receive
+    """One posted call. Its group is held weakly: the recorder outlives every group, and a process group
+    kept alive past ``destroy_process_group`` keeps gloo's threads running into the interpreter's exit,
+    which now and then aborts the process."""
+
+    __slots__ = ("op", "peer", "_ref")
+
+    def __init__(self, op: str, group: dist.ProcessGroup | None, peer: int | None = None):
+        self.op, self.peer = op, peer  # peer: the other rank of a send or a receive
+        self._ref = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else None  # None: the world
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return None if self._ref is None else self._ref()
+
+    @property
+    def destroyed(self) -> bool:
+        """Whether the group was freed since (``group`` is then None, which would read as the world)."""
+        return self._ref is not None and self._ref() is None
 
 
 RECENT: deque[Posted] = deque(maxlen=8)
@@ -77,6 +91,8 @@ def describe_failure(err: BaseException, name_group: Callable[[dist.ProcessGroup
 
     def show(p: Posted) -> str:
         peer = f", peer rank {p.peer}" if p.peer is not None else ""
+        if p.destroyed:
+            return f"{p.op} on a group destroyed since{peer}"
         return f"{p.op} on the {name_group(p.group)} group (ranks {list(group_ranks(p.group))}{peer})"
 
     call = _failing_call(err)

@@ -23,7 +23,7 @@ buckets, not in ``p.grad`` (which stays None): step with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from polyshard.dp.buckets import Bucket, assign_buckets
 from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
 from polyshard.dp.errors import DataParallelError, GradSyncError
 from polyshard.dp.flat import ShardSpec
+from polyshard.dp.hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 
@@ -112,10 +113,10 @@ class DataParallel(BucketShards, nn.Module):
             queues.setdefault(id(set_group), []).extend(buckets)
         self.queues = list(queues.values())
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
-        for queue in self.queues:
+        for position, queue in enumerate(self.queues):
             for bucket in queue:
                 for p in bucket.params:
-                    p.register_post_accumulate_grad_hook(self._make_hook(queue))
+                    weak_grad_hook(p, self._on_grad_ready, position)  # weakly: see polyshard.dp.hooks
 
     # -- construction ---------------------------------------------------------
     def _resolve_sets(self, named: list[tuple[str, nn.Parameter]], param_sets: Sequence[ParamSet]) -> list[_Reduction]:
@@ -218,23 +219,22 @@ class DataParallel(BucketShards, nn.Module):
                 for b, value in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(value.view_as(b))
 
-    def _make_hook(self, queue: list[Bucket]) -> Callable[[nn.Parameter], None]:
-        def hook(param: nn.Parameter) -> None:
-            self._grads_pending = True
-            if not self._sync_enabled:
-                return  # no_sync: let the gradient accumulate in param.grad
-            bucket, index = self._where[id(param)]
-            if bucket.launched or index in bucket.ready:
-                # Its reduction already holds the previous backward's gradient; this one would be lost.
-                raise GradSyncError(
-                    "a second backward reached a parameter before finish_grad_sync(): call finish_grad_sync() "
-                    "(or the optimizer step) between steps, and wrap every backward but the last of a step "
-                    "in no_sync() when accumulating gradients"
-                )
-            bucket.ready.add(index)
-            self._launch_in_order(queue, only_complete=True)
-
-        return hook
+    def _on_grad_ready(self, queue: int, param: nn.Parameter) -> None:
+        """``param``'s gradient of this backward is final: launch the buckets of ``self.queues[queue]`` that
+        are complete now."""
+        self._grads_pending = True
+        if not self._sync_enabled:
+            return  # no_sync: let the gradient accumulate in param.grad
+        bucket, index = self._where[id(param)]
+        if bucket.launched or index in bucket.ready:
+            # Its reduction already holds the previous backward's gradient; this one would be lost.
+            raise GradSyncError(
+                "a second backward reached a parameter before finish_grad_sync(): call finish_grad_sync() "
+                "(or the optimizer step) between steps, and wrap every backward but the last of a step "
+                "in no_sync() when accumulating gradients"
+            )
+        bucket.ready.add(index)
+        self._launch_in_order(self.queues[queue], only_complete=True)
 
     @staticmethod
     def _launch_in_order(queue: list[Bucket], *, only_complete: bool) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
 from polyshard.dp.flat import ShardSpec, shard_record
+from polyshard.dp.hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.dp.units import Unit
 from polyshard.mesh import TensorPlacement, get_placement
@@ -71,7 +72,7 @@ class FullyShardedDataParallel(nn.Module):
         self._where = {id(p): (u, i) for u in self.reduce_order for i, p in enumerate(u.params)}
         for unit in self.reduce_order:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                weak_grad_hook(p, self._on_grad_ready)  # weakly: see polyshard.dp.hooks
         self._callback_queued = False
 
     def _unit(self, named: list[tuple[str, nn.Parameter]], axis: str | tuple[str, ...]) -> Unit:
