@@ -282,3 +282,66 @@ def test_the_hubs_gpt2_model_names_read_like_the_lm_head_models(gpt2, corpus, tm
             hub.read(key, (0,) * len(shape), shape, torch.float32),
             whole.read(key, (0,) * len(shape), shape, torch.float32),
         )
+
+
+def _damaged(source: Path, tmp_path: Path, name: str, change) -> Path:
+    """A copy of the folder ``source`` whose model.safetensors ``change`` rewrote (bytes -> bytes, or tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    weights = folder / "model.safetensors"
+    if name in ("truncated", "header"):
+        weights.write_bytes(change(weights.read_bytes()))
+    else:
+        save_file(change(load_file(weights)), str(weights), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_damaged_folder_is_named_with_its_file_and_tensor(gpt2, corpus, tmp_path):
+    """Hugging Face folders are untrusted: a truncated file, an absurd header length and an integer
+    tensor where a weight belongs are refused when the folder is opened (before launch, by the
+    launcher's checks); NaN weights when a rank reads its region (exit 2 in one line, not a run that
+    trains until the non-finite policy stops it)."""
+    import struct
+
+    config = _config(gpt2, corpus)
+    ln = "transformer.h.0.ln_1.weight"
+    fc = "transformer.h.1.mlp.c_fc.weight"
+
+    def with_nan(tensors):
+        tensors[fc] = tensors[fc].clone()
+        tensors[fc][3, 5] = float("nan")
+        return tensors
+
+    cases = {
+        "truncated": (lambda data: data[:-100], "truncated/model.safetensors is not a readable safetensors file"),
+        "header": (lambda data: struct.pack("<Q", 1 << 60) + data[8:], "header/model.safetensors is not a readable"),
+        "int32": (lambda t: {**t, ln: t[ln].to(torch.int32)}, f"'{ln}' is stored as I32; a weight must be floating"),
+    }
+    for name, (change, message) in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            HFSource(_damaged(gpt2, tmp_path, name, change), config)
+    source = HFSource(_damaged(gpt2, tmp_path, "nan", with_nan), config)  # the header is fine
+    key = "model/layers.2.mlp.fc_in.weight"  # c_fc, transposed: rows 3 and 5 of ours are columns there
+    with pytest.raises(CheckpointError, match=f"nan/model.safetensors: '{fc}' holds NaN or infinite values"):
+        source.read(key, (0, 0), source.global_shape(key), torch.float32)
+    torch.testing.assert_close(  # a region without the NaN reads as it is stored
+        source.read(key, (6, 0), (2, 2), torch.float32), HFSource(gpt2, config).read(key, (6, 0), (2, 2), torch.float32)
+    )
+
+
+@pytest.mark.long
+def test_a_damaged_folder_stops_before_any_process_starts(gpt2, corpus, tmp_path):
+    settings = model_settings(gpt2)
+    toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+    toml += f"[training]\nsteps = 2\nglobal_batch_size = 4\n[data]\nsource = {json.dumps(corpus)}\n"
+    (tmp_path / "c.toml").write_text(toml)
+    broken = _damaged(gpt2, tmp_path, "truncated", lambda data: data[:-100])
+    run = tmp_path / "run"
+    train = [sys.executable, "-m", "polyshard.cli.main", "train", str(tmp_path / "c.toml"), "--out", str(run)]
+    done = subprocess.run([*train, "--init-from", f"hf:{broken}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("checkpoint error:"), done.stderr
+    assert "Traceback" not in done.stderr and not run.exists()  # nothing started, nothing written

@@ -25,6 +25,7 @@ from polyshard.checkpoint.writer import StreamWriter
 
 PREFIX = "hf:"  # --init-from hf:DIR
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a weight may have
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,14 @@ class HFWeights:
                     raise CheckpointError(
                         f"{self.folder / file} holds no tensor {self.stored[name]!r}, which the index lists"
                     )
-                self.shapes[name] = tuple(f.get_slice(self.stored[name]).get_shape())
+                stored = f.get_slice(self.stored[name])
+                self.shapes[name] = tuple(stored.get_shape())
+                dtype = stored.get_dtype()
+                if dtype not in FLOAT_DTYPES and not name.endswith(buffers):
+                    raise CheckpointError(
+                        f"{self.folder / file}: {self.stored[name]!r} is stored as {dtype}; a weight must be "
+                        f"floating point ({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model's weights"
+                    )
         needed = {location.name for location in self.locations.values()}
         missing = sorted(needed - set(self.shapes))
         unexpected = sorted(n for n in set(self.shapes) - needed if not n.endswith(buffers))
@@ -158,6 +166,11 @@ class HFWeights:
                 block = stored[location.offset + lo : location.offset + hi]
             else:
                 block = stored[tuple(slice(lo, hi) for lo, hi in want)]
+        if not bool(torch.isfinite(block).all()):  # read anyway: only this rank's region is checked
+            raise CheckpointError(
+                f"{self.folder / self.files[location.name]}: {self.stored[location.name]!r} holds NaN or infinite "
+                "values; the folder's weights are damaged (re-save or re-download them)"
+            )
         out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
         return out
 

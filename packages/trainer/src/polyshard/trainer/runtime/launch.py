@@ -26,7 +26,7 @@ from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
 from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
 from polyshard.trainer.models import spec_of
-from polyshard.trainer.models.hf import PREFIX, check_matches
+from polyshard.trainer.models.hf import PREFIX, HFSource
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
 
@@ -117,7 +117,8 @@ def prepare_launch(
         validate(parsed, world_size=nproc * count)
     config = sizes[low]
     if hf_folder is not None:
-        check_matches(hf_folder, config.model)
+        # config.json against the settings, then every weight file's header: names, shapes, dtypes.
+        HFSource(hf_folder, config)
     spec_of(config.model).task.check_data(config)
     faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     if hf_folder is not None:
