@@ -345,3 +345,35 @@ def test_a_damaged_folder_stops_before_any_process_starts(gpt2, corpus, tmp_path
     done = subprocess.run([*train, "--init-from", f"hf:{broken}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.startswith("checkpoint error:"), done.stderr
     assert "Traceback" not in done.stderr and not run.exists()  # nothing started, nothing written
+
+
+def test_gpt2_trains_on_a_shorter_context_than_its_folder(gpt2, corpus, tmp_path):
+    """As nanoGPT crops GPT-2's 1,024 positions to train on 256: a model with context_length 8 takes
+    the first 8 rows of a 16-position table; its logits on 8 tokens are transformers' (float32
+    round-off, see the top of the file), and the export writes the table at the 8 positions trained."""
+    from polyshard.trainer.models import build_model
+    from polyshard.trainer.models.hf import export_note
+
+    settings = {**model_settings(gpt2), "context_length": 8}
+    config = from_dict({"model": settings, "data": {"source": corpus}})
+    source = HFSource(gpt2, config)  # 8 <= 16: accepted ("or less")
+    ours = build_model(config.model)
+    ours.load_state_dict(
+        {n: source.read(f"model/{n}", (0,) * p.dim(), tuple(p.shape), p.dtype) for n, p in ours.named_parameters()}
+        | {"layers.3.proj.weight": source.read("model/layers.0.tok.weight", (0, 0), (300, 32), torch.float32)},
+        strict=True,
+    )
+    tokens = _tokens()[:, :8]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(gpt2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), theirs(tokens).logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+        state = {n: p.detach() for n, p in ours.named_parameters()}
+    written = write_hf(state, config.model, tmp_path / "short")
+    assert json.loads((written / "config.json").read_text())["n_positions"] == 8
+    assert "written at the 8 positions the model trained on" in (export_note(config.model) or "")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(written).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, theirs(tokens).logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    longer = from_dict({"model": {**settings, "context_length": 32}})
+    with pytest.raises(CheckpointError, match=r"--set model.context_length=16 \(or less\)"):
+        HFSource(gpt2, longer)

@@ -36,7 +36,7 @@ def export(
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2 or Llama)."""
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
     from polyshard.trainer import export as export_checkpoint
-    from polyshard.trainer import saved_config, write_hf
+    from polyshard.trainer import export_note, saved_config, write_hf
 
     if format not in ("polyshard", "hf"):
         raise typer.BadParameter(f"{format!r}: choose polyshard or hf", param_hint="--format")
@@ -46,6 +46,9 @@ def export(
             tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
             model = saved_config(source).model  # streamed from the checkpoint, one tensor at a time
             written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer)
+            note = export_note(model)
+            if note:
+                typer.echo(f"note: {note}")
         else:
             written = export_checkpoint(source, out)
         typer.echo(f"wrote {written}")

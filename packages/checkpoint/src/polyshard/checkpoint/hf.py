@@ -39,6 +39,9 @@ class TensorLocation:
     transposed: bool = False
     offset: int = 0
     parts: int = 1
+    rows: int | None = None
+    """Only the first ``rows`` rows of the stored tensor are ours (GPT-2's position table, cropped
+    to a shorter context); None: all of them."""
 
 
 def read_config(folder: Path) -> tuple[dict[str, Any], Path]:
@@ -130,6 +133,13 @@ class HFWeights:
             raise CheckpointError(
                 f"{self.folder} is not the {title} these settings describe: missing {missing}, unexpected {unexpected}"
             )
+        for ours, location in self.locations.items():
+            held = self.shapes[location.name]
+            if location.rows is not None and (not held or location.rows > held[0]):
+                raise CheckpointError(
+                    f"{self.folder}: {location.name!r} is {list(held)}, "
+                    f"fewer rows than the {location.rows} {ours} needs"
+                )
 
     def resolve(self, key: str) -> str:
         """Model keys as they are; an fp32 master is read from the weights it starts as."""
@@ -146,6 +156,8 @@ class HFWeights:
             return (saved[-1] // location.parts, saved[0])
         if location.parts > 1:
             return (saved[0] // location.parts, *saved[1:])
+        if location.rows is not None:
+            return (location.rows, *saved[1:])
         return saved
 
     def read(self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

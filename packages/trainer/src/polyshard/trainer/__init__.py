@@ -42,6 +42,7 @@ _EXPORTS = {
     "reshard": "polyshard.trainer.checkpointing.reshard",
     "target_config": "polyshard.trainer.checkpointing.reshard",
     "write_hf": "polyshard.trainer.models.hf",
+    "export_note": "polyshard.trainer.models.hf",
     "load_tokenizer": "polyshard.trainer.data.tokenizer",
     "SCHEDULES": "polyshard.trainer.config",
     "PRESETS": "polyshard.trainer.config",
@@ -68,6 +69,7 @@ __all__ = [
     "consolidate",
     "die_with_parent",
     "export",
+    "export_note",
     "from_dict",
     "load_config",
     "load_tokenizer",
@@ -106,6 +108,6 @@ if TYPE_CHECKING:
     from polyshard.trainer.loop import sample_text, train
     from polyshard.trainer.loop.plan_check import Prediction
     from polyshard.trainer.models import build_model, sequence_length, spec_of
-    from polyshard.trainer.models.hf import model_settings, write_hf
+    from polyshard.trainer.models.hf import export_note, model_settings, write_hf
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings
     from polyshard.trainer.runtime.lifetime import die_with_parent

@@ -83,6 +83,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "HFSource",
     "check_matches",
+    "export_note",
     "family_of",
     "hf_config",
     "hf_state",
@@ -212,6 +213,11 @@ def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str,
     names and layouts."""
     specs, make = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
     return {name: make(name).clone() for name in specs}
+
+
+def export_note(model: ModelConfig) -> str | None:
+    """What an export of ``model`` to its family's format changes, to tell the user (None: nothing)."""
+    return family_of(model).note(model)
 
 
 def hf_config(model: ModelConfig) -> dict[str, object]:

@@ -40,7 +40,9 @@ class Family:
     buffers: tuple[str, ...] = ()
     """Name ends of saved buffers that hold no weights (skipped when reading)."""
     at_most: frozenset[str] = field(default_factory=frozenset)
-    """Settings ours may undershoot: a rotary model trains on sequences up to the folder's context."""
+    """Settings ours may undershoot: a model may train on sequences shorter than the folder's context."""
+    note: Callable[[ModelConfig], str | None] = lambda model: None
+    """What an export of ``model`` in this family's format should tell its user (None: nothing)."""
 
     def canonical(self, name: str) -> str:
         return self.base_prefix + name if name.startswith(self.base_names) else name

@@ -50,7 +50,8 @@ def locations(model: ModelConfig) -> dict[str, TensorLocation]:
     h, last = model.hidden, model.num_layers + 1
     out = {
         "layers.0.tok.weight": TensorLocation("transformer.wte.weight"),
-        "layers.0.pos.weight": TensorLocation("transformer.wpe.weight"),
+        # A model trained on shorter sequences takes the table's first context_length rows (as nanoGPT crops it).
+        "layers.0.pos.weight": TensorLocation("transformer.wpe.weight", rows=model.context_length),
     }
     for i in range(1, last):
         hf = f"transformer.h.{i - 1}"
@@ -104,4 +105,9 @@ GPT2 = Family(
     base_prefix="transformer.",
     base_names=("h.", "wte.", "wpe.", "ln_f."),
     buffers=(".attn.bias", ".attn.masked_bias"),  # causal masks some saved files keep
+    at_most=frozenset({"context_length"}),  # a shorter context reads the first rows of the position table
+    note=lambda model: (
+        f"GPT-2's position table is written at the {model.context_length} positions the model trained on "
+        f"(n_positions={model.context_length}); rows a source folder had past them are not kept"
+    ),
 )
