@@ -18,6 +18,60 @@ def test_warmup_then_cosine():
     assert lr_at(14, **kw) == pytest.approx(0.1) and lr_at(50, **kw) == pytest.approx(0.1)
 
 
+def _reference(step: int, kind: str, shape: str = "linear") -> float:
+    """The schedules written out plainly for lr=2, min_lr=0.5, 3 warmup steps, 20 steps, decay over 5."""
+    lr, low, warmup, total, decay = 2.0, 0.5, 3, 20, 5
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = min(1.0, (step - warmup) / (total - warmup))
+    if kind == "constant":
+        return lr
+    if kind == "linear":
+        return lr - (lr - low) * p
+    if kind == "cosine":
+        return low + (lr - low) * (1 + math.cos(math.pi * p)) / 2
+    if step < total - decay:
+        return lr
+    q = (step - (total - decay) + 1) / decay
+    f = {"linear": 1 - q, "cosine": (1 + math.cos(math.pi * q)) / 2, "sqrt": 1 - math.sqrt(q)}[shape]
+    return low + (lr - low) * f
+
+
+@pytest.mark.parametrize(
+    "kind, shape",
+    [("cosine", "linear"), ("linear", "linear"), ("constant", "linear"), ("wsd", "linear"), ("wsd", "cosine"),
+     ("wsd", "sqrt")],
+)  # fmt: skip
+def test_every_schedule_equals_its_closed_form_at_every_step(kind, shape):
+    from polyshard.trainer.config import from_dict
+    from polyshard.trainer.engine.optim import schedule_of
+
+    train = {"lr": 2.0, "min_lr": 0.5, "warmup_steps": 3, "steps": 20, "schedule": kind, "decay_fraction": 0.25}
+    schedule = schedule_of(from_dict({"training": {**train, "decay_shape": shape}}).training)
+    values = [schedule(step) for step in range(20)]
+    # The same arithmetic in another order: equal to the last bits or a few ulps.
+    assert values == pytest.approx([_reference(step, kind, shape) for step in range(20)], rel=1e-15, abs=0)
+    if kind == "wsd":
+        assert values[3:15] == [2.0] * 12 and values[-1] == 0.5  # stable at lr, then down to min_lr exactly
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"schedule": "step"}, "training.schedule='step'; choose one of"),
+        ({"decay_shape": "exp"}, "training.decay_shape='exp'; choose one of"),
+        ({"decay_fraction": 0.0}, "decay_fraction=0.0 must be in \\(0, 1\\]"),
+        ({"schedule": "wsd", "steps": 10, "warmup_steps": 9, "decay_fraction": 0.2}, "overlaps the decay"),
+    ],
+)
+def test_a_bad_schedule_is_named(training, message):
+    from polyshard.trainer.config import from_dict
+    from polyshard.trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        from_dict({"training": training})
+
+
 def _full_grads():
     g = torch.Generator().manual_seed(0)
     # Per pipeline stage: a weight sharded over tp on dim 0, a bias replicated everywhere.

@@ -17,7 +17,8 @@ from polyshard.mesh import MeshLayout
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
-from polyshard.trainer.config import Config
+from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
 from polyshard.trainer.models import build_model, parameter_count, tied_names
 
@@ -69,7 +70,28 @@ def describe(config: Config) -> str:
             f"{_mib(states.optimizer)} = model states {_mib(states.total)}; activations {_mib(acts)}; "
             f"total {_mib(states.total + acts)}"
         )
+    lines += lr_plot(config.training)
     return "\n".join(lines)
+
+
+def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str]:
+    """The learning-rate schedule as a small text plot: one column per stretch of steps, its height the
+    mean learning rate there, from 0 to ``training.lr``."""
+    schedule, steps = schedule_of(train), train.steps
+    columns = min(width, steps)
+    means = []
+    for c in range(columns):
+        part = range(c * steps // columns, max((c + 1) * steps // columns, c * steps // columns + 1))
+        means.append(sum(schedule(step) for step in part) / len(part))
+    title = f"learning rate ({train.schedule}"
+    if train.schedule == "wsd":
+        title += f", decay over the last {train.decay_steps} steps, {train.decay_shape}"
+    lines = [f"{title}; {train.warmup_steps} warmup steps; peak {train.lr:g}, end {schedule(steps - 1):.3g}):"]
+    for row in range(height, 0, -1):
+        bar = "".join("#" if mean >= (row - 0.5) / height * train.lr else " " for mean in means)
+        lines.append(f"  |{bar}")
+    lines.append(f"  +{'-' * columns} step 1..{steps}")
+    return lines
 
 
 def _mib(nbytes: float) -> str:

@@ -40,6 +40,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
+SCHEDULE_KINDS = ("cosine", "linear", "constant", "wsd")  # the learning rate after warmup
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -271,9 +273,17 @@ class TrainingConfig:
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay."""
     warmup_steps: int = 10
     """Linear warmup from 0 to lr."""
+    schedule: str = "cosine"
+    """After warmup: 'cosine' (cosine decay to min_lr at `steps`), 'linear' (linear decay to min_lr),
+    'constant' (lr), or 'wsd' (warmup-stable-decay: lr, then the last `decay_fraction` of the steps decay
+    to min_lr in the shape `decay_shape`)."""
+    decay_fraction: float = 0.2
+    """schedule = 'wsd': the share of `steps` spent decaying, at the end of the run (MiniCPM uses ~0.1-0.2)."""
+    decay_shape: str = "linear"
+    """schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only; not norms, biases or embeddings)."""
     beta1: float = 0.9
@@ -310,6 +320,18 @@ class TrainingConfig:
             _check_positive(f"training.{name}", getattr(self, name))
         _check_choice("training.precision", self.precision, PRECISIONS)
         _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
+        _check_choice("training.schedule", self.schedule, SCHEDULE_KINDS)
+        _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(
+                f"training.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20%)"
+            )
+        if self.schedule == "wsd" and self.warmup_steps > self.steps - self.decay_steps:
+            raise ConfigError(
+                f"training.warmup_steps={self.warmup_steps} overlaps the decay, which starts at step "
+                f"{self.steps - self.decay_steps} (decay_fraction={self.decay_fraction} of steps={self.steps}); "
+                "warm up for fewer steps or decay over a smaller fraction"
+            )
         _check_positive("training.nonfinite_patience", self.nonfinite_patience)
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"need 0 <= training.min_lr ({self.min_lr}) <= training.lr ({self.lr}) and lr > 0")
@@ -330,6 +352,11 @@ class TrainingConfig:
                 raise ConfigError(f"training.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
         if self.stop_at > self.steps:
             raise ConfigError(f"training.stop_at={self.stop_at} is past training.steps={self.steps}; give 1..steps")
+
+    @property
+    def decay_steps(self) -> int:
+        """schedule = 'wsd': the steps at the end of the run spent decaying (at least one)."""
+        return max(1, round(self.decay_fraction * self.steps))
 
     @property
     def last_step(self) -> int:

@@ -30,7 +30,7 @@ from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.data.tokenizer import FileTokenizer, load_tokenizer
-from polyshard.trainer.engine.optim import lr_at
+from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.loop.evaluate import evaluate_batches
@@ -146,6 +146,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         # The run's tokenizer is saved with every checkpoint, so the weights keep their meaning.
         self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
+        self.learning_rate = schedule_of(train)  # of the step alone: a resumed run continues it exactly
         self.nonfinite = 0  # non-finite steps in a row
         self.hooks: list[Hook] = [
             StepProfiler(config, self.engine, out, self.end),  # logging.profile_steps
@@ -180,7 +181,7 @@ class Trainer:
         for hook in self.hooks:
             hook.begin_step(step)
         started = time.perf_counter()  # the step's time: data, update, and the hooks at its points
-        lr = lr_at(step - 1, lr=train.lr, min_lr=train.min_lr, warmup_steps=train.warmup_steps, total_steps=train.steps)
+        lr = self.learning_rate(step - 1)
         inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, self.train_data.next_batch()))
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
