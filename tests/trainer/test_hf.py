@@ -377,3 +377,46 @@ def test_gpt2_trains_on_a_shorter_context_than_its_folder(gpt2, corpus, tmp_path
     longer = from_dict({"model": {**settings, "context_length": 32}})
     with pytest.raises(CheckpointError, match=r"--set model.context_length=16 \(or less\)"):
         HFSource(gpt2, longer)
+
+
+def _train_with_hf_folders(config, out):
+    from polyshard.trainer.loop import train
+
+    train(config, Mesh(config.parallel.mesh_axes), Path(out))
+
+
+def test_checkpoint_hf_every_writes_folders_transformers_loads(distributed, gpt2, corpus, tmp_path):
+    """checkpoint.hf_every = 2 on dp2: the checkpoints of steps 2 and 4 also become Hugging Face folders,
+    each the same model as the checkpoint (logits to float32 round-off)."""
+    import dataclasses
+
+    from polyshard.checkpoint import Checkpoint
+    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.models import build_model
+
+    base = _config(gpt2, corpus, dp=2)
+    config = dataclasses.replace(
+        base,
+        training=dataclasses.replace(base.training, steps=4, sample_tokens=0),
+        checkpoint=dataclasses.replace(base.checkpoint, every=2, hf_every=2, keep=4),
+    )
+    distributed.run(2, _train_with_hf_folders, config, str(tmp_path / "run"))
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["step_00000002", "step_00000004"]
+    ours = build_model(config.model)
+    ours.load_state_dict(consolidate(Checkpoint(tmp_path / "run" / "checkpoints" / "step_00000004")), strict=True)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf" / "step_00000004").eval()
+    tokens = _tokens()[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), theirs(tokens).logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+
+
+def test_checkpoint_hf_every_is_checked_before_launch(gpt2, corpus):
+    from polyshard.trainer.engine.constraints import validate
+    from polyshard.trainer.errors import ConfigError
+
+    settings = {"model": model_settings(gpt2), "checkpoint": {"every": 2, "hf_every": 3}}
+    with pytest.raises(ConfigError, match="hf_every=3 must be a multiple of checkpoint.every=2"):
+        validate(from_dict(settings))
+    vit = {"model": {"kind": "vit", "hidden": 32, "num_layers": 2, "num_heads": 4}, "checkpoint": {"hf_every": 5}}
+    with pytest.raises(ConfigError, match="checkpoint.hf_every=5: model.kind='vit' has no Hugging Face counterpart"):
+        validate(from_dict(vit))

@@ -407,10 +407,14 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end)."""
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted."""
+    hf_every: int = 0
+    """Also write the checkpoint of every N-th step as a Hugging Face folder, <run>/hf/step_<N>, that
+    transformers loads (GPT-2 and Llama models; 0: never). N is a multiple of `every`."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+        _check_at_least("checkpoint.hf_every", self.hf_every, 0)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib
 
+from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import check_model, sequence_length, spec_of
+from polyshard.trainer.models.hf import family_of
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -30,6 +32,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_experts(config)
     _check_context(config)
     _check_logging(config)
+    _check_hf_checkpoints(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -142,6 +145,21 @@ def _check_experts(config: Config) -> None:
         raise ConfigError(
             f"parallel.ep={config.parallel.ep} needs experts; set model.kind='moe-gpt' (a family with experts) or ep=1"
         )
+
+
+def _check_hf_checkpoints(config: Config) -> None:
+    every, hf_every = config.checkpoint.every, config.checkpoint.hf_every
+    if not hf_every:
+        return
+    if every and hf_every % every:
+        raise ConfigError(
+            f"checkpoint.hf_every={hf_every} must be a multiple of checkpoint.every={every}: the Hugging Face "
+            f"folder is written from the checkpoint of the same step; e.g. hf_every={every * -(-hf_every // every)}"
+        )
+    try:
+        family_of(config.model)
+    except CheckpointError as err:
+        raise ConfigError(f"checkpoint.hf_every={hf_every}: {err}") from err
 
 
 def _check_logging(config: Config) -> None:

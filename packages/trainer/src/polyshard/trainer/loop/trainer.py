@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from polyshard.checkpoint import TOKENIZER, latest_checkpoint, save_checkpoint
+from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.collectives import ops
 from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.export import consolidate
@@ -43,6 +43,7 @@ from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import split_batch, train_step
 from polyshard.trainer.models import hf, parameter_count, sequence_length, spec_of
+from polyshard.trainer.models.hf import write_hf
 
 T = TypeVar("T")
 
@@ -277,8 +278,21 @@ class Trainer:
             assets=self.assets,
             after_write=lambda: self._call("during_save", step),
         )
+        hf_every = self.config.checkpoint.hf_every
+        if hf_every and step % hf_every == 0 and self.rank0:
+            self._write_hf(folder)
         self._call("after_save", step)
         return folder
+
+    def _write_hf(self, folder: Path) -> None:
+        """The checkpoint ``folder`` as a Hugging Face folder ``out/hf/<its step>`` (rank 0; streamed from
+        the files just written). A resumed run that saved the same step before finds it there, equal."""
+        destination = self.out / "hf" / folder.name
+        if destination.exists():
+            return
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer = self.assets.get(TOKENIZER)
+        write_hf(Checkpoint(folder), self.config.model, destination, tokenizer=tokenizer)
 
     def finish(self) -> RunResult:
         """Close the metrics; a run that reached training.steps samples text from its last checkpoint."""
