@@ -48,15 +48,8 @@ def consolidate(
 
 def blocks(source: Checkpoint, key: str, max_block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[torch.Tensor]:
     """The global tensor ``key`` in row blocks of at most ``max_block_bytes`` (at least one row each)."""
-    shape, dtype = source.global_shape(key), source.dtype(key)
-    if not shape:
-        yield source.whole(key)
-        return
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    rows = max(1, max_block_bytes // max(1, row_bytes))
-    for first in range(0, shape[0], rows):
-        n = min(rows, shape[0] - first)
-        yield source.read(key, (first, *(0 for _ in shape[1:])), (n, *shape[1:]), dtype)
+    shape = source.global_shape(key)
+    return source.read_blocks(key, tuple(0 for _ in shape), shape, source.dtype(key), max_block_bytes)
 
 
 def export(

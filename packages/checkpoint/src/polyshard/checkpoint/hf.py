@@ -10,6 +10,7 @@ Every file is untrusted input: the index may name only bare files inside the fol
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -262,10 +263,7 @@ def write_hf_folder(
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _shards(tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], max_bytes: int) -> list[list[str]]:

@@ -19,7 +19,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -198,11 +197,4 @@ def _blocks(
 ) -> Iterator[torch.Tensor]:
     """The target tensor in row blocks of at most ``max_block_bytes`` (at least one row each)."""
     start, shape = target_region(source, key, plan, sizes, coords)
-    if not shape:
-        yield source.read(key, start, shape, plan.dtype)
-        return
-    row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=plan.dtype).element_size()
-    rows = max(1, max_block_bytes // max(1, row_bytes))
-    for first in range(0, shape[0], rows):
-        n = min(rows, shape[0] - first)
-        yield source.read(key, (start[0] + first, *start[1:]), (n, *shape[1:]), plan.dtype)
+    return source.read_blocks(key, start, shape, plan.dtype, max_block_bytes)

@@ -221,6 +221,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: the saved pieces of {key!r} do not cover the region asked for")
         return out
 
+    def read_blocks(
+        self, key: str, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype, max_block_bytes: int
+    ) -> Iterator[torch.Tensor]:
+        """The region ``start`` + ``shape`` of ``key`` (as :meth:`read`) in row blocks of at most
+        ``max_block_bytes`` (at least one row each), so a large tensor is never held whole."""
+        if not shape:
+            yield self.read(key, start, shape, dtype)
+            return
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        rows = max(1, max_block_bytes // max(1, row_bytes))
+        for first in range(0, shape[0], rows):
+            n = min(rows, shape[0] - first)
+            yield self.read(key, (start[0] + first, *start[1:]), (n, *shape[1:]), dtype)
+
     def _region(self, piece: Piece) -> tuple[tuple[int, int], ...]:
         """The piece's (start, end) per dim in global coordinates (its padded tail included)."""
         if piece.record is None:

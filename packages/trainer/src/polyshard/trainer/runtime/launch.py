@@ -12,6 +12,7 @@ again from the processes present.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -94,7 +95,7 @@ def prepare_launch(
     """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,
     :class:`CheckpointError` or :class:`DataError` naming the field, file or flag (or a ValueError
     for ``POLYSHARD_FAULT``)."""
-    settings = apply_overrides(dict(settings), [])  # a copy, tables included
+    settings = copy.deepcopy(dict(settings))  # the caller's tables stay as they are
     low, high = nodes
     if resume and init_from is not None:
         raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
