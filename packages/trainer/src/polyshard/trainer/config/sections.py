@@ -385,6 +385,10 @@ class DataConfig:
     """With a .jsonl source: false (the default) gives each example its own row, padded, so it attends only to
     itself; true joins examples end to end and cuts the stream into rows like text: no padding, but attention
     crosses example boundaries (a response also sees the examples before it in its row)."""
+    document_mask: bool = False
+    """Keep attention inside each document of a packed row (a block-diagonal causal mask) and restart the
+    positions (rotary or learned) at each document, as Llama 3 trained; false: the plain causal mask over the
+    whole row. Rows carry each token's document in a `segments` column (text and packed pairs)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
