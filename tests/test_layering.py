@@ -1,5 +1,5 @@
 """Packages depend only downward: mesh <- collectives <- {tp, pp, dp, ep, cp} <- trainer <- planner <- cli,
-and mesh <- checkpoint <- trainer.
+and mesh <- checkpoint <- trainer, data <- trainer.
 
 Reads every import in every package's source (and its pyproject dependencies)
 and fails when one points sideways or up.
@@ -18,14 +18,15 @@ ALLOWED = {
     "mesh": set(),
     "collectives": {"mesh"},
     "checkpoint": {"mesh"},  # needs no model code: only placement records
+    "data": set(),  # prepared datasets need no torch and no process group
     "tp": {"mesh", "collectives"},
     "pp": {"mesh", "collectives"},
     "dp": {"mesh", "collectives"},
     "ep": {"mesh", "collectives"},
     "cp": {"mesh", "collectives"},
-    "trainer": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp"},
-    "planner": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer"},
-    "cli": {"mesh", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer", "planner"},
+    "trainer": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp"},
+    "planner": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer"},
+    "cli": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "trainer", "planner"},
 }
 
 

@@ -79,7 +79,7 @@ def test_packed_rows_join_examples_and_cut_like_text(tmp_path):
 def test_a_tokenizer_with_an_end_of_text_token_ends_each_response_and_pads(tmp_path):
     import tokenizers
 
-    from polyshard.trainer.data.tokenizer import train_bpe
+    from polyshard.data.tokenizer import train_bpe
 
     bpe = train_bpe(["the king and the queen"] * 20, 300, tmp_path / "tok.json")
     inner = tokenizers.Tokenizer.from_file(str(bpe))

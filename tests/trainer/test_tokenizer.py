@@ -11,7 +11,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data.text import check_text_source
-from polyshard.trainer.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from polyshard.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from polyshard.trainer.errors import DataError
 
 pytest.importorskip("tokenizers")

@@ -43,12 +43,12 @@ _EXPORTS = {
     "target_config": "polyshard.trainer.checkpointing.reshard",
     "write_hf": "polyshard.trainer.models.hf",
     "export_note": "polyshard.trainer.models.hf",
-    "load_tokenizer": "polyshard.trainer.data.tokenizer",
+    "load_tokenizer": "polyshard.data.tokenizer",
     "SCHEDULES": "polyshard.trainer.config",
     "PRESETS": "polyshard.trainer.config",
     "sequence_length": "polyshard.trainer.models",
     "model_settings": "polyshard.trainer.models.hf",
-    "train_bpe": "polyshard.trainer.data.tokenizer",
+    "train_bpe": "polyshard.data.tokenizer",
     "local_files": "polyshard.trainer.data.text",
     "die_with_parent": "polyshard.trainer.runtime.lifetime",
 }
@@ -102,7 +102,7 @@ if TYPE_CHECKING:
     from polyshard.trainer.checkpointing.reshard import reshard, target_config
     from polyshard.trainer.config import MESH_AXES, PRESETS, SCHEDULES, Config, apply_overrides, from_dict, load_config
     from polyshard.trainer.data.text import local_files
-    from polyshard.trainer.data.tokenizer import load_tokenizer, train_bpe
+    from polyshard.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train

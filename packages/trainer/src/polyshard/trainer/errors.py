@@ -1,12 +1,12 @@
-"""Typed errors of polyshard.trainer."""
+"""Typed errors of polyshard.trainer (DataError is polyshard.data's, one class for both)."""
+
+from polyshard.data.errors import DataError
+
+__all__ = ["ConfigError", "DataError", "NonFiniteError", "ReplicaMismatchError", "TiedWeightError"]
 
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field and says what would work."""
-
-
-class DataError(ValueError):
-    """Data that cannot be loaded or split as asked; the message says what to use instead."""
 
 
 class TiedWeightError(RuntimeError):

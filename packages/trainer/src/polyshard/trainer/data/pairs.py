@@ -44,7 +44,7 @@ import datasets
 import numpy as np
 
 from polyshard.trainer.config import DataConfig
-from polyshard.trainer.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.trainer.errors import DataError
 
 IGNORE_INDEX = -100  # the label of a position the loss skips (a prompt or padding); PyTorch's default

@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 
 from polyshard.trainer.data.corpus import shakespeare_files
-from polyshard.trainer.data.tokenizer import BYTES, ByteTokenizer, load_tokenizer
+from polyshard.data.tokenizer import BYTES, ByteTokenizer, load_tokenizer
 from polyshard.trainer.errors import DataError
 
 VOCAB_SIZE = ByteTokenizer.vocab_size  # one byte, one token

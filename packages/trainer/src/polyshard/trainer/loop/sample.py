@@ -7,7 +7,7 @@ from typing import cast
 import torch
 
 from polyshard.trainer.config import Config
-from polyshard.trainer.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.trainer.models import GPT, build_model
 
 

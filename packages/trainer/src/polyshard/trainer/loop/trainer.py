@@ -29,7 +29,7 @@ from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import ShardedLoader
-from polyshard.trainer.data.tokenizer import FileTokenizer, load_tokenizer
+from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError

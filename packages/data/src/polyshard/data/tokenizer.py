@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
-from polyshard.trainer.errors import DataError
+from polyshard.data.errors import DataError
 
 BYTES = "bytes"
 FILE = "tokenizer.json"

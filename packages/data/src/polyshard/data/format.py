@@ -1,0 +1,270 @@
+"""The prepared-dataset folder: its manifest, its file names, and the checks that make it safe to map.
+
+A prepared dataset is a folder::
+
+    manifest.json
+    train-00000.tokens   train-00000.docs   [train-00000.mask]
+    train-00001.tokens   ...
+    val-00000.tokens     ...
+
+Each split (``train``, and ``val`` when documents were held out) is a list of shards; a shard holds
+whole documents, never part of one. ``.tokens`` is the token ids end to end (``uint16`` when the
+vocabulary fits, else ``uint32``, little-endian, no header); ``.docs`` the offset of each document's
+first token within the shard (``int64``, the first is 0); ``.mask`` (fine-tuning pairs only) one
+byte per token, 1 where the loss counts it (response tokens). The split's token stream is its shards
+end to end. Every document ends with the tokenizer's end-of-text token or, when the tokenizer has
+none (the byte tokenizer), with the manifest's ``separator`` bytes.
+
+The manifest is untrusted input: :func:`read_manifest` checks every field, that file names are bare
+names inside the folder, and that each file's size is what the manifest says, before anything is
+mapped. It records the tokenizer (name, sha256, vocabulary, end-of-text id) so a run with another
+tokenizer is refused, and the sources (names, sizes, sha256) so a folder says where it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyshard.data.errors import DataError
+from polyshard.data.tokenizer import BYTES, FileTokenizer, Tokenizer
+
+FORMAT = "polyshard.prepared"
+VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "val")
+KINDS = ("text", "pairs")  # plain documents, or prompt/response examples with a loss mask
+DOCS_DTYPE = np.dtype("<i8")
+MASK_DTYPE = np.dtype("u1")
+TOKENS = ".tokens"
+DOCS = ".docs"
+MASK = ".mask"
+_BARE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_MANIFEST_LIMIT = 64 << 20  # a manifest lists shards and sources; far larger is not one of ours
+
+
+def token_dtype(vocab_size: int) -> np.dtype[Any]:
+    """The narrowest unsigned dtype that holds every id of the vocabulary."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    return {np.dtype("<u2"): "uint16", np.dtype("<u4"): "uint32"}[dtype]
+
+
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    name: str
+    """'bytes', or the tokenizer file's name."""
+    sha256: str
+    """sha256 of the tokenizer.json bytes; 'bytes' for the byte tokenizer."""
+    vocab_size: int
+    end_of_text: int | None
+
+
+def tokenizer_info(tokenizer: Tokenizer) -> TokenizerInfo:
+    """What a manifest records of ``tokenizer``, so a run can tell whether it is the same one."""
+    if isinstance(tokenizer, FileTokenizer):
+        digest = hashlib.sha256(tokenizer.path.read_bytes()).hexdigest()
+        return TokenizerInfo(tokenizer.path.name, digest, tokenizer.vocab_size, tokenizer.end_of_text)
+    return TokenizerInfo(BYTES, BYTES, tokenizer.vocab_size, tokenizer.end_of_text)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    name: str
+    """The source file as given (a path, or a dataset name)."""
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    """The bare file stem: ``<name>.tokens``, ``<name>.docs``, ``<name>.mask``."""
+    tokens: int
+    documents: int
+
+
+@dataclass(frozen=True)
+class SplitInfo:
+    shards: tuple[ShardInfo, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents for s in self.shards)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str
+    dtype: str
+    tokenizer: TokenizerInfo
+    separator: str | None
+    """Text appended after each document when the tokenizer has no end-of-text token (None otherwise)."""
+    sources: tuple[SourceInfo, ...]
+    val_fraction: float
+    """Share of documents held out for validation, chosen by :func:`held_out` with ``seed``."""
+    seed: int
+    splits: dict[str, SplitInfo] = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def np_dtype(self) -> np.dtype[Any]:
+        return _DTYPES[self.dtype]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.splits.values())
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents for s in self.splits.values())
+
+    def to_json(self) -> str:
+        """The manifest as JSON; each split also states its token and document counts (for readers:
+        the shards' own counts are what is checked)."""
+        raw = asdict(self)
+        for name, split in self.splits.items():
+            raw["splits"][name].update(tokens=split.tokens, documents=split.documents)
+        return json.dumps(raw, indent=1) + "\n"
+
+    def write(self, folder: Path) -> None:
+        """Write ``manifest.json`` into ``folder`` whole or not at all."""
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(folder / MANIFEST)
+
+
+def held_out(seed: int, documents: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether each document number is held out for validation: a seeded hash (splitmix64) of the
+    number below ``fraction``, so the choice depends on nothing but the seed and the document's place."""
+    with np.errstate(over="ignore"):
+        z = documents.astype(np.uint64) + np.uint64(seed & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The checked manifest of the prepared dataset in ``folder``; every file it names exists with the
+    size it should have. A :class:`DataError` naming the file and the fix otherwise."""
+    path = folder / MANIFEST
+    again = f"prepare it again with `polyshard prepare SOURCE {folder}`"
+    if not path.is_file():
+        raise DataError(f"{folder} is not a prepared dataset: no {MANIFEST}; {again}")
+    if path.stat().st_size > _MANIFEST_LIMIT:
+        raise DataError(f"{path} is {path.stat().st_size} bytes, far larger than a manifest; {again}")
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path} is not JSON ({err}); {again}") from err
+    manifest = _parse(raw, path, again)
+    for info in manifest.splits.values():
+        for shard in info.shards:
+            _check_size(folder / (shard.name + TOKENS), shard.tokens * manifest.np_dtype.itemsize, again)
+            _check_size(folder / (shard.name + DOCS), shard.documents * DOCS_DTYPE.itemsize, again)
+            if manifest.kind == "pairs":
+                _check_size(folder / (shard.name + MASK), shard.tokens * MASK_DTYPE.itemsize, again)
+    return manifest
+
+
+def _check_size(path: Path, expected: int, again: str) -> None:
+    if not path.is_file():
+        raise DataError(f"{path} is missing; the manifest names it; {again}")
+    size = path.stat().st_size
+    if size != expected:
+        raise DataError(f"{path} holds {size} bytes, the manifest says {expected}; {again}")
+
+
+def _parse(raw: Any, path: Path, again: str) -> Manifest:
+    def bad(what: str) -> DataError:
+        return DataError(f"{path}: {what}; {again}")
+
+    def get(obj: Any, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise bad(f"no {where}{key!r} field")
+        value = obj[key]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise bad(f"{where}{key!r} is {value!r}, of the wrong type")
+        return value
+
+    def count(obj: Any, key: str, where: str) -> int:
+        value: int = get(obj, key, int, where)
+        if value < 0:
+            raise bad(f"{where}{key!r} is {value}, below 0")
+        return value
+
+    if get(raw, "format", str) != FORMAT:
+        raise bad(f"format {raw['format']!r} is not {FORMAT!r}")
+    if get(raw, "version", int) != VERSION:
+        raise bad(f"format version {raw['version']} is not {VERSION}, the one this polyshard reads")
+    kind = get(raw, "kind", str)
+    if kind not in KINDS:
+        raise bad(f"kind {kind!r} is not one of {KINDS}")
+    dtype = get(raw, "dtype", str)
+    if dtype not in _DTYPES:
+        raise bad(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    tok = get(raw, "tokenizer", dict)
+    eot = tok.get("end_of_text")
+    if eot is not None and (not isinstance(eot, int) or isinstance(eot, bool) or eot < 0):
+        raise bad(f"tokenizer.end_of_text is {eot!r}, not a token id")
+    tokenizer = TokenizerInfo(
+        get(tok, "name", str, "tokenizer."),
+        get(tok, "sha256", str, "tokenizer."),
+        count(tok, "vocab_size", "tokenizer."),
+        eot,
+    )
+    if token_dtype(tokenizer.vocab_size).itemsize > _DTYPES[dtype].itemsize:
+        raise bad(f"dtype {dtype} cannot hold the ids of a {tokenizer.vocab_size}-token vocabulary")
+    separator = raw.get("separator")
+    if separator is not None and not isinstance(separator, str):
+        raise bad(f"separator is {separator!r}, not a string")
+    sources = tuple(
+        SourceInfo(
+            get(s, "name", str, "sources[]."), count(s, "bytes", "sources[]."), get(s, "sha256", str, "sources[].")
+        )
+        for s in get(raw, "sources", list)
+    )
+    fraction = get(raw, "val_fraction", (int, float))
+    if not 0.0 <= fraction < 1.0:
+        raise bad(f"val_fraction is {fraction}, not in [0, 1)")
+    seed = get(raw, "seed", int)
+    splits: dict[str, SplitInfo] = {}
+    names: set[str] = set()
+    for split, value in get(raw, "splits", dict).items():
+        if split not in SPLITS:
+            raise bad(f"split {split!r} is not one of {SPLITS}")
+        shards = []
+        for shard in get(value, "shards", list, f"splits.{split}."):
+            where = f"splits.{split}.shards[]."
+            name = get(shard, "name", str, where)
+            if not _BARE.match(name) or name in names:
+                raise bad(f"shard name {name!r} is not a bare file name (letters, digits, '_', '.', '-') or repeats")
+            names.add(name)
+            info = ShardInfo(name, count(shard, "tokens", where), count(shard, "documents", where))
+            if info.tokens and not info.documents or info.documents > info.tokens:
+                raise bad(f"shard {name!r} holds {info.tokens} tokens in {info.documents} documents")
+            shards.append(info)
+        splits[split] = SplitInfo(tuple(shards))
+    if "train" not in splits or not splits["train"].tokens:
+        raise bad("no training tokens")
+    return Manifest(kind, dtype, tokenizer, separator, sources, float(fraction), seed, splits)
