@@ -152,13 +152,14 @@ class Manifest:
 
 def held_out(seed: int, documents: np.ndarray, fraction: float) -> np.ndarray:
     """Whether each document number is held out for validation: a seeded hash (splitmix64) of the
-    number below ``fraction``, so the choice depends on nothing but the seed and the document's place."""
+    number below ``fraction``, so the choice depends on nothing but the seed and the document's place.
+    Document 0 always trains, so no corpus is held out whole."""
     with np.errstate(over="ignore"):
         z = documents.astype(np.uint64) + np.uint64(seed & (2**64 - 1)) * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+    return ((z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction) & (documents != 0)
 
 
 # -- reading ---------------------------------------------------------------------------------------

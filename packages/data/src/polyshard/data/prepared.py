@@ -1,0 +1,151 @@
+"""Reading a prepared dataset through memory maps: any range of a split's token stream, its loss
+mask, and where its documents start, without reading anything else.
+
+:func:`open_prepared` checks the manifest and every file's size (:func:`~polyshard.data.format.read_manifest`)
+and, given the run's tokenizer, that the folder was prepared with the same one. Opening maps
+nothing: a shard's files are mapped when a read first touches them, and at most
+:data:`OPEN_SHARDS` shards stay mapped, so a corpus of ten thousand shards needs no more file
+handles than one of ten. What a process holds is the pages it has read, not the corpus.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyshard.data.errors import DataError
+from polyshard.data.format import (
+    DOCS,
+    DOCS_DTYPE,
+    MASK,
+    MASK_DTYPE,
+    TOKENS,
+    Manifest,
+    ShardInfo,
+    read_manifest,
+    tokenizer_info,
+)
+from polyshard.data.tokenizer import Tokenizer
+
+OPEN_SHARDS = 32
+
+
+class Split:
+    """One split (``train`` or ``val``): its shards' token streams end to end."""
+
+    def __init__(self, folder: Path, manifest: Manifest, shards: tuple[ShardInfo, ...]):
+        self.folder, self.dtype, self.has_mask = folder, manifest.np_dtype, manifest.kind == "pairs"
+        self.shards = shards
+        self.token_starts = np.concatenate([[0], np.cumsum([s.tokens for s in shards], dtype=np.int64)])
+        self.doc_starts = np.concatenate([[0], np.cumsum([s.documents for s in shards], dtype=np.int64)])
+        self.tokens, self.documents = int(self.token_starts[-1]), int(self.doc_starts[-1])
+        self._maps: OrderedDict[tuple[int, str], np.ndarray] = OrderedDict()
+
+    def _map(self, shard: int, suffix: str) -> np.ndarray:
+        key = (shard, suffix)
+        if key in self._maps:
+            self._maps.move_to_end(key)
+            return self._maps[key]
+        info = self.shards[shard]
+        dtype, count = {
+            TOKENS: (self.dtype, info.tokens),
+            DOCS: (DOCS_DTYPE, info.documents),
+            MASK: (MASK_DTYPE, info.tokens),
+        }[suffix]
+        path = self.folder / (info.name + suffix)
+        if path.stat().st_size != count * dtype.itemsize:  # it may have changed since the manifest was read
+            raise DataError(f"{path} changed size while the run reads it; prepare the dataset again")
+        array = np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype)
+        if suffix == DOCS and count and (array[0] != 0 or array[-1] >= info.tokens):
+            raise DataError(f"{path}: document offsets outside the shard's {info.tokens} tokens; prepare it again")
+        self._maps[key] = array
+        while len(self._maps) > OPEN_SHARDS:
+            self._maps.popitem(last=False)
+        return array
+
+    def _pieces(self, start: int, stop: int, suffix: str) -> list[np.ndarray]:
+        if not 0 <= start <= stop <= self.tokens:
+            raise IndexError(f"tokens [{start}, {stop}) outside the split's {self.tokens}")
+        pieces = []
+        shard = int(np.searchsorted(self.token_starts, start, side="right")) - 1
+        while start < stop:
+            base = int(self.token_starts[shard])
+            end = min(stop, int(self.token_starts[shard + 1]))
+            if end > start:
+                pieces.append(self._map(shard, suffix)[start - base : end - base])
+            start, shard = end, shard + 1
+        return pieces
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the split's stream as int64 (a copy; the map is never written)."""
+        pieces = self._pieces(start, stop, TOKENS)
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.empty(0, np.int64)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """Whether the loss counts each token of ``[start, stop)`` (fine-tuning pairs: their responses)."""
+        if not self.has_mask:
+            return np.ones(stop - start, dtype=bool)
+        pieces = self._pieces(start, stop, MASK)
+        return np.concatenate(pieces).astype(bool) if pieces else np.empty(0, bool)
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """Stream positions in ``(start, stop)`` where a document begins (sorted, int64)."""
+        found = []
+        first = int(np.searchsorted(self.token_starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.token_starts, stop, side="left"))
+        for shard in range(max(first, 0), min(last, len(self.shards))):
+            base = int(self.token_starts[shard])
+            docs = self._map(shard, DOCS)
+            lo = int(np.searchsorted(docs, start - base, side="right"))
+            hi = int(np.searchsorted(docs, stop - base, side="left"))
+            found.append(docs[lo:hi].astype(np.int64) + base)
+        return np.concatenate(found) if found else np.empty(0, np.int64)
+
+    def document(self, index: int) -> tuple[int, int]:
+        """The stream range ``[start, stop)`` of document ``index``."""
+        if not 0 <= index < self.documents:
+            raise IndexError(f"document {index} outside the split's {self.documents}")
+        shard = int(np.searchsorted(self.doc_starts, index, side="right")) - 1
+        local = index - int(self.doc_starts[shard])
+        docs, base = self._map(shard, DOCS), int(self.token_starts[shard])
+        end = int(docs[local + 1]) if local + 1 < len(docs) else self.shards[shard].tokens
+        return base + int(docs[local]), base + end
+
+
+@dataclass(frozen=True)
+class Prepared:
+    folder: Path
+    manifest: Manifest
+    train: Split
+    val: Split | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest.tokenizer.vocab_size
+
+
+def open_prepared(folder: str | Path, tokenizer: Tokenizer | None = None) -> Prepared:
+    """The prepared dataset in ``folder``, checked; with ``tokenizer``, refused unless it was prepared
+    with that same tokenizer (name, vocabulary and file hash)."""
+    path = Path(folder).expanduser()
+    manifest = read_manifest(path)
+    if tokenizer is not None:
+        _check_tokenizer(path, manifest, tokenizer)
+    splits: dict[str, Any] = {k: Split(path, manifest, v.shards) for k, v in manifest.splits.items()}
+    val = splits.get("val")
+    return Prepared(path, manifest, splits["train"], val if val is not None and val.tokens else None)
+
+
+def _check_tokenizer(folder: Path, manifest: Manifest, tokenizer: Tokenizer) -> None:
+    ours, theirs = tokenizer_info(tokenizer), manifest.tokenizer
+    if (ours.sha256, ours.vocab_size) != (theirs.sha256, theirs.vocab_size):
+        raise DataError(
+            f"{folder} was prepared with the tokenizer {theirs.name!r} ({theirs.vocab_size} tokens, sha256 "
+            f"{theirs.sha256[:12]}), not the run's {ours.name!r} ({ours.vocab_size} tokens, "
+            f"sha256 {ours.sha256[:12]}); "
+            "set data.tokenizer to the one it was prepared with, or prepare it again with the run's"
+        )
