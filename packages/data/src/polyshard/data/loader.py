@@ -85,15 +85,25 @@ class ShardedLoader:
             ids = self._order(0, self.epoch, np.arange(self.position, self.position + self.global_batch))
             self.position += self.global_batch
             return [(0, int(i)) for i in ids]
-        slots = []
-        total = sum(self.consumed)
-        for t in range(total, total + self.global_batch):
-            behind = (t + 1) * self.weights - np.asarray(self.consumed)
-            source = int(np.argmax(behind))  # the first of equals: deterministic
-            k = self.consumed[source]
+        weights, consumed = self.weights.tolist(), list(self.consumed)
+        owners = []
+        for t in range(sum(consumed), sum(consumed) + self.global_batch):
+            behind = [(t + 1) * w - c for w, c in zip(weights, consumed)]
+            source = behind.index(max(behind))  # the first of equals: deterministic
+            owners.append(source)
+            consumed[source] += 1
+        slots: list[tuple[int, int]] = [(s, 0) for s in owners]
+        for source in set(owners):
+            where = [j for j, s in enumerate(owners) if s == source]
+            stream = np.arange(self.consumed[source], consumed[source])  # this source's next examples
             n = len(self.sources[source])
-            slots.append((source, int(self._order(source, k // n, np.array([k % n]))[0])))
-            self.consumed[source] += 1
+            ids = np.empty(len(stream), np.int64)
+            for epoch in np.unique(stream // n):  # one order per epoch the batch touches
+                inside = stream // n == epoch
+                ids[inside] = self._order(source, int(epoch), stream[inside] % n)
+            for j, example in zip(where, ids.tolist()):
+                slots[j] = (source, example)
+        self.consumed = consumed
         return slots
 
     def next_batch(self) -> Rows:
