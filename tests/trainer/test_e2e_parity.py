@@ -349,9 +349,8 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
 
 
 def _evaluate_in_order(config, tokens):
-    import datasets
-
-    from polyshard.trainer.data import ShardedLoader
+    from polyshard.data.examples import Arrays
+    from polyshard.data.loader import ShardedLoader
     from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import evaluate_batches, split_batch
 
@@ -359,7 +358,7 @@ def _evaluate_in_order(config, tokens):
     engine = build_engine(config, mesh)
     data_ranks = config.parallel.dp * config.parallel.ep
     loader = ShardedLoader(
-        datasets.Dataset.from_dict({"tokens": tokens.tolist()}),
+        Arrays({"tokens": tokens.numpy()}),
         batch_size=8 // data_ranks,
         rank=mesh.group_rank(("dp", "ep")),
         world_size=data_ranks,

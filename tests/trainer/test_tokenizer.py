@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
+from polyshard.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.data.text import check_text_source
-from polyshard.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+from polyshard.trainer.data import check_language_data
 from polyshard.trainer.errors import DataError
 
 pytest.importorskip("tokenizers")
@@ -100,6 +100,8 @@ def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused(bpe, corpus):
     with pytest.raises(DataError, match=r"has 300 tokens, more than model.vocab_size=256; use vocab_size >= 300"):
-        check_text_source(corpus, 16, 0.1, 8, 256, str(bpe))
+        check_language_data(
+            from_dict({"model": {"context_length": 16}, "data": {"source": corpus, "tokenizer": str(bpe)}})
+        )
     with pytest.raises(DataError, match="no tokenizer.json there"):
         load_tokenizer("/nonexistent/folder")

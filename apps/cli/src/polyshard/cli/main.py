@@ -105,6 +105,27 @@ def bench_cp_memory(
             raise typer.Exit(code)
 
 
+@bench_app.command("data")
+def bench_data(
+    sizes: str = typer.Option("1,50,2048", "--sizes-mb", help="Corpus sizes in MB; the smallest is the baseline."),
+    ranks: str = typer.Option("2,8", "--ranks", help="Numbers of data-parallel processes to train on."),
+    steps: int = typer.Option(5, "--steps", min=1, help="Training steps per run."),
+    folder: Path | None = typer.Option(None, "--folder", help="Keep the corpora and runs here (default: temporary)."),
+) -> None:
+    """Memory and startup of a run's data against the corpus size: synthetic corpora prepared and trained on."""
+    from polyshard.planner.benchmarks import data_memory
+
+    try:
+        sized = [str(float(s)) for s in sizes.split(",") if s.strip()]
+        counts = [str(int(n)) for n in ranks.split(",") if n.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(f"give comma-separated numbers ({err})") from err
+    if not sized or not counts or min(float(s) for s in sized) <= 0 or min(int(n) for n in counts) < 1:
+        raise typer.BadParameter("give positive sizes and rank counts")
+    args = ["--sizes-mb", *sized, "--ranks", *counts, "--steps", str(steps)]
+    raise typer.Exit(data_memory.main(args + (["--folder", str(folder)] if folder else [])))
+
+
 @bench_app.command("plan")
 def bench_plan(
     profile: str | None = typer.Option(

@@ -113,3 +113,51 @@ def check_rows_fit(examples: Documents, where: str) -> None:
             f"model.context_length+1={examples.width} tokens (at most {examples.width - 1} prompt tokens fit); "
             "shorten it, raise model.context_length, or set data.packing = true"
         )
+
+
+class Arrays:
+    """Examples held in memory as equal-length arrays (small built-in sets: the digits images; tests)."""
+
+    def __init__(self, columns: dict[str, np.ndarray]):
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"columns of different lengths {sorted(lengths)}")
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def rows(self, indices: np.ndarray) -> Rows:
+        return {k: v[indices] for k, v in self.columns.items()}
+
+
+class Concat:
+    """Several example sets one after another (the validation sets of a mixture's sources)."""
+
+    def __init__(self, parts: list[Examples]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def rows(self, indices: np.ndarray) -> Rows:
+        owner = np.searchsorted(self.starts, indices, side="right") - 1
+        pieces = [(np.flatnonzero(owner == p), p) for p in range(len(self.parts)) if (owner == p).any()]
+        return merge(
+            [(where, self.parts[p].rows(indices[where] - self.starts[p])) for where, p in pieces], len(indices)
+        )
+
+
+def merge(parts: list[tuple[np.ndarray | list[int], Rows]], size: int) -> Rows:
+    """``size`` rows put together from ``parts``, each (the positions it fills, its rows). Where some parts
+    have labels and others (text) do not, a text row's labels are its tokens: every token is a target."""
+    if any("labels" in rows for _, rows in parts):
+        for _, rows in parts:
+            rows.setdefault("labels", rows["tokens"])
+    out: Rows = {}
+    for key, first in parts[0][1].items():
+        out[key] = np.empty((size, *first.shape[1:]), dtype=first.dtype)
+        for where, rows in parts:
+            out[key][where] = rows[key]
+    return out

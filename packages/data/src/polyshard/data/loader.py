@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from polyshard.data.errors import DataError
-from polyshard.data.examples import Examples, Rows
+from polyshard.data.examples import Examples, Rows, merge
 from polyshard.data.order import Permutation
 
 
@@ -117,19 +117,11 @@ class ShardedLoader:
     def _read(self, slots: list[tuple[int, int]]) -> Rows:
         if len(self.sources) == 1:
             return self.sources[0].rows(np.asarray([i for _, i in slots], dtype=np.int64))
-        parts = []
+        parts: list[tuple[np.ndarray | list[int], Rows]] = []
         for source in sorted({s for s, _ in slots}):
             where = [j for j, (s, _) in enumerate(slots) if s == source]
             parts.append((where, self.sources[source].rows(np.asarray([slots[j][1] for j in where], np.int64))))
-        if any("labels" in rows for _, rows in parts):
-            for _, rows in parts:  # text rows have no labels: every token of theirs is a target, as in text alone
-                rows.setdefault("labels", rows["tokens"])
-        out: Rows = {}
-        for key, first in parts[0][1].items():
-            out[key] = np.empty((len(slots), first.shape[1]), dtype=first.dtype)
-            for where, rows in parts:
-                out[key][where] = rows[key]
-        return out
+        return merge(parts, len(slots))
 
     def in_order(self, limit: int | None = None) -> Iterator[Rows]:
         """This data rank's part of each global batch of the (first) source, unshuffled, the last batch

@@ -49,7 +49,7 @@ _EXPORTS = {
     "sequence_length": "polyshard.trainer.models",
     "model_settings": "polyshard.trainer.models.hf",
     "train_bpe": "polyshard.data.tokenizer",
-    "local_files": "polyshard.trainer.data.text",
+    "local_files": "polyshard.trainer.data.language",
     "die_with_parent": "polyshard.trainer.runtime.lifetime",
 }
 
@@ -98,11 +98,11 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
+    from polyshard.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.reshard import reshard, target_config
     from polyshard.trainer.config import MESH_AXES, PRESETS, SCHEDULES, Config, apply_overrides, from_dict, load_config
-    from polyshard.trainer.data.text import local_files
-    from polyshard.data.tokenizer import load_tokenizer, train_bpe
+    from polyshard.trainer.data.language import local_files
     from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train

@@ -26,7 +26,14 @@ def _unknown(kind: str, key: str, known: Sequence[str]) -> ConfigError:
 
 
 # -- types ---------------------------------------------------------------------
-_TYPE_WORDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a finite number",
+    "bool": "true or false",
+    "str": "a string",
+    "list[int]": "a list of integers",
+    "list[WeightedSource]": "a list of tables",
+}
 
 
 def _field_type(section: str, key: str) -> str | None:
@@ -48,6 +55,8 @@ def _fits(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "list[int]":
         return isinstance(value, list) and all(_fits(v, "int") for v in value)
+    if kind == "list[WeightedSource]":  # each entry is checked by DataConfig itself
+        return isinstance(value, list)
     raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here
 
 
@@ -64,7 +73,7 @@ def check_type(section: str, key: str, value: Any) -> Any:
     for kind in (k for k in kinds if k != "None"):
         if _fits(value, kind):
             return float(value) if kind == "float" else value
-    wanted = " or ".join(_TYPE_WORDS.get(k, "a list of integers" if k == "list[int]" else "unset") for k in kinds)
+    wanted = " or ".join(_TYPE_WORDS.get(k, "unset") for k in kinds)
     raise ConfigError(f"{section}.{key}={value!r} must be {wanted}")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from polyshard.mesh import divisors
@@ -364,14 +363,31 @@ class TrainingConfig:
         return self.stop_at or self.steps
 
 
+@dataclass(frozen=True)
+class WeightedSource:
+    """One entry of ``[[data.sources]]``: a source (as ``data.source``) and its share of every global batch."""
+
+    path: str
+    weight: float = 1.0
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "shakespeare"
-    """'shakespeare' (built in), 'digits' (built in, for the ViT), a local text file or folder, a dataset name,
-    or a .jsonl file of prompt/response pairs for fine-tuning: one JSON object per line, and only response
-    tokens count in the loss (see polyshard.trainer.data.pairs). The file's suffix says which: no format key."""
+    """'shakespeare' (built in), 'digits' (built in, for the ViT), a prepared dataset folder (`polyshard prepare`),
+    a local text file or folder, a dataset name, or a .jsonl file of prompt/response pairs for fine-tuning: one
+    JSON object per line, and only response tokens count in the loss. Anything but a prepared folder is prepared
+    on first use into the cache (keyed by its content and the tokenizer) and read from there."""
+    sources: list[WeightedSource] | None = None
+    """A mixture instead of `source`: [[data.sources]] entries with `path` and `weight`; each global batch draws
+    from each in proportion to its weight, the same on every layout."""
+    val_source: str | None = None
+    """Validate on this source (prepared or not) instead of the documents held out of the training source."""
     val_fraction: float = 0.1
-    """Share of the data held out for validation."""
+    """Share of the documents held out for validation (chosen by a seeded hash when the source is prepared; a
+    corpus of one document holds out the last share of its windows instead)."""
+    separator: str = "\n"
+    """With a tokenizer that has no end-of-text token (bytes): the text that ends every document."""
     shuffle: bool = True
     """Shuffle training examples (seeded by training.seed)."""
     tokenizer: str = "bytes"
@@ -393,6 +409,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1")
+        if self.sources is not None:
+            object.__setattr__(self, "sources", [_weighted_source(i, s) for i, s in enumerate(self.sources)])
+            if not self.sources:
+                raise ConfigError("data.sources is empty; give [[data.sources]] entries or drop it and set data.source")
         if not self.prompt_field or not self.response_field or self.prompt_field == self.response_field:
             raise ConfigError(
                 f"data.prompt_field={self.prompt_field!r} and data.response_field={self.response_field!r} "
@@ -400,9 +420,26 @@ class DataConfig:
             )
 
     @property
-    def pairs(self) -> bool:
-        """Whether ``source`` is a JSON-lines file of prompt/response pairs (fine-tuning data)."""
-        return Path(self.source).suffix == ".jsonl"
+    def mixture(self) -> list[WeightedSource]:
+        """The training sources with their weights: ``sources``, or ``source`` alone."""
+        return self.sources if self.sources is not None else [WeightedSource(self.source)]
+
+
+def _weighted_source(index: int, entry: Any) -> WeightedSource:
+    where = f"data.sources[{index}]"
+    if isinstance(entry, WeightedSource):
+        entry = {"path": entry.path, "weight": entry.weight}
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} is {entry!r}; each entry is a table with path and weight")
+    unknown = set(entry) - {"path", "weight"}
+    if unknown:
+        raise ConfigError(f"{where} has unknown key(s) {sorted(unknown)}; an entry has path and weight")
+    path, weight = entry.get("path"), entry.get("weight", 1.0)
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}.path={path!r} must name a source (a prepared folder, a file or 'shakespeare')")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise ConfigError(f"{where}.weight={weight!r} must be a positive number")
+    return WeightedSource(path, float(weight))
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,18 +1,7 @@
-"""Data: the built-in Shakespeare corpus, local text, fine-tuning pairs, the digits images, per-rank loaders."""
+"""Data of a run: the built-in Shakespeare corpus, every language source as a prepared dataset (prepared
+on first use), the digits images. Reading, the order and the loader are polyshard.data's."""
 
 from polyshard.trainer.data.digits import digits_splits
-from polyshard.trainer.data.loader import ShardedLoader
-from polyshard.trainer.data.pairs import check_pairs_source, pair_splits
-from polyshard.trainer.data.text import VOCAB_SIZE, check_text_source, decode, encode, packed_splits
+from polyshard.trainer.data.language import RunData, check_language_data, language_data, local_files, prepared_folder
 
-__all__ = [
-    "VOCAB_SIZE",
-    "ShardedLoader",
-    "check_pairs_source",
-    "check_text_source",
-    "decode",
-    "digits_splits",
-    "encode",
-    "packed_splits",
-    "pair_splits",
-]
+__all__ = ["RunData", "check_language_data", "digits_splits", "language_data", "local_files", "prepared_folder"]

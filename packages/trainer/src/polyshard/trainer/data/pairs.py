@@ -43,8 +43,8 @@ from typing import Any
 import datasets
 import numpy as np
 
-from polyshard.trainer.config import DataConfig
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.trainer.config import DataConfig
 from polyshard.trainer.errors import DataError
 
 IGNORE_INDEX = -100  # the label of a position the loss skips (a prompt or padding); PyTorch's default

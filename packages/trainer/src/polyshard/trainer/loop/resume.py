@@ -11,10 +11,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, open_checkpoint
+from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.checkpointing.export import saved_config
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import ShardedLoader
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.models import hf
 

@@ -6,8 +6,8 @@ from typing import cast
 
 import torch
 
-from polyshard.trainer.config import Config
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.trainer.config import Config
 from polyshard.trainer.models import GPT, build_model
 
 

@@ -8,8 +8,9 @@ optimizer step (skipped by every rank alike when the loss or the norm is not fin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 from polyshard.collectives import ops
@@ -21,9 +22,9 @@ from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import global_token_mean
 
 
-def split_batch(config: Config, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader batch -> (inputs, targets), as the model's task cuts it."""
-    return spec_of(config.model).task.split_batch(batch)
+def split_batch(config: Config, batch: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loader batch (numpy rows, or tensors) -> (inputs, targets), as the model's task cuts it."""
+    return spec_of(config.model).task.split_batch({k: torch.as_tensor(v) for k, v in batch.items()})
 
 
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:

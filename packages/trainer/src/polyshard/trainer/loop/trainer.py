@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.collectives import ops
+from polyshard.data.loader import ShardedLoader
+from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.export import consolidate
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import ShardedLoader
-from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
@@ -83,13 +83,14 @@ def _first_then_rest(fn: Callable[[], T]) -> T:
 
 def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
     par, train = config.parallel, config.training
-    splits = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
+    data = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
     data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
     batch = train.global_batch_size // data_ranks
     common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
-    return ShardedLoader(splits[0], shuffle=config.data.shuffle, **common), ShardedLoader(
-        splits[1], shuffle=False, **common
-    )
+    weights = data.weights if len(data.train) > 1 else None
+    return ShardedLoader(
+        data.train, weights=weights, names=data.names, shuffle=config.data.shuffle, **common
+    ), ShardedLoader(data.val, shuffle=False, **common)
 
 
 class Trainer:
@@ -219,6 +220,8 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,
         }
+        if len(self.train_data.sources) > 1:  # a mixture: the share of each source in the batches so far
+            record["data_shares"] = self.train_data.shares()
         if self.nonfinite:
             record["skipped"] = "non-finite loss or gradient norm: no rank updated"
         before = len(record)

@@ -68,8 +68,8 @@ from polyshard.checkpoint.hf import (
     read_config,
     write_hf_folder,
 )
-from polyshard.trainer.config import Config, ModelConfig
 from polyshard.data.tokenizer import FileTokenizer
+from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.models.gpt.gpt2 import GPT2
 from polyshard.trainer.models.gpt.llama import LLAMA_FAMILY

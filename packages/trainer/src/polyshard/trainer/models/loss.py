@@ -1,7 +1,7 @@
 """The language-model loss: the mean over the counted target tokens of the whole global batch.
 
 A target equal to ``IGNORE_INDEX`` (-100: the prompt and padding positions of
-fine-tuning data, :mod:`polyshard.trainer.data.pairs`) counts for nothing:
+fine-tuning data, :mod:`polyshard.data.examples`) counts for nothing:
 zero loss, zero gradient. The step's loss is the rule of Megatron-LM
 (``calculate_per_token_loss``) and torchtitan (``global_valid_tokens``):
 
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from polyshard.collectives import ops
 
 # The data marks the positions; the loss skips them. Re-exported: tasks and the loop import it from here.
-from polyshard.trainer.data.pairs import IGNORE_INDEX as IGNORE_INDEX
+from polyshard.data.examples import IGNORE_INDEX as IGNORE_INDEX
 
 
 class TokenMeanLoss:

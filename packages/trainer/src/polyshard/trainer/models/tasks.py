@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import datasets
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
-from polyshard.trainer.data import check_pairs_source, check_text_source, digits_splits, packed_splits, pair_splits
+from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.loss import IGNORE_INDEX, TokenMeanLoss
 
@@ -34,8 +33,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class Task:
     name: str
-    splits: Callable[[Config], tuple[datasets.Dataset, datasets.Dataset]]
-    """(training, validation) datasets, read on every rank (rank 0 first: it may write caches)."""
+    splits: Callable[[Config], RunData]
+    """The training sources and validation examples, read on every rank (rank 0 first: it may write caches)."""
     check_config: Callable[[Config], None]
     """Checks of the data settings against the task (no file is read): part of ``validate``."""
     check_data: Callable[[Config], None]
@@ -50,11 +49,8 @@ class Task:
     """A model of this task samples text (the end-of-run sample, ``polyshard generate``)."""
 
 
-def _text_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
-    data = config.data
-    if data.pairs:
-        return pair_splits(data, config.model.context_length)
-    return packed_splits(data.source, config.model.context_length, data.val_fraction, data.tokenizer)
+def _text_splits(config: Config) -> RunData:
+    return language_data(config)
 
 
 def _text_settings(config: Config) -> None:
@@ -66,18 +62,7 @@ def _text_settings(config: Config) -> None:
 
 
 def _check_text(config: Config) -> None:
-    model = config.model
-    if config.data.pairs:
-        check_pairs_source(config.data, model.context_length, config.training.global_batch_size, model.vocab_size)
-        return
-    check_text_source(
-        config.data.source,
-        config.model.context_length,
-        config.data.val_fraction,
-        config.training.global_batch_size,
-        config.model.vocab_size,
-        config.data.tokenizer,
-    )
+    check_language_data(config)
 
 
 def _next_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +88,7 @@ def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
     )
 
 
-def _image_splits(config: Config) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _image_splits(config: Config) -> RunData:
     return digits_splits(config.data.val_fraction, seed=config.training.seed)
 
 

@@ -1,0 +1,223 @@
+"""Language data for a run: every source becomes a prepared dataset, read through memory maps.
+
+``data.source`` (or each of ``data.sources``) is either a prepared folder (``polyshard prepare``) or
+anything ``prepare`` reads: ``"shakespeare"``, a ``.txt`` file or folder (one document per file), a
+``.jsonl`` of prompt/response pairs, a dataset name. Such a source is prepared on first use into the
+cache, ``<cache>/prepared/<key>``, where the key hashes the source's bytes, the tokenizer and the
+options, so a changed file or tokenizer is prepared afresh and an unchanged one never again. The
+launcher prepares before any worker starts (with a progress bar); a worker started another way
+prepares on rank 0 while the others wait (:func:`~polyshard.trainer.loop.trainer.make_loaders`).
+
+Examples (:mod:`polyshard.data.examples`): text and packed pairs are windows of
+``context_length + 1`` tokens of the training split's stream; padded pairs one document per row.
+Validation is the held-out documents (the folder's ``val`` split, ``data.val_fraction`` of them
+chosen by a seeded hash when prepared) or ``data.val_source``; a corpus too small to hold out a whole
+document (one document, or none drawn) holds out the last ``val_fraction`` of its windows instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from polyshard.data.examples import Concat, Documents, Examples, Windows, check_rows_fit
+from polyshard.data.format import MANIFEST, tokenizer_info
+from polyshard.data.prepared import Prepared, Split, open_prepared
+from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from polyshard.trainer.config import Config, DataConfig
+from polyshard.trainer.data.corpus import cache_root, shakespeare_files
+from polyshard.trainer.errors import DataError
+
+SPLIT_SEED = 0  # which documents a source prepared on the fly holds out; a prepared folder records its own
+PAIRS_SUFFIX = ".jsonl"
+
+
+def is_prepared(source: str) -> bool:
+    return (Path(source).expanduser() / MANIFEST).is_file()
+
+
+def local_files(source: str) -> list[Path] | None:
+    """The files a built-in or local source reads; None for a dataset name (read by ``datasets``)."""
+    if source == "shakespeare":
+        return shakespeare_files()
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise DataError(
+                f"data.source={source!r} is a folder with neither a {MANIFEST} (a prepared dataset) nor .txt files"
+            )
+        return files
+    if path.exists():
+        return [path]
+    if "/" in source or path.suffix in (".txt", PAIRS_SUFFIX):
+        raise DataError(
+            f"data.source={source!r}: no such file or folder; give 'shakespeare', a prepared folder, "
+            "a .txt file or folder, or a .jsonl of prompt/response pairs"
+        )
+    return None
+
+
+def _cache_key(source: str, files: list[Path] | None, data: DataConfig, tokenizer: Tokenizer, kind: str) -> str:
+    digest = hashlib.sha256()
+    options = (kind, tokenizer_info(tokenizer).sha256, data.separator, data.val_fraction, SPLIT_SEED)
+    digest.update(repr((options, data.prompt_field, data.response_field) if kind == "pairs" else options).encode())
+    for path in files or []:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    if files is None:
+        digest.update(source.encode())
+    return digest.hexdigest()[:24]
+
+
+def prepared_folder(source: str, data: DataConfig, *, progress: bool = False) -> Path:
+    """``source`` as a prepared folder: itself, or its copy in the cache, prepared now if missing."""
+    if is_prepared(source):
+        return Path(source).expanduser()
+    from polyshard.data.prepare import prepare  # the writer is needed only on a cache miss
+
+    files = local_files(source)
+    kind = "pairs" if Path(source).suffix == PAIRS_SUFFIX else "text"
+    tokenizer = load_tokenizer(data.tokenizer)
+    target = cache_root() / "prepared" / _cache_key(source, files, data, tokenizer, kind)
+    if (target / MANIFEST).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    origin = str(files[0].parent) if source == "shakespeare" and files else source
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".preparing-") as tmp:
+        staged = Path(tmp) / "dataset"
+        prepare(
+            origin,
+            staged,
+            data.tokenizer,
+            kind=kind,
+            prompt_field=data.prompt_field,
+            response_field=data.response_field,
+            separator=data.separator,
+            val_fraction=data.val_fraction,
+            seed=SPLIT_SEED,
+            workers=min(4, os.cpu_count() or 1),
+            progress=progress,
+        )
+        try:
+            staged.rename(target)
+        except OSError:
+            if not (target / MANIFEST).is_file():  # another process may have won the race; that is fine
+                raise
+    return target
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What a run reads: its training sources with their weights and names, and its validation examples."""
+
+    train: list[Examples]
+    weights: list[float]
+    names: list[str]
+    val: Examples
+
+
+def _examples(prepared: Prepared, data: DataConfig, width: int, where: str) -> tuple[Examples, Examples | None]:
+    """(training examples, the held-out ones or None) of one prepared source."""
+    pairs = prepared.manifest.kind == "pairs"
+    segments = data.document_mask
+    if pairs and not data.packing:
+        eot = prepared.manifest.tokenizer.end_of_text
+        pad = 0 if eot is None else eot
+
+        def documents(split: Split, first: int = 0, count: int | None = None) -> Documents:
+            made = Documents(split, width, pad, first=first, count=count, segments=segments)
+            check_rows_fit(made, where)
+            return made
+
+        if prepared.val is not None:
+            return documents(prepared.train), documents(prepared.val)
+        held = _tail(prepared.train.documents, data.val_fraction, where, "examples")
+        return documents(prepared.train, 0, prepared.train.documents - held), documents(
+            prepared.train, prepared.train.documents - held, held
+        )
+    if prepared.val is not None:
+        return Windows(prepared.train, width, segments=segments), Windows(prepared.val, width, segments=segments)
+    total = prepared.train.tokens // width
+    held = _tail(total, data.val_fraction, where, f"windows of {width} tokens")
+    train = Windows(prepared.train, width, count=total - held, segments=segments)
+    return train, Windows(prepared.train, width, first=total - held, count=held, segments=segments)
+
+
+def _tail(count: int, fraction: float, where: str, what: str) -> int:
+    held = max(1, int(round(count * fraction)))
+    if held >= count:
+        raise DataError(f"{where} holds {count} {what}: too few for a training and a validation split")
+    return held
+
+
+def language_data(config: Config, *, progress: bool = False) -> RunData:
+    """The run's training sources (with weights) and validation examples, every source checked."""
+    data, width = config.data, config.model.context_length + 1
+    tokenizer = load_tokenizer(data.tokenizer)
+    train, weights, names, held = [], [], [], []
+    for entry in data.mixture:
+        prepared = open_prepared(prepared_folder(entry.path, data, progress=progress), tokenizer)
+        where = f"data.source={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
+        examples, val = _examples(prepared, data, width, where)
+        train.append(examples)
+        weights.append(entry.weight)
+        names.append(entry.path)
+        if val is not None:
+            held.append(val)
+    if data.val_source is not None:
+        prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress), tokenizer)
+        examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}")
+        held = [examples]
+    return RunData(train, weights, names, held[0] if len(held) == 1 else Concat(held))
+
+
+def check_language_data(config: Config) -> None:
+    """Before any process starts: the tokenizer fits the model, every source is prepared (a progress bar
+    while preparing), each split holds at least one global batch."""
+    tokenizer, vocab = load_tokenizer(config.data.tokenizer), config.model.vocab_size
+    if tokenizer.vocab_size > vocab and not isinstance(tokenizer, ByteTokenizer):
+        raise DataError(
+            f"data.tokenizer={config.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
+            f"model.vocab_size={vocab}; use vocab_size >= {tokenizer.vocab_size}"
+        )
+    data = language_data(config, progress=True)
+    if tokenizer.vocab_size > vocab:  # bytes: a small vocabulary fits only data whose bytes stay below it
+        top = max(_largest_token(examples) for examples in [*data.train, data.val])
+        if top >= vocab:
+            raise DataError(
+                f"data.source={config.data.source!r} holds byte {top}, past model.vocab_size={vocab}; "
+                f"use vocab_size >= {top + 1} ({tokenizer.vocab_size} fits any text)"
+            )
+    model, batch = config.model, config.training.global_batch_size
+    sized = [(name, examples) for name, examples in zip(data.names, data.train)]
+    if len(sized) == 1:  # a mixture draws examples one by one: any non-empty source can serve
+        sized.append(("validation of " + data.names[0], data.val))
+    for name, examples in sized:
+        if len(examples) < batch:
+            raise DataError(
+                f"data.source={name!r} gives {len(examples)} examples of model.context_length+1="
+                f"{model.context_length + 1} tokens, fewer than one global batch of {batch}; use a shorter context, "
+                "a smaller training.global_batch_size or more data"
+            )
+
+
+def _largest_token(examples: Examples) -> int:
+    """The largest id in the splits behind ``examples``, read a block of tokens at a time."""
+    splits = {id(s): s for s in _splits_of(examples)}.values()
+    top = 0
+    for split in splits:
+        for start in range(0, split.tokens, 1 << 24):
+            top = max(top, int(split.read(start, min(split.tokens, start + (1 << 24))).max(initial=0)))
+    return top
+
+
+def _splits_of(examples: Examples) -> list[Split]:
+    if isinstance(examples, Concat):
+        return [s for part in examples.parts for s in _splits_of(part)]
+    return [examples.split] if isinstance(examples, (Windows, Documents)) else []
