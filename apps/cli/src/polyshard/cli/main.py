@@ -10,6 +10,7 @@ import typer
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
 from polyshard.cli.plan import plan_command
+from polyshard.cli.prepare import prepare_command
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.tokenizer import tokenizer_command
 from polyshard.cli.train import train
@@ -25,6 +26,7 @@ app.command("export")(export)
 app.command("reshard")(reshard)
 app.command("generate")(generate)
 app.command("tokenizer")(tokenizer_command)
+app.command("prepare")(prepare_command)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp", "cp")
 

@@ -23,7 +23,8 @@ def _datasets(what: str) -> ModuleType:
         import datasets
     except ImportError as err:
         raise DataError(f"{what} needs the datasets library: pip install datasets") from err
-    return datasets
+    module: ModuleType = datasets
+    return module
 
 
 class DiskDataset(Source):

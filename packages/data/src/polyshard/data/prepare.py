@@ -98,7 +98,7 @@ def prepare(
     resumed = _resume(temp, fingerprint)
     masked = kind == "pairs"
     writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
-    cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])  # type: ignore[assignment]
+    cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
     bar = Progress(found.total_bytes, progress)
     try:
         for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
@@ -138,7 +138,7 @@ def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
         return str(tokenizer.path), tokenizer
     if isinstance(tokenizer, str | Path):
         loaded = load_tokenizer(str(tokenizer))
-        return (BYTES if isinstance(loaded, ByteTokenizer) else str(loaded.path)), loaded  # type: ignore[attr-defined]
+        return (str(loaded.path) if isinstance(loaded, FileTokenizer) else BYTES), loaded
     raise DataError(f"tokenizer={tokenizer!r}: give 'bytes' or a tokenizer.json (workers load it by its path)")
 
 

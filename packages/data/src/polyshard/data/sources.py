@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
@@ -240,7 +240,7 @@ class _Hashing(io.RawIOBase):
 
     def __init__(self, path: Path, on_read: Callable[[int], None]):
         try:
-            self.file: IO[bytes] = open(path, "rb")  # noqa: SIM115 (closed by finish)
+            self.file: io.BufferedReader = open(path, "rb")  # noqa: SIM115 (closed by finish)
         except OSError as err:
             raise DataError(f"{path}: cannot read it ({err.strerror}); check its permissions") from err
         self.sha = hashlib.sha256()
@@ -268,13 +268,13 @@ class _Hashing(io.RawIOBase):
 def _open_text(hashed: _Hashing, path: Path) -> IO[bytes]:
     raw = io.BufferedReader(hashed, _READ)
     if path.name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
     if path.name.endswith(".zst"):
         try:
             import zstandard
         except ImportError as err:
             raise DataError(f"{path}: .zst files need the zstandard library: pip install zstandard") from err
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)  # type: ignore[no-any-return]
+        return cast(IO[bytes], zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
     return raw
 
 
