@@ -47,7 +47,8 @@ from polyshard.data.sources import START, Chunk, Cursor, Fields, open_source
 from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy
-DEFAULT_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in flight per worker
+MAX_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in flight per worker
+MIN_CHUNK_BYTES = 1 << 20
 PROGRESS = "progress.json"
 TEMP_SUFFIX = ".prepare-tmp"
 
@@ -67,7 +68,7 @@ def prepare(
     seed: int = 0,
     workers: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Manifest:
@@ -77,13 +78,17 @@ def prepare(
     'pairs' (prompt/response objects, with a loss mask). ``split_on``: a .txt file is one document
     ('file') or one per blank-line-separated block ('blank'). ``separator`` ends each text document when
     the tokenizer has no end-of-text token. Document n is held out for ``val`` when
-    ``held_out(seed, n, val_fraction)``. A :class:`DataError` names the file and the fix on bad input.
+    ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
+    that every worker gets several tasks) changes the speed and the memory held, never the output.
+    A :class:`DataError` names the file and the fix on bad input.
     """
     fields = Fields(kind, split_on, text_field, prompt_field, response_field)
     workers = os.cpu_count() or 1 if workers is None else workers
-    _check_numbers(val_fraction, workers, shard_tokens, chunk_bytes)
+    _check_numbers(val_fraction, workers, shard_tokens, 1 if chunk_bytes is None else chunk_bytes)
     spec, tok = _tokenizer(tokenizer)
     found = open_source(source, fields)
+    if chunk_bytes is None:  # several tasks per worker, so none waits long for the last one
+        chunk_bytes = min(max((found.total_bytes or 0) // (8 * workers), MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
     out = Path(out).expanduser()
     _check_out(out, Path(source).expanduser() if found.files else None, overwrite)
     dtype = token_dtype(tok.vocab_size)
