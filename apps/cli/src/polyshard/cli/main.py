@@ -10,6 +10,7 @@ import typer
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.launch import run_local
 from polyshard.cli.plan import plan_command
+from polyshard.cli.prepare import prepare_command
 from polyshard.cli.schedule import schedule_command
 from polyshard.cli.tokenizer import tokenizer_command
 from polyshard.cli.train import train
@@ -25,6 +26,7 @@ app.command("export")(export)
 app.command("reshard")(reshard)
 app.command("generate")(generate)
 app.command("tokenizer")(tokenizer_command)
+app.command("prepare")(prepare_command)
 
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp", "cp")
 
@@ -190,6 +192,24 @@ def bench_peers(
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))
+
+
+@bench_app.command("prepare")
+def bench_prepare(
+    megabytes: float = typer.Option(64.0, "--mb", min=1.0, help="Size of the synthetic corpus, in MB."),
+    workers: str = typer.Option("1,2", "--workers", help="Comma-separated worker counts to measure."),
+    vocab_size: int = typer.Option(8192, "--vocab-size", min=257, help="The BPE trained for the run."),
+) -> None:
+    """polyshard prepare's MB/s against nanoGPT's pattern (datasets map + np.memmap), same tokenizer and cores."""
+    from polyshard.planner.benchmarks.prepare_speed import report, run
+
+    try:
+        counts = [int(w) for w in workers.split(",") if w.strip()]
+    except ValueError as err:
+        raise typer.BadParameter(f"give comma-separated integers ({err})", param_hint="--workers") from err
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter("give worker counts of at least 1, e.g. 1,2", param_hint="--workers")
+    typer.echo(report(run(megabytes, counts, vocab_size, log=typer.echo)))
 
 
 def _bench_with_peer(package: str) -> Callable[..., None]:

@@ -1,0 +1,266 @@
+"""``prepare``: tokenize a corpus once into a prepared-dataset folder (:mod:`polyshard.data.format`).
+
+The main process streams the source (:mod:`polyshard.data.sources`) in chunks of about ``chunk_bytes``
+and hands them to ``workers`` processes (:mod:`polyshard.data.encode`); at most two chunks per worker
+are in flight, and the results are written in source order as they complete
+(:mod:`polyshard.data.shards`), so neither the corpus nor its tokens are ever held whole. The output
+depends only on the documents, never on ``workers`` or ``chunk_bytes``.
+
+Everything goes into a temporary folder beside ``out`` (``.<out>.prepare-tmp``), renamed into place
+when complete. After every chunk it records in ``progress.json`` how far it got: a run interrupted
+and started again with the same source (paths, sizes, times), tokenizer and options reads the source
+again (hashing it for the manifest) and tokenizes only what comes after; with anything changed it
+starts over. An existing prepared dataset at ``out`` is replaced only with ``overwrite=True``; a folder
+that is not one is never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from polyshard.data.encode import Encoded, Encoder, Settings, encode, start
+from polyshard.data.errors import DataError
+from polyshard.data.format import (
+    _BARE,
+    DOCS,
+    FORMAT,
+    MANIFEST,
+    MASK,
+    TOKENS,
+    VERSION,
+    Manifest,
+    dtype_name,
+    token_dtype,
+    tokenizer_info,
+)
+from polyshard.data.progress import Progress
+from polyshard.data.shards import Resume, ShardWriter
+from polyshard.data.sources import START, Chunk, Cursor, Fields, open_source
+from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
+
+DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy
+MAX_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in flight per worker
+MIN_CHUNK_BYTES = 1 << 20
+PROGRESS = "progress.json"
+TEMP_SUFFIX = ".prepare-tmp"
+
+
+def prepare(
+    source: str | Path,
+    out: str | Path,
+    tokenizer: str | Path | Tokenizer = BYTES,
+    *,
+    kind: str = "text",
+    split_on: str = "file",
+    text_field: str = "text",
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+    separator: str = "\n",
+    val_fraction: float = 0.01,
+    seed: int = 0,
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    chunk_bytes: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Tokenize ``source`` into the prepared dataset ``out`` and return its manifest.
+
+    ``tokenizer``: 'bytes', a tokenizer.json (or a folder holding one). ``kind``: 'text' (documents) or
+    'pairs' (prompt/response objects, with a loss mask). ``split_on``: a .txt file is one document
+    ('file') or one per blank-line-separated block ('blank'). ``separator`` ends each text document when
+    the tokenizer has no end-of-text token. Document n is held out for ``val`` when
+    ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
+    that every worker gets several tasks) changes the speed and the memory held, never the output.
+    A :class:`DataError` names the file and the fix on bad input.
+    """
+    fields = Fields(kind, split_on, text_field, prompt_field, response_field)
+    workers = os.cpu_count() or 1 if workers is None else workers
+    _check_numbers(val_fraction, workers, shard_tokens, 1 if chunk_bytes is None else chunk_bytes)
+    spec, tok = _tokenizer(tokenizer)
+    found = open_source(source, fields)
+    if chunk_bytes is None:  # several tasks per worker, so none waits long for the last one
+        chunk_bytes = min(max((found.total_bytes or 0) // (8 * workers), MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+    out = Path(out).expanduser()
+    _check_out(out, Path(source).expanduser() if found.files else None, overwrite)
+    dtype = token_dtype(tok.vocab_size)
+    info = tokenizer_info(tok)
+    ends_with = separator if tok.end_of_text is None and kind == "text" else None
+    settings = Settings(spec, fields, separator, dtype.str)
+    fingerprint = json.loads(json.dumps({
+        "format": [FORMAT, VERSION], "source": found.fingerprint(), "tokenizer": info.sha256, "fields": vars(fields),
+        "separator": ends_with, "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
+    }))  # fmt: skip
+    temp = out.with_name("." + out.name + TEMP_SUFFIX)
+    resumed = _resume(temp, fingerprint)
+    masked = kind == "pairs"
+    writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
+    cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
+    bar = Progress(found.total_bytes, progress)
+    try:
+        for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
+            writer.add(encoded)
+            writer.flush()
+            _save_progress(temp, {"fingerprint": fingerprint, "cursor": list(end), **writer.state()})
+            bar.update(writer.documents, writer.tokens)
+    except DataError:
+        shutil.rmtree(temp, ignore_errors=True)  # the source must change before a run can succeed
+        raise
+    splits = writer.finish()
+    if "train" not in splits:
+        shutil.rmtree(temp, ignore_errors=True)
+        held = f"all {splits['val'].documents} documents were held out" if splits else "it holds no documents"
+        raise DataError(f"{source}: nothing to train on: {held}; give a non-empty source or a lower val_fraction")
+    manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
+    manifest.write(temp)
+    (temp / PROGRESS).unlink()
+    _publish(temp, out)
+    bar.done()
+    return manifest
+
+
+def _check_numbers(val_fraction: float, workers: int, shard_tokens: int, chunk_bytes: int) -> None:
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} is not in [0, 1); e.g. 0.01 holds out 1% of the documents")
+    for name, value in (("workers", workers), ("shard_tokens", shard_tokens), ("chunk_bytes", chunk_bytes)):
+        if value < 1:
+            raise DataError(f"{name}={value}; give at least 1")
+
+
+def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
+    """What workers load (a spec) and the tokenizer itself."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return BYTES, tokenizer
+    if isinstance(tokenizer, FileTokenizer):
+        return str(tokenizer.path), tokenizer
+    if isinstance(tokenizer, str | Path):
+        loaded = load_tokenizer(str(tokenizer))
+        return (str(loaded.path) if isinstance(loaded, FileTokenizer) else BYTES), loaded
+    raise DataError(f"tokenizer={tokenizer!r}: give 'bytes' or a tokenizer.json (workers load it by its path)")
+
+
+# -- the output folder -----------------------------------------------------------------------------
+
+
+def _is_prepared(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / MANIFEST).read_text()).get("format") == FORMAT)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
+    """Before any work: ``out`` can be written, and is neither the source, inside it, nor around it."""
+    if not out.parent.is_dir():
+        raise DataError(f"{out.parent} does not exist; create it, or choose another output folder")
+    if source is not None:
+        here, there = out.resolve(), source.resolve()
+        if here == there or here.is_relative_to(there) or there.is_relative_to(here):
+            raise DataError(
+                f"the output {out} is the source {source}, inside it or around it; "
+                "write the prepared dataset to a folder outside the source"
+            )
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} exists and is not a folder; choose another output folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not _is_prepared(out):
+            raise DataError(f"{out} is a folder that is not a prepared dataset; choose another (it is never deleted)")
+        if not overwrite:
+            raise DataError(f"{out} is already a prepared dataset; pass --overwrite (overwrite=True) to replace it")
+
+
+def _ours(path: Path) -> bool:
+    """A file a prepare writes into its temporary folder."""
+    name = path.name
+    ours = name in (PROGRESS, PROGRESS + ".tmp", MANIFEST, MANIFEST + ".tmp")
+    return path.is_file() and (ours or name.endswith((TOKENS, DOCS, MASK)) and bool(_BARE.match(name)))
+
+
+def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
+    """The progress of an interrupted run with the same fingerprint, or None (the folder then empty)."""
+    if not temp.exists():
+        temp.mkdir()
+        return None
+    strays = [p for p in temp.iterdir() if not _ours(p)] if temp.is_dir() else [temp]
+    if strays:
+        raise DataError(f"{temp} is not a prepare's temporary folder (it holds {strays[0].name}); move it away")
+    try:
+        state: dict[str, Any] = json.loads((temp / PROGRESS).read_text())
+        if state.get("fingerprint") == fingerprint:
+            keep = {n for split in ("train", "val") for n in _shard_names(state[split])}
+            for path in temp.iterdir():
+                if path.name != PROGRESS and path.name.rsplit(".", 1)[0] not in keep:
+                    path.unlink()  # a shard begun after the last progress record
+            return state
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no usable progress record: start over
+    for path in temp.iterdir():
+        path.unlink()
+    return None
+
+
+def _shard_names(split: dict[str, Any]) -> list[str]:
+    return [s[0] for s in split["closed"]] + ([split["open"][0]] if split["open"] else [])
+
+
+def _writer(temp: Path, dtype: Any, masked: bool, shard_tokens: int, seed: int, val_fraction: float,
+            resumed: dict[str, Any] | None) -> ShardWriter:  # fmt: skip
+    try:
+        return ShardWriter(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
+    except (Resume, KeyError, TypeError, ValueError):
+        for path in temp.iterdir():  # the files do not match the record: start over
+            path.unlink()
+        return ShardWriter(temp, dtype, masked, shard_tokens, seed, val_fraction, None)
+
+
+def _save_progress(temp: Path, state: dict[str, Any]) -> None:
+    tmp = temp / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(temp / PROGRESS)
+
+
+def _publish(temp: Path, out: Path) -> None:
+    """Rename the finished folder into place; a prepared dataset already there goes only after."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    old = out.with_name("." + out.name + ".old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+    temp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# -- the workers ---------------------------------------------------------------------------------
+
+
+def _encoded(chunks: Iterator[Chunk], settings: Settings, workers: int) -> Iterator[tuple[Encoded, Cursor]]:
+    """Each chunk's tokens, in order, with the cursor past it; ``workers`` processes, two chunks each in flight."""
+    if workers == 1:
+        encoder = Encoder(settings)
+        for chunk in chunks:
+            yield encoder(chunk), chunk.end
+        return
+    # spawn: the workers start clean whatever the parent holds (threads, a used tokenizers pool).
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=start, initargs=(settings, True))
+    pending: deque[tuple[Future[Encoded], Cursor]] = deque()
+    try:
+        for chunk in chunks:
+            pending.append((pool.submit(encode, chunk), chunk.end))
+            if len(pending) >= 2 * workers:
+                future, end = pending.popleft()
+                yield future.result(), end
+        while pending:
+            future, end = pending.popleft()
+            yield future.result(), end
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
