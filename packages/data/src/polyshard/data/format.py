@@ -58,7 +58,7 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
     return {np.dtype("<u2"): "uint16", np.dtype("<u4"): "uint32"}[dtype]
 
 
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,8 @@ def held_out(seed: int, documents: np.ndarray, fraction: float) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
-    return ((z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction) & (documents != 0)
+    held: np.ndarray = ((z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction) & (documents != 0)
+    return held
 
 
 # -- reading ---------------------------------------------------------------------------------------
