@@ -36,9 +36,11 @@ def test_one_text_file_is_one_document_cut_into_windows_as_before(tmp_path):
 
 
 def test_a_folder_holds_out_whole_documents(tmp_path):
+    folder = tmp_path / "texts"
+    folder.mkdir()
     for i in range(40):
-        (tmp_path / f"{i:02d}.txt").write_text(f"document {i:02d} " * 20)
-    data = language_data(_config(tmp_path, val_fraction=0.25))
+        (folder / f"{i:02d}.txt").write_text(f"document {i:02d} " * 20)
+    data = language_data(_config(folder, val_fraction=0.25))
     train = ByteTokenizer().decode(_stream(data.train[0]).flatten().tolist())
     val = ByteTokenizer().decode(_stream(data.val).flatten().tolist())
     held = {i for i in range(40) if f"document {i:02d}" in val}
@@ -84,8 +86,8 @@ def test_errors_before_launch(tmp_path):
     (tmp_path / "tiny.txt").write_text("hi")
     with pytest.raises(DataError, match="too few for a training and a validation split"):
         check_language_data(_config(tmp_path / "tiny.txt", context=9))
-    (tmp_path / "small.txt").write_text("x" * 200)
-    with pytest.raises(DataError, match="fewer than one global batch of 8"):
+    (tmp_path / "small.txt").write_text("x" * 100)  # 10 windows of 10: 9 train, 1 validates
+    with pytest.raises(DataError, match="gives 9 training examples .* fewer than one global batch of 16"):
         check_language_data(_config(tmp_path / "small.txt", context=9))
     with pytest.raises(DataError, match="no such file or folder"):
         check_language_data(_config(tmp_path / "none.txt"))

@@ -17,7 +17,6 @@ from typing import Protocol
 
 import numpy as np
 
-from polyshard.data.errors import DataError
 from polyshard.data.prepared import Split
 
 IGNORE_INDEX = -100  # the label of a position the loss skips (a prompt or padding); PyTorch's default
@@ -97,22 +96,13 @@ class Documents:
         worst, which = 0, -1
         for k in range(self.count):
             start, stop = self.split.document(self.first + k)
-            scored = np.flatnonzero(self.split.read_mask(start, min(stop, start + self.width + 1)))
+            scored = np.flatnonzero(self.split.read_mask(start, min(stop, start + self.width)))
+            if not len(scored):  # no room in the row: how long the prompt is, for the message
+                scored = np.flatnonzero(self.split.read_mask(start, stop))
             prompt = int(scored[0]) if len(scored) else stop - start
             if prompt > worst:
                 worst, which = prompt, k
         return worst, which
-
-
-def check_rows_fit(examples: Documents, where: str) -> None:
-    """Every padded example leaves at least one response token inside its row."""
-    prompt, which = examples.longest_prompt()
-    if prompt >= examples.width:
-        raise DataError(
-            f"{where}: example {which} has a {prompt}-token prompt, leaving no room for a response in rows of "
-            f"model.context_length+1={examples.width} tokens (at most {examples.width - 1} prompt tokens fit); "
-            "shorten it, raise model.context_length, or set data.packing = true"
-        )
 
 
 class Arrays:

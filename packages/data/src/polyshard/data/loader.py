@@ -56,12 +56,8 @@ class ShardedLoader:
         self.global_batch = batch_size * world_size
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         for name, source in zip(self.names, self.sources):
-            if len(source) < (self.global_batch if len(self.sources) == 1 else 1):
-                raise DataError(
-                    f"the dataset {name if len(self.sources) > 1 else ''}holds {len(source)} examples, fewer than one "
-                    f"global batch of {self.global_batch} ({world_size} data ranks x {batch_size}); use more data or "
-                    "a smaller batch"
-                )
+            if not len(source):
+                raise DataError(f"the dataset {name} holds no examples; use more data or a shorter context")
         self.epoch, self.position = 0, 0
         self.consumed = [0] * len(self.sources)  # a mixture's state: examples each source has given
         self.drawn = np.zeros(len(self.sources), dtype=np.int64)  # since this loader started, for the log
@@ -80,6 +76,12 @@ class ShardedLoader:
         """(source, example) of each slot of the next global batch, advancing the state."""
         if len(self.sources) == 1:
             n = len(self.sources[0])
+            if n < self.global_batch:  # evaluation (in_order) takes any number; training needs a whole batch
+                raise DataError(
+                    f"the dataset holds {n} examples, fewer than one global batch of {self.global_batch} "
+                    f"({self.world_size} data ranks x {self.global_batch // self.world_size}); use more data or "
+                    "a smaller batch"
+                )
             if self.position + self.global_batch > n:
                 self.epoch, self.position = self.epoch + 1, 0
             ids = self._order(0, self.epoch, np.arange(self.position, self.position + self.global_batch))

@@ -8,7 +8,7 @@ round-trips exactly.
 
 ``end_of_text`` is the id of the token that ends a document (GPT-2's ``<|endoftext|>``, Llama's
 ``</s>`` or ``<|end_of_text|>``), or None: the byte tokenizer and a BPE from :func:`train_bpe` have none.
-Fine-tuning data ends each response with it (:mod:`polyshard.trainer.data.pairs`).
+Fine-tuning data ends each response with it (:mod:`polyshard.data.encode`).
 """
 
 from __future__ import annotations

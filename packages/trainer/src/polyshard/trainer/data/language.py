@@ -18,13 +18,17 @@ document (one document, or none drawn) holds out the last ``val_fraction`` of it
 from __future__ import annotations
 
 import hashlib
+import itertools
+import multiprocessing
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from polyshard.data.examples import Concat, Documents, Examples, Windows, check_rows_fit
-from polyshard.data.format import MANIFEST, tokenizer_info
+import numpy as np
+
+from polyshard.data.examples import Concat, Documents, Examples, Windows
+from polyshard.data.format import MANIFEST, held_out, tokenizer_info
 from polyshard.data.prepared import Prepared, Split, open_prepared
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from polyshard.trainer.config import Config, DataConfig
@@ -81,8 +85,13 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False) ->
         return Path(source).expanduser()
     from polyshard.data.prepare import prepare  # the writer is needed only on a cache miss
 
-    files = local_files(source)
     kind = "pairs" if Path(source).suffix == PAIRS_SUFFIX else "text"
+    if kind == "pairs" and not Path(source).expanduser().is_file():
+        raise DataError(
+            f"data.source={source!r}: no such file; give a .jsonl file with one "
+            f'{{"{data.prompt_field}": ..., "{data.response_field}": ...}} object per line'
+        )
+    files = local_files(source)
     tokenizer = load_tokenizer(data.tokenizer)
     target = cache_root() / "prepared" / _cache_key(source, files, data, tokenizer, kind)
     if (target / MANIFEST).is_file():
@@ -101,7 +110,8 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False) ->
             separator=data.separator,
             val_fraction=data.val_fraction,
             seed=SPLIT_SEED,
-            workers=min(4, os.cpu_count() or 1),
+            # a daemonic process (a test's worker pool) may not start the tokenizing workers: it tokenizes itself
+            workers=1 if multiprocessing.current_process().daemon else min(4, os.cpu_count() or 1),
             progress=progress,
         )
         try:
@@ -132,7 +142,16 @@ def _examples(prepared: Prepared, data: DataConfig, width: int, where: str) -> t
 
         def documents(split: Split, first: int = 0, count: int | None = None) -> Documents:
             made = Documents(split, width, pad, first=first, count=count, segments=segments)
-            check_rows_fit(made, where)
+            prompt, which = made.longest_prompt()
+            if prompt >= width:
+                held = split is prepared.val
+                line = _source_line(prepared, held, first + which)
+                at = f"{line[0]}, line {line[1]}" if line else f"{where}: example {first + which}"
+                raise DataError(
+                    f"{at}: the prompt is {prompt} tokens, leaving no room for a response in rows of "
+                    f"model.context_length+1={width} tokens (at most {width - 1} prompt tokens fit); shorten it, "
+                    "raise model.context_length, or set data.packing = true"
+                )
             return made
 
         if prepared.val is not None:
@@ -147,6 +166,26 @@ def _examples(prepared: Prepared, data: DataConfig, width: int, where: str) -> t
     held = _tail(total, data.val_fraction, where, f"windows of {width} tokens")
     train = Windows(prepared.train, width, count=total - held, segments=segments)
     return train, Windows(prepared.train, width, first=total - held, count=held, segments=segments)
+
+
+def _source_line(prepared: Prepared, val: bool, index: int) -> tuple[str, int] | None:
+    """(file, line) of document ``index`` of a split prepared from one JSON-lines file, else None: the
+    document's number in the file is the ``index``-th one that :func:`held_out` sent to the split."""
+    sources = prepared.manifest.sources
+    path = Path(sources[0].name) if len(sources) == 1 else None
+    if path is None or not path.is_file():
+        return None
+    seen, number = -1, -1
+    for start in range(0, 1 << 62, 1 << 16):
+        chosen = held_out(prepared.manifest.seed, np.arange(start, start + (1 << 16)), prepared.manifest.val_fraction)
+        mine = np.flatnonzero(chosen if val else ~chosen)
+        if seen + len(mine) >= index:
+            number = start + int(mine[index - seen - 1])
+            break
+        seen += len(mine)
+    with open(path, "rb") as lines:
+        documents = (n for n, raw in enumerate(lines, start=1) if raw.strip())
+        return str(path), next(itertools.islice(documents, number, None), 0)
 
 
 def _tail(count: int, fraction: float, where: str, what: str) -> int:
@@ -195,16 +234,15 @@ def check_language_data(config: Config) -> None:
                 f"use vocab_size >= {top + 1} ({tokenizer.vocab_size} fits any text)"
             )
     model, batch = config.model, config.training.global_batch_size
-    sized = [(name, examples) for name, examples in zip(data.names, data.train)]
-    if len(sized) == 1:  # a mixture draws examples one by one: any non-empty source can serve
-        sized.append(("validation of " + data.names[0], data.val))
-    for name, examples in sized:
-        if len(examples) < batch:
-            raise DataError(
-                f"data.source={name!r} gives {len(examples)} examples of model.context_length+1="
-                f"{model.context_length + 1} tokens, fewer than one global batch of {batch}; use a shorter context, "
-                "a smaller training.global_batch_size or more data"
-            )
+    what = f"examples of model.context_length+1={model.context_length + 1} tokens"
+    if len(data.train) == 1 and len(data.train[0]) < batch:  # a mixture draws one by one: any source serves
+        raise DataError(
+            f"data.source={data.names[0]!r} gives {len(data.train[0])} training {what}, fewer than one global batch "
+            f"of {batch}; use a shorter context, a smaller training.global_batch_size or more data"
+        )
+    if not len(data.val):  # validation runs any number of examples, a partial last batch included
+        source = config.data.val_source if config.data.val_source is not None else data.names[0]
+        raise DataError(f"data source {source!r} gives no validation {what}; use a shorter context or more data")
 
 
 def _largest_token(examples: Examples) -> int:
