@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint
 from polyshard.collectives import ops
+from polyshard.data.examples import Examples
 from polyshard.data.loader import ShardedLoader
 from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
@@ -86,11 +87,20 @@ def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoad
     data = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
     data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
     batch = train.global_batch_size // data_ranks
-    common = {"batch_size": batch, "rank": data_rank, "world_size": data_ranks, "seed": train.seed}
     weights = data.weights if len(data.train) > 1 else None
-    return ShardedLoader(
-        data.train, weights=weights, names=data.names, shuffle=config.data.shuffle, **common
-    ), ShardedLoader(data.val, shuffle=False, **common)
+
+    def loader(sources: Examples | list[Examples], shuffle: bool, **mixture: Any) -> ShardedLoader:
+        return ShardedLoader(
+            sources,
+            batch_size=batch,
+            rank=data_rank,
+            world_size=data_ranks,
+            seed=train.seed,
+            shuffle=shuffle,
+            **mixture,
+        )
+
+    return loader(data.train, config.data.shuffle, weights=weights, names=data.names), loader(data.val, False)
 
 
 class Trainer:
