@@ -30,12 +30,17 @@ TOL = 1e-5
 LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
 
 
-def _config(llama=False, document_mask=True, **parallel):
+# Dropless experts and no load-balancing loss (which depends on which tokens share a batch): each token's
+# expert output is its own, so a document alone and in a packed row meet the same experts.
+MOE = {"kind": "moe-gpt", "aux_loss_weight": 0.0}
+
+
+def _config(llama=False, document_mask=True, moe=False, **parallel):
     checkpointing = parallel.pop("activation_checkpointing", False)
     model = {"vocab_size": VOCAB, "context_length": CONTEXT, "hidden": 32, "num_layers": 2, "num_heads": 4}
     return from_dict(
         {
-            "model": {**model, **(LLAMA if llama else {})},
+            "model": {**model, **(LLAMA if llama else {}), **(MOE if moe else {})},
             "parallel": parallel,
             "training": {"global_batch_size": ROWS, "activation_checkpointing": checkpointing},
             "data": {"document_mask": document_mask},
@@ -72,7 +77,7 @@ def _reference(config):
     return losses, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _run(config, masked=True):
+def _run(config, masked=True, documents=DOCUMENTS):
     """One training step's forward/backward and an evaluation forward of the same batch on this rank:
     (this rank's logits or None, [(placement, gradient)], where the rank sits)."""
     from polyshard.trainer.engine.parallelize import build_engine
@@ -83,7 +88,7 @@ def _run(config, masked=True):
     mesh = Mesh(par.mesh_axes)
     engine = build_engine(config, mesh)
     data_rank, rows = mesh.group_rank(par.batch_axes), ROWS // par.data_ranks
-    batch = {k: v[data_rank * rows : (data_rank + 1) * rows] for k, v in _batch().items()}
+    batch = {k: v[data_rank * rows : (data_rank + 1) * rows] for k, v in _batch(documents).items()}
     inputs, targets = split_batch(config, batch)
     segments = batch_segments(config, batch) if masked else None
     local_inputs, local_targets = engine.local_tokens(inputs), engine.local_tokens(targets)
@@ -111,7 +116,9 @@ def _assemble(results, config):
             rows = ROWS // par.data_ranks
             seq = local_positions(CONTEXT, coords.get("cp", 0), par.cp) if par.cp > 1 else torch.arange(CONTEXT)
             width = piece.shape[-1]
-            vocab = slice(coords.get("tp", 0) * width, (coords.get("tp", 0) + 1) * width) if width < VOCAB else slice(None)
+            vocab = (
+                slice(coords.get("tp", 0) * width, (coords.get("tp", 0) + 1) * width) if width < VOCAB else slice(None)
+            )
             logits[data_rank * rows : (data_rank + 1) * rows, seq, vocab] = piece.float()
         for placement, grad in pairs:
             full = grads.setdefault(placement.name, torch.full(placement.tiled_shape, float("nan")))
@@ -149,3 +156,64 @@ LAYOUTS = [
 def test_masked_packed_rows_match_each_document_alone(distributed, world, parallel, llama):
     config = _config(llama, **parallel)
     _check_exact(config, distributed.run(world, _run, config))
+
+
+@pytest.mark.parametrize(
+    "world, parallel",
+    [pytest.param(1, {}, id="one-process"), pytest.param(2, {"ep": 2}, id="ep2")],
+)
+def test_moe_masked_packed_rows_match_each_document_alone(distributed, world, parallel):
+    config = _config(True, moe=True, **parallel)
+    _check_exact(config, distributed.run(world, _run, config))
+
+
+def _masked_and_plain(config):
+    """One document per row: the masked run and the plain causal run on the same batch, same weights."""
+    whole = [[CONTEXT + 1]] * ROWS
+    return _run(config, True, whole), _run(config, False, whole)
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt", "llama"])
+@pytest.mark.parametrize(
+    "world, parallel",
+    [
+        pytest.param(1, {}, id="one-process"),
+        pytest.param(2, {"cp": 2}, id="cp2-ring"),
+        pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+    ],
+)
+def test_one_document_per_row_is_bitwise_the_plain_causal_run(distributed, world, parallel, llama):
+    # The same maths in the same order: SDPA's boolean-mask path equals its is_causal path on CPU, the
+    # positions within one document are 0..S-1, and cp computes the same blocks with an all-False mask.
+    for masked, plain in distributed.run(world, _masked_and_plain, _config(llama, **parallel)):
+        (masked_logits, masked_grads, _, _), (plain_logits, plain_grads, _, _) = masked, plain
+        assert (masked_logits is None) == (plain_logits is None)
+        assert masked_logits is None or torch.equal(masked_logits, plain_logits)
+        assert len(masked_grads) == len(plain_grads) > 0
+        for (placement, grad), (_, plain_grad) in zip(masked_grads, plain_grads):
+            assert torch.equal(grad, plain_grad), placement.name
+
+
+def test_validate_refuses_document_masking_without_documents():
+    from polyshard.trainer.engine.constraints import validate
+
+    config = from_dict({"model": {"kind": "vit"}, "data": {"source": "digits", "document_mask": True}})
+    with pytest.raises(ConfigError, match=r"data.document_mask = true .* set data.document_mask = false"):
+        validate(config)
+    validate(from_dict({"model": {"kind": "vit"}, "data": {"source": "digits"}}))  # the default passes
+
+
+def test_a_batch_without_document_ids_is_named():
+    from polyshard.trainer.loop import batch_segments
+
+    config = _config()
+    with pytest.raises(ConfigError, match="'segments' column"):
+        batch_segments(config, {"tokens": torch.zeros(2, CONTEXT + 1, dtype=torch.int64)})
+    assert batch_segments(_config(document_mask=False), _batch()) is None
+
+
+def test_positions_restart_at_each_document():
+    from polyshard.tp.transformer import document_positions
+
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+    assert document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
