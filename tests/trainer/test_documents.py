@@ -79,9 +79,9 @@ def _reference(config):
 
 def _run(config, masked=True, documents=DOCUMENTS):
     """One training step's forward/backward and an evaluation forward of the same batch on this rank:
-    (this rank's logits or None, [(placement, gradient)], where the rank sits)."""
+    (this rank's logits or None, [(placement, gradient)], where the rank sits, the evaluation loss)."""
     from polyshard.trainer.engine.parallelize import build_engine
-    from polyshard.trainer.loop import batch_segments, split_batch
+    from polyshard.trainer.loop import batch_segments, evaluate, split_batch
     from polyshard.trainer.models.loss import global_token_mean
 
     par = config.parallel
@@ -102,7 +102,7 @@ def _run(config, masked=True, documents=DOCUMENTS):
         lambda y: y.detach().clone(),
         around_forward=engine.around_forward(segments),
     )
-    return logits, grads, mesh.coords(), data_rank
+    return logits, grads, mesh.coords(), data_rank, evaluate(engine, inputs, targets, segments)[0]
 
 
 def _assemble(results, config):
@@ -111,7 +111,7 @@ def _assemble(results, config):
     sizes = dict(par.mesh_axes)
     logits = torch.full((ROWS, CONTEXT, VOCAB), float("nan"))
     grads = {}
-    for piece, pairs, coords, data_rank in results:
+    for piece, pairs, coords, data_rank, _ in results:
         if piece is not None:
             rows = ROWS // par.data_ranks
             seq = local_positions(CONTEXT, coords.get("cp", 0), par.cp) if par.cp > 1 else torch.arange(CONTEXT)
@@ -133,6 +133,8 @@ def _check_exact(config, results):
     targets = _batch()["tokens"][:, 1:]
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(ROWS, CONTEXT)
     torch.testing.assert_close(losses, reference_losses, rtol=TOL, atol=TOL)
+    for *_, val_loss in results:  # the trainer's evaluation: the mean over the batch, on every rank
+        assert val_loss == pytest.approx(float(reference_losses.mean()), rel=TOL)
     assert set(grads) == set(reference_grads)
     for name, grad in grads.items():
         ref = reference_grads[name]
@@ -186,7 +188,7 @@ def test_one_document_per_row_is_bitwise_the_plain_causal_run(distributed, world
     # The same maths in the same order: SDPA's boolean-mask path equals its is_causal path on CPU, the
     # positions within one document are 0..S-1, and cp computes the same blocks with an all-False mask.
     for masked, plain in distributed.run(world, _masked_and_plain, _config(llama, **parallel)):
-        (masked_logits, masked_grads, _, _), (plain_logits, plain_grads, _, _) = masked, plain
+        (masked_logits, masked_grads, *_), (plain_logits, plain_grads, *_) = masked, plain
         assert (masked_logits is None) == (plain_logits is None)
         assert masked_logits is None or torch.equal(masked_logits, plain_logits)
         assert len(masked_grads) == len(plain_grads) > 0

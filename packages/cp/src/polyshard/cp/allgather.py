@@ -71,6 +71,8 @@ def _dense(
 def _first_key(query_segments: torch.Tensor, all_segments: torch.Tensor) -> int:
     """The first key any of these queries (B, C) may see in the whole rows' documents (B, S): where the
     earliest of their documents starts (rows are non-decreasing), in the row where that is earliest."""
+    if query_segments.numel() == 0:  # an empty batch (evaluation's last part may hold no rows)
+        return 0
     starts = torch.searchsorted(all_segments.contiguous(), query_segments[:, :1].contiguous())  # (B, 1)
     return int(starts.min())
 
@@ -100,10 +102,10 @@ def allgather_attention(
         local = slice(half * chunk, (half + 1) * chunk)
         visible = (i + 1) * chunk if causal else keys.shape[-2]  # causal: keys of chunks 0..i
         first = 0 if every is None or segments is None else _first_key(segments[:, local], every)
-        query_pos = torch.arange(i * chunk, (i + 1) * chunk, device=q.device)
-        hidden = torch.arange(first, visible, device=q.device) > query_pos.unsqueeze(-1)  # (C, visible - first)
+        query_pos = torch.arange(i * chunk, (i + 1) * chunk, device=q.device).unsqueeze(-1)
+        hidden = torch.arange(first, visible, device=q.device) > query_pos  # (C, visible - first): later keys
         if not causal:
-            hidden = torch.zeros_like(hidden)
+            hidden.zero_()
         if every is not None and segments is not None:  # (B, 1, 1, C, visible - first): another document
             other = segments[:, local].unsqueeze(-1) != every[:, first:visible].unsqueeze(-2)
             hidden = (hidden | other)[:, None, None]

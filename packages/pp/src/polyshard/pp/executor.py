@@ -164,6 +164,7 @@ class PipelineExecutor:
         for handle, _ in self.pending_sends:
             for work in handle:
                 work.wait()
+        self.around_forward = None  # the step's side inputs are not kept past it
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
         return StepResult(self.loss, timeline, self.peak)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -21,7 +20,8 @@ def evaluate(
 
 
 def evaluate_batches(
-    engine: Engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Any]]
+    engine: Engine,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
 ) -> tuple[float, float | None]:
     """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
     ``(inputs, targets)`` batches (which may hold no examples), or ``(inputs, targets, segments)`` with
@@ -32,14 +32,10 @@ def evaluate_batches(
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, counted targets
     try:
         for batch in batches:
-            inputs, targets, *segments = batch
-            documents = segments[0] if segments and segments[0] is not None else None
-            totals += _evaluate(
-                engine,
-                inputs.to(engine.device),
-                targets.to(engine.device),
-                None if documents is None else documents.to(engine.device),
-            )
+            inputs, targets, *rest = batch
+            segments = rest[0] if rest else None
+            moved = None if segments is None else segments.to(engine.device)
+            totals += _evaluate(engine, inputs.to(engine.device), targets.to(engine.device), moved)
     finally:
         for stage in engine.stages.values():
             stage.train()
