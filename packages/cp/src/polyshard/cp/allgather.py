@@ -10,6 +10,11 @@ query chunk i attend to the keys of chunks 0..i only (causal: the later chunks a
 touched; the last visible chunk is masked to its causal triangle). Non-causal: every local
 query against every key.
 
+Document masking (``segments``: each local token's document within its row): the ids are all-gathered
+too (int64, B x S), a query chunk attends only to keys from the start of its first document's first
+token (the keys before it, in earlier documents of every row, are never touched), and the rest is
+masked to the query's own document. Every query sees itself, so no softmax row is empty.
+
 Backward: plain autograd through the float32 maths; the all-gather's backward is a float32
 reduce-scatter, which sums every rank's gradient for a key/value chunk onto the rank that owns it.
 
@@ -63,6 +68,15 @@ def _dense(
     return torch.softmax(scores, dim=-1) @ v  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
 
 
+def _first_key(query_segments: torch.Tensor, all_segments: torch.Tensor) -> int:
+    """The first key any of these queries (B, C) may see in the whole rows' documents (B, S): where the
+    earliest of their documents starts (rows are non-decreasing), in the row where that is earliest."""
+    if query_segments.numel() == 0:  # an empty batch (evaluation's last part may hold no rows)
+        return 0
+    starts = torch.searchsorted(all_segments.contiguous(), query_segments[:, :1].contiguous())  # (B, 1)
+    return int(starts.min())
+
+
 def allgather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,21 +84,31 @@ def allgather_attention(
     group: dist.ProcessGroup | None,
     causal: bool,
     scale: float,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E)
-    values of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E)."""
+    values of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E).
+    ``segments`` (B, S): the local tokens' documents, sharded alike; attention then stays inside each."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     keys = grouped_kv(to_sequence_order(_gather_float32(k, 2, group), 2, cp))  # (B, K, 1, 2C cp, D)
     values = grouped_kv(to_sequence_order(_gather_float32(v, 2, group), 2, cp))
     queries = grouped_query(q.float(), k.shape[1])  # (B, K, G, 2C, D)
-    if not causal:
+    every = None if segments is None else to_sequence_order(ops.all_gather(segments, 1, group), 1, cp)  # (B, S)
+    if not causal and every is None:
         return ungrouped(_dense(queries, keys, values, scale, None)).to(q.dtype)
     chunk = q.shape[2] // 2
     outs = []
     for half, i in enumerate(rank_chunks(rank, cp)):
-        visible = (i + 1) * chunk  # keys of chunks 0..i
-        query_pos = torch.arange(i * chunk, visible, device=q.device)
-        hidden = torch.arange(visible, device=q.device) > query_pos.unsqueeze(-1)  # (C, visible)
-        rows = queries[..., half * chunk : (half + 1) * chunk, :]
-        outs.append(_dense(rows, keys[..., :visible, :], values[..., :visible, :], scale, hidden))
+        local = slice(half * chunk, (half + 1) * chunk)
+        visible = (i + 1) * chunk if causal else keys.shape[-2]  # causal: keys of chunks 0..i
+        first = 0 if every is None or segments is None else _first_key(segments[:, local], every)
+        query_pos = torch.arange(i * chunk, (i + 1) * chunk, device=q.device).unsqueeze(-1)
+        hidden = torch.arange(first, visible, device=q.device) > query_pos  # (C, visible - first): later keys
+        if not causal:
+            hidden.zero_()
+        if every is not None and segments is not None:  # (B, 1, 1, C, visible - first): another document
+            other = segments[:, local].unsqueeze(-1) != every[:, first:visible].unsqueeze(-2)
+            hidden = (hidden | other)[:, None, None]
+        cols = slice(first, visible)
+        outs.append(_dense(queries[..., local, :], keys[..., cols, :], values[..., cols, :], scale, hidden))
     return ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)

@@ -11,6 +11,10 @@ its input tokens were sharded with ``shard_sequence`` and its rotary positions c
 
     core = ContextParallelAttention(mesh.group("cp"))              # style="ring" or "allgather"
     y = core(q, k, v, is_causal=True)                             # instead of F.scaled_dot_product_attention
+
+Packed rows of several documents (document masking): pass ``segments``, each local token's document
+index within its row (B, S), sharded with ``shard_sequence`` like the tokens; attention then stays
+inside each document, and blocks of keys no query may see are skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +33,16 @@ from polyshard.mesh import divisors
 
 Style = Literal["ring", "allgather"]
 STYLES: tuple[str, ...] = get_args(Style)
+
+
+def check_segments(q: torch.Tensor, segments: torch.Tensor) -> None:
+    """Document ids must be integers, one per local token of each row."""
+    if segments.dtype.is_floating_point or segments.shape != (q.shape[0], q.shape[2]):
+        raise ContextParallelError(
+            f"segments must hold an integer document index per local token, shape (B, S_local) = "
+            f"{(q.shape[0], q.shape[2])}; got {segments.dtype} of shape {tuple(segments.shape)}: shard the rows' "
+            "document ids with shard_sequence(segments, 1, group) as the tokens are"
+        )
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) -> None:
@@ -77,6 +91,7 @@ def context_parallel_attention(
     causal: bool = True,
     style: Style = "ring",
     scale: float | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by ``group`` (None: the world).
 
@@ -85,13 +100,17 @@ def context_parallel_attention(
     output in the same layout, equal to ``scaled_dot_product_attention(..., is_causal=causal,
     enable_gqa=True)`` on the full sequence followed by ``shard_sequence``. ``scale`` defaults to
     1/sqrt(D). ``style="ring"`` passes K/V round the group; ``"allgather"`` gathers them once.
-    Gradients flow to q, k and v (each rank gets those of its own chunks).
+    Gradients flow to q, k and v (each rank gets those of its own chunks). ``segments`` (B, S) int:
+    the local tokens' documents (non-decreasing along each full row), sharded like q; a query then
+    sees only keys of its own document (and, causal, not after it), and fully masked blocks are skipped.
     """
     check_inputs(q, k, v, style)
+    if segments is not None:
+        check_segments(q, segments)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if style == "ring":
-        return ring_attention(q, k, v, group, causal, scale)
-    return allgather_attention(q, k, v, group, causal, scale)
+        return ring_attention(q, k, v, group, causal, scale, segments)
+    return allgather_attention(q, k, v, group, causal, scale, segments)
 
 
 class ContextParallelAttention(nn.Module):
@@ -99,8 +118,9 @@ class ContextParallelAttention(nn.Module):
 
     Takes SDPA's arguments, so an attention layer can hold it as its inner product. ``attn_mask``
     and ``dropout_p > 0`` are refused (the only masks are causal or none, following the
-    load-balanced layout); fewer key/value heads always work, so ``enable_gqa`` is accepted and
-    needs not be set.
+    load-balanced layout; for packed documents pass ``segments`` instead, see
+    :func:`context_parallel_attention`); fewer key/value heads always work, so ``enable_gqa`` is
+    accepted and needs not be set.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, style: Style = "ring"):
@@ -119,6 +139,8 @@ class ContextParallelAttention(nn.Module):
         is_causal: bool = False,
         scale: float | None = None,
         enable_gqa: bool = False,
+        *,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise ContextParallelError(
@@ -131,7 +153,7 @@ class ContextParallelAttention(nn.Module):
                 "parallelism; set the attention dropout to 0"
             )
         return context_parallel_attention(
-            query, key, value, self.group, causal=is_causal, style=self.style, scale=scale
+            query, key, value, self.group, causal=is_causal, style=self.style, scale=scale, segments=segments
         )
 
     def extra_repr(self) -> str:

@@ -20,6 +20,12 @@ Merging (the online softmax, Milakov and Gimelshein 1805.02867): a block's outpu
 weighted over its own keys only. Two partial results (o1, l1), (o2, l2) over disjoint key sets
 combine as ``l = log(exp(l1) + exp(l2))``, ``o = o1 exp(l1 - l) + o2 exp(l2 - l)``, which is the
 attention over the union of the key sets.
+
+Document masking (``segments``: each token's document within its row, non-decreasing): a query sees a
+key only in its own document. :func:`document_hidden` gives a block's mask; a block it hides entirely
+is skipped like the blocks above the causal diagonal, and a query row a block hides entirely gets
+lse = -inf and a zero output there, which the merge then weighs by exp(-inf) = 0: it adds nothing and
+no NaN appears (every query sees at least itself, so its final lse is finite).
 """
 
 from __future__ import annotations
@@ -60,8 +66,24 @@ def plan_blocks(query_rank: int, kv_rank: int, cp: int, chunk: int, causal: bool
     return blocks
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> torch.Tensor:
+def document_hidden(query_segments: torch.Tensor, key_segments: torch.Tensor, diagonal: bool) -> torch.Tensor | None:
+    """The keys of one block hidden from each query, (B, 1, 1, Q, T) bool, from the documents of the query
+    rows (B, Q) and key rows (B, T): another document, or (``diagonal``) a later token. None when the
+    block hides all of them: skip it."""
+    hidden = query_segments.unsqueeze(-1) != key_segments.unsqueeze(-2)  # (B, Q, 1) != (B, 1, T)
+    if diagonal:
+        hidden |= torch.ones(hidden.shape[-2:], dtype=torch.bool, device=hidden.device).triu(1)
+    if bool(hidden.all()):
+        return None
+    return hidden[:, None, None]
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
+    if hidden is not None:  # a document mask: the causal triangle is in it already
+        return scores.masked_fill(hidden, float("-inf"))
     if diagonal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -69,11 +91,20 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, diagonal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    diagonal: bool,
+    hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of float32 ``q`` over one block's keys: (out, lse), both float32."""
-    scores = _scores(q, k, scale, diagonal)
-    lse = torch.logsumexp(scores, dim=-1)  # (B, K, G, Q); finite: every row sees at least one key
+    """Softmax attention of float32 ``q`` over one block's keys: (out, lse), both float32. ``hidden``: a
+    document mask (:func:`document_hidden`); a row it hides entirely gets out 0 and lse -inf."""
+    scores = _scores(q, k, scale, diagonal, hidden)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, K, G, Q); finite without a document mask: every row sees a key
+    if hidden is not None:  # a fully hidden row: exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN
+        probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
+        return probs @ v, lse
     probs = torch.exp(scores - lse.unsqueeze(-1))
     return probs @ v, lse  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
 
@@ -87,15 +118,17 @@ def block_backward(
     delta: torch.Tensor,
     scale: float,
     diagonal: bool,
+    hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block (FlashAttention's backward, Dao et al. 2205.14135, appendix B).
 
     ``lse`` is the log-sum-exp of each query row over *all* its keys (from the forward), so the
     recomputed ``probs`` are the final attention weights restricted to this block; ``delta`` is
     ``rowsum(dout * out)`` of the final output. Returns dq (B, K, G, Q, D) and dk, dv summed over
-    the G query heads that share each key/value head: (B, K, 1, T, D), (B, K, 1, T, E).
+    the G query heads that share each key/value head: (B, K, 1, T, D), (B, K, 1, T, E). ``hidden``: the
+    block's document mask, as in the forward (the final lse is finite, so hidden keys get probability 0).
     """
-    probs = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # (B, K, G, Q, T)
+    probs = torch.exp(_scores(q, k, scale, diagonal, hidden) - lse.unsqueeze(-1))  # (B, K, G, Q, T)
     dv = (probs.transpose(-1, -2) @ dout).sum(dim=2, keepdim=True)  # (B, K, G, T, Q) @ (.., Q, E)
     dprobs = dout @ v.transpose(-1, -2)  # (B, K, G, Q, E) @ (B, K, 1, E, T) -> (B, K, G, Q, T)
     dscores = probs * (dprobs - delta.unsqueeze(-1))  # softmax backward, row by row
@@ -104,10 +137,18 @@ def block_backward(
     return dq, dk, dv
 
 
-def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, masked: bool = False
+) -> None:
     """Fold one block's (out, lse) into the running (out, lse) in place (views of the accumulators
-    are fine). The running lse starts at -inf and out at 0, so the first merge copies the block."""
+    are fine). The running lse starts at -inf and out at 0, so the first merge copies the block.
+    ``masked``: rows may have seen no key yet on either side (a document mask); they stay 0 and -inf."""
     merged = torch.logaddexp(lse, block_lse)
+    if masked:  # both -inf: weigh both sides exp(-inf - 0) = 0, not exp(-inf + inf) = NaN
+        safe = merged.masked_fill(merged.isneginf(), 0.0)
+        out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - safe).unsqueeze(-1))
+        lse.copy_(merged)
+        return
     out.mul_(torch.exp(lse - merged).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
     lse.copy_(merged)
 

@@ -35,6 +35,11 @@ the keys of chunk 0, all visible; "diag" means the causal triangle; "skip" is ne
 
 Each rank computes two diagonal and three full C x C blocks: the same work on both ranks.
 
+Document masking (``segments``, each local token's document within its row): the block's document
+ids travel with its K/V (a second, small int64 transfer in the same exchange); the forward keeps the
+ids of every block it saw, so the backward needs no extra transfer. A block whose queries and keys
+share no document is skipped in both passes; the others are masked (:mod:`polyshard.cp.blocks`).
+
     backward  rank 0                              rank 1
     step 0    own blocks -> dQ, and dK/dV of      own blocks -> dQ, and dK/dV of
               (k0, k3) so far; send it -> 1       (k1, k2) so far; send it -> 0
@@ -55,6 +60,7 @@ from polyshard.collectives.ledger import group_ranks
 from polyshard.cp.blocks import (
     block_backward,
     block_forward,
+    document_hidden,
     grouped_kv,
     grouped_query,
     merge_into,
@@ -85,10 +91,21 @@ class _Ring:
         """Group rank whose K/V block this rank holds at ``step``."""
         return (self.rank - step) % self.size
 
-    def pass_on(self, block: torch.Tensor) -> tuple[PendingExchange, torch.Tensor]:
-        """Post: send ``block`` to the next rank, receive the previous rank's into a new buffer."""
-        buffer = torch.empty_like(block)
-        return post_exchange(sends=[(block, self.next)], recvs=[(buffer, self.prev)], group=self.group), buffer
+    def pass_on(self, *blocks: torch.Tensor) -> tuple[PendingExchange, list[torch.Tensor]]:
+        """Post: send ``blocks`` to the next rank, receive the previous rank's into new buffers."""
+        buffers = [torch.empty_like(block) for block in blocks]
+        sends, recvs = [(block, self.next) for block in blocks], [(buffer, self.prev) for buffer in buffers]
+        return post_exchange(sends=sends, recvs=recvs, group=self.group), buffers
+
+
+def _hidden(
+    segments: torch.Tensor | None, key_segments: torch.Tensor | None, rows: slice, cols: slice, diagonal: bool
+) -> tuple[bool, torch.Tensor | None]:
+    """(whether to compute the block, its document mask): without documents always, unmasked."""
+    if segments is None or key_segments is None:
+        return True, None
+    hidden = document_hidden(segments[:, rows], key_segments[:, cols], diagonal)
+    return hidden is not None, hidden
 
 
 class RingAttention(torch.autograd.Function):
@@ -107,33 +124,41 @@ class RingAttention(torch.autograd.Function):
         group: dist.ProcessGroup | None,
         causal: bool,
         scale: float,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         chunk = q.shape[2] // 2
         q32 = grouped_query(q.float(), k.shape[1])  # (B, K, G, S, D)
         out = q32.new_zeros(q32.shape[:-1] + (v.shape[-1],))  # (B, K, G, S, E) float32
         lse = q32.new_full(q32.shape[:-1], float("-inf"))  # (B, K, G, S) float32
-        kv = _pack(k, v)  # travels in the inputs' dtype
+        travelling = [_pack(k, v)] if segments is None else [_pack(k, v), segments]  # K/V in the inputs' dtype
+        seen = []  # the document ids of each step's keys (B, S), kept for the backward
         for step in range(ring.size):
-            pending, incoming = ring.pass_on(kv) if step < ring.size - 1 else (None, kv)
-            k_block, v_block = (grouped_kv(t.float()) for t in _unpack(kv, k.shape, v.shape))
+            pending, incoming = ring.pass_on(*travelling) if step < ring.size - 1 else (None, travelling)
+            k_block, v_block = (grouped_kv(t.float()) for t in _unpack(travelling[0], k.shape, v.shape))
+            key_segments = travelling[1] if segments is not None else None
+            seen += travelling[1:]
             for rows, cols, diagonal in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal):
+                compute, hidden = _hidden(segments, key_segments, rows, cols, diagonal)
+                if not compute:
+                    continue
                 q_rows, k_cols, v_cols = q32[..., rows, :], k_block[..., cols, :], v_block[..., cols, :]
-                block_out, block_lse = block_forward(q_rows, k_cols, v_cols, scale, diagonal)
-                merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+                block_out, block_lse = block_forward(q_rows, k_cols, v_cols, scale, diagonal, hidden)
+                merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse, masked=hidden is not None)
             if pending is not None:
                 pending.wait()
-            kv = incoming
+            travelling = incoming
         # The float32 output, not the returned one: with bf16 inputs, rowsum(dO * O) in the backward
         # would otherwise start from a rounded O. For float32 inputs they are the same tensor.
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *([torch.stack(seen)] if seen else []))
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return ungrouped(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *seen = ctx.saved_tensors
         ring, causal, scale = _Ring(ctx.group), ctx.causal, ctx.scale
+        segments = seen[0][0] if seen else None  # (B, S): step 0's keys are this rank's own tokens
         chunk, kv_heads = q.shape[2] // 2, k.shape[1]
         q32 = grouped_query(q.float(), kv_heads)
         dout32 = grouped_query(dout.float(), kv_heads)  # (B, K, G, S, E)
@@ -143,11 +168,15 @@ class RingAttention(torch.autograd.Function):
         dkv_pending: PendingExchange | None = None
         dkv_incoming = torch.empty(0)
         for step in range(ring.size):
-            kv_pending, kv_incoming = ring.pass_on(kv) if step < ring.size - 1 else (None, kv)
+            kv_pending, kv_incoming = ring.pass_on(kv) if step < ring.size - 1 else (None, [kv])
             k_block, v_block = (grouped_kv(t.float()) for t in _unpack(kv, k.shape, v.shape))
             dk = torch.zeros_like(k_block)  # (B, K, 1, S, D): this block's dK, this rank's part
             dv = torch.zeros_like(v_block)
+            key_segments = seen[0][step] if seen else None
             for rows, cols, diagonal in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal):
+                compute, hidden = _hidden(segments, key_segments, rows, cols, diagonal)
+                if not compute:  # skipped in the forward too
+                    continue
                 dq_b, dk_b, dv_b = block_backward(
                     q32[..., rows, :],
                     k_block[..., cols, :],
@@ -157,6 +186,7 @@ class RingAttention(torch.autograd.Function):
                     delta[..., rows],
                     scale,
                     diagonal,
+                    hidden,
                 )
                 dq[..., rows, :] += dq_b
                 dk[..., cols, :] += dk_b
@@ -166,15 +196,15 @@ class RingAttention(torch.autograd.Function):
                 dkv_pending.wait()  # the ranks before this one in the ring: their part of this block's dK/dV
                 dkv += dkv_incoming
             if ring.size > 1:  # pass this block's dK/dV on; the last hop takes it home
-                dkv_pending, dkv_incoming = ring.pass_on(dkv)
+                dkv_pending, (dkv_incoming,) = ring.pass_on(dkv)
             if kv_pending is not None:
                 kv_pending.wait()
-            kv = kv_incoming
+            (kv,) = kv_incoming
         if dkv_pending is not None:
             dkv_pending.wait()
             dkv = dkv_incoming
         dk_own, dv_own = _unpack(dkv, k.shape, v.shape)
-        return ungrouped(dq).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None
+        return ungrouped(dq).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -184,7 +214,9 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     causal: bool,
     scale: float,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E) values
-    of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E)."""
-    return RingAttention.apply(q, k, v, group, causal, scale)  # type: ignore[no-untyped-call,no-any-return]
+    of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E). ``segments``
+    (B, S): the local tokens' documents, sharded alike; attention then stays inside each document."""
+    return RingAttention.apply(q, k, v, group, causal, scale, segments)  # type: ignore[no-untyped-call,no-any-return]

@@ -21,6 +21,13 @@ of the step on this rank - e.g. a data-parallel wrapper's ``no_sync``, so
 its reduction runs once, overlapped with the last backward. pp knows
 nothing about dp.
 
+``around_forward`` (optional, per call of :meth:`~PipelineExecutor.step` or
+:meth:`~PipelineExecutor.forward_only`) is a factory ``(stage, microbatch) -> context
+manager`` entered around every forward of that stage on that microbatch: how a
+caller hands a stage per-microbatch side inputs that do not travel between
+stages (every rank has them, e.g. the document ids of each microbatch's tokens;
+the stage's modules read them during the forward). pp knows nothing about them.
+
 The shapes that travel between stages are inferred on the first step, so
 later steps must keep the same microbatch shape (build a new executor
 otherwise). :meth:`PipelineExecutor.forward_only` runs the same stages
@@ -52,6 +59,8 @@ from polyshard.pp.split import WeightWork, backward_input, backward_weight
 from polyshard.pp.timeline import Span, Timeline
 
 T = TypeVar("T")
+AroundForward = Callable[[int, int], AbstractContextManager[object]]
+"""(stage, microbatch) -> a context entered around that stage's forward of that microbatch."""
 
 
 @dataclass
@@ -98,6 +107,7 @@ class PipelineExecutor:
         # State of the step in progress (set by step()):
         self.microbatches: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
+        self.around_forward: AroundForward | None = None
         self.loss: torch.Tensor | None = None
         self.pending_sends: list[tuple[list[dist.Work], torch.Tensor]] = []
         self.incoming: dict[Action, tuple[torch.Tensor, list[dist.Work]]] = {}  # posted receive -> (buffer, work)
@@ -117,13 +127,21 @@ class PipelineExecutor:
             raise StageShapeError(f"{what} has batch size {tensor.shape[0]}, not divisible by m={m} microbatches")
         return list(tensor.chunk(m))
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepResult:
-        """One training step. ``inputs`` are needed on stage 0's rank, ``targets`` on the last stage's."""
+    def step(
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        around_forward: AroundForward | None = None,
+    ) -> StepResult:
+        """One training step. ``inputs`` are needed on stage 0's rank, ``targets`` on the last stage's.
+        ``around_forward``: see the module docstring (microbatch k is chunk k of the batch along dim 0)."""
         last = self.schedule.num_stages - 1
         if 0 in self.stages and inputs is None or last in self.stages and targets is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0 or {last}: pass inputs / targets to step()")
         self.microbatches = self._split(inputs, "inputs") or []
         self.targets = self._split(targets, "targets") or []
+        self.around_forward = around_forward
         if not self.shapes:
             first = self.microbatches[0] if self.microbatches else None
             self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
@@ -146,15 +164,23 @@ class PipelineExecutor:
         for handle, _ in self.pending_sends:
             for work in handle:
                 work.wait()
+        self.around_forward = None  # the step's side inputs are not kept past it
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
         return StepResult(self.loss, timeline, self.peak)
 
-    def forward_only(self, inputs: torch.Tensor | None, on_output: Callable[[torch.Tensor], T]) -> T | None:
+    def forward_only(
+        self,
+        inputs: torch.Tensor | None,
+        on_output: Callable[[torch.Tensor], T],
+        *,
+        around_forward: AroundForward | None = None,
+    ) -> T | None:
         """Run the schedule's forward-only program (:func:`polyshard.pp.schedules.forward_only`): every
         stage once on the whole batch, without gradients, for evaluation. Unlike :meth:`step` the batch
         may have any size on every call (an empty one included): activations travel behind a shape
         header. ``inputs`` are needed on stage 0's rank; returns ``on_output(last stage's output)`` on
-        the rank holding the last stage, else None."""
+        the rank holding the last stage, else None. ``around_forward`` is entered as in :meth:`step`,
+        with microbatch 0: the whole batch."""
         if 0 in self.stages and inputs is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
         if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
@@ -170,7 +196,8 @@ class PipelineExecutor:
                 if isinstance(step, Wait):  # the exchange before it has received already
                     continue
                 x = inputs if step.stage == 0 else mail.pop(activation(step.stage - 1, 0))
-                y = self.stages[step.stage](x)
+                with around_forward(step.stage, 0) if around_forward is not None else contextlib.nullcontext():
+                    y = self.stages[step.stage](x)
                 if step.stage == self.schedule.num_stages - 1:
                     result = on_output(y)
                 else:
@@ -251,7 +278,9 @@ class PipelineExecutor:
             x = self.microbatches[k]
         else:
             x = self.mail.pop(activation(stage - 1, k)).detach().requires_grad_()
-        y = self.stages[stage](x)
+        around = self.around_forward
+        with around(stage, k) if around is not None else contextlib.nullcontext():
+            y = self.stages[stage](x)
         if stage == self.schedule.num_stages - 1:
             y = self.loss_fn(y, self.targets[k]) / self.schedule.num_microbatches
             self.loss = y.detach() if self.loss is None else self.loss + y.detach()

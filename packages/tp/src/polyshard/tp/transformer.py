@@ -7,6 +7,12 @@ place.
 
 Shapes: B batch, S sequence, H hidden, D head dim, N query heads, K key/value heads.
 
+Document masking (packed rows of several documents): :class:`Documents` holds each token's document
+index within its row (``segments``, non-decreasing along the row) and its position within its document;
+set on a :class:`Block` as ``block.documents`` around its forward, it keeps attention inside each
+document (a block-diagonal causal mask) and restarts rotary positions at each document. Left None (the
+default) nothing changes: the plain causal SDPA call runs, bit for bit as without it.
+
 Attention reshapes with ``-1`` heads, so a tensor-parallel rank whose q/k/v projections hold N/tp
 and K/tp heads runs the same code unchanged. ``nn.Module.__call__`` returns Any in torch's stubs,
 hence the ignores on the forwards' returns.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +75,35 @@ def rope_frequencies(
     return torch.where(between, smoothed, scaled)
 
 
+class Documents(NamedTuple):
+    """The documents of a packed batch: ``segments`` (B, S) int64, each token's document index within its
+    row (0, 1, 2, ...; non-decreasing, a new document starts where it increases), and ``positions`` (B, S),
+    each token's position within its document (:func:`document_positions` of the whole row; under context
+    parallelism both are this rank's chunks of them)."""
+
+    segments: torch.Tensor
+    positions: torch.Tensor
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document, from (B, S) document indices: 0 where a row starts or its
+    index increases, counting up until the next start. ``[[0, 0, 0, 1, 1, 2]] -> [[0, 1, 2, 0, 1, 0]]``."""
+    index = torch.arange(segments.shape[-1], device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[..., 1:] = segments[..., 1:] != segments[..., :-1]
+    first = torch.where(starts, index, 0).cummax(dim=-1).values  # where each token's document starts
+    return index - first
+
+
+def document_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Which keys each query may see, (B, 1, Q, T) bool for SDPA's ``attn_mask`` (True: attend): the same
+    document, and with ``causal`` not a later token (queries and keys at the same positions)."""
+    visible = query_segments.unsqueeze(-1) == key_segments.unsqueeze(-2)  # (B, Q, 1) == (B, 1, T)
+    if causal:
+        visible &= torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
+    return visible.unsqueeze(1)
+
+
 def rotate(
     x: torch.Tensor, theta: float, scaling: RopeScaling | None = None, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -75,12 +111,17 @@ def rotate(
     layout Llama and Hugging Face use: dims i and i + D/2 form a pair rotated by pos x theta^(-2i/D)
     (frequencies rescaled by ``scaling`` for Llama 3.1's long context).
     ``positions`` (S,) are the tokens' positions in their sequence: 0..S-1 by default; context
-    parallelism, where a rank holds two chunks of the sequence, passes theirs."""
+    parallelism, where a rank holds two chunks of the sequence, passes theirs; document masking passes
+    (B, S), each row's positions within its documents."""
     d, s = x.shape[-1], x.shape[-2]
     inv = rope_frequencies(d, theta, scaling, x.device)
     pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
-    angles = torch.outer(pos.to(torch.float32), inv)  # (S, D/2)
-    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)  # (S, D)
+    if pos.dim() == 1:
+        angles = torch.outer(pos.to(torch.float32), inv)  # (S, D/2)
+    else:  # per row: (B, S, 1) * (D/2,) -> (B, 1, S, D/2), broadcast over the heads
+        angles = (pos.to(torch.float32).unsqueeze(-1) * inv).unsqueeze(1)
+    twice = (1,) * (angles.dim() - 1) + (2,)  # the D/2 angles for dims i and i + D/2
+    cos, sin = angles.cos().repeat(twice), angles.sin().repeat(twice)  # (S, D) or (B, 1, S, D)
     x32 = x.float()
     half = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
     return (x32 * cos + half * sin).to(x.dtype)
@@ -95,12 +136,26 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.causal, self.dropout = causal, dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``segments`` (B, S): each token's document; attention then stays inside each document."""
+        if segments is None:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=self.causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+        # An explicit boolean mask: every query sees at least itself, so no row is fully masked. (On one
+        # document per row it equals is_causal=True bit for bit on CPU, tests/trainer/test_documents.py.)
         return F.scaled_dot_product_attention(
             q,
             k,
             v,
-            is_causal=self.causal,
+            attn_mask=document_mask(segments, segments, self.causal),
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=q.shape[1] != k.shape[1],
         )
@@ -135,16 +190,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: the batch's documents (see :class:`Documents`): attention inside each, rotary
+        positions within each."""
         # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
         # dim alone, so an empty batch (B = 0) works too.
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
-            q = rotate(q, self.rope_theta, self.rope_scaling, self.positions)
-            k = rotate(k, self.rope_theta, self.rope_scaling, self.positions)
-        y = self.core(q, k, v)
+            positions = self.positions if documents is None else documents.positions
+            q = rotate(q, self.rope_theta, self.rope_scaling, positions)
+            k = rotate(k, self.rope_theta, self.rope_scaling, positions)
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents.segments)
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
 
 
@@ -194,6 +252,10 @@ class Block(nn.Module):
     With ``checkpoint_activations`` only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation.
+
+    ``documents`` (None: one sequence per row) is the :class:`Documents` of the batch being run, set by the
+    caller around the forward (a pipeline sets each microbatch's); the forward reads it once, so a
+    recompute in backward sees the same documents whatever the attribute holds by then.
     """
 
     def __init__(
@@ -235,12 +297,15 @@ class Block(nn.Module):
             MLP(hidden, width, bias=bias) if activation == "gelu" else SwiGLU(hidden, width, bias=bias)
         )
         self.drop = nn.Dropout(dropout)
+        self.documents: Documents | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        documents = self.documents
         if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)  # type: ignore[no-any-return]
-        return self._forward(x)
+            return checkpoint(self._forward, x, documents, use_reentrant=False)  # type: ignore[no-any-return]
+        return self._forward(x, documents)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def _forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        attended = self.attn(self.norm1(x)) if documents is None else self.attn(self.norm1(x), documents)
+        x = x + self.drop(attended)
         return x + self.drop(self.mlp(self.norm2(x)))  # type: ignore[no-any-return]

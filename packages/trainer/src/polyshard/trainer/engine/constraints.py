@@ -33,6 +33,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_context(config)
     _check_logging(config)
     _check_hf_checkpoints(config)
+    _check_documents(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -137,6 +138,17 @@ def _check_context(config: Config) -> None:
         raise ConfigError(
             f"sequence parallelism splits each cp rank's {sequence_length(model) // par.cp} positions over "
             f"tp={par.tp}; choose another tp or cp, or turn parallel.sequence_parallel off"
+        )
+
+
+def _check_documents(config: Config) -> None:
+    """Document masking needs a causal language model: its rows are packed documents of tokens."""
+    task = spec_of(config.model).task
+    if config.data.document_mask and task.input_segments is None:
+        raise ConfigError(
+            f"data.document_mask = true applies to language models, whose rows pack documents of tokens; "
+            f"model.kind={config.model.kind!r} trains on {task.name} (no documents to mask); "
+            "set data.document_mask = false"
         )
 
 

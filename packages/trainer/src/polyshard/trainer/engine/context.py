@@ -32,8 +32,19 @@ class ContextParallelCore(nn.Module):
         super().__init__()
         self.group, self.causal, self.style = group, causal, style
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_attention(q, k, v, self.group, causal=self.causal, style=self.style)  # type: ignore[arg-type]
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``segments`` (B, 2C): this rank's chunks of the rows' document ids (document masking)."""
+        return context_parallel_attention(
+            q,
+            k,
+            v,
+            self.group,
+            causal=self.causal,
+            style=self.style,  # type: ignore[arg-type]
+            segments=segments,
+        )
 
     def extra_repr(self) -> str:
         return f"style={self.style}, causal={self.causal}, cp={dist.get_world_size(self.group)}"

@@ -55,6 +55,7 @@ from polyshard.tp import (
 )
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
+from polyshard.trainer.engine.documents import StageDocuments, documents_of
 from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
@@ -120,13 +121,28 @@ class Engine:
         """This rank's part of a batch along the sequence: its cp chunks (all of it without cp)."""
         return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None."""
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None.
+        ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents)."""
         result = self.executor.step(
-            inputs if self.holds_first_stage else None, targets if self.holds_last_stage else None
+            inputs if self.holds_first_stage else None,
+            targets if self.holds_last_stage else None,
+            around_forward=self.around_forward(segments, self.executor.schedule.num_microbatches),
         )
         self.timeline = result.timeline
         return result.loss
+
+    def around_forward(
+        self, segments: torch.Tensor | None, num_microbatches: int = 1
+    ) -> Callable[[int, int], contextlib.AbstractContextManager[None]] | None:
+        """What the executor enters around each stage forward to set that microbatch's documents (None
+        without document masking)."""
+        if segments is None:
+            return None
+        documents = documents_of(segments.to(self.device), self.local_tokens)
+        return StageDocuments(self.stages, documents, num_microbatches).around_forward
 
     def finish_gradients(self) -> None:
         for wrapper in self.wrappers.values():

@@ -17,7 +17,7 @@ from polyshard.trainer.loop.evaluate import evaluate, evaluate_batches
 from polyshard.trainer.loop.hooks import Hook
 from polyshard.trainer.loop.resume import saved_by_this_job
 from polyshard.trainer.loop.sample import sample_text
-from polyshard.trainer.loop.step import split_batch, train_step
+from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
 from polyshard.trainer.loop.trainer import RunResult, Trainer, make_loaders, train
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "make_loaders",
     "sample_text",
     "saved_by_this_job",
+    "batch_segments",
     "split_batch",
     "train",
     "train_step",

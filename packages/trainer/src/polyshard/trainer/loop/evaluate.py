@@ -12,23 +12,30 @@ from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import IGNORE_INDEX
 
 
-def evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float | None]:
+def evaluate(
+    engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None
+) -> tuple[float, float | None]:
     """One batch (each data rank passes its own, of equal size), forward only in eval mode: (mean loss, accuracy)."""
-    return evaluate_batches(engine, [(inputs, targets)])
+    return evaluate_batches(engine, [(inputs, targets, segments)])
 
 
 def evaluate_batches(
-    engine: Engine, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    engine: Engine,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
 ) -> tuple[float, float | None]:
     """Forward only, in eval mode (no dropout), stage by stage across the pipeline, over this data rank's
-    ``(inputs, targets)`` batches (which may hold no examples). Returns the mean loss over every counted
+    ``(inputs, targets)`` batches (which may hold no examples), or ``(inputs, targets, segments)`` with
+    document masking (segments None: none). Returns the mean loss over every counted
     target (image, or token not IGNORE_INDEX) of every data rank, and the accuracy (ViT)."""
     for stage in engine.stages.values():
         stage.eval()
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, counted targets
     try:
         for batch in batches:
-            totals += _evaluate(engine, *(t.to(engine.device) for t in batch))
+            inputs, targets, *rest = batch
+            segments = rest[0] if rest else None
+            moved = None if segments is None else segments.to(engine.device)
+            totals += _evaluate(engine, inputs.to(engine.device), targets.to(engine.device), moved)
     finally:
         for stage in engine.stages.values():
             stage.train()
@@ -41,7 +48,9 @@ def evaluate_batches(
     return loss / count, (correct / count if spec_of(engine.config.model).task.reports_accuracy else None)
 
 
-def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _evaluate(
+    engine: Engine, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """(loss sum, correct, counted targets) of one batch on the last stage; zeros elsewhere. The
     pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
     stages, whose collectives its peers need, but scores nothing). Under cp each rank scores its chunks."""
@@ -56,5 +65,6 @@ def _evaluate(engine: Engine, inputs: torch.Tensor, targets: torch.Tensor) -> to
             totals[2] = n
         return totals
 
-    result = engine.executor.forward_only(inputs if engine.holds_first_stage else None, score)
+    around = engine.around_forward(segments)  # the whole batch is one microbatch here
+    result = engine.executor.forward_only(inputs if engine.holds_first_stage else None, score, around_forward=around)
     return result if result is not None else torch.zeros(3, dtype=torch.float64)

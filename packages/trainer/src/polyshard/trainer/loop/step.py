@@ -27,6 +27,12 @@ def split_batch(config: Config, batch: Mapping[str, np.ndarray | torch.Tensor]) 
     return spec_of(config.model).task.split_batch({k: torch.as_tensor(v) for k, v in batch.items()})
 
 
+def batch_segments(config: Config, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The inputs' document ids (B, S) with ``data.document_mask``, else None."""
+    cut = spec_of(config.model).task.input_segments
+    return cut(batch) if config.data.document_mask and cut is not None else None
+
+
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
     """Average a per-replica value (a data rank's, or under cp its chunks') that only last-stage ranks
     hold (tp ranks hold equal copies)."""
@@ -45,6 +51,7 @@ def train_step(
     targets: torch.Tensor,
     lr: float,
     before_zero_grad: Callable[[], None] | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
     gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
@@ -55,6 +62,7 @@ def train_step(
     infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
     scale) and the caller decides whether to go on. No extra collective is needed to agree.
     ``before_zero_grad`` runs after the optimizer step while the gradients are still held (to measure them).
+    ``segments``: the inputs' document ids, whole rows, with document masking (:func:`batch_segments`).
     """
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
@@ -63,7 +71,7 @@ def train_step(
     replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
     with global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches):
-        loss = data_rank_mean(engine, engine.forward_backward(inputs, targets))
+        loss = data_rank_mean(engine, engine.forward_backward(inputs, targets, segments))
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     axis_sizes = engine.mesh.layout.as_dict()

@@ -42,7 +42,7 @@ from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
 from polyshard.trainer.loop.sample import sample_text
-from polyshard.trainer.loop.step import split_batch, train_step
+from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
 from polyshard.trainer.models import hf, parameter_count, sequence_length, spec_of
 from polyshard.trainer.models.hf import write_hf
 
@@ -194,11 +194,15 @@ class Trainer:
             hook.begin_step(step)
         started = time.perf_counter()  # the step's time: data, update, and the hooks at its points
         lr = self.learning_rate(step - 1)
-        inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, self.train_data.next_batch()))
+        batch = self.train_data.next_batch()
+        inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, batch))
+        segments = batch_segments(self.config, batch)  # None without data.document_mask
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
                 around.enter_context(hook.around_update(step))
-            loss, grad_norm = train_step(self.engine, inputs, targets, lr, lambda: self._call("before_zero_grad", step))
+            loss, grad_norm = train_step(
+                self.engine, inputs, targets, lr, lambda: self._call("before_zero_grad", step), segments
+            )
         self.nonfinite = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else self.nonfinite + 1
         self.result.losses.append(loss)
         self.result.grad_norms.append(grad_norm)
@@ -246,7 +250,8 @@ class Trainer:
         """The validation loss (and accuracy) over ``training.eval_batches`` batches (0: all of them)."""
         config = self.config
         parts = self.val_data.in_order(config.training.eval_batches or None)
-        val_loss, accuracy = evaluate_batches(self.engine, (split_batch(config, part) for part in parts))
+        batches = ((*split_batch(config, part), batch_segments(config, part)) for part in parts)
+        val_loss, accuracy = evaluate_batches(self.engine, batches)
         self.result.val_loss = val_loss
         figures = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
         if accuracy is not None:

@@ -47,6 +47,8 @@ class Task:
     """Evaluation also counts outputs whose argmax is the target."""
     generates_text: bool = False
     """A model of this task samples text (the end-of-run sample, ``polyshard generate``)."""
+    input_segments: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    """A loader batch -> its inputs' document ids (document masking); None: the task has no documents."""
 
 
 def _text_splits(config: Config) -> RunData:
@@ -69,6 +71,18 @@ def _next_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Te
     """Tokens shifted by one; fine-tuning rows take their targets from ``labels``."""
     tokens = batch["tokens"]
     return tokens[:, :-1].contiguous(), batch.get("labels", tokens)[:, 1:].contiguous()
+
+
+def _input_segments(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The inputs' document ids: the batch's ``segments`` cut as the inputs are (all but the last). The
+    last token of a document (its end-of-text) still has the next document's first token as its target,
+    as in Megatron-LM and torchtitan: only attention and positions stop at document boundaries."""
+    if "segments" not in batch:
+        raise ConfigError(
+            f"data.document_mask = true needs each batch's document ids (a 'segments' column) but the batch "
+            f"holds only {sorted(batch)}; use a data source that marks documents, or set data.document_mask = false"
+        )
+    return batch["segments"][:, :-1].contiguous()
 
 
 def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
@@ -112,5 +126,14 @@ def _no_check(config: Config) -> None:
     """The built-in digits need no reading ahead."""
 
 
-LANGUAGE = Task("language", _text_splits, _text_settings, _check_text, _next_tokens, _token_loss, generates_text=True)
+LANGUAGE = Task(
+    "language",
+    _text_splits,
+    _text_settings,
+    _check_text,
+    _next_tokens,
+    _token_loss,
+    generates_text=True,
+    input_segments=_input_segments,
+)
 IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)

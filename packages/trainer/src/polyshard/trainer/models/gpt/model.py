@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from polyshard.tp import SequenceParallel, VocabParallel
-from polyshard.tp.transformer import Block, RopeScaling, norm_layer
+from polyshard.tp.transformer import Block, Documents, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.models.spec import (
     BuildOptions,
@@ -41,11 +41,15 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(context_length, hidden) if learned else None
         self.drop = nn.Dropout(dropout)
         self.positions: torch.Tensor | None = None  # the tokens' positions; None: 0..S-1 (see polyshard.cp)
+        # The batch's documents around a forward (document masking): positions restart at each document.
+        self.documents: Documents | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
+            if self.documents is not None:
+                positions = self.documents.positions  # (B, S): each token's position within its document
             x = x + self.pos(positions.to(tokens.device))
         return self.drop(x)  # type: ignore[no-any-return]  # nn.Module.__call__ returns Any in torch's stubs
 
