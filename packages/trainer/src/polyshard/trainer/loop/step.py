@@ -22,15 +22,22 @@ from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import global_token_mean
 
 
-def split_batch(config: Config, batch: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader batch (numpy rows, or tensors) -> (inputs, targets), as the model's task cuts it."""
-    return spec_of(config.model).task.split_batch({k: torch.as_tensor(v) for k, v in batch.items()})
+Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
 
 
-def batch_segments(config: Config, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v) for k, v in batch.items()}  # numpy rows are shared, not copied
+
+
+def split_batch(config: Config, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loader batch -> (inputs, targets), as the model's task cuts it."""
+    return spec_of(config.model).task.split_batch(_tensors(batch))
+
+
+def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:
     """The inputs' document ids (B, S) with ``data.document_mask``, else None."""
     cut = spec_of(config.model).task.input_segments
-    return cut(batch) if config.data.document_mask and cut is not None else None
+    return cut(_tensors(batch)) if config.data.document_mask and cut is not None else None
 
 
 def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
