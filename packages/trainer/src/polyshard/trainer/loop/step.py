@@ -21,7 +21,6 @@ from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import global_token_mean
 
-
 Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
 
 
