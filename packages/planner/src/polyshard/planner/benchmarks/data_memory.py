@@ -83,7 +83,11 @@ def train(prepared: Path, out: Path, ranks: int, steps: int) -> Run:
         f"training.global_batch_size={8 * ranks}", "training.eval_every=0", "training.sample_tokens=0",
         "logging.progress_bar=false",
     ]  # fmt: skip
-    cmd = _cli("train", "--out", str(out), "--nproc", str(ranks), *[a for s in settings for a in ("--set", s)])
+    config = out.with_suffix(".toml")
+    config.write_text("# polyshard bench data: every setting is a --set below\n")
+    cmd = _cli(
+        "train", str(config), "--out", str(out), "--nproc", str(ranks), *[a for s in settings for a in ("--set", s)]
+    )
     start = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics, first = out / "metrics.jsonl", None
