@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,7 @@ def train(prepared: Path, out: Path, ranks: int, steps: int) -> Run:
         f"training.global_batch_size={8 * ranks}", "training.eval_every=0", "training.sample_tokens=0",
         "logging.progress_bar=false",
     ]  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run folder: its first metrics line is this run's
     config = out.with_suffix(".toml")
     config.write_text("# polyshard bench data: every setting is a --set below\n")
     cmd = _cli(
