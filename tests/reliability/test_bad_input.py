@@ -69,6 +69,20 @@ CASES = [
     ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),
+    # data: {tmp} is the test's folder, where run_cases writes the files these name
+    (DP, ["--set", "data.source={tmp}/empty"], {}, "neither a manifest.json (a prepared dataset) nor .txt files"),
+    (DP, ["--set", "data.source={tmp}/version"], {}, "format version 9 is not 1"),
+    (DP, ["--set", "data.source={tmp}/short"], {}, "train-00000.tokens holds 10 bytes, the manifest says 4000"),
+    (DP, ["--set", "data.source={tmp}/bpe"], {}, "was prepared with the tokenizer 'tokenizer.json'"),
+    (DP, ["--set", "data.source={tmp}/tiny"], {}, "gives 8 training examples"),
+    (DP, ["--set", "data.source={tmp}/bad.jsonl"], {}, "bad.jsonl, line 2: not JSON"),
+    (
+        DP,
+        ["--set", "data.sources=[{{path='{tmp}/tiny', weight=0}}]"],
+        {},
+        "data.sources[0].weight=0 must be a positive",
+    ),
+    (DP, ["--set", "data.val_source={tmp}/nowhere.txt"], {}, "data.val_source='{tmp}/nowhere.txt': no such"),
     ("top-level.toml", [], {}, "lr = 0.1 stands outside any [section]"),
     ("broken.toml", [], {}, "not valid TOML"),
 ]
@@ -83,28 +97,46 @@ def run_cases(tmp: str) -> list[tuple[int, str, bool]]:
     tmp_path = Path(tmp)
     (tmp_path / "top-level.toml").write_text('lr = 0.1\n[model]\npreset = "tiny"\n')
     (tmp_path / "broken.toml").write_text("[model\npreset = tiny\n")
+    _bad_data(tmp_path)
     results = []
     for i, (config, args, env, _) in enumerate(CASES):
         path = tmp_path / config if (tmp_path / config).exists() else CONFIGS / config
         out = tmp_path / f"run{i}"
+        args = [a.format(tmp=tmp) for a in args]
         result = CliRunner().invoke(app, ["train", str(path), "--out", str(out), *args], env=env)
         results.append((result.exit_code, result.output, out.exists()))
     return results
 
 
-def _check(results) -> None:
+def _bad_data(tmp_path: Path) -> None:
+    """Prepared folders and sources, each wrong in one way."""
+    from polyshard.data.format import MANIFEST, TokenizerInfo
+    from tests.data._folders import write_folder
+
+    (tmp_path / "empty").mkdir()
+    documents = {"train": [[[65] * 2000]]}  # 2000 tokens: 29 windows of 65 for the tiny GPT
+    for name in ("version", "short", "bpe"):
+        write_folder(tmp_path / name, documents, tokenizer=TokenizerInfo("tokenizer.json", "ab" * 32, 256, None))
+    write_folder(tmp_path / "tiny", {"train": [[[65] * 600]]})  # 9 windows: 8 train, fewer than a batch of 16
+    manifest = json.loads((tmp_path / "version" / MANIFEST).read_text())
+    (tmp_path / "version" / MANIFEST).write_text(json.dumps({**manifest, "version": 9}))
+    (tmp_path / "short" / "train-00000.tokens").write_bytes(b"\0" * 10)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+
+
+def _check(results, tmp) -> None:
     assert len(results) == len(CASES) >= 30
     for (config, args, env, expected), (code, output, created) in zip(CASES, results):
         case = f"{config} {args} {env}"
         assert code == 2, f"{case}: exit {code}\n{output}"
-        assert expected in output, f"{case}: {output!r} does not name the field"
+        assert expected.format(tmp=tmp) in output, f"{case}: {output!r} does not name the field"
         # One line of ours, or typer's usage box for a malformed option.
         assert "Traceback" not in output and len(output.strip().splitlines()) <= 8, f"{case}: {output}"
         assert not created, f"{case}: the run folder was created"
 
 
 def test_every_bad_input_stops_before_launch_naming_the_field(tmp_path):
-    _check(run_cases(str(tmp_path)))
+    _check(run_cases(str(tmp_path)), str(tmp_path))
 
 
 @pytest.mark.long
@@ -117,4 +149,4 @@ def test_the_same_checks_hold_under_python_O(tmp_path):
         [sys.executable, "-O", "-c", code, str(ROOT), str(tmp_path)], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    _check(json.loads(done.stdout.strip().splitlines()[-1]))
+    _check(json.loads(done.stdout.strip().splitlines()[-1]), str(tmp_path))

@@ -43,7 +43,7 @@ def is_prepared(source: str) -> bool:
     return (Path(source).expanduser() / MANIFEST).is_file()
 
 
-def local_files(source: str) -> list[Path] | None:
+def local_files(source: str, field: str = "data.source") -> list[Path] | None:
     """The files a built-in or local source reads; None for a dataset name (read by ``datasets``)."""
     if source == "shakespeare":
         return shakespeare_files()
@@ -52,14 +52,14 @@ def local_files(source: str) -> list[Path] | None:
         files = sorted(path.glob("*.txt"))
         if not files:
             raise DataError(
-                f"data.source={source!r} is a folder with neither a {MANIFEST} (a prepared dataset) nor .txt files"
+                f"{field}={source!r} is a folder with neither a {MANIFEST} (a prepared dataset) nor .txt files"
             )
         return files
     if path.exists():
         return [path]
     if "/" in source or path.suffix in (".txt", PAIRS_SUFFIX):
         raise DataError(
-            f"data.source={source!r}: no such file or folder; give 'shakespeare', a prepared folder, "
+            f"{field}={source!r}: no such file or folder; give 'shakespeare', a prepared folder, "
             "a .txt file or folder, or a .jsonl of prompt/response pairs"
         )
     return None
@@ -79,7 +79,7 @@ def _cache_key(source: str, files: list[Path] | None, data: DataConfig, tokenize
     return digest.hexdigest()[:24]
 
 
-def prepared_folder(source: str, data: DataConfig, *, progress: bool = False) -> Path:
+def prepared_folder(source: str, data: DataConfig, *, progress: bool = False, field: str = "data.source") -> Path:
     """``source`` as a prepared folder: itself, or its copy in the cache, prepared now if missing."""
     if is_prepared(source):
         return Path(source).expanduser()
@@ -88,10 +88,10 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False) ->
     kind = "pairs" if Path(source).suffix == PAIRS_SUFFIX else "text"
     if kind == "pairs" and not Path(source).expanduser().is_file():
         raise DataError(
-            f"data.source={source!r}: no such file; give a .jsonl file with one "
+            f"{field}={source!r}: no such file; give a .jsonl file with one "
             f'{{"{data.prompt_field}": ..., "{data.response_field}": ...}} object per line'
         )
-    files = local_files(source)
+    files = local_files(source, field)
     tokenizer = load_tokenizer(data.tokenizer)
     target = cache_root() / "prepared" / _cache_key(source, files, data, tokenizer, kind)
     if (target / MANIFEST).is_file():
@@ -200,9 +200,10 @@ def language_data(config: Config, *, progress: bool = False) -> RunData:
     data, width = config.data, config.model.context_length + 1
     tokenizer = load_tokenizer(data.tokenizer)
     train, weights, names, held = [], [], [], []
-    for entry in data.mixture:
-        prepared = open_prepared(prepared_folder(entry.path, data, progress=progress), tokenizer)
-        where = f"data.source={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
+    for number, entry in enumerate(data.mixture):
+        field = "data.source" if data.sources is None else f"data.sources[{number}].path"
+        prepared = open_prepared(prepared_folder(entry.path, data, progress=progress, field=field), tokenizer)
+        where = f"{field}={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
         examples, val = _examples(prepared, data, width, where)
         train.append(examples)
         weights.append(entry.weight)
@@ -210,7 +211,8 @@ def language_data(config: Config, *, progress: bool = False) -> RunData:
         if val is not None:
             held.append(val)
     if data.val_source is not None:
-        prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress), tokenizer)
+        field = "data.val_source"
+        prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress, field=field), tokenizer)
         examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}")
         held = [examples]
     return RunData(train, weights, names, held[0] if len(held) == 1 else Concat(held))
