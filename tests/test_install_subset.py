@@ -1,6 +1,7 @@
 """Installing a lower subset of the packages works and pulls in no other polyshard package:
 polyshard-mesh with polyshard-collectives, those two with one strategy package (cp), and
-polyshard-mesh with polyshard-checkpoint, whose command line inspects, reshards and exports."""
+polyshard-mesh with polyshard-checkpoint, whose command line inspects, reshards and exports, and
+polyshard-data, which prepares and reads a corpus with numpy alone (no torch imported)."""
 
 import os
 import subprocess
@@ -26,7 +27,28 @@ SUBSETS = {
         "from polyshard.checkpoint import Checkpoint, export, write_resharded",
         ("collectives", "tp", "trainer"),
     ),
+    ("mesh", "data"): (  # mesh only for the probe's own import; data needs nothing of it
+        "from polyshard.data.loader import ShardedLoader; from polyshard.data.prepared import open_prepared",
+        ("collectives", "checkpoint", "trainer"),
+    ),
 }
+
+# Run with only polyshard-data: prepare a small text through its command, read it back through the loader.
+DATA_ALONE = """
+import pathlib, subprocess, sys
+import numpy as np
+pathlib.Path("a.txt").write_text("to be or not to be " * 200)
+subprocess.run([sys.executable, "-m", "polyshard.data", "prepare", "a.txt", "prepared", "--quiet"], check=True)
+from polyshard.data.examples import Windows
+from polyshard.data.loader import ShardedLoader
+from polyshard.data.prepared import open_prepared
+loader = ShardedLoader(Windows(open_prepared("prepared").train, 17), batch_size=4, rank=1, world_size=2, seed=0,
+                       shuffle=True)
+rows = loader.next_batch()["tokens"]
+assert rows.shape == (4, 17) and bytes(rows[0].astype(np.uint8)) in ("to be or not to be " * 201).encode()
+assert "torch" not in sys.modules
+print("ok")
+"""
 
 # Run in the fresh venv with only polyshard-mesh and polyshard-checkpoint: save a two-rank-shaped
 # checkpoint without processes, then inspect, reshard and export it through the package's own command.
@@ -82,3 +104,5 @@ def test_subset_installs_alone(tmp_path, packages):
     assert out == ["True"] * (len(absent) + 1)
     if "checkpoint" in packages:
         assert subprocess.check_output([py, "-c", CHECKPOINT_ALONE], text=True, cwd=tmp_path, env=env).split() == ["ok"]
+    if "data" in packages:
+        assert subprocess.check_output([py, "-c", DATA_ALONE], text=True, cwd=tmp_path, env=env).split() == ["ok"]

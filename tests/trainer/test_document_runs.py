@@ -5,6 +5,8 @@ The exactness of the masked attention against each document computed alone is
 :mod:`tests.trainer.test_documents`; here the data path feeds it.
 """
 
+import dataclasses
+import json
 import random
 
 import numpy as np
@@ -85,3 +87,30 @@ def test_a_masked_run_matches_one_process(distributed, corpus, reference, tmp_pa
     losses = distributed.run(world, _train, _config(corpus, True, **parallel), tmp_path)[0]
     # float32 sums in another order across ranks, over 3 AdamW steps: ~1e-6 seen; 1e-5 is the parity bound.
     np.testing.assert_allclose(losses, reference[True], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    rng = random.Random(1)
+    lines = [
+        json.dumps({"prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 3))) + "?",
+                    "response": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 4))) + "\n"})
+        for _ in range(300)
+    ]  # fmt: skip
+    path = tmp_path_factory.mktemp("pairs") / "qa.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_packed_pairs_masked_match_one_process(distributed, pairs, tmp_path):
+    def config(**parallel):
+        base = _config(pairs, True, **parallel)
+        return dataclasses.replace(base, data=dataclasses.replace(base.data, packing=True))
+
+    rows = language_data(config()).train[0].rows(np.arange(16))
+    starts = np.argwhere(np.diff(rows["segments"], axis=1) > 0) + [0, 1]
+    assert len(starts) > 16  # several examples per row ...
+    assert (rows["labels"][tuple(starts.T)] == -100).all()  # ... each starting with its (unscored) prompt
+    one = distributed.run(1, _train, config(), tmp_path / "one")[0]
+    two = distributed.run(2, _train, config(dp=2), tmp_path / "two")[0]
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-5)  # float32 sums in another order, as above
