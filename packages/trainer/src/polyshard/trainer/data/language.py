@@ -132,8 +132,11 @@ class RunData:
     val: Examples
 
 
-def _examples(prepared: Prepared, data: DataConfig, width: int, where: str) -> tuple[Examples, Examples | None]:
-    """(training examples, the held-out ones or None) of one prepared source."""
+def _examples(
+    prepared: Prepared, data: DataConfig, width: int, where: str, check: bool
+) -> tuple[Examples, Examples | None]:
+    """(training examples, the held-out ones or None) of one prepared source; with ``check``, every padded
+    example is read once to find a prompt that leaves its row no room (the launcher's check, not a rank's)."""
     pairs = prepared.manifest.kind == "pairs"
     segments = data.document_mask
     if pairs and not data.packing:
@@ -142,7 +145,7 @@ def _examples(prepared: Prepared, data: DataConfig, width: int, where: str) -> t
 
         def documents(split: Split, first: int = 0, count: int | None = None) -> Documents:
             made = Documents(split, width, pad, first=first, count=count, segments=segments)
-            prompt, which = made.longest_prompt()
+            prompt, which = made.longest_prompt() if check else (0, 0)
             if prompt >= width:
                 held = split is prepared.val
                 line = _source_line(prepared, held, first + which)
@@ -195,8 +198,9 @@ def _tail(count: int, fraction: float, where: str, what: str) -> int:
     return held
 
 
-def language_data(config: Config, *, progress: bool = False) -> RunData:
-    """The run's training sources (with weights) and validation examples, every source checked."""
+def language_data(config: Config, *, progress: bool = False, check: bool = False) -> RunData:
+    """The run's training sources (with weights) and validation examples; ``check`` also reads every
+    padded example once (before launch: :func:`check_language_data`)."""
     data, width = config.data, config.model.context_length + 1
     tokenizer = load_tokenizer(data.tokenizer)
     train, weights, names, held = [], [], [], []
@@ -204,7 +208,7 @@ def language_data(config: Config, *, progress: bool = False) -> RunData:
         field = "data.source" if data.sources is None else f"data.sources[{number}].path"
         prepared = open_prepared(prepared_folder(entry.path, data, progress=progress, field=field), tokenizer)
         where = f"{field}={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
-        examples, val = _examples(prepared, data, width, where)
+        examples, val = _examples(prepared, data, width, where, check)
         train.append(examples)
         weights.append(entry.weight)
         names.append(entry.path)
@@ -213,7 +217,7 @@ def language_data(config: Config, *, progress: bool = False) -> RunData:
     if data.val_source is not None:
         field = "data.val_source"
         prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress, field=field), tokenizer)
-        examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}")
+        examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}", check)
         held = [examples]
     return RunData(train, weights, names, held[0] if len(held) == 1 else Concat(held))
 
@@ -227,7 +231,7 @@ def check_language_data(config: Config) -> None:
             f"data.tokenizer={config.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
             f"model.vocab_size={vocab}; use vocab_size >= {tokenizer.vocab_size}"
         )
-    data = language_data(config, progress=True)
+    data = language_data(config, progress=True, check=True)
     if tokenizer.vocab_size > vocab:  # bytes: a small vocabulary fits only data whose bytes stay below it
         top = max(_largest_token(examples) for examples in [*data.train, data.val])
         if top >= vocab:
