@@ -73,3 +73,39 @@ def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted,
     resumed = train(tmp_path, *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     _same_run(tmp_path, uninterrupted)
+
+
+ASYNC = ["--set", "checkpoint.async_save=true"]
+
+
+@pytest.mark.long
+def test_an_async_save_writes_the_checkpoints_and_run_a_blocking_save_does(uninterrupted, tmp_path):
+    from safetensors.torch import load_file
+
+    done = train(tmp_path, *SHORT, *ASYNC)
+    assert done.returncode == 0, done.stderr
+    _same_run(tmp_path, uninterrupted)  # training never waited on the writes, and saw the same state
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert saved == sorted(p.name for p in (uninterrupted / "checkpoints").glob("step_*")) and len(saved) == 4
+    for step in saved:  # the copy taken at the step boundary is the state a blocking save writes
+        for rank_file in sorted((uninterrupted / "checkpoints" / step).glob("rank_*.safetensors")):
+            mine, theirs = load_file(tmp_path / "checkpoints" / step / rank_file.name), load_file(rank_file)
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs), (step, rank_file.name)
+        ours, reference = (
+            json.loads((o / "checkpoints" / step / "index.json").read_text()) for o in (tmp_path, uninterrupted)
+        )
+        assert [r["extra"]["data"] for r in ours["ranks"]] == [r["extra"]["data"] for r in reference["ranks"]]
+
+
+@pytest.mark.long
+def test_a_run_killed_mid_async_write_keeps_the_previous_checkpoint_and_resumes(uninterrupted, tmp_path):
+    crashed = train(tmp_path, *SHORT, *ASYNC, env={"POLYSHARD_FAULT": "save@6:1"})  # killed in the writer thread
+    assert crashed.returncode != 0 and "rank 1 failed first, exit code -9" in crashed.stderr, crashed.stderr
+    assert (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir(), crashed.stderr  # the write it died in
+    assert not (tmp_path / "checkpoints" / "step_00000006").exists()
+    assert (tmp_path / "checkpoints" / "step_00000004" / "index.json").is_file()  # still the newest complete
+    resumed = train(tmp_path, *SHORT, *ASYNC, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step_00000004" in resumed.stdout
+    _same_run(tmp_path, uninterrupted)

@@ -128,6 +128,14 @@ def bench_data(
     raise typer.Exit(data_memory.main(args + (["--folder", str(folder)] if folder else [])))
 
 
+@bench_app.command("checkpoint")
+def bench_checkpoint(
+    nproc: int = typer.Option(2, "--nproc", min=1, help="Data-parallel processes (ZeRO-1 over them)."),
+) -> None:
+    """How long training stops for a checkpoint of a ~100M-parameter GPT: blocking against async_save."""
+    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.save_stall", []))
+
+
 @bench_app.command("plan")
 def bench_plan(
     profile: str | None = typer.Option(

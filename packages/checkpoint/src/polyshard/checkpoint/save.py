@@ -62,6 +62,7 @@ def save_checkpoint(
     keep: int | None = None,
     assets: Mapping[str, Path] | None = None,
     after_write: Callable[[], None] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Path:
     """Collectively save this rank's ``tensors``; returns the finished folder.
 
@@ -71,6 +72,8 @@ def save_checkpoint(
     checkpoint out for another mesh. ``assets`` (name -> file, read on rank 0) are copied in
     beside the tensors and verified like them: the run's tokenizer. ``after_write`` runs on every rank
     once its own file is written, before the index is (the trainer's fault injection kills a rank there).
+    ``group`` (every rank, default the world) carries the save's barriers and gather: a save in a
+    background thread (:class:`~polyshard.checkpoint.background.BackgroundSaver`) has a group of its own.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
@@ -79,7 +82,7 @@ def save_checkpoint(
         for stale in Path(root).glob(".tmp-step_*"):  # left by a save that was killed midway
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     path = tmp / rank_file(rank)
     # clone(): safetensors refuses tensors that share memory (fp32 ZeRO masters are views of the
     # parameters at stages 1-2 and of the shards at stage 3).
@@ -87,13 +90,13 @@ def save_checkpoint(
     if after_write is not None:
         after_write()
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
-    entries = _gather(entry)
+    entries = _gather(entry, group)
     if rank == 0:
         more = {ASSETS: copy_assets(assets, tmp)} if assets else {}
         publish(tmp, final, make_index(step, mesh_axes, entries, config, **more))
         if keep is not None:
             _prune(Path(root), keep)
-    _barrier()
+    _barrier(group)
     return final
 
 
@@ -161,14 +164,14 @@ def load_rank(
     return load_file(str(folder / entry["file"])), entry["extra"]
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _gather(obj: Any) -> list[Any]:
+def _gather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     if not dist.is_initialized():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out

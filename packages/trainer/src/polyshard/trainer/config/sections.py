@@ -451,6 +451,10 @@ class CheckpointConfig:
     hf_every: int = 0
     """Also write the checkpoint of every N-th step as a Hugging Face folder, <run>/hf/step_<N>, that
     transformers loads (GPT-2 and Llama models; 0: never). N is a multiple of `every`."""
+    async_save: bool = False
+    """Save without stopping training: each rank copies its state to host memory at the step boundary and a
+    background thread writes, hashes and publishes the files; the next save and the run's end wait for it.
+    A crash mid-write leaves the previous checkpoint the newest complete one. Costs one host copy of the state."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:

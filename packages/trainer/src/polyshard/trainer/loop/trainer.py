@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint
+from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint, step_dir
+from polyshard.checkpoint.background import BackgroundSaver
 from polyshard.collectives import ops
 from polyshard.data.examples import Examples
 from polyshard.data.loader import ShardedLoader
@@ -160,6 +161,7 @@ class Trainer:
         self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
         self.learning_rate = schedule_of(train)  # of the step alone: a resumed run continues it exactly
         self.nonfinite = 0  # non-finite steps in a row
+        self.saver = BackgroundSaver() if config.checkpoint.async_save else None  # collective: a group of its own
         self.hooks: list[Hook] = [
             StepProfiler(config, self.engine, out, self.end),  # logging.profile_steps
             PlanCheck(prediction, self.engine, self.start, verbose=self.verbose),  # a planned run
@@ -284,23 +286,30 @@ class Trainer:
                 f"step {step}: the weights hold NaN or infinite values; the checkpoint was not written "
                 f"and the earlier ones are kept. Lower training.lr (now {self.config.training.lr}) and resume"
             )
-        extra = {"data": self.train_data.state_dict(), "losses": self.result.losses, "job": job_id()}
-        folder = save_checkpoint(
-            self.out / "checkpoints",
-            step,
-            state_tensors(self.engine),
-            mesh_axes=self.config.parallel.mesh_axes,
-            extra=extra,
-            config=dataclasses.asdict(self.config),
-            keep=self.config.checkpoint.keep,
-            assets=self.assets,
-            after_write=lambda: self._call("during_save", step),
-        )
+        extra = {"data": self.train_data.state_dict(), "losses": list(self.result.losses), "job": job_id()}
+        options: dict[str, Any] = {
+            "mesh_axes": self.config.parallel.mesh_axes,
+            "extra": extra,
+            "config": dataclasses.asdict(self.config),
+            "keep": self.config.checkpoint.keep,
+            "assets": self.assets,
+            "after_write": lambda: self._call("during_save", step),
+        }
+        root = self.out / "checkpoints"
+        if self.saver is not None:  # copied now, written by a thread while the next steps run
+            self.saver.save(root, step, state_tensors(self.engine), after_publish=lambda f: self._published(f, step),
+                            **options)  # fmt: skip
+            return step_dir(root, step)
+        folder = save_checkpoint(root, step, state_tensors(self.engine), **options)
+        self._published(folder, step)
+        return folder
+
+    def _published(self, folder: Path, step: int) -> None:
+        """What follows a published checkpoint: its Hugging Face folder when due, the hooks' after_save."""
         hf_every = self.config.checkpoint.hf_every
         if hf_every and step % hf_every == 0 and self.rank0:
             self._write_hf(folder)
         self._call("after_save", step)
-        return folder
 
     def _write_hf(self, folder: Path) -> None:
         """The checkpoint ``folder`` as a Hugging Face folder ``out/hf/<its step>`` (rank 0; streamed from
@@ -313,7 +322,10 @@ class Trainer:
         write_hf(Checkpoint(folder), self.config.model, destination, tokenizer=tokenizer)
 
     def finish(self) -> RunResult:
-        """Close the metrics; a run that reached training.steps samples text from its last checkpoint."""
+        """Wait for a checkpoint still being written, close the metrics; a run that reached training.steps
+        samples text from its last checkpoint."""
+        if self.saver is not None:
+            self.saver.wait()
         self.metrics.close()
         train = self.config.training
         generates = spec_of(self.config.model).task.generates_text
