@@ -36,16 +36,41 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """(N, H) -> (N, H): rows are grouped by expert, ``counts[e]`` rows for expert e.
 
-        A plain loop over experts: each one is a dense matmul on its own rows,
-        and an expert with no rows costs nothing (its gradient is zero).
+        One grouped matmul per weight over all local experts (:func:`grouped_mm`); an expert with no
+        rows costs nothing and its gradient is zero.
         """
-        outputs = [self._expert(e, rows) for e, rows in enumerate(x.split(list(counts)))]
-        return torch.cat(outputs) if outputs else x[:0]
+        h = grouped_mm(x, self.w1, counts)  # (N, H) x (E, H, F) -> (N, F)
+        h = F.silu(h) * grouped_mm(x, self.w3, counts) if self.w3 is not None else F.gelu(h)
+        return grouped_mm(h, self.w2, counts)  # (N, F) x (E, F, H) -> (N, H)
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.w1[e]  # (n, H) @ (H, F) -> (n, F)
-        h = F.silu(h) * (x @ self.w3[e]) if self.w3 is not None else F.gelu(h)
-        return h @ self.w2[e]  # (n, F) @ (F, H) -> (n, H)
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """Rows ``x`` (N, K) grouped by expert (``counts[e]`` rows each, in order) times each expert's
+    ``w[e]`` (K, M): ``torch._grouped_mm`` with the groups' end offsets, one kernel for every expert.
+    Where it does not apply (no such op in this torch, a dtype it lacks, rows not 16-byte aligned, no
+    rows at all), the same product as one batched matmul over rows padded to the largest group."""
+    if _grouped_applies(x, w) and x.shape[0]:
+        offsets = torch.tensor(list(counts), device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offsets)
+    return _padded_mm(x, w, counts)
+
+
+def _grouped_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    size = x.element_size()
+    aligned = all(d * size % 16 == 0 for d in (x.shape[1], w.shape[1], w.shape[2]))
+    return hasattr(torch, "_grouped_mm") and x.dtype in GROUPED_DTYPES and x.dtype == w.dtype and aligned
+
+
+def _padded_mm(x: torch.Tensor, w: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    experts, longest = len(counts), max(counts, default=0)
+    # where each row sits in the (experts x longest) grid: expert e's i-th row at e * longest + i
+    where = torch.cat([torch.arange(c, device=x.device) + e * longest for e, c in enumerate(counts)])
+    padded = x.new_zeros(experts * longest, x.shape[1]).index_copy(0, where, x)
+    out = torch.bmm(padded.view(experts, longest, x.shape[1]), w).view(experts * longest, w.shape[2])
+    return out.index_select(0, where)
 
 
 def _init(num_experts: int, fan_in: int, fan_out: int) -> torch.Tensor:
