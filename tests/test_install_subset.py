@@ -38,7 +38,8 @@ DATA_ALONE = """
 import pathlib, subprocess, sys
 import numpy as np
 pathlib.Path("a.txt").write_text("to be or not to be " * 200)
-subprocess.run([sys.executable, "-m", "polyshard.data", "prepare", "a.txt", "prepared", "--quiet"], check=True)
+subprocess.run([sys.executable, "-m", "polyshard.data", "prepare", "a.txt", "prepared", "--quiet"], check=True,
+               capture_output=True)
 from polyshard.data.examples import Windows
 from polyshard.data.loader import ShardedLoader
 from polyshard.data.prepared import open_prepared
