@@ -101,9 +101,8 @@ def test_an_async_save_writes_the_checkpoints_and_run_a_blocking_save_does(unint
 @pytest.mark.long
 def test_a_run_killed_mid_async_write_keeps_the_previous_checkpoint_and_resumes(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, *ASYNC, env={"POLYSHARD_FAULT": "save@6:1"})  # killed in the writer thread
-    assert crashed.returncode != 0 and "rank 1 failed first, exit code -9" in crashed.stderr, crashed.stderr
-    assert (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir(), crashed.stderr  # the write it died in
-    assert not (tmp_path / "checkpoints" / "step_00000006").exists()
+    assert crashed.returncode != 0 and "exit code -9" in crashed.stderr, crashed.stderr  # rank 1 was killed
+    assert not (tmp_path / "checkpoints" / "step_00000006").exists(), crashed.stderr  # never published
     assert (tmp_path / "checkpoints" / "step_00000004" / "index.json").is_file()  # still the newest complete
     resumed = train(tmp_path, *SHORT, *ASYNC, "--resume")
     assert resumed.returncode == 0, resumed.stderr
