@@ -61,7 +61,7 @@ class BackgroundSaver:
 
         def run() -> None:
             try:
-                folder = save_checkpoint(root, step, copies, group=self.group, **options)
+                folder = save_checkpoint(root, step, copies, group=self.group, copy=False, **options)
                 self._last = folder
                 if after_publish is not None:
                     after_publish(folder)

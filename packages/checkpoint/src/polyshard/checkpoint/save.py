@@ -63,6 +63,7 @@ def save_checkpoint(
     assets: Mapping[str, Path] | None = None,
     after_write: Callable[[], None] | None = None,
     group: dist.ProcessGroup | None = None,
+    copy: bool = True,
 ) -> Path:
     """Collectively save this rank's ``tensors``; returns the finished folder.
 
@@ -74,6 +75,7 @@ def save_checkpoint(
     once its own file is written, before the index is (the trainer's fault injection kills a rank there).
     ``group`` (every rank, default the world) carries the save's barriers and gather: a save in a
     background thread (:class:`~polyshard.checkpoint.background.BackgroundSaver`) has a group of its own.
+    ``copy=False``: the tensors are already private CPU copies (the background saver's), written as they are.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
@@ -86,7 +88,9 @@ def save_checkpoint(
     path = tmp / rank_file(rank)
     # clone(): safetensors refuses tensors that share memory (fp32 ZeRO masters are views of the
     # parameters at stages 1-2 and of the shards at stage 3).
-    save_file({name: t.tensor.detach().cpu().clone().contiguous() for name, t in tensors.items()}, str(path))
+    if copy:
+        tensors = {name: LocalTensor(t.tensor.detach().cpu().clone(), t.placement) for name, t in tensors.items()}
+    save_file({name: t.tensor.contiguous() for name, t in tensors.items()}, str(path))
     if after_write is not None:
         after_write()
     entry = rank_entry(path.name, sha256(path), {name: t.placement for name, t in tensors.items()}, extra or {})
