@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
+from polyshard.planner.activations import activation_bytes
 from polyshard.planner.benchmarks.recompute import _config as bench_config
 from polyshard.planner.benchmarks.recompute import block_bytes
+from polyshard.planner.cost import estimate_step
+from polyshard.planner.dry_run import describe
+from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
@@ -40,6 +44,23 @@ def test_bytes_kept_per_block_are_within_10_percent_of_the_planner(preset, preci
 def test_selective_keeps_between_none_and_full():
     kept = {mode: block_bytes(bench_config("llama-tiny", mode, 4, "fp32"))[0] for mode in (False, "selective", "full")}
     assert kept["full"] < kept["selective"] < kept[False]
+
+
+def test_the_planner_and_the_dry_run_know_the_mode():
+    def planned(mode):
+        config = from_dict({"model": {"preset": "small"}, "training": {"activation_checkpointing": mode}})
+        return (
+            activation_bytes(config, 0),
+            estimate_step(config, load_profile("h100-nvlink-ib")).step_s,
+            describe(config),
+        )
+
+    (none_bytes, none_s, _), (sel_bytes, sel_s, text), (full_bytes, full_s, _) = map(
+        planned, (False, "selective", "full")
+    )
+    assert full_bytes < sel_bytes < none_bytes
+    assert none_s < sel_s < full_s  # selective repeats only the elementwise work
+    assert "activation checkpointing selective" in text
 
 
 def test_true_still_means_full_and_the_modes_are_checked():

@@ -95,36 +95,44 @@ def block_bytes(config: Config) -> tuple[int, float]:
     return measured, planned
 
 
-def step_ms(config: Config, repeats: int = 5) -> float:
-    """Median milliseconds of one forward + backward of the whole model on one batch."""
-    torch.manual_seed(0)
-    model: nn.Module = build_model(config.model, checkpoint_activations=config.training.activation_checkpointing)
-    batch, seq = config.training.global_batch_size, sequence_length(config.model)
-    tokens = torch.randint(0, config.model.vocab_size, (batch, seq + 1))
-    loss_fn = nn.CrossEntropyLoss()
-    bf16 = config.training.precision == "bf16"
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(tokens[:, :-1])
-            loss = loss_fn(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:]) * 1e3
+def _step(model: nn.Module, tokens: torch.Tensor, bf16: bool) -> float:
+    """Seconds of one forward + backward of ``model`` on ``tokens``."""
+    start = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def step_ms(configs: list[Config], repeats: int = 5) -> list[float]:
+    """Median milliseconds of one forward + backward of each config's whole model on one batch. The
+    modes take turns step by step, so a change in the machine's load falls on all of them alike."""
+    models = []
+    for config in configs:
+        torch.manual_seed(0)
+        models.append(build_model(config.model, checkpoint_activations=config.training.activation_checkpointing))
+    first = configs[0]
+    batch, seq = first.training.global_batch_size, sequence_length(first.model)
+    tokens = torch.randint(0, first.model.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    bf16 = first.training.precision == "bf16"
+    times: list[list[float]] = [[] for _ in configs]
+    for repeat in range(repeats + 1):  # the first round is a warm-up
+        for model, kept in zip(models, times, strict=True):
+            seconds = _step(model, tokens, bf16)
+            if repeat:
+                kept.append(seconds)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def run(preset: str, batch: int, precision: str = "fp32", repeats: int = 5, **model: Any) -> list[dict[str, object]]:
     """One record per mode: measured and planned bytes per block, and the step time."""
+    configs = [_config(preset, mode, batch, precision, **model) for mode in MODES]
     records: list[dict[str, object]] = []
-    for mode in MODES:
-        config = _config(preset, mode, batch, precision, **model)
+    for mode, config, ms in zip(MODES, configs, step_ms(configs, repeats), strict=True):
         measured, planned = block_bytes(config)
-        records.append(
-            {"mode": mode or "none", "block_bytes": measured, "planned_bytes": planned,
-             "step_ms": step_ms(config, repeats)}
-        )  # fmt: skip
+        records.append({"mode": mode or "none", "block_bytes": measured, "planned_bytes": planned, "step_ms": ms})
     return records
 
 
