@@ -103,7 +103,8 @@ def resolve_peak(configured: float | None, precision: str, device: torch.device)
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         calibrated = calibrated_peak(CALIBRATION, processes)
         if calibrated is not None:
-            return Peak(calibrated, f"calibration: {CALIBRATION} ({processes} processes)")
+            sharing = f"{processes} processes" if processes > 1 else "1 process"
+            return Peak(calibrated, f"calibration: {CALIBRATION} ({sharing})")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     dist.barrier()  # every rank starts together, sharing the machine as in training
     rate = torch.tensor([measure_peak(device, dtype)], dtype=torch.float64, device=device)
