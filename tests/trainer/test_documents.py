@@ -149,6 +149,13 @@ LAYOUTS = [
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     pytest.param(2, {"cp": 2}, id="cp2-ring"),
     pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+    # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
+    pytest.param(
+        2,
+        {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
+        id="pp2-zbh1-selective",
+    ),  # fmt: skip
+    pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
     pytest.param(8, {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}, id="dp2xcp2xtp2", marks=pytest.mark.long),
 ]
 
@@ -162,7 +169,11 @@ def test_masked_packed_rows_match_each_document_alone(distributed, world, parall
 
 @pytest.mark.parametrize(
     "world, parallel",
-    [pytest.param(1, {}, id="one-process"), pytest.param(2, {"ep": 2}, id="ep2")],
+    [
+        pytest.param(1, {}, id="one-process"),
+        pytest.param(2, {"ep": 2}, id="ep2"),
+        pytest.param(2, {"ep": 2, "activation_checkpointing": "selective"}, id="ep2-selective"),
+    ],
 )
 def test_moe_masked_packed_rows_match_each_document_alone(distributed, world, parallel):
     config = _config(True, moe=True, **parallel)
@@ -182,6 +193,13 @@ def _masked_and_plain(config):
         pytest.param(1, {}, id="one-process"),
         pytest.param(2, {"cp": 2}, id="cp2-ring"),
         pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+        # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
+        pytest.param(
+            2,
+            {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
+            id="pp2-zbh1-selective",
+        ),  # fmt: skip
+        pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
     ],
 )
 def test_one_document_per_row_is_bitwise_the_plain_causal_run(distributed, world, parallel, llama):

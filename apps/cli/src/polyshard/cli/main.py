@@ -107,6 +107,22 @@ def bench_cp_memory(
             raise typer.Exit(code)
 
 
+@bench_app.command("recompute")
+def bench_recompute(
+    preset: str = typer.Option("small", "--preset", help="Model preset (small: hidden 256, 6 layers, 256 tokens)."),
+    batch: int = typer.Option(8, "--batch", min=1, help="Rows per batch."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 or bf16."),
+    repeats: int = typer.Option(5, "--repeats", min=1, help="Timed steps per mode (after one warm-up)."),
+    vocab_size: int = typer.Option(256, "--vocab-size", min=2, help="Kept small so the blocks' time shows."),
+) -> None:
+    """Activation checkpointing none, selective and full: bytes one block keeps (measured and planned), step time."""
+    from polyshard.planner.benchmarks import recompute
+
+    if precision not in ("fp32", "bf16"):
+        raise typer.BadParameter("choose fp32 or bf16", param_hint="--precision")
+    typer.echo(recompute.report(recompute.run(preset, batch, precision, repeats, vocab_size=vocab_size)))
+
+
 @bench_app.command("data")
 def bench_data(
     sizes: str = typer.Option("1,50,2048", "--sizes-mb", help="Corpus sizes in MB; the smallest is the baseline."),

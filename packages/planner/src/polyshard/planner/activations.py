@@ -12,12 +12,23 @@ hidden, f MLP width, n query heads, k·h/n key/value width, e bytes per element 
     RoPE            cos and sin for q and k: 4·s·(h/n) fp32 per microbatch
 
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
-sequence (÷ cp). With activation checkpointing a block keeps its input alone, and one block's
-insides live again while it is recomputed. The first layer keeps the token ids (int64); the head
-keeps its norm, its normed input and the loss's fp32 log-probabilities (vocabulary ÷ tp).
+sequence (÷ cp). With full activation checkpointing a block keeps its input alone, and one block's
+insides live again while it is recomputed. Selective checkpointing (:mod:`polyshard.tp.recompute`)
+keeps the input and every matmul and attention-kernel output, and recomputes the rest::
+
+    input           h·4, the float32 residual stream (÷ tp under SP)
+    q, k, v         (h + 2·k·h/n)·e                                                      ... / tp
+    attention       output and log-sum-exp h·e + n·4 (none under cp: the ring is recomputed) ... / tp
+    MLP             GELU: f·e; SwiGLU: gate and up 2·f·e                                ... / tp
+    row outputs     o_proj and the down projection before their reduction: 2·h·e, whole
+    experts         router logits E·e, each routed copy's up (and gate) and down: top_k·(2f + h)·e
+
+The first layer keeps the token ids (int64); the head keeps its norm, its normed input and the loss's
+fp32 log-probabilities (vocabulary ÷ tp).
 
 ``tests/trainer/test_planner_activations.py`` compares this with the peak of bytes saved for
-backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter` on real engines.
+backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter` on real engines;
+``tests/trainer/test_selective_recompute.py`` one block's count in each checkpointing mode.
 """
 
 from __future__ import annotations
@@ -56,8 +67,24 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
 
 
 def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
+    """The block's input: the residual stream, float32 even under bf16 autocast (a bf16 matmul output
+    added to a float32 residual is float32)."""
     shard = parallel.tp if parallel.sequence_parallel else 1
-    return model.hidden * _element_bytes(precision) / shard / parallel.cp
+    return model.hidden * 4 / shard / parallel.cp
+
+
+def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
+    """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
+    e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
+    kv = h * model.kv_heads // n
+    columns = (h + 2 * kv) * e + ((h * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
+    up = 1 if model.activation == "gelu" else 2
+    if spec_of(model).has_experts:  # the router's logits and the experts' matmuls on their routed copies
+        rows = h * e + model.num_experts * e + model.top_k * (up * f + h) * e
+    else:
+        columns += up * f * e
+        rows = 2 * h * e  # o_proj's and the MLP's last matmul, each (tokens, h) before the reduction
+    return _checkpointed_per_token(model, parallel, precision) + (rows + columns / parallel.tp) / parallel.cp
 
 
 def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
@@ -68,9 +95,10 @@ def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str
     return (_norm(model, e) / shard + model.hidden * e + loss) / parallel.cp
 
 
-def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: bool | None = None) -> float:
+def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: bool | str | None = None) -> float:
     """Bytes one microbatch leaves saved on the stage holding pipeline ``layers``; ``checkpointing``
-    (default: the config's ``training.activation_checkpointing``) says whether blocks keep their input alone."""
+    (default: the config's ``training.activation_checkpointing``): False, "full" (or True: blocks keep
+    their input alone) or "selective"."""
     model, parallel, precision = config.model, config.parallel, config.training.precision
     if checkpointing is None:
         checkpointing = config.training.activation_checkpointing
@@ -78,7 +106,9 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
     tokens = micro_batch * seq
     last = model.num_layers + 1
     blocks = sum(1 for i in layers if 0 < i < last)
-    if checkpointing:
+    if checkpointing == "selective":
+        per_block = selective_bytes_per_token(model, parallel, precision) * tokens
+    elif checkpointing:
         per_block = _checkpointed_per_token(model, parallel, precision) * tokens
     else:
         per_block = block_bytes_per_token(model, parallel, precision) * tokens
@@ -93,11 +123,18 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
 
 
 def recompute_bytes(config: Config, micro_batch: int) -> float:
-    """What one block's insides take while activation checkpointing recomputes it (0 without)."""
-    if not config.training.activation_checkpointing:
+    """What one block's insides take while activation checkpointing recomputes it (0 without); under
+    selective checkpointing the recomputed block reuses the kept matmul outputs, so only the rest is new."""
+    mode = config.training.activation_checkpointing
+    if not mode:
         return 0.0
-    model = config.model
-    per_token = block_bytes_per_token(model, config.parallel, config.training.precision)
+    model, parallel, precision = config.model, config.parallel, config.training.precision
+    per_token = block_bytes_per_token(model, parallel, precision)
+    if mode == "selective":
+        kept = selective_bytes_per_token(model, parallel, precision) - _checkpointed_per_token(
+            model, parallel, precision
+        )
+        per_token = max(per_token - kept, 0.0)
     return per_token * micro_batch * sequence_length(model)
 
 

@@ -106,13 +106,21 @@ def stage_costs(
     elementwise = touched / profile.elementwise_bandwidth(width, k)
     elementwise += blocks * profile.block_overhead(width, k)
     traffic = microbatch_traffic(config, layers, micro_batch)
-    checkpointing = config.training.activation_checkpointing
     forward = matmul + attention + elementwise / 3
-    backward = matmul + 2 * attention + 2 * elementwise / 3 + (forward if checkpointing else 0.0)
+    recompute = _recompute_s(config.training.activation_checkpointing, forward, elementwise / 3, attention, par.cp)
+    backward = matmul + 2 * attention + 2 * elementwise / 3 + recompute
     forward += max(0.0, gathers[0] - profile.overlap * forward) + _phase_s(traffic, par, profile, "forward")
     backward += max(0.0, gathers[1] - profile.overlap * (backward + matmul))
     backward += _phase_s(traffic, par, profile, "backward")
     return StageCosts(forward, backward, matmul)
+
+
+def _recompute_s(mode: bool | str, forward: float, elementwise: float, attention: float, cp: int) -> float:
+    """The forward work activation checkpointing repeats in backward: all of it ("full"), or ("selective")
+    the elementwise work between the kept matmuls, plus attention where the kernel is not kept (cp's ring)."""
+    if mode == "selective":
+        return elementwise + (attention if cp > 1 else 0.0)
+    return forward if mode else 0.0
 
 
 @dataclass(frozen=True)

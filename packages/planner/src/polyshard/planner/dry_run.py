@@ -61,7 +61,7 @@ def describe(config: Config) -> str:
     )
     lines.append(
         f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
-        f"{config.training.precision}):"
+        f"{config.training.precision}, activation checkpointing {config.training.activation_checkpointing or 'none'}):"
     )
     for rank in range(par.pp):
         states, acts = rank_model_states(config, rank), activation_bytes(config, rank)

@@ -24,7 +24,7 @@ from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
 from polyshard.planner.memory import ModelStates, rank_model_states
 from polyshard.planner.profile import Profile
-from polyshard.trainer.config import V_SCHEDULES, Config, ParallelConfig
+from polyshard.trainer.config import CHECKPOINTING, V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import sequence_length, spec_of
@@ -61,7 +61,7 @@ def label(config: Config) -> str:
     if par.sequence_parallel:
         parts.append("sp")
     if config.training.activation_checkpointing:
-        parts.append("ac")
+        parts.append("sac" if config.training.activation_checkpointing == "selective" else "ac")
     return " ".join(parts)
 
 
@@ -214,9 +214,11 @@ def search(config: Config, request: Request, profile: Profile, simulated: int = 
     budget = request.memory_gb * 1e9
     fitting: list[Candidate] = []
     considered = 0
+    fixed_mode = request.fixed.get("activation_checkpointing")
+    fixed_mode = "full" if fixed_mode is True else fixed_mode  # true is what "full" was called before
     for parallel in layouts(config, request):
-        for checkpointing in (False, True):
-            if request.fixed.get("activation_checkpointing", checkpointing) != checkpointing:
+        for checkpointing in CHECKPOINTING:  # the least recompute that fits
+            if fixed_mode is not None and fixed_mode != checkpointing:
                 continue
             training = dataclasses.replace(config.training, activation_checkpointing=checkpointing)
             candidate = dataclasses.replace(config, parallel=parallel, training=training)

@@ -27,7 +27,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from polyshard.tp.recompute import checkpoint_mode, selective_contexts
 
 
 @dataclass(frozen=True)
@@ -249,9 +251,10 @@ class Block(nn.Module):
 
     GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
     ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is both norms' epsilon.
-    With ``checkpoint_activations`` only the block's input is kept for backward;
+    With ``checkpoint_activations`` ``"full"`` (or True) only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
-    second forward for the memory of every intermediate activation.
+    second forward for the memory of every intermediate activation. ``"selective"`` also keeps the
+    matmul and attention outputs and recomputes only the elementwise work (:mod:`polyshard.tp.recompute`).
 
     ``documents`` (None: one sequence per row) is the :class:`Documents` of the batch being run, set by the
     caller around the forward (a pipeline sets each microbatch's); the forward reads it once, so a
@@ -267,7 +270,7 @@ class Block(nn.Module):
         *,
         causal: bool = True,
         dropout: float = 0.0,
-        checkpoint_activations: bool = False,
+        checkpoint_activations: bool | str = False,
         norm: str = "layer",
         activation: str = "gelu",
         bias: bool = True,
@@ -279,7 +282,7 @@ class Block(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: choose one of {ACTIVATIONS}")
-        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_activations = checkpoint_mode(checkpoint_activations)  # None, "full" or "selective"
         self.norm1 = norm_layer(norm, hidden, norm_eps)
         self.attn = Attention(
             hidden,
@@ -301,8 +304,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         documents = self.documents
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, documents, use_reentrant=False)  # type: ignore[no-any-return]
+        mode = self.checkpoint_activations
+        if mode is not None and torch.is_grad_enabled():
+            context = selective_contexts if mode == "selective" else noop_context_fn
+            return checkpoint(self._forward, x, documents, use_reentrant=False, context_fn=context)  # type: ignore[no-any-return]
         return self._forward(x, documents)
 
     def _forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:

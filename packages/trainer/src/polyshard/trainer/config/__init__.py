@@ -13,6 +13,7 @@ pipeline stages, ...) are checked by
 
 from polyshard.trainer.config.parse import apply_overrides, auto_dp, check_type, from_dict, load_config, read_toml
 from polyshard.trainer.config.sections import (
+    CHECKPOINTING,
     LLAMA,
     MESH_AXES,
     PRECISIONS,
@@ -32,6 +33,7 @@ from polyshard.trainer.config.sections import (
 __all__ = [
     "LLAMA",
     "MESH_AXES",
+    "CHECKPOINTING",
     "PRECISIONS",
     "PRESETS",
     "SCHEDULES",

@@ -39,6 +39,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
+CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
 SCHEDULE_KINDS = ("cosine", "linear", "constant", "wsd")  # the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -295,8 +296,10 @@ class TrainingConfig:
     """Seeds the weights, the data order and dropout."""
     precision: str = "fp32"
     """fp32, or bf16 autocast compute with fp32 master weights."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass."""
+    activation_checkpointing: bool | str = False
+    """Recompute activations in the backward pass: 'full' (each block keeps its input alone), 'selective'
+    (blocks keep their matmul and attention outputs and recompute norms, activations and rope), or false.
+    true means 'full' (what it meant before 'selective' existed)."""
     eval_every: int = 50
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_batches: int = 4
@@ -318,6 +321,9 @@ class TrainingConfig:
         for name in ("steps", "global_batch_size"):
             _check_positive(f"training.{name}", getattr(self, name))
         _check_choice("training.precision", self.precision, PRECISIONS)
+        if isinstance(self.activation_checkpointing, bool):  # true, in older configs and checkpoints: full
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else False)
+        _check_choice("training.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
         _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _check_choice("training.schedule", self.schedule, SCHEDULE_KINDS)
         _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
@@ -532,6 +538,6 @@ def _check_at_least(name: str, value: float, low: float) -> None:
         raise ConfigError(f"{name}={value!r} must be >= {low}")
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+def _check_choice(name: str, value: Any, choices: Sequence[object]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r}; choose one of {list(choices)}")

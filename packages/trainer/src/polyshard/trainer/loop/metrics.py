@@ -1,8 +1,9 @@
 """What a run writes next to its checkpoints: metrics.jsonl, loss.png, and the progress line.
 
 Rank 0 alone writes; every line of ``metrics.jsonl`` is one JSON object
-(step, loss, grad_norm, lr, tokens_per_s, mfu, peak memory per rank, and
-val_loss/accuracy when evaluated). With ``logging.tensorboard`` the same
+(step, loss, grad_norm, lr, tokens_per_s, model_flops_per_token,
+achieved_tflops_per_rank, mfu with its peak_tflops and peak_source (:mod:`.mfu`), peak memory per
+rank, and val_loss/accuracy when evaluated). With ``logging.tensorboard`` the same
 records go to ``tensorboard/`` as scalars too.
 """
 
@@ -97,7 +98,7 @@ class TensorBoardScalars:
 
 
 class Progress:
-    """A one-line progress bar on rank 0: step, loss, tokens/s and ETA."""
+    """A one-line progress bar on rank 0: step, loss, tokens/s, MFU and ETA."""
 
     def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0, interactive: bool | None = None):
         self.total, self.enabled, self.start_step = total_steps, enabled, start_step
@@ -107,14 +108,15 @@ class Progress:
         self.interactive = sys.stdout.isatty() if interactive is None else interactive
         self.every = max(1, total_steps // 20)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None = None) -> None:
         if not self.enabled:
             return
         done = step + 1 - self.start_step
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (self.total - step - 1)
         last = step + 1 == self.total
-        text = f"step {step + 1}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s eta {eta:5.0f}s"
+        utilisation = f" mfu {mfu:.1%}" if mfu is not None else ""
+        text = f"step {step + 1}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s{utilisation} eta {eta:5.0f}s"
         if not self.interactive:
             if last or (step + 1) % self.every == 0:
                 print(text, flush=True)

@@ -39,6 +39,7 @@ from polyshard.trainer.loop.evaluate import evaluate_batches
 from polyshard.trainer.loop.hooks import FaultInjection, Hook, ReplicaCheck
 from polyshard.trainer.loop.integrity import weights_finite
 from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
+from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
@@ -57,9 +58,15 @@ class RunResult:
     val_loss: float | None = None
     accuracy: float | None = None
     sample: str | None = None
+    speed: dict[str, float | str] = field(default_factory=dict)
+    """The median step's tokens/s, model FLOPs per token, achieved TFLOP/s per rank, MFU and its peak."""
 
     def summary(self, step: int) -> str:
         parts = [f"final step={step}", f"loss={self.losses[-1]:.4f}"]
+        if "tokens_per_s" in self.speed:
+            parts.append(f"tokens_per_s={self.speed['tokens_per_s']:,.0f}")
+        if "mfu" in self.speed:
+            parts.append(f"mfu={self.speed['mfu']:.1%} of {self.speed['peak_tflops']:.3g} TFLOP/s per rank")
         if self.val_loss is not None:
             parts.append(f"val_loss={self.val_loss:.4f}")
         if self.accuracy is not None:
@@ -155,7 +162,9 @@ class Trainer:
         flops_per_token = model_flops_per_token(
             parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
         )
-        self.flops_per_step = self.tokens_per_step * flops_per_token
+        # Measuring the peak is collective and takes ~0.2 s: only runs that log (every rank has the same `log`).
+        peak = resolve_peak(config.logging.peak_tflops, train.precision, self.engine.device) if log else None
+        self.utilisation = Utilisation(flops_per_token, self.tokens_per_step, dist.get_world_size(), peak)
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         # The run's tokenizer is saved with every checkpoint, so the weights keep their meaning.
         self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
@@ -243,9 +252,7 @@ class Trainer:
         before = len(record)
         self._call("after_step", step, seconds, record)
         hooked = len(record) > before
-        peak_tflops = self.config.logging.peak_tflops
-        if peak_tflops:
-            record["mfu"] = self.flops_per_step / seconds / (peak_tflops * 1e12 * dist.get_world_size())
+        record.update(self.utilisation.fields(seconds))
         return record, hooked
 
     def evaluate(self) -> dict[str, float]:
@@ -268,7 +275,7 @@ class Trainer:
             self.metrics.write(record)
         elif self.nonfinite:
             self.metrics.write(record)  # a skipped step is always on record
-        self.progress.update(step - 1, record["loss"], record["tokens_per_s"])
+        self.progress.update(step - 1, record["loss"], record["tokens_per_s"], record.get("mfu"))
 
     def _stop_if_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         train = self.config.training
@@ -327,6 +334,7 @@ class Trainer:
         if self.saver is not None:
             self.saver.wait()
         self.metrics.close()
+        self.result.speed = self.utilisation.summary()
         train = self.config.training
         generates = spec_of(self.config.model).task.generates_text
         if self.end == train.steps and generates and train.sample_tokens and self.rank0:

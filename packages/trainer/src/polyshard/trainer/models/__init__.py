@@ -47,13 +47,14 @@ def build_model(
     seed: int = 0,
     layers: Collection[int] | None = None,
     device: torch.device | str = "cpu",
-    checkpoint_activations: bool = False,
+    checkpoint_activations: bool | str = False,
     aux_loss_scale: float = 1.0,
 ) -> nn.Module:
     """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
 
-    ``checkpoint_activations``: blocks recompute their insides in backward. ``aux_loss_scale``: the
-    gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several).
+    ``checkpoint_activations``: blocks recompute their insides in backward ("full" or "selective").
+    ``aux_loss_scale``: the gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates
+    several).
     """
     spec = spec_of(config)
     spec.check_model(config)  # a model is built only from settings its family accepts

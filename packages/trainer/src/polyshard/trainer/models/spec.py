@@ -41,8 +41,8 @@ from polyshard.trainer.models.tasks import Task
 
 @dataclass(frozen=True)
 class BuildOptions:
-    checkpoint_activations: bool = False
-    """Blocks recompute their insides in backward."""
+    checkpoint_activations: bool | str = False
+    """Blocks recompute their insides in backward: "full" (or True), "selective", or False."""
     aux_loss_scale: float = 1.0
     """The gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several)."""
 

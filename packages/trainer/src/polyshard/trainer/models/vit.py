@@ -67,7 +67,7 @@ class ViT(nn.Module):
         num_heads: int,
         mlp_ratio: int = 4,
         dropout: float = 0.0,
-        checkpoint_activations: bool = False,
+        checkpoint_activations: bool | str = False,
         norm_eps: float = 1e-5,
     ):
         super().__init__()

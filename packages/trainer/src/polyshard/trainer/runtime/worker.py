@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         last = config.training.last_step
         summary = result.summary(last)
         ended = "completed" if last == config.training.steps else f"stopped at step {last} (training.stop_at)"
-        _write_summary(out, {"ended": ended, "losses": result.losses, "summary": summary})
+        _write_summary(out, {"ended": ended, "losses": result.losses, **result.speed, "summary": summary})
         print(summary, flush=True)
     heartbeat.stop()
     dist.barrier()

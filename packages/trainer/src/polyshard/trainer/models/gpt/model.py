@@ -79,7 +79,7 @@ class GPT(nn.Module):
         mlp_ratio: int = 4,
         tie_embeddings: bool = False,
         dropout: float = 0.0,
-        checkpoint_activations: bool = False,
+        checkpoint_activations: bool | str = False,
         norm: str = "layer",
         activation: str = "gelu",
         positions: str = "learned",
