@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,24 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     async_op: bool = False,
 ) -> dist.Work | None:
-    """In-place all-reduce; returns the work handle when ``async_op``."""
+    """In-place all-reduce; returns the work handle when ``async_op``. Over a group of one rank the
+    result is the tensor itself (a sum, average, min or max of one value), so no collective runs: on
+    a busy machine even that costs a wake-up of the backend's thread, and a pipeline without data
+    parallelism would pay it every step (its dp and replica groups hold one rank)."""
     record("all_reduce", group, _nbytes(tensor))
+    if dist.get_world_size(group) == 1:
+        return _DONE if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+
+class _Done(dist.Work):
+    """The handle of a collective that had nothing to do: already complete."""
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 class PendingCollective:

@@ -222,7 +222,8 @@ class DataParallel(BucketShards, nn.Module):
     def _on_grad_ready(self, queue: int, param: nn.Parameter) -> None:
         """``param``'s gradient of this backward is final: launch the buckets of ``self.queues[queue]`` that
         are complete now."""
-        self._grads_pending = True
+        if not self._grads_pending:  # read first: a write goes through nn.Module.__setattr__, slow per parameter
+            self._grads_pending = True
         if not self._sync_enabled:
             return  # no_sync: let the gradient accumulate in param.grad
         bucket, index = self._where[id(param)]

@@ -118,6 +118,11 @@ class PipelineExecutor:
             i for i, s in enumerate(self.steps) if isinstance(s, Action) and s.kind.accumulates_weight_grads
         ]
         self.last_weight_step = weight_steps[-1] if weight_steps else -1
+        # Worked out once, not at every step: each step's timeline label and kind, each message's peer.
+        self.labels = [(str(step), span_kind(step)) for step in self.steps]
+        self.peer_ranks = {
+            op: self.peers[peer_of(schedule, op)] for s in self.steps if isinstance(s, Exchange) for op in s.ops
+        }
 
     def _split(self, tensor: torch.Tensor | None, what: str) -> list[torch.Tensor] | None:
         m = self.schedule.num_microbatches
@@ -160,7 +165,7 @@ class PipelineExecutor:
                 self._wait(step)
             else:
                 self._compute(step, index)
-            spans.append(Span(self.rank, str(step), span_kind(step), start, time.perf_counter()))
+            spans.append(Span(self.rank, *self.labels[index], start, time.perf_counter()))
         for handle, _ in self.pending_sends:
             for work in handle:
                 work.wait()
@@ -232,7 +237,7 @@ class PipelineExecutor:
         finish in the background (waited for at the end of the step); receives when a Wait needs them."""
         batch, tensors = [], []
         for op in step.ops:
-            peer = self.peers[peer_of(self.schedule, op)]
+            peer = self.peer_ranks[op]
             if op.kind.is_send:
                 tensor = self.mail.pop(op).contiguous()
                 record("send", self.group, tensor.numel() * tensor.element_size(), peer=peer)

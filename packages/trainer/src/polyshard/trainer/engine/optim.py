@@ -140,17 +140,34 @@ def clip_grad_norm(
     them: every element of the global model counts exactly once. ``copies``
     are gradients equal to counted ones that the records cannot tell apart
     (a pipeline's second copy of a tied weight): scaled alike, never counted.
-    Returns the norm before clipping.
+    Returns the norm before clipping. (The training step runs the same two halves,
+    :func:`local_squared_norm` and :func:`clip_to`, around an all-reduce it shares with the loss.)
     """
+    local = local_squared_norm(gradients, axis_sizes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ops.all_reduce(local)
+    total = float(local.sqrt())
+    clip_to(total, max_norm, [g for g, _ in gradients], copies)
+    return total
+
+
+@torch.no_grad()
+def local_squared_norm(
+    gradients: Sequence[tuple[torch.Tensor, TensorPlacement | None]], axis_sizes: dict[str, int]
+) -> torch.Tensor:
+    """This rank's part of the global squared gradient norm (float64, 0-d; see :func:`clip_grad_norm`):
+    summed over the world, every element of the global model counts once."""
     device = gradients[0][0].device if gradients else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=device)
     for grad, record in gradients:
         local += grad.detach().double().pow(2).sum() / _copies(record, axis_sizes)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        ops.all_reduce(local)
-    total = float(local.sqrt())
+    return local
+
+
+@torch.no_grad()
+def clip_to(total: float, max_norm: float, gradients: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]) -> None:
+    """Scale ``gradients`` and ``copies`` in place so that a global norm ``total`` becomes ``max_norm``
+    (nothing when it is within it, or ``max_norm`` is 0)."""
     if max_norm > 0 and total > max_norm:
         scale = max_norm / (total + 1e-6)
-        for grad in [g for g, _ in gradients] + list(copies):
-            grad.mul_(scale)
-    return total
+        torch._foreach_mul_([*gradients, *copies], scale)  # each element times scale, as grad.mul_ does

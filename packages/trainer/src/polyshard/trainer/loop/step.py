@@ -16,7 +16,7 @@ import torch
 from polyshard.collectives import ops
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.experts import keep_idle_experts
-from polyshard.trainer.engine.optim import clip_grad_norm
+from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import global_token_mean
@@ -39,16 +39,12 @@ def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:
     return cut(_tensors(batch)) if config.data.document_mask and cut is not None else None
 
 
-def data_rank_mean(engine: Engine, value: torch.Tensor | None) -> float:
-    """Average a per-replica value (a data rank's, or under cp its chunks') that only last-stage ranks
-    hold (tp ranks hold equal copies)."""
-    mesh, par = engine.mesh, engine.config.parallel
-    holder = engine.holds_last_stage and mesh.coord("tp") == 0
-    total = torch.tensor(
-        [float(value) if holder and value is not None else 0.0], dtype=torch.float64, device=engine.device
-    )
-    ops.all_reduce(total)
-    return float(total) / par.replicas
+def _loss_part(engine: Engine, value: torch.Tensor | None) -> torch.Tensor:
+    """This rank's part of the sum over replicas of ``value`` (float64, 0-d): the value on the one rank
+    per replica that counts it (last stage, tp rank 0), else 0."""
+    holder = engine.holds_last_stage and engine.mesh.coord("tp") == 0
+    part = float(value) if holder and value is not None else 0.0
+    return torch.tensor(part, dtype=torch.float64, device=engine.device)
 
 
 def train_step(
@@ -64,7 +60,7 @@ def train_step(
     over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.models.loss);
     the gradient norm before clipping), the same on every rank.
 
-    Both numbers come out of all-reduces, so every rank sees the same ones: when either is NaN or
+    Both numbers come out of one all-reduce, so every rank sees the same ones: when either is NaN or
     infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
     scale) and the caller decides whether to go on. No extra collective is needed to agree.
     ``before_zero_grad`` runs after the optimizer step while the gradients are still held (to measure them).
@@ -77,11 +73,16 @@ def train_step(
     replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
     with global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches):
-        loss = data_rank_mean(engine, engine.forward_backward(inputs, targets, segments))
+        local_loss = engine.forward_backward(inputs, targets, segments)
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
-    axis_sizes = engine.mesh.layout.as_dict()
-    grad_norm = clip_grad_norm(gradients, engine.config.training.grad_clip, axis_sizes, tied_copies)
+    # One all-reduce over the world gives every rank both numbers (the squared norm's parts first, as
+    # clip_grad_norm reduces them alone, then the loss's; each element is summed as it would be alone).
+    squared_norm = local_squared_norm(gradients, engine.mesh.layout.as_dict()).to(engine.device)
+    sums = torch.stack([squared_norm, _loss_part(engine, local_loss)])
+    ops.all_reduce(sums)
+    grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.config.parallel.replicas
+    clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
     if math.isfinite(loss) and math.isfinite(grad_norm):
         with keep_idle_experts(engine):
             for optimizer in engine.optimizers:
