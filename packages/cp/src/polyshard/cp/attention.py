@@ -82,6 +82,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) 
         )
 
 
+@torch.compiler.disable  # a graph break under torch.compile: the ring's sends and receives run eagerly
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -155,6 +155,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
+@torch.compiler.disable  # a graph break: its backward reorders async collectives (see the README)
 def column_parallel_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,

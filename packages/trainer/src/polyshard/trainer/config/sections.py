@@ -300,6 +300,9 @@ class TrainingConfig:
     """Recompute activations in the backward pass: 'full' (each block keeps its input alone), 'selective'
     (blocks keep their matmul and attention outputs and recompute norms, activations and rope), or false.
     true means 'full' (what it meant before 'selective' existed)."""
+    compile: bool = False
+    """torch.compile each transformer block (one compiled graph that every block reuses); collectives stay
+    eager at graph breaks. The first steps pay the compile time; metrics.jsonl records compiles."""
     eval_every: int = 50
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_batches: int = 4

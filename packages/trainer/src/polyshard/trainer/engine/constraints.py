@@ -8,6 +8,9 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 from __future__ import annotations
 
 import importlib
+import shutil
+
+import torch
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
@@ -34,6 +37,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_logging(config)
     _check_hf_checkpoints(config)
     _check_documents(config)
+    _check_compile(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -191,3 +195,21 @@ def _check_logging(config: Config) -> None:
                 "pip install 'polyshard-trainer[tensorboard]' (or pip install tensorboard), or set "
                 "logging.tensorboard = false"
             ) from err
+
+
+def _check_compile(config: Config) -> None:
+    """``training.compile`` needs dynamo on this Python and, for inductor's CPU code, a C++ compiler."""
+    if not config.training.compile:
+        return
+    import torch._dynamo  # only a compiled run needs dynamo loaded here
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError(
+            "training.compile = true, but torch.compile does not support this Python/torch build; "
+            "set training.compile = false (or drop --compile)"
+        )
+    if not torch.cuda.is_available() and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        raise ConfigError(
+            "training.compile = true on CPU needs a C++ compiler (inductor builds its kernels with one) and "
+            "none of g++, c++, clang++ is on PATH; install one (apt-get install g++) or set training.compile = false"
+        )

@@ -47,6 +47,7 @@ class MoEMLP(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         self.last_aux_loss = 0.0
 
+    @torch.compiler.disable  # eager under training.compile: reads the aux loss as a float (and see MoELayer)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, aux = self.moe(x)
         self.last_aux_loss = float(aux.detach())
