@@ -6,7 +6,6 @@ one-process test are long; every test shares one inductor cache (tests/conftest.
 once is a cache hit for every later test and worker.
 """
 
-import dataclasses
 import json
 
 import pytest
@@ -82,7 +81,9 @@ LAYOUTS = [
     pytest.param(2, "gpt", {"dp": 2, "zero_stage": 1}, {"precision": "bf16"}, id="dp2-zero1-bf16"),
     pytest.param(2, "gpt", {"tp": 2, "sequence_parallel": True}, {}, id="tp2-sp"),
     pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, {}, id="pp2-1f1b"),
-    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"activation_checkpointing": True}, id="pp2-zb-ac"),
+    pytest.param(
+        2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"activation_checkpointing": True}, id="pp2-zb-ac"
+    ),
     pytest.param(2, "gpt", {"cp": 2}, {}, id="cp2-ring"),
     pytest.param(2, "moe-gpt", {"ep": 2}, {}, id="ep2"),
 ]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.collectives import eager
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
@@ -67,7 +68,7 @@ class MoELayer(nn.Module):
     # Eager under torch.compile (a graph break): the dispatch's split sizes change every step and are read
     # as Python ints (all_to_all, the experts' grouped matmul, the metrics); compiled they would force a
     # recompile per step. The attention and norms of an MoE block still compile.
-    @torch.compiler.disable
+    @eager
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., H) -> ((..., H), scalar aux loss)."""
         cfg = self.config

@@ -11,9 +11,10 @@ Collectives are graph breaks at known places: each is ``torch.compiler.disable``
 layer's dispatch-compute-combine), so a compiled block is compiled pieces between eager collectives;
 the tp README says why (measured). Embeddings, heads and losses stay eager.
 
-:class:`~polyshard.trainer.loop.hooks.CompileLog` counts what dynamo did (frames compiled, recompiles, graph breaks, seconds) into
-``metrics.jsonl`` when it changes, and with the ``polyshard.trainer.compile`` logger at DEBUG, every
-graph break with its reason and source line.
+:class:`~polyshard.trainer.loop.hooks.CompileLog` counts what dynamo did (frames compiled, recompiles,
+graph breaks, seconds) into ``metrics.jsonl`` when it changes; with the ``polyshard.trainer.compile``
+logger at DEBUG it logs every graph break's reason, and torch's own graph-break and recompile logs
+(with their source lines) are switched on.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def compile_blocks(modules: Iterable[nn.Module]) -> int:
     torch._dynamo.reset()
     counters.clear()
     if log.isEnabledFor(logging.DEBUG):
-        torch._logging.set_logs(graph_breaks=True, recompiles=True)
+        torch._logging.set_logs(graph_breaks=True, recompiles=True)  # type: ignore[attr-defined]
     blocks = [m for module in modules for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
         # The bound method: one code object (Block.forward) for every block, so one cache entry serves all.

@@ -11,6 +11,7 @@ import importlib
 import shutil
 
 import torch
+from torch._dynamo.eval_frame import is_dynamo_supported
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
@@ -201,9 +202,7 @@ def _check_compile(config: Config) -> None:
     """``training.compile`` needs dynamo on this Python and, for inductor's CPU code, a C++ compiler."""
     if not config.training.compile:
         return
-    import torch._dynamo  # only a compiled run needs dynamo loaded here
-
-    if not torch._dynamo.is_dynamo_supported():
+    if not is_dynamo_supported():
         raise ConfigError(
             "training.compile = true, but torch.compile does not support this Python/torch build; "
             "set training.compile = false (or drop --compile)"

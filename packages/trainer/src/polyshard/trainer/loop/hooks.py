@@ -1,8 +1,9 @@
 """What runs beside the training step without being part of it: a :class:`Hook` is called at fixed
 points of every step, on every rank, in the order the trainer holds the hooks (so a hook may run a
 collective). The trainer's own: the profiler (:class:`~polyshard.trainer.loop.profiling.StepProfiler`),
-the plan check (:class:`~polyshard.trainer.loop.plan_check.PlanCheck`), :class:`ReplicaCheck` and
-:class:`FaultInjection`, and with ``training.compile`` :class:`CompileLog`. Steps are counted from 1, as the progress line and ``metrics.jsonl`` count them.
+the plan check (:class:`~polyshard.trainer.loop.plan_check.PlanCheck`), :class:`ReplicaCheck`,
+:class:`FaultInjection`, and with ``training.compile`` :class:`CompileLog`. Steps are counted from 1, as
+the progress line and ``metrics.jsonl`` count them.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class CompileLog(Hook):
             return
         record["compile"] = asdict(stats)
         if self.last is not None and stats.recompiles > self.last.recompiles:
-            compile_log.info("step %d recompiled (%d recompiles so far): see TORCH_LOGS=recompiles", step, stats.recompiles)
+            compile_log.info("step %d recompiled (%d so far): TORCH_LOGS=recompiles says why", step, stats.recompiles)
         self.last = stats
         reasons = graph_break_reasons()
         for reason, count in reasons.items():
