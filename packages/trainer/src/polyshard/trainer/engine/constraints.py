@@ -22,6 +22,9 @@ from polyshard.trainer.models import check_model, sequence_length, spec_of
 from polyshard.trainer.models.hf import family_of
 
 
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # schedules whose backward is split into B (input) and W (weight)
+
+
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first constraint ``config`` breaks."""
     model, par, train = config.model, config.parallel, config.training
@@ -56,6 +59,12 @@ def layout_notes(config: Config) -> list[str]:
     """What the layout does that the user may not expect (printed at launch and by --dry-run)."""
     model, tp = config.model, config.parallel.tp
     notes = []
+    if config.training.compile and config.parallel.schedule in SPLIT_BACKWARD:
+        notes.append(
+            f"training.compile with parallel.schedule={config.parallel.schedule!r}: a compiled block's backward is one "
+            "autograd node, so the split backward's W step runs it again whole (weight gradients cost a second "
+            "block backward); gradients are the same"
+        )
     if replicates_kv(model.kv_heads, tp):
         notes.append(
             f"tp={tp} is more than model.num_kv_heads={model.kv_heads}: each key/value head is computed on "
