@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,16 +58,6 @@ def blocks(num_blocks: int = 2, hidden: int = 256, heads: int = 8) -> nn.Sequent
     )
 
 
-def _time(step: Callable[[], None], iters: int) -> float:
-    """Seconds per call, the median of ``iters`` calls (the machine is shared: the median resists noise)."""
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x.view_as(x)
 
@@ -84,40 +74,36 @@ def break_at_collectives(model: nn.Module) -> None:
             module.register_forward_hook(lambda _m, _args, out: identity(out))
 
 
-def block_speed(iters: int = 10, batch: int = 8, seq: int = 128, split: bool = False) -> Row:
+def block_speed(iters: int = 10, batch: int = 8, seq: int = 128) -> list[Row]:
+    """Eager, compiled whole, and compiled with breaks at tp's collective places, timed in turns (one call
+    of each per round, the median over rounds): the machine is shared, and load that comes and goes then
+    falls on all three alike."""
     from polyshard.trainer.engine.compiling import compile_blocks
 
     eager = blocks()
-    compiled = copy.deepcopy(eager)
-    if split:
-        break_at_collectives(compiled)
+    whole, split = copy.deepcopy(eager), copy.deepcopy(eager)
+    break_at_collectives(split)
     x = torch.randn(batch, seq, 256)
 
-    def step(model: nn.Module) -> Callable[[], None]:
-        def run() -> None:
-            model(x.requires_grad_()).sum().backward()
+    def step(model: nn.Module) -> float:
+        start = time.perf_counter()
+        model(x.requires_grad_()).sum().backward()
+        return time.perf_counter() - start
 
-        return run
-
-    step(eager)()  # warm-up
-    eager_s = _time(step(eager), iters)
-    compile_blocks([compiled])
-    start = time.perf_counter()
-    step(compiled)()  # compiles (or loads from the inductor cache)
-    compile_s = time.perf_counter() - start
-    compiled_s = _time(step(compiled), iters)
-    per_block = len(eager)
-    what = f"{per_block} Llama blocks fwd+bwd (h256, 8 heads, {batch}x{seq})"
-    if split:
-        what = "the same, graph breaks at tp's 4 collective places"
-    return Row(
-        what,
-        eager_s * 1e3 / per_block,
-        compiled_s * 1e3 / per_block,
-        "ms/block",
-        compile_s,
-        eager_s / compiled_s,
-    )
+    step(eager)  # warm-up
+    compile_blocks([whole, split])
+    first = {"whole": step(whole), "split": step(split)}  # compiles (or loads from the inductor cache)
+    times: dict[str, list[float]] = {"eager": [], "whole": [], "split": []}
+    for _ in range(iters):
+        for name, model in (("eager", eager), ("whole", whole), ("split", split)):
+            times[name].append(step(model))
+    ms = {name: statistics.median(t) * 1e3 / len(eager) for name, t in times.items()}
+    what = f"{len(eager)} Llama blocks fwd+bwd (h256, 8 heads, {batch}x{seq}), per block"
+    split_what = "the same, graph breaks at tp's 4 collective places"
+    return [
+        Row(what, ms["eager"], ms["whole"], "ms", first["whole"], ms["eager"] / ms["whole"]),
+        Row(split_what, ms["eager"], ms["split"], "ms", first["split"], ms["eager"] / ms["split"]),
+    ]
 
 
 def _train(config: Path, out: Path, steps: int, compiled: bool) -> list[dict[str, Any]]:
@@ -176,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip-demo", action="store_true")
     args = parser.parse_args(argv)
-    rows = [block_speed(args.iters), block_speed(args.iters, split=True)]
+    rows = block_speed(args.iters)
     print(report(rows), flush=True)
     if not args.skip_demo:
         with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,6 @@ from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import check_model, sequence_length, spec_of
 from polyshard.trainer.models.hf import family_of
 
-
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # schedules whose backward is split into B (input) and W (weight)
 
 
