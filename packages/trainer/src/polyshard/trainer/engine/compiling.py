@@ -3,8 +3,10 @@
 Every :class:`~polyshard.tp.transformer.Block` gets its ``forward`` replaced by ``torch.compile`` of it
 (as torchtitan compiles each block). Dynamo keys its cache by code object, and every block runs the same
 ``Block.forward``, so the first block compiles and the others reuse its graph: compile time does not
-grow with depth. Only the forward is compiled, never ``__call__``, so module hooks (ZeRO-3's gather
-and free, tp's entry collective) stay outside and run eagerly as before.
+grow with depth. Only the forward is compiled, never ``__call__``, so a block's own hooks (ZeRO-3's
+gather and free, tp's sequence split) stay outside and run eagerly as before. Hooks on modules inside a
+block (tp's attention entry) are traced, and dynamo does not guard on hooks: blocks are compiled after
+every strategy has set its hooks, and every block carries the same ones.
 
 Collectives are graph breaks at known places: each is ``torch.compiler.disable``-d where it is defined
 (polyshard.collectives' autograd functions, tp's overlapped column matmul, cp's attention, the MoE
