@@ -27,7 +27,7 @@ TIMEOUT_S = 600
 LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
 
 
-def _config(corpus, kind="gpt", compiled=False, training=None, **parallel):
+def _config(corpus, kind="gpt", compiled=False, training=None, document_mask=False, **parallel):
     return from_dict(
         {
             "model": {"kind": kind, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **LLAMA},
@@ -41,7 +41,7 @@ def _config(corpus, kind="gpt", compiled=False, training=None, **parallel):
                 "compile": compiled,
                 **(training or {}),
             },
-            "data": {"source": corpus},
+            "data": {"source": corpus, "document_mask": document_mask},
             "logging": {"progress_bar": False},
         }
     )
@@ -57,6 +57,7 @@ def eager(distributed, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("eager")
     refs = {kind: distributed.run(1, _train, _config(corpus, kind), out)[0][0] for kind in ("gpt", "moe-gpt")}
     refs["gpt-bf16"] = distributed.run(1, _train, _config(corpus, training={"precision": "bf16"}), out)[0][0]
+    refs["gpt-documents"] = distributed.run(1, _train, _config(corpus, document_mask=True), out)[0][0]
     return refs
 
 
@@ -85,6 +86,8 @@ LAYOUTS = [
         2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"activation_checkpointing": True}, id="pp2-zb-ac"
     ),
     pytest.param(2, "gpt", {"cp": 2}, {}, id="cp2-ring"),
+    # Document masking: each microbatch's documents are set on the blocks around its forward.
+    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "document_mask": True}, {}, id="pp2-documents"),
     pytest.param(2, "moe-gpt", {"ep": 2}, {}, id="ep2"),
 ]
 
@@ -95,11 +98,12 @@ def test_compiled_layouts_match_eager_one_process(
     distributed, corpus, eager, tmp_path, world, kind, parallel, training
 ):
     config = _config(corpus, kind, compiled=True, training=training, **parallel)
+    documents = parallel.get("document_mask", False)
     results = distributed.run(world, _train, config, tmp_path, timeout_s=TIMEOUT_S)
     bf16 = training.get("precision") == "bf16"
     rtol = MOE_RTOL if kind == "moe-gpt" else COMPILE_RTOL
     if bf16:
         rtol = 2e-2  # bf16 compute: eager and compiled round at different places (a bf16 ulp is ~4e-3)
     for numbers, compiled in results:
-        _check(numbers, eager["gpt-bf16" if bf16 else kind], rtol)
+        _check(numbers, eager["gpt-bf16" if bf16 else "gpt-documents" if documents else kind], rtol)
         assert compiled is not None and "recompiles" in compiled, compiled

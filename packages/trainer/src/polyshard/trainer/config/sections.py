@@ -37,6 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # backward split into B (input gradient) and W (weights)
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointing, least recompute first

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch._dynamo
+import torch._functorch.config
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 
@@ -35,13 +36,16 @@ from polyshard.tp.transformer import Block
 log = logging.getLogger("polyshard.trainer.compile")
 
 
-def compile_blocks(modules: Iterable[nn.Module]) -> int:
+def compile_blocks(modules: Iterable[nn.Module], *, retain_graph: bool = False) -> int:
     """Compile the forward of every transformer block in ``modules``; returns how many.
 
     Dynamo's caches and counters are reset first: a process that runs several jobs (a test worker)
-    starts each with no compiled code and no recompile budget used by another model."""
+    starts each with no compiled code and no recompile budget used by another model. ``retain_graph``:
+    a backward will run twice over the same graph (a zero-bubble split: B, then W from the same node),
+    so AOTAutograd must not free saved tensors into the backward's outputs (its donated buffers)."""
     torch._dynamo.reset()
     counters.clear()
+    torch._functorch.config.donated_buffer = not retain_graph
     if log.isEnabledFor(logging.DEBUG):
         torch._logging.set_logs(graph_breaks=True, recompiles=True)  # type: ignore[attr-defined]
     blocks = [m for module in modules for m in module.modules() if isinstance(m, Block)]

@@ -17,11 +17,10 @@ from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
+from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import check_model, sequence_length, spec_of
 from polyshard.trainer.models.hf import family_of
-
-SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # schedules whose backward is split into B (input) and W (weight)
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
