@@ -10,11 +10,20 @@
 Workers of each world size are started once per session and reused.
 """
 
+import os
 import random
+import tempfile
 
 import pytest
 
 from polyshard.mesh.testing import PoolCache
+
+# One inductor cache for every compile test (training.compile), in this process and the worker processes it
+# spawns (they inherit the environment): a block graph compiled once is a cache hit for every later test, and
+# for the next session too. Kept apart from a user's own cache; set TORCHINDUCTOR_CACHE_DIR to choose another.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"polyshard-tests-inductor-{os.getuid()}")
+)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """`polyshard train` checks the config before starting anything; `--dry-run` prints the plan."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,15 @@ def test_inspect_of_a_run_falls_back_past_a_corrupt_newest_checkpoint(distribute
     assert f"skipping {newer}" in result.stderr and f"checkpoint {older}" in result.stdout
     named = subprocess.run(POLYSHARD + ["inspect", str(newer)], capture_output=True, text=True, timeout=120)
     assert named.returncode == 2  # a step folder named by the user is taken as named, never replaced
+
+
+def test_compile_needs_a_cpp_compiler_and_says_so_before_any_process(tmp_path):
+    """--compile is training.compile; on a CPU without a C++ compiler inductor cannot build kernels."""
+    config = ROOT / "apps/configs/gpt-tiny-dp.toml"
+    cmd = POLYSHARD + ["train", str(config), "--compile", "--out", str(tmp_path / "run")]
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(empty)})
+    assert result.returncode == 2, result.stderr
+    assert "config error: training.compile = true on CPU needs a C++ compiler" in result.stderr
+    assert not (tmp_path / "run").exists()

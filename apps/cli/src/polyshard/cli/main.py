@@ -152,6 +152,22 @@ def bench_checkpoint(
     raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.save_stall", []))
 
 
+@bench_app.command("compile")
+def bench_compile(
+    iters: int = typer.Option(10, "--iters", min=1, help="Timed block forward + backward passes (the median)."),
+    config: Path = typer.Option(
+        Path("apps/configs/gpt-shakespeare-3d.toml"), "--config", help="The job trained eager and compiled."
+    ),
+    steps: int = typer.Option(20, "--steps", min=4, help="Training steps of each run."),
+    skip_demo: bool = typer.Option(False, "--skip-demo", help="Time the blocks only."),
+) -> None:
+    """Compiled over eager (training.compile): one block's forward + backward, and the demo's tokens/s."""
+    from polyshard.planner.benchmarks import compile_speed
+
+    args = ["--iters", str(iters), "--config", str(config), "--steps", str(steps)]
+    raise typer.Exit(compile_speed.main(args + (["--skip-demo"] if skip_demo else [])))
+
+
 @bench_app.command("plan")
 def bench_plan(
     profile: str | None = typer.Option(

@@ -33,6 +33,12 @@ def train(
         help="End at this step with a checkpoint, keeping the schedule of training.steps (a preemption window); "
         "--resume later continues exactly as an uninterrupted run.",
     ),
+    compiled: bool = typer.Option(
+        False,
+        "--compile",
+        help="torch.compile each transformer block (sets training.compile = true); the first steps pay the "
+        "compile time, metrics.jsonl records compiles and recompiles.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
     layout: str = typer.Option(
         "manual",
@@ -59,6 +65,8 @@ def train(
         raise typer.BadParameter(f"{layout!r}: choose manual or auto", param_hint="--layout")
     if stop_at is not None:
         overrides = [*overrides, f"training.stop_at={stop_at}"]
+    if compiled:
+        overrides = [*overrides, "training.compile=true"]
     out = out or Path("runs") / config.stem
     try:
         nodes = _nodes(torchrun)

@@ -10,6 +10,7 @@ from polyshard.collectives.autograd import (
     scatter_to,
 )
 from polyshard.collectives.errors import CollectiveError
+from polyshard.collectives.graph_break import eager
 from polyshard.collectives.ledger import CommLedger
 from polyshard.collectives.p2p import (
     PendingExchange,
@@ -28,6 +29,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "copy_to",
+    "eager",
     "exchange",
     "gather_from",
     "post_exchange",

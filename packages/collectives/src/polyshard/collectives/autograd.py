@@ -20,6 +20,10 @@ gradient row back to the rank its input row came from (the reverse exchange).
 
 All take ``group=None`` for the world; on a group of size 1 every one of them
 is the identity.
+
+Under ``torch.compile`` each is a graph break (:func:`~polyshard.collectives.graph_break.eager`): it runs eagerly, as
+written, between compiled pieces; polyshard-tp's README says why (measured) rather than tracing
+them as functional collectives.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
+from polyshard.collectives.graph_break import eager
 
 
 # ctx is Any in every Function here: forward keeps its arguments on it as attributes,
@@ -142,36 +147,43 @@ def _trivial(group: dist.ProcessGroup | None) -> bool:
     return dist.get_world_size(group) == 1
 
 
+@eager
 def copy_to(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward."""
     return x if _trivial(group) else _CopyTo.apply(x, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def reduce_from(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-reduce (sum) forward; identity backward."""
     return x if _trivial(group) else _ReduceFrom.apply(x, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def gather_from(x: torch.Tensor, dim: int = -1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather along ``dim`` forward; keep this rank's piece of the gradient backward."""
     return x if _trivial(group) else _GatherFrom.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def scatter_to(x: torch.Tensor, dim: int = -1, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Keep this rank's piece along ``dim`` forward; all-gather the gradient backward."""
     return x if _trivial(group) else _ScatterTo.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def reduce_scatter(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward; all-gather backward (sequence-parallel exit)."""
     return x if _trivial(group) else _ReduceScatter.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def all_gather(x: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather along ``dim`` forward; reduce-scatter backward (sequence-parallel entry)."""
     return x if _trivial(group) else _AllGather.apply(x, dim, group)  # type: ignore[no-untyped-call]
 
 
+@eager
 def all_to_all(
     x: torch.Tensor,
     output_split_sizes: Sequence[int],

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.collectives import eager
 from polyshard.cp.allgather import allgather_attention
 from polyshard.cp.errors import ContextParallelError
 from polyshard.cp.ring import ring_attention
@@ -82,6 +83,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) 
         )
 
 
+@eager  # a graph break under torch.compile: the ring's sends and receives run eagerly
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.collectives import eager
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
@@ -64,6 +65,10 @@ class MoELayer(nn.Module):
         :meth:`take_rows_seen` (from every ep rank, after capacity drops): an expert at 0
         took no part in the step, and a trainer can leave it exactly as it was."""
 
+    # Eager under torch.compile (a graph break): the dispatch's split sizes change every step and are read
+    # as Python ints (all_to_all, the experts' grouped matmul, the metrics); compiled they would force a
+    # recompile per step. The attention and norms of an MoE block still compile.
+    @eager
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., H) -> ((..., H), scalar aux loss)."""
         cfg = self.config

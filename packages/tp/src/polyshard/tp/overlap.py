@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from polyshard.collectives import ops
+from polyshard.collectives import eager, ops
 from polyshard.tp.errors import TPError
 from polyshard.tp.regions import enter_region
 
@@ -155,6 +155,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
+@eager  # a graph break: its backward reorders async collectives (see the README)
 def column_parallel_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from polyshard.tp.recompute import checkpoint_mode, selective_contexts
 
@@ -306,8 +306,12 @@ class Block(nn.Module):
         documents = self.documents
         mode = self.checkpoint_activations
         if mode is not None and torch.is_grad_enabled():
-            context = selective_contexts if mode == "selective" else noop_context_fn
-            return checkpoint(self._forward, x, documents, use_reentrant=False, context_fn=context)  # type: ignore[no-any-return]
+            if mode == "selective":
+                return checkpoint(  # type: ignore[no-any-return]
+                    self._forward, x, documents, use_reentrant=False, context_fn=selective_contexts
+                )
+            # No context_fn for "full" (the default no-op): torch.compile traces checkpoint only without one.
+            return checkpoint(self._forward, x, documents, use_reentrant=False)  # type: ignore[no-any-return]
         return self._forward(x, documents)
 
     def _forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:

@@ -37,6 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
+SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # backward split into B (input gradient) and W (weights)
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
@@ -300,6 +301,9 @@ class TrainingConfig:
     """Recompute activations in the backward pass: 'full' (each block keeps its input alone), 'selective'
     (blocks keep their matmul and attention outputs and recompute norms, activations and rope), or false.
     true means 'full' (what it meant before 'selective' existed)."""
+    compile: bool = False
+    """torch.compile each transformer block (one compiled graph that every block reuses); collectives stay
+    eager at graph breaks. The first steps pay the compile time; metrics.jsonl records compiles."""
     eval_every: int = 50
     """Evaluate on the validation split every N steps (0 disables)."""
     eval_batches: int = 4

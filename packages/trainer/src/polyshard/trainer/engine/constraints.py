@@ -8,11 +8,16 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 from __future__ import annotations
 
 import importlib
+import shutil
+
+import torch
+from torch._dynamo.eval_frame import is_dynamo_supported
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
+from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import check_model, sequence_length, spec_of
 from polyshard.trainer.models.hf import family_of
@@ -34,6 +39,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_logging(config)
     _check_hf_checkpoints(config)
     _check_documents(config)
+    _check_compile(config)
     spec = spec_of(model)
     spec.check(config)  # the family's own constraints
     spec.task.check_config(config)
@@ -51,6 +57,12 @@ def layout_notes(config: Config) -> list[str]:
     """What the layout does that the user may not expect (printed at launch and by --dry-run)."""
     model, tp = config.model, config.parallel.tp
     notes = []
+    if config.training.compile and config.parallel.schedule in SPLIT_BACKWARD:
+        notes.append(
+            f"training.compile with parallel.schedule={config.parallel.schedule!r}: a compiled block's backward is one "
+            "autograd node, so the split backward's W step runs it again whole (weight gradients cost a second "
+            "block backward); gradients are the same"
+        )
     if replicates_kv(model.kv_heads, tp):
         notes.append(
             f"tp={tp} is more than model.num_kv_heads={model.kv_heads}: each key/value head is computed on "
@@ -191,3 +203,19 @@ def _check_logging(config: Config) -> None:
                 "pip install 'polyshard-trainer[tensorboard]' (or pip install tensorboard), or set "
                 "logging.tensorboard = false"
             ) from err
+
+
+def _check_compile(config: Config) -> None:
+    """``training.compile`` needs dynamo on this Python and, for inductor's CPU code, a C++ compiler."""
+    if not config.training.compile:
+        return
+    if not is_dynamo_supported():
+        raise ConfigError(
+            "training.compile = true, but torch.compile does not support this Python/torch build; "
+            "set training.compile = false (or drop --compile)"
+        )
+    if not torch.cuda.is_available() and not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+        raise ConfigError(
+            "training.compile = true on CPU needs a C++ compiler (inductor builds its kernels with one) and "
+            "none of g++, c++, clang++ is on PATH; install one (apt-get install g++) or set training.compile = false"
+        )

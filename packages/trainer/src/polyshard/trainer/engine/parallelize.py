@@ -54,6 +54,8 @@ from polyshard.tp import (
     parallelize as tp_parallelize,
 )
 from polyshard.trainer.config import Config
+from polyshard.trainer.config.sections import SPLIT_BACKWARD
+from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
 from polyshard.trainer.engine.documents import StageDocuments, documents_of
 from polyshard.trainer.engine.optim import param_groups
@@ -351,6 +353,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
     wrappers = {s: _wrap_data_parallel(stage, config, mesh) for s, stage in stages.items()}
+    if config.training.compile:
+        # After every strategy has replaced its modules and set its hooks: only block forwards compile.
+        compile_blocks(stages.values(), retain_graph=par.schedule in SPLIT_BACKWARD)
     optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases)) for s, w in wrappers.items()]
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules

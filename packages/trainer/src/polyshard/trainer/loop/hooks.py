@@ -1,16 +1,20 @@
 """What runs beside the training step without being part of it: a :class:`Hook` is called at fixed
 points of every step, on every rank, in the order the trainer holds the hooks (so a hook may run a
 collective). The trainer's own: the profiler (:class:`~polyshard.trainer.loop.profiling.StepProfiler`),
-the plan check (:class:`~polyshard.trainer.loop.plan_check.PlanCheck`), :class:`ReplicaCheck` and
-:class:`FaultInjection`. Steps are counted from 1, as the progress line and ``metrics.jsonl`` count them.
+the plan check (:class:`~polyshard.trainer.loop.plan_check.PlanCheck`), :class:`ReplicaCheck`,
+:class:`FaultInjection`, and with ``training.compile`` :class:`CompileLog`. Steps are counted from 1, as
+the progress line and ``metrics.jsonl`` count them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
+from polyshard.trainer.engine.compiling import CompileStats, compile_stats, graph_break_reasons
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.loop.faults import inject
 from polyshard.trainer.loop.integrity import check_replicas
@@ -43,6 +47,9 @@ class Hook:
 
     def end_step(self, step: int) -> None:
         """After the step's metrics, evaluation and checkpoint."""
+
+
+compile_log = logging.getLogger("polyshard.trainer.compile")
 
 
 class ReplicaCheck(Hook):
@@ -78,3 +85,26 @@ class FaultInjection(Hook):
 
     def after_save(self, step: int) -> None:
         inject("saved", step, self.rank)
+
+
+class CompileLog(Hook):
+    """Adds ``compile`` (a :class:`CompileStats`) to a step's metrics when it changed: the first step's
+    compiles, then only a recompile shows up. Logs each graph break's reason at DEBUG."""
+
+    def __init__(self) -> None:
+        self.last: CompileStats | None = None
+        self.reasons: dict[str, int] = {}
+
+    def after_step(self, step: int, seconds: float, record: dict[str, Any]) -> None:
+        stats = compile_stats()
+        if self.last is not None and stats.frames == self.last.frames:
+            return
+        record["compile"] = asdict(stats)
+        if self.last is not None and stats.recompiles > self.last.recompiles:
+            compile_log.info("step %d recompiled (%d so far): TORCH_LOGS=recompiles says why", step, stats.recompiles)
+        self.last = stats
+        reasons = graph_break_reasons()
+        for reason, count in reasons.items():
+            if reason not in self.reasons:
+                compile_log.debug("graph break (%d so far at step %d): %s", count, step, reason)
+        self.reasons = reasons

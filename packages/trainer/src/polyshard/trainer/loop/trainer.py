@@ -32,11 +32,12 @@ from polyshard.trainer.checkpointing.export import consolidate
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine import compiling
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.loop.evaluate import evaluate_batches
-from polyshard.trainer.loop.hooks import FaultInjection, Hook, ReplicaCheck
+from polyshard.trainer.loop.hooks import CompileLog, FaultInjection, Hook, ReplicaCheck
 from polyshard.trainer.loop.integrity import weights_finite
 from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
 from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
@@ -60,6 +61,7 @@ class RunResult:
     sample: str | None = None
     speed: dict[str, float | str] = field(default_factory=dict)
     """The median step's tokens/s, model FLOPs per token, achieved TFLOP/s per rank, MFU and its peak."""
+    compiled: str | None = None  # training.compile: what dynamo did (engine.compiling.summary)
 
     def summary(self, step: int) -> str:
         parts = [f"final step={step}", f"loss={self.losses[-1]:.4f}"]
@@ -71,6 +73,8 @@ class RunResult:
             parts.append(f"val_loss={self.val_loss:.4f}")
         if self.accuracy is not None:
             parts.append(f"accuracy={self.accuracy:.4f}")
+        if self.compiled is not None:
+            parts.append(self.compiled)
         return " ".join(parts)
 
 
@@ -176,6 +180,7 @@ class Trainer:
             PlanCheck(prediction, self.engine, self.start, verbose=self.verbose),  # a planned run
             ReplicaCheck(self.engine, train.consistency_every),
             FaultInjection(mesh.rank),  # POLYSHARD_FAULT
+            *([CompileLog()] if train.compile else []),  # training.compile: compiles and recompiles
             *hooks,
         ]
 
@@ -336,6 +341,8 @@ class Trainer:
         self.metrics.close()
         self.result.speed = self.utilisation.summary()
         train = self.config.training
+        if train.compile:
+            self.result.compiled = compiling.summary()
         generates = spec_of(self.config.model).task.generates_text
         if self.end == train.steps and generates and train.sample_tokens and self.rank0:
             # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
@@ -47,6 +48,7 @@ class MoEMLP(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         self.last_aux_loss = 0.0
 
+    @eager  # eager under training.compile: reads the aux loss as a float (and see MoELayer)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, aux = self.moe(x)
         self.last_aux_loss = float(aux.detach())
