@@ -141,6 +141,12 @@ def _check_exact(config, results):
         torch.testing.assert_close(grad[tuple(slice(0, s) for s in ref.shape)], ref, rtol=TOL, atol=TOL, msg=name)
 
 
+# selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
+SELECTIVE = [
+    pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
+                 id="pp2-zbh1-selective"),
+    pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
+]  # fmt: skip
 LAYOUTS = [
     pytest.param(1, {}, id="one-process"),
     pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
@@ -149,13 +155,7 @@ LAYOUTS = [
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     pytest.param(2, {"cp": 2}, id="cp2-ring"),
     pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
-    # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
-    pytest.param(
-        2,
-        {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
-        id="pp2-zbh1-selective",
-    ),  # fmt: skip
-    pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
+    *SELECTIVE,
     pytest.param(8, {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}, id="dp2xcp2xtp2", marks=pytest.mark.long),
 ]
 
@@ -193,13 +193,7 @@ def _masked_and_plain(config):
         pytest.param(1, {}, id="one-process"),
         pytest.param(2, {"cp": 2}, id="cp2-ring"),
         pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
-        # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
-        pytest.param(
-            2,
-            {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
-            id="pp2-zbh1-selective",
-        ),  # fmt: skip
-        pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
+        *SELECTIVE,
     ],
 )
 def test_one_document_per_row_is_bitwise_the_plain_causal_run(distributed, world, parallel, llama):

@@ -71,10 +71,6 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
         self._thread.start()
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def wait(self) -> Path | None:
         """Until the save in flight is published; its folder (None if none was made). Re-raises its error."""
         if self._thread is not None:

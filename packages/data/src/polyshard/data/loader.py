@@ -62,10 +62,6 @@ class ShardedLoader:
         self.consumed = [0] * len(self.sources)  # a mixture's state: examples each source has given
         self.drawn = np.zeros(len(self.sources), dtype=np.int64)  # since this loader started, for the log
 
-    @property
-    def dataset(self) -> Examples:
-        return self.sources[0]
-
     def _order(self, source: int, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.shuffle:
             return positions
