@@ -101,7 +101,10 @@ def test_an_async_save_writes_the_checkpoints_and_run_a_blocking_save_does(unint
 @pytest.mark.long
 def test_a_run_killed_mid_async_write_keeps_the_previous_checkpoint_and_resumes(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, *ASYNC, env={"POLYSHARD_FAULT": "save@6:1"})  # killed in the writer thread
-    assert crashed.returncode != 0 and "exit code -9" in crashed.stderr, crashed.stderr  # rank 1 was killed
+    # Rank 1 was killed; torchrun names whichever rank it saw end first: rank 1 (SIGKILL) or rank 0,
+    # whose next collective with the dead rank failed. Both say the run ended on the kill.
+    died = ("exit code -9", "Connection closed by peer", "Connection reset by peer")
+    assert crashed.returncode != 0 and any(d in crashed.stderr for d in died), crashed.stderr
     assert not (tmp_path / "checkpoints" / "step_00000006").exists(), crashed.stderr  # never published
     assert (tmp_path / "checkpoints" / "step_00000004" / "index.json").is_file()  # still the newest complete
     resumed = train(tmp_path, *SHORT, *ASYNC, "--resume")
