@@ -1,0 +1,191 @@
+"""Muon (`training.optimizer = "muon"`): every layout against one process stepping a Muon written here.
+
+The reference below is the textbook algorithm on whole tensors, in plain loops (Keller Jordan's
+Newton-Schulz, Moonlight's 0.2 * sqrt(max(m, n)) scale), with torch's AdamW for the rest. Layouts run
+polyshard's own Muon, which gathers each split matrix to one rank, orthogonalises it and scatters it
+back (polyshard.dp.muon); their losses and final parameters must match the reference's.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.loop import train
+
+STEPS = 6
+# Layouts differ from one process only in the order float32 sums are taken (~1e-7 relative per
+# operation). Muon's update has a fixed size whatever the gradient's, so round-off does not grow
+# through the step as AdamW's can on near-zero moments; losses stay within DENSE_RTOL as in
+# tests/trainer/test_e2e_parity.py.
+DENSE_RTOL = 2e-5
+# Parameters after six steps: the worst measured difference is ~3e-6, on a bias AdamW steps (its
+# update divides by the root of a near-zero second moment, magnifying round-off, as in
+# test_e2e_parity's exported-checkpoint test); Muon's matrices differ by less. 2e-5 leaves room for
+# other summation orders and is ~100x below what six steps move each matrix (checked below).
+PARAM_ATOL = 2e-5
+
+
+def _config(corpus, kind="gpt", llama=False, **parallel):
+    model = {"kind": kind, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16}
+    if kind == "moe-gpt":
+        model["aux_loss_weight"] = 0.0  # the aux loss is per data rank: without it layouts do the same maths
+    if llama:
+        model |= {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
+    return from_dict(
+        {
+            "model": model,
+            "parallel": parallel,
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 2,
+                "lr": 3e-3,
+                "eval_every": 0,
+                "sample_tokens": 0,
+                "optimizer": "muon",
+            },
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+# -- the reference: Muon written plainly ------------------------------------------------------------
+
+
+def plain_newton_schulz(g, steps=5):
+    """Keller Jordan's iteration on one matrix, float32."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def is_block_matrix(name, p):
+    return p.dim() >= 2 and (".attn." in name or ".mlp." in name) and ".router." not in name
+
+
+def decays(name, p):
+    return p.dim() >= 2 and not any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
+
+
+class PlainMuon:
+    """Muon on the blocks' matrices (stacked experts one by one), AdamW on the rest."""
+
+    def __init__(self, named, weight_decay, momentum=0.95):
+        named = [(n, p) for n, p in named if p.requires_grad]
+        self.matrices = [p for n, p in named if is_block_matrix(n, p)]
+        rest = [(n, p) for n, p in named if not is_block_matrix(n, p)]
+        self.adamw = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in rest if decays(n, p)], "weight_decay": weight_decay},
+                {"params": [p for n, p in rest if not decays(n, p)], "weight_decay": 0.0},
+            ],
+            betas=(0.9, 0.95),
+        )
+        self.muon_group = {"params": self.matrices, "lr": 0.0}
+        self.param_groups = [*self.adamw.param_groups, self.muon_group]
+        self.buffers = {}
+        self.weight_decay, self.momentum = weight_decay, momentum
+
+    @property
+    def state(self):  # what keep_idle_experts reads
+        return {**self.adamw.state, **{p: {"momentum_buffer": b} for p, b in self.buffers.items()}}
+
+    @torch.no_grad()
+    def step(self):
+        self.adamw.step()
+        lr = self.muon_group["lr"]
+        for p in self.matrices:
+            if p.grad is None:
+                continue
+            buf = self.buffers.setdefault(p, torch.zeros_like(p))
+            buf.mul_(self.momentum).add_(p.grad)
+            update = p.grad + self.momentum * buf  # Nesterov
+            matrices = update.reshape(-1, *update.shape[-2:])  # experts one by one
+            ortho = torch.stack([plain_newton_schulz(m) for m in matrices]).reshape(update.shape)
+            p.mul_(1 - lr * self.weight_decay)
+            p.sub_(lr * 0.2 * math.sqrt(max(p.shape[-2:])) * ortho)
+
+    def zero_grad(self, set_to_none=True):
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        for p in self.matrices:
+            p.grad = None
+
+
+def _reference(config):
+    from polyshard.trainer.engine.optim import schedule_of
+    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    engine = build_engine(config, mesh)
+    names = engine.global_names(0)
+    named = [(names[n], p) for n, p in engine.stages[0].named_parameters()]
+    initial = {n: p.detach().clone() for n, p in named}
+    engine.optimizers[:] = [PlainMuon(named, config.training.weight_decay)]
+    schedule = schedule_of(config.training)
+    data, _ = make_loaders(config, mesh)
+    losses = [train_step(engine, *split_batch(config, data.next_batch()), lr=schedule(s))[0] for s in range(STEPS)]
+    return losses, {n: p.detach().clone() for n, p in named}, initial
+
+
+def _train(config, out):
+    return train(config, Mesh(config.parallel.mesh_axes), out, log=False).losses
+
+
+def _parameters(out):
+    from polyshard.trainer.checkpointing.export import consolidate
+
+    return consolidate(sorted((out / "checkpoints").iterdir())[-1])
+
+
+@pytest.fixture(scope="module")
+def reference(distributed, corpus):
+    return {kind: distributed.run(1, _reference, _config(corpus, kind))[0] for kind in ("gpt", "moe-gpt")}
+
+
+LAYOUTS = [
+    pytest.param(1, "gpt", {}, id="single"),
+    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 1}, id="zero1"),
+    pytest.param(2, "gpt", {"tp": 2}, id="tp2"),
+    pytest.param(2, "moe-gpt", {"ep": 2}, id="ep2"),
+    pytest.param(2, "gpt", {"dp": 2}, id="dp2", marks=pytest.mark.long),
+    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 3}, id="zero3", marks=pytest.mark.long),
+    pytest.param(2, "gpt", {"tp": 2, "sequence_parallel": True}, id="tp2-sp", marks=pytest.mark.long),
+    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2}, id="pp2", marks=pytest.mark.long),
+    # ZeRO rows of tp slices: each matrix gathered from four ranks over tp x dp
+    pytest.param(4, "gpt", {"dp": 2, "tp": 2, "zero_stage": 2}, id="dp2xtp2-zero2", marks=pytest.mark.long),
+    # three ranks: rows split unevenly (padding), owners 0, 1, 2, 0, ...
+    pytest.param(3, "gpt", {"dp": 3, "zero_stage": 1}, id="zero1-dp3", marks=pytest.mark.long),
+    pytest.param(8, "gpt", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long),
+    pytest.param(4, "moe-gpt", {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1", marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize("world, kind, parallel", LAYOUTS)
+def test_muon_matches_the_plain_reference(distributed, corpus, reference, tmp_path, world, kind, parallel):
+    config = _config(corpus, kind, **parallel)
+    results = distributed.run(world, _train, config, tmp_path)
+    assert all(r == results[0] for r in results)  # every rank reports the same global losses
+    losses, params, initial = reference[kind]
+    assert results[0] == pytest.approx(losses, rel=DENSE_RTOL)
+    assert results[0][-1] < results[0][0]  # it learns
+    got = _parameters(tmp_path)
+    assert set(got) == set(params)
+    errors = {name: float((got[name] - value).abs().max()) for name, value in params.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= PARAM_ATOL, f"{worst}: {errors[worst]:.3g}"  # see PARAM_ATOL
+    for name, value in params.items():
+        if is_block_matrix(name, value):  # ... far below how far Muon moved each matrix
+            assert (value - initial[name]).abs().max() > 50 * PARAM_ATOL, name
