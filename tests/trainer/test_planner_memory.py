@@ -27,8 +27,9 @@ def _config(**parallel):
     precision = parallel.pop("precision", "fp32")
     tie = parallel.pop("tie", False)
     kind = parallel.pop("kind", "gpt")
+    optimizer = parallel.pop("optimizer", "adamw")
     model = {"kind": kind, "preset": "tiny", "vocab_size": 250, "tie_embeddings": tie}  # 250 pads under ZeRO
-    training = {"global_batch_size": 8, "precision": precision}
+    training = {"global_batch_size": 8, "precision": precision, "optimizer": optimizer}
     return from_dict({"model": model, "parallel": parallel, "training": training})
 
 
@@ -61,6 +62,9 @@ LAYOUTS = [
     (2, {"tp": 2, "sequence_parallel": True, "precision": "bf16"}),
     (4, {"dp": 2, "tp": 2, "zero_stage": 1, "precision": "bf16"}),
     (4, {"dp": 2, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),  # experts shard over dp only
+    # Muon: one momentum buffer per matrix element (AdamW's two moments and step for the rest)
+    (2, {"dp": 2, "zero_stage": 1, "optimizer": "muon", "precision": "bf16"}),
+    (4, {"dp": 2, "ep": 2, "zero_stage": 3, "kind": "moe-gpt", "optimizer": "muon"}),
 ]
 
 

@@ -96,7 +96,9 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             flat = [p for p in group["params"] if group["muon"] and p.dim() < 2]
             if flat:
-                raise ValueError(f"a muon=True group holds a tensor of shape {tuple(flat[0].shape)}; Muon steps matrices")
+                raise ValueError(
+                    f"a muon=True group holds a tensor of shape {tuple(flat[0].shape)}; Muon steps matrices"
+                )
         self._turns: dict[tuple[str, ...], int] = {}
 
     @torch.no_grad()
@@ -169,7 +171,10 @@ class Muon(torch.optim.Optimizer):
 
 
 def _orthogonalise_tiled(
-    parts: torch.Tensor | Sequence[torch.Tensor], record: TensorPlacement, pieces: Sequence[tuple[slice, ...]], steps: int
+    parts: torch.Tensor | Sequence[torch.Tensor],
+    record: TensorPlacement,
+    pieces: Sequence[tuple[slice, ...]],
+    steps: int,
 ) -> list[torch.Tensor]:
     """Assemble a matrix from ``parts`` (one per region ``pieces`` of its padded matrix dims), orthogonalise
     the unpadded matrix, and cut the result into the same pieces (padding stays zero)."""
@@ -177,13 +182,13 @@ def _orthogonalise_tiled(
     batch = tuple(parts[0].shape[:-2])
     rows, cols = record.global_shape[-2:]
     whole = parts[0].new_zeros((*batch, *record.tiled_shape[-2:]), dtype=torch.float32)
-    for region, part in zip(pieces, parts):
-        whole[(..., *region)] = part
+    for (row_slice, col_slice), part in zip(pieces, parts):
+        whole[..., row_slice, col_slice] = part
     parts.clear()  # the pieces now live in ``whole`` only
     result = torch.zeros_like(whole)
     result[..., :rows, :cols] = orthogonalise(whole[..., :rows, :cols], steps)
     del whole
-    return [result[(..., *region)].contiguous() for region in pieces]
+    return [result[..., row_slice, col_slice].contiguous() for row_slice, col_slice in pieces]
 
 
 def _adamw_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:

@@ -45,7 +45,8 @@ def orthogonalise(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
         gram = x @ x.mT  # (..., m, n) @ (..., n, m) -> (..., m, m)
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x
-    return x.mT if tall else x
+    result: torch.Tensor = x.transpose(-2, -1) if tall else x
+    return result
 
 
 def shape_scale(shape: torch.Size | tuple[int, ...]) -> float:

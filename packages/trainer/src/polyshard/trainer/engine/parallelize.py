@@ -371,9 +371,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     if config.training.compile:
         # After every strategy has replaced its modules and set its hooks: only block forwards compile.
         compile_blocks(stages.values(), retain_graph=par.schedule in SPLIT_BACKWARD)
-    optimizers = [
-        _optimizer(w, config, global_names(stages[s], bounds[s], aliases), mesh) for s, w in wrappers.items()
-    ]
+    optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases), mesh) for s, w in wrappers.items()]
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,
