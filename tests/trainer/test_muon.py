@@ -264,8 +264,10 @@ def test_momentum_reshards_and_training_continues(distributed, corpus, tmp_path,
     before, after = _global_state(src), _global_state(folder)
     buffers = [k for k in before if k.endswith("/momentum_buffer")]
     assert len(buffers) == 12  # 2 blocks x (q, k, v, o, fc_in, fc_out)
+    assert set(after) - set(before) <= {k for k in after if k.endswith("/master")}  # ZeRO's masters may come or go
     for key, value in before.items():  # every weight, buffer and moment, bitwise, whatever the layout
-        assert torch.equal(after[key], value), key
+        if not key.endswith("/master"):
+            assert torch.equal(after[key], value), key
     continued = distributed.run(target_world, _train_saving, moved, tmp_path / "target", True)[0]
     assert continued[: STEPS // 2] == losses[: STEPS // 2]  # carried over from the checkpoint
     # Another layout sums in another order: as in the parity test above.

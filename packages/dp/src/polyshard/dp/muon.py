@@ -101,6 +101,10 @@ class Muon(torch.optim.Optimizer):
                 )
         self._turns: dict[tuple[str, ...], int] = {}
 
+    def orthogonalises(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is in a ``muon=True`` group (its state is a momentum buffer, not AdamW's)."""
+        return any(p is param for group in self.param_groups if group["muon"] for p in group["params"])
+
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]  # no closure: one gradient per step
         self._turns = {}  # the owners of this step's matrices, round-robin from each group's rank 0

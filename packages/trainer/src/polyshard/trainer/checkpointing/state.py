@@ -72,7 +72,7 @@ def _check_state_keys(
     moments, or Muon's momentum buffer): a run saved with one ``training.optimizer`` does not resume
     with the other."""
     expected = ADAMW_STATE
-    if isinstance(optimizer, Muon) and any(stepped in g["params"] for g in optimizer.param_groups if g["muon"]):
+    if isinstance(optimizer, Muon) and optimizer.orthogonalises(stepped):
         expected = {MOMENTUM}
     if saved and saved != expected:
         raise CheckpointError(
