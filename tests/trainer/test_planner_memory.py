@@ -64,7 +64,7 @@ LAYOUTS = [
     (4, {"dp": 2, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),  # experts shard over dp only
     # Muon: one momentum buffer per matrix element (AdamW's two moments and step for the rest)
     (2, {"dp": 2, "zero_stage": 1, "optimizer": "muon", "precision": "bf16"}),
-    (4, {"dp": 2, "ep": 2, "zero_stage": 3, "kind": "moe-gpt", "optimizer": "muon"}),
+    (4, {"dp": 2, "ep": 2, "zero_stage": 1, "kind": "moe-gpt", "optimizer": "muon"}),
 ]
 
 
