@@ -272,3 +272,22 @@ def test_momentum_reshards_and_training_continues(distributed, corpus, tmp_path,
     assert continued[: STEPS // 2] == losses[: STEPS // 2]  # carried over from the checkpoint
     # Another layout sums in another order: as in the parity test above.
     assert continued[STEPS // 2 :] == pytest.approx(losses[STEPS // 2 :], rel=DENSE_RTOL)
+
+
+def _resume_with_the_other_optimizer(config, out):
+    from polyshard.checkpoint import CheckpointError
+
+    adamw = dataclasses.replace(config, training=dataclasses.replace(config.training, optimizer="adamw", stop_at=2))
+    mesh = Mesh(config.parallel.mesh_axes)
+    train(adamw, mesh, out, log=False)
+    try:
+        train(config, mesh, out, log=False, resume=True)
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_checkpoint_of_the_other_optimizer_is_refused(distributed, corpus, tmp_path):
+    message = distributed.run(1, _resume_with_the_other_optimizer, _config(corpus), tmp_path)[0]
+    assert message is not None and "training.optimizer='muon' keeps ['momentum_buffer']" in message
+    assert "['exp_avg', 'exp_avg_sq', 'step']" in message
