@@ -139,7 +139,7 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     sizes = par.mesh_axes
     replicas = math.prod(sizes[a] for a in data_axes(config, record))
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
-    return Held(record.local_shape(sizes), replicas, tp_sharded, _stepped_by_muon(config, record))
+    return Held(record.local_shape(sizes), replicas, tp_sharded, muon=_stepped_by_muon(config, record))
 
 
 def _stepped_by_muon(config: Config, record: TensorPlacement) -> bool:
