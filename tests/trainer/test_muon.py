@@ -155,10 +155,10 @@ def reference(distributed, corpus):
     """kind -> (losses, final parameters, initial parameters) of the plain Muon, run once when first asked."""
     runs = {}
 
-    def of(kind):
-        if kind not in runs:
-            runs[kind] = distributed.run(1, _reference, _config(corpus, kind))[0]
-        return runs[kind]
+    def of(kind, llama=False):
+        if (kind, llama) not in runs:
+            runs[kind, llama] = distributed.run(1, _reference, _config(corpus, kind, llama))[0]
+        return runs[kind, llama]
 
     return of
 
@@ -178,15 +178,27 @@ LAYOUTS = [
     pytest.param(3, "gpt", {"dp": 3, "zero_stage": 1}, id="zero1-dp3", marks=pytest.mark.long),
     pytest.param(8, "gpt", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long),
     pytest.param(4, "moe-gpt", {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1", marks=pytest.mark.long),
+    # two stages per rank: two optimizers step one after the other
+    pytest.param(
+        2,
+        "gpt",
+        {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
+        id="pp2-interleaved",
+        marks=pytest.mark.long,
+    ),
+    # Llama's 2 kv heads on tp=4: k/v whole on every tp rank (replicated, no gather), q/o/MLP in 4 pieces
+    pytest.param(4, "llama", {"tp": 4}, id="llama-tp4-kv-replicated", marks=pytest.mark.long),
 ]
 
 
 @pytest.mark.parametrize("world, kind, parallel", LAYOUTS)
 def test_muon_matches_the_plain_reference(distributed, corpus, reference, tmp_path, world, kind, parallel):
-    config = _config(corpus, kind, **parallel)
+    llama = kind == "llama"
+    kind = "gpt" if llama else kind
+    config = _config(corpus, kind, llama, **parallel)
     results = distributed.run(world, _train, config, tmp_path)
     assert all(r == results[0] for r in results)  # every rank reports the same global losses
-    losses, params, initial = reference(kind)
+    losses, params, initial = reference(kind, llama)
     assert results[0] == pytest.approx(losses, rel=DENSE_RTOL)
     assert results[0][-1] < results[0][0]  # it learns
     got = _parameters(tmp_path)
