@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.collectives import CommLedger
 from polyshard.dp import DataParallel, FullyShardedDataParallel, Muon, ZeroOptimizer, orthogonalise, shape_scale
 from polyshard.mesh import Mesh
 
@@ -108,15 +109,23 @@ def _muon_run(strategy):
     opt = ZeroOptimizer(Muon(groups, mesh=mesh, lr=LR), wrapped)
     for step in range(STEPS):
         local_step_loss(wrapped, step, 1, mesh.group("dp"))
-        opt.step()
+        with CommLedger() as ledger:
+            opt.step()
         opt.zero_grad()
     final = wrapped.full_parameters() if strategy == "zero3" else dict(wrapped.module.named_parameters())
-    return {n: p.detach().clone() for n, p in final.items()}, _reference()
+    traffic = {op: (ledger.calls(op), ledger.total(op), ledger.wire(op)) for op in ("gather", "scatter")}
+    return {n: p.detach().clone() for n, p in final.items()}, _reference(), traffic
 
 
 @pytest.mark.parametrize("world, strategy", [(3, "zero1"), (2, "zero3")])
 def test_muon_under_zero_matches_one_process(distributed, world, strategy):
-    for got, expected in distributed.run(world, _muon_run, strategy):
+    # The three weights (30, 12), (30, 30), (7, 30) in row blocks of ceil(rows / N): each rank's piece
+    # of matrix k goes to rank k % N and comes back, once per step (the last step's ledger).
+    pieces = [math.ceil(rows / world) * cols * 4 for rows, cols in ((30, 12), (30, 30), (7, 30))]
+    for rank, (got, expected, traffic) in enumerate(distributed.run(world, _muon_run, strategy)):
+        owned = sum(b for k, b in enumerate(pieces) if k % world == rank)
+        assert traffic["gather"] == (3, sum(pieces), sum(pieces) - owned)  # calls, bytes, bytes this rank sent
+        assert traffic["scatter"] == (3, sum(pieces), (world - 1) * owned)
         for name, value in expected.items():
             # float32; the ranks' gradient means are summed in another order (~1e-7 relative), which
             # Newton-Schulz passes on without growing much over five steps of lr 1e-2.

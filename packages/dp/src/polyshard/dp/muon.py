@@ -17,10 +17,11 @@ The placement record of the stepped tensor says which mesh axes split the matrix
 two; leading dims, e.g. a stack of experts split over ep, are a batch and need nothing). Over those
 axes, per matrix: one rank, the *owner*, chosen round-robin so the work is spread::
 
-    gather   every piece to the owner            (dist.gather on the group of those axes)
+    gather   every piece to the owner            (a gather on the group of those axes)
     owner    places each piece by its rank's coordinates (record.local_slices), drops padding,
              orthogonalises, cuts the result back into pieces
-    scatter  each rank its piece                 (dist.scatter)
+    scatter  each rank its piece                 (a scatter; both through polyshard.collectives.ops,
+                                                 so the byte ledger counts them)
 
 Matrices go one after another, so no rank holds more than one whole matrix (and a few transient
 copies of it) at a time. Axes that replicate a matrix (plain dp, kv heads replicated over tp)
@@ -40,9 +41,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.adamw import adamw
 
+from polyshard.collectives import ops
 from polyshard.dp.newton_schulz import orthogonalise, shape_scale
 from polyshard.mesh import Mesh, Shard, TensorPlacement, get_placement
 
@@ -164,13 +165,11 @@ class Muon(torch.optim.Optimizer):
         key = mesh.layout.normalize_axes(axes)
         owner = self._turns.get(key, 0) % len(pieces)  # the k-th matrix of the step goes to group rank k % size
         self._turns[key] = self._turns.get(key, 0) + 1
-        mine = mesh.group_rank(axes) == owner
-        gathered = [torch.empty_like(piece) for _ in pieces] if mine else None
         group = mesh.group(axes)
-        dist.gather(piece, gathered, group=group, group_dst=owner)
+        gathered = ops.gather_to(piece, owner, group)  # the owner alone receives the whole matrix
         results = _orthogonalise_tiled(gathered, record, pieces, steps) if gathered is not None else None
         out = torch.empty_like(piece)
-        dist.scatter(out, results, group=group, group_src=owner)
+        ops.scatter_from(out, results, owner, group)
         return out
 
 
