@@ -181,6 +181,10 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel replicas (or ZeRO shards). "auto" in a file or --set: whatever the other axes leave of
     the processes present (elastic jobs); the global batch stays, each data rank takes a larger part."""
+    dp_shard: int | None = None
+    """Hybrid sharding (HSDP): ZeRO shards over groups of dp_shard neighbouring data ranks (x ep x cp) and
+    replicates across the dp / dp_shard groups; the mesh splits dp into dp_replicate x dp_shard. Must divide
+    dp and needs zero_stage >= 1. None (or dp): shard over every data rank."""
     tp: int = 1
     """Tensor-parallel ranks (neighbouring ranks; the fastest mesh axis)."""
     pp: int = 1
@@ -218,6 +222,7 @@ class ParallelConfig:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
+        self._check_dp_shard()
         if self.stage_layers is not None and (
             not isinstance(self.stage_layers, list) or not all(isinstance(n, int) and n >= 1 for n in self.stage_layers)
         ):
@@ -232,6 +237,47 @@ class ParallelConfig:
                 f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
                 f"(or 'zb-v' / 'dualpipev' with 2; got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
             )
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard is None:
+            return
+        _check_positive("parallel.dp_shard", self.dp_shard)
+        if isinstance(self.dp, int) and self.dp % self.dp_shard:
+            raise ConfigError(
+                f"parallel.dp_shard={self.dp_shard} must divide parallel.dp={self.dp}; "
+                f"choose dp_shard in {divisors(self.dp)}"
+            )
+        if self.hybrid and self.zero_stage == 0:
+            raise ConfigError(
+                f"parallel.dp_shard={self.dp_shard} (hybrid sharding) needs parallel.zero_stage 1, 2 or 3: "
+                "at stage 0 nothing is sharded; set zero_stage or remove dp_shard"
+            )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards over only part of dp (dp_shard < dp) and replicates across the rest."""
+        return self.dp_shard is not None and self.dp_shard < self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of each ZeRO shard: dp / dp_shard (1 without hybrid sharding)."""
+        return self.dp // self.dp_shard if self.hybrid and self.dp_shard else 1
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """Mesh axes a (non-expert) parameter's ZeRO shards split over: :attr:`replica_axes`, with dp narrowed
+        to dp_shard under hybrid sharding."""
+        return ("dp_shard", "ep", "cp") if self.hybrid else self.replica_axes
+
+    @property
+    def expert_shard_axes(self) -> tuple[str, ...]:
+        """The same for an expert's parameters below ZeRO-3 (they reduce over dp only)."""
+        return ("dp_shard",) if self.hybrid else ("dp",)
+
+    @property
+    def replicate_axes(self) -> tuple[str, ...]:
+        """Mesh axes holding copies of each ZeRO shard: dp_replicate under hybrid sharding, else none."""
+        return ("dp_replicate",) if self.hybrid else ()
 
     @property
     def world_size(self) -> int:
@@ -261,8 +307,15 @@ class ParallelConfig:
     @property
     def mesh_axes(self) -> dict[str, int]:
         """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours, cp next to it
-        (both talk every layer)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        (both talk every layer). Hybrid sharding splits dp into dp_replicate x dp_shard (shard fastest, so
+        a shard group is neighbouring ranks: on one node when it fits); the mesh answers for "dp" as the pair."""
+        axes = {axis: getattr(self, axis) for axis in MESH_AXES}
+        if not self.hybrid:
+            return axes
+        split = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        return {
+            name: size for axis in MESH_AXES for name, size in (split if axis == "dp" else {axis: axes[axis]}).items()
+        }
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -15,7 +15,9 @@ The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
    Non-expert gradients average over dp x ep x cp (every replica: the data
    ranks and the cp ranks that split their sequences); expert gradients
    reduce over dp only and are divided by dp x ep, because each expert
-   already summed its gradient over the ep ranks' tokens.
+   already summed its gradient over the ep ranks' tokens. Hybrid sharding
+   (``parallel.dp_shard``): ZeRO shards over dp_shard (x ep x cp for non-expert
+   parameters) and each shard is all-reduced across dp_replicate.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -268,18 +270,31 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     if config.training.precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # The data-parallel group spans every replica axis (dp x ep x cp); records name each axis so
-    # checkpoints and the gradient-norm clip know a ZeRO shard is split over each.
-    data_axes = par.replica_axes
-    data_group = mesh.group(data_axes)
+    # checkpoints and the gradient-norm clip know a ZeRO shard is split over each. Under hybrid sharding
+    # ZeRO's group is the shard axes (dp_shard x ep x cp) and dp_replicate holds the shard's copies.
+    shard_axes, replicate_axes = par.shard_axes, par.replicate_axes
+    replicas = {"replicate_group": mesh.group(replicate_axes), "replicate_axis": replicate_axes} if par.hybrid else {}
+    data_group = mesh.group(shard_axes)
     if par.zero_stage == 3:
-        return FullyShardedDataParallel(stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=data_axes)
+        return FullyShardedDataParallel(
+            stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=shard_axes, **replicas
+        )
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
     if experts:
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
-        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
+        expert_axes = par.expert_shard_axes
+        sets.append(
+            ParamSet(experts, group=mesh.group(expert_axes), divide_by=par.dp * par.ep, axis=expert_axes, **replicas)
+        )
     return DataParallel(
-        stage, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
+        stage,
+        group=data_group,
+        zero_stage=par.zero_stage,
+        mixed_precision=mp,
+        param_sets=sets,
+        axis=shard_axes,
+        **replicas,
     )
 
 
