@@ -61,6 +61,10 @@ LAYOUTS = [
     (2, {"tp": 2, "sequence_parallel": True, "precision": "bf16"}),
     (4, {"dp": 2, "tp": 2, "zero_stage": 1, "precision": "bf16"}),
     (4, {"dp": 2, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),  # experts shard over dp only
+    # hybrid sharding: ZeRO over dp_shard (x ep), so N is 2 here, not 4; experts over dp_shard alone
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 1}),
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3}),
+    (4, {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),
 ]
 
 

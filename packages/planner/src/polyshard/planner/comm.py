@@ -15,7 +15,10 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
     dp   ZeRO-3: all-gather every parameter in forward and again in backward, reduce-scatter grads
 
 and once per step: gradients over the replicas dp x ep x cp (an fp32 all-reduce at ZeRO-0; a
-reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch), the
+reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch). Hybrid
+sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the shard group (axis
+``dp_shard``: dp_shard x ep x cp) and adds, after each reduce-scatter, an all-reduce of this rank's
+row (its 1/n of the gradients and their flags) across the replicas (axis ``dp_replicate``). Then the
 tied embedding's all-reduce between the pipeline's ends, the loop's two scalar all-reduces, and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
@@ -40,7 +43,8 @@ from polyshard.trainer.models.tasks import LANGUAGE
 @dataclass(frozen=True)
 class Traffic:
     axis: str
-    """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world."""
+    """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world; under hybrid sharding also dp_shard
+    (ZeRO's shard group, dp_shard x ep x cp) and dp_replicate (the shard's copies)."""
     op: str
     """all_reduce, all_gather, reduce_scatter, all_to_all or p2p."""
     group: int
@@ -140,24 +144,31 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Gradient reduction and ZeRO's parameter gathers, grouped by replica group size."""
     par, precision = config.parallel, config.training.precision
     weight = 2 if precision == "bf16" else 4
-    sizes: dict[int, list[float]] = {}  # group -> elements + flags at stage 0, ZeRO's padded rows, flags
+    # (replicas, shard group) -> elements + flags at stage 0, ZeRO's padded rows, flags
+    sizes: dict[tuple[int, int], list[float]] = {}
     for held, count in holdings(config, pp_rank).items():
-        n = held.replicas
-        if n > 1:
-            entry = sizes.setdefault(n, [0.0, 0.0, 0.0])
+        if held.replicas > 1:
+            n = held.shard_ranks
+            entry = sizes.setdefault((held.replicas, n), [0.0, 0.0, 0.0])
             entry[0] += count * (math.prod(held.shape) + 1)
             entry[1] += count * n * ShardSpec(held.shape, n).shard_numel
             entry[2] += count * n
     out = []
-    for n, (whole, padded, flags) in sizes.items():
+    for (replicas, n), (whole, padded, flags) in sizes.items():
+        copies = replicas // n  # hybrid sharding's replicas of each shard (1 without it)
+        shard_axis = "dp_shard" if copies > 1 else "dp"
+        reduce_phase = "backward" if par.zero_stage == 3 else "step"
         if par.zero_stage == 0:
             out.append(Traffic("dp", "all_reduce", n, 4 * whole, 1, "step"))
         elif par.zero_stage in (1, 2):
-            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
-            out.append(Traffic("dp", "all_gather", n, weight * padded, 1, "step"))
+            out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
+            out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "step"))
         else:
-            out += [Traffic("dp", "all_gather", n, weight * padded, 1, phase) for phase in ("forward", "backward")]
-            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
+            phases = ("forward", "backward")
+            out += [Traffic(shard_axis, "all_gather", n, weight * padded, 1, phase) for phase in phases]
+            out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
+        if copies > 1:  # each rank's reduced row (1/n of the buffer, flags included) summed over the copies
+            out.append(Traffic("dp_replicate", "all_reduce", copies, 4 * (padded + flags) / n, 1, reduce_phase))
     return out
 
 

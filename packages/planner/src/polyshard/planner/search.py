@@ -38,7 +38,19 @@ MAX_PIPELINE = 32
 """Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
 SIMULATED = 32
 """Layouts simulated with their own costs after the screen."""
-CHOSEN = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "microbatches", "schedule", "virtual_stages", "sequence_parallel")
+CHOSEN = (
+    "dp",
+    "dp_shard",
+    "tp",
+    "pp",
+    "ep",
+    "cp",
+    "zero_stage",
+    "microbatches",
+    "schedule",
+    "virtual_stages",
+    "sequence_parallel",
+)
 """The fields of a config's ``parallel`` section the search chooses (with ``training.activation_checkpointing``);
 the rest of the section (cp_style, timeout_s, a stage split that still fits) is kept."""
 
@@ -194,9 +206,23 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
                 virtual_stages=virtual,
                 sequence_parallel=bool(sp),
                 stage_layers=split if split is None or len(split) == pp * virtual else None,
+                dp_shard=None,
             )
-            if all(getattr(parallel, key) == value for key, value in fixed.items()):
-                yield parallel
+            for candidate in _with_hybrid(parallel, request.devices_per_node):
+                if all(getattr(candidate, key) == value for key, value in fixed.items()):
+                    yield candidate
+
+
+def _with_hybrid(parallel: ParallelConfig, devices_per_node: int) -> list[ParallelConfig]:
+    """``parallel``, and under ZeRO with a shard group (dp x ep x cp x tp ranks) wider than a node, also its
+    hybrid-sharded twin with the largest dp_shard whose group fits in one node: ZeRO's reduce-scatter and
+    gathers stay on the node and only the all-reduce of each rank's 1/dp_shard of the gradients crosses,
+    for the memory of sharding over fewer ranks. (Across nodes both exist; the costs choose.)"""
+    inner = parallel.ep * parallel.cp * parallel.tp
+    if parallel.zero_stage == 0 or parallel.dp == 1 or parallel.dp * inner <= devices_per_node:
+        return [parallel]
+    fits = [d for d in divisors(parallel.dp) if d < parallel.dp and d * inner <= devices_per_node]
+    return [parallel] + ([dataclasses.replace(parallel, dp_shard=max(fits))] if fits else [])
 
 
 @dataclass(frozen=True)

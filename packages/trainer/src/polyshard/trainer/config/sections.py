@@ -247,6 +247,9 @@ class ParallelConfig:
                 f"parallel.dp_shard={self.dp_shard} must divide parallel.dp={self.dp}; "
                 f"choose dp_shard in {divisors(self.dp)}"
             )
+        if self.dp_shard == self.dp:  # sharding over all of dp: one spelling of it, None
+            object.__setattr__(self, "dp_shard", None)
+            return
         if self.hybrid and self.zero_stage == 0:
             raise ConfigError(
                 f"parallel.dp_shard={self.dp_shard} (hybrid sharding) needs parallel.zero_stage 1, 2 or 3: "
