@@ -315,10 +315,13 @@ class ParallelConfig:
         axes = {axis: getattr(self, axis) for axis in MESH_AXES}
         if not self.hybrid:
             return axes
-        split = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
-        return {
-            name: size for axis in MESH_AXES for name, size in (split if axis == "dp" else {axis: axes[axis]}).items()
-        }
+        out: dict[str, int] = {}
+        for axis, size in axes.items():
+            if axis == "dp":  # replicate outer, shard inner (faster)
+                out |= {"dp_replicate": self.dp_replicate, "dp_shard": self.dp // self.dp_replicate}
+            else:
+                out[axis] = size
+        return out
 
 
 @dataclass(kw_only=True, frozen=True)

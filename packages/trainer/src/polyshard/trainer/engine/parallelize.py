@@ -273,11 +273,18 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     # checkpoints and the gradient-norm clip know a ZeRO shard is split over each. Under hybrid sharding
     # ZeRO's group is the shard axes (dp_shard x ep x cp) and dp_replicate holds the shard's copies.
     shard_axes, replicate_axes = par.shard_axes, par.replicate_axes
-    replicas = {"replicate_group": mesh.group(replicate_axes), "replicate_axis": replicate_axes} if par.hybrid else {}
+    replicate_group = mesh.group(replicate_axes) if par.hybrid else None
+    replicate_axis = replicate_axes if par.hybrid else None
     data_group = mesh.group(shard_axes)
     if par.zero_stage == 3:
         return FullyShardedDataParallel(
-            stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=shard_axes, **replicas
+            stage,
+            group=data_group,
+            blocks=list(stage),
+            mixed_precision=mp,
+            axis=shard_axes,
+            replicate_group=replicate_group,
+            replicate_axis=replicate_axis,
         )
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
@@ -285,7 +292,14 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
         expert_axes = par.expert_shard_axes
         sets.append(
-            ParamSet(experts, group=mesh.group(expert_axes), divide_by=par.dp * par.ep, axis=expert_axes, **replicas)
+            ParamSet(
+                experts,
+                group=mesh.group(expert_axes),
+                divide_by=par.dp * par.ep,
+                axis=expert_axes,
+                replicate_group=replicate_group,
+                replicate_axis=replicate_axis,
+            )
         )
     return DataParallel(
         stage,
@@ -294,7 +308,8 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
         mixed_precision=mp,
         param_sets=sets,
         axis=shard_axes,
-        **replicas,
+        replicate_group=replicate_group,
+        replicate_axis=replicate_axis,
     )
 
 
