@@ -48,3 +48,12 @@ def test_the_search_offers_the_node_sized_shard_group_when_dp_spans_nodes():
     # on one node sharding over fewer ranks saves no cross-node traffic: not offered
     inside = list(layouts(config, Request(devices=4, devices_per_node=4, memory_gb=1.0)))
     assert not any(p.hybrid for p in inside)
+
+
+def test_a_fixed_dp_shard_is_the_one_offered():
+    request = Request(devices=8, devices_per_node=8, memory_gb=1.0, fixed={"dp": 8, "dp_shard": 2})
+    found = list(layouts(_config(), request))
+    assert found and all(p.dp_shard == 2 and p.zero_stage >= 1 for p in found)
+    # dp_shard = dp is sharding over all of dp: the plain layouts
+    request = Request(devices=8, devices_per_node=8, memory_gb=1.0, fixed={"dp": 8, "dp_shard": 8})
+    assert all(not p.hybrid for p in layouts(_config(), request))

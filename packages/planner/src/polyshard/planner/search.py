@@ -208,17 +208,25 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
                 stage_layers=split if split is None or len(split) == pp * virtual else None,
                 dp_shard=None,
             )
-            for candidate in _with_hybrid(parallel, request.devices_per_node):
-                if all(getattr(candidate, key) == value for key, value in fixed.items()):
+            for candidate in _with_hybrid(parallel, request.devices_per_node, fixed.get("dp_shard")):
+                if all(_chosen(candidate, key) == value for key, value in fixed.items()):
                     yield candidate
 
 
-def _with_hybrid(parallel: ParallelConfig, devices_per_node: int) -> list[ParallelConfig]:
+def _chosen(parallel: ParallelConfig, key: str) -> object:
+    """``parallel``'s value of a :data:`CHOSEN` field as the user would fix it (dp_shard: dp when unset)."""
+    return (parallel.dp_shard or parallel.dp) if key == "dp_shard" else getattr(parallel, key)
+
+
+def _with_hybrid(parallel: ParallelConfig, devices_per_node: int, wanted: object = None) -> list[ParallelConfig]:
     """``parallel``, and under ZeRO with a shard group (dp x ep x cp x tp ranks) wider than a node, also its
     hybrid-sharded twin with the largest dp_shard whose group fits in one node: ZeRO's reduce-scatter and
     gathers stay on the node and only the all-reduce of each rank's 1/dp_shard of the gradients crosses,
-    for the memory of sharding over fewer ranks. (Across nodes both exist; the costs choose.)"""
+    for the memory of sharding over fewer ranks. (Across nodes both exist; the costs choose.) A dp_shard
+    the user fixed (``wanted``) is the twin's instead, wherever its group falls."""
     inner = parallel.ep * parallel.cp * parallel.tp
+    if isinstance(wanted, int) and parallel.zero_stage > 0 and wanted < parallel.dp and parallel.dp % wanted == 0:
+        return [dataclasses.replace(parallel, dp_shard=wanted)]
     if parallel.zero_stage == 0 or parallel.dp == 1 or parallel.dp * inner <= devices_per_node:
         return [parallel]
     fits = [d for d in divisors(parallel.dp) if d < parallel.dp and d * inner <= devices_per_node]
