@@ -112,6 +112,8 @@ def test_checkpoint_records_both_sub_axes(hybrid_run):
     index = read_index(_saved(hybrid_run))
     assert index["mesh"] == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "ep": 1, "cp": 1, "tp": 1}
     source = Checkpoint(_saved(hybrid_run))
+    # A plain dp coordinate of a target reads the pair: dp 3 is dp_replicate 1, dp_shard 1 (rank 3); dp 5 wraps.
+    assert [source.rng_piece({"dp": dp}).rank for dp in range(6)] == [0, 1, 2, 3, 0, 1]
     plans = plan_ranks(config, source.params(), source.optim_state())
     for rank, (plan, entry) in enumerate(zip(plans, index["ranks"])):
         saved = {k: v for k, v in entry["tensors"].items() if k != "rng/torch"}

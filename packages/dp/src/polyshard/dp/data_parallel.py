@@ -13,8 +13,8 @@ receives the averaged gradient rows it will update) for use with
 Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
 experts over the expert-data-parallel group and the rest over dp x ep.
 
-Hybrid sharding (``replicate_group``, stages 1-2; FSDP2's HSDP, DeepSpeed's
-MiCS): ZeRO shards over ``group`` only, and ``replicate_group`` holds the
+Hybrid sharding (``replicate_group``, stages 1-2, and for stage 3 see
+:class:`~polyshard.dp.FullyShardedDataParallel`; FSDP2's HSDP, DeepSpeed's MiCS): ZeRO shards over ``group`` only, and ``replicate_group`` holds the
 replicas of each shard. A bucket is reduce-scattered inside ``group``, its
 shard all-reduced across ``replicate_group`` and, after the step, the
 parameters all-gathered inside ``group``; the average divides by both sizes::
@@ -22,6 +22,7 @@ parameters all-gathered inside ``group``; the average divides by both sizes::
     dp = 4 as dp_replicate 2 x dp_shard 2, ranks [0, 1, 2, 3]:
     group (shard)      [0, 1] [2, 3]    reduce-scatter, all-gather
     replicate_group    [0, 2] [1, 3]    all-reduce of each shard
+
 Buffers (BatchNorm statistics) are broadcast from the group's first rank
 before every forward, as DDP does (``broadcast_buffers=False`` turns it off).
 
