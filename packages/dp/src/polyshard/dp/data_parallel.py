@@ -13,8 +13,9 @@ receives the averaged gradient rows it will update) for use with
 Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
 experts over the expert-data-parallel group and the rest over dp x ep.
 
-Hybrid sharding (``replicate_group``, stages 1-2, and for stage 3 see
-:class:`~polyshard.dp.FullyShardedDataParallel`; FSDP2's HSDP, DeepSpeed's MiCS): ZeRO shards over ``group`` only, and ``replicate_group`` holds the
+Hybrid sharding (``replicate_group``; stage 3 in
+:class:`~polyshard.dp.FullyShardedDataParallel`; FSDP2's HSDP, DeepSpeed's
+MiCS): ZeRO shards over ``group`` only, and ``replicate_group`` holds the
 replicas of each shard. A bucket is reduce-scattered inside ``group``, its
 shard all-reduced across ``replicate_group`` and, after the step, the
 parameters all-gathered inside ``group``; the average divides by both sizes::
