@@ -181,3 +181,21 @@ def test_resume_on_the_same_hybrid_layout_is_bitwise(distributed, hybrid_run, tm
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(_saved(hybrid_run), step_dir(run / "checkpoints", SAVE_AT))
     assert distributed.run(4, _reshard_train, config, run, True)[0] == losses
+
+
+def test_reshard_command_moves_in_and_out_of_hybrid_sharding(hybrid_run, tmp_path):
+    import subprocess
+    import sys
+
+    polyshard = [sys.executable, "-m", "polyshard.cli.main", "reshard", str(_saved(hybrid_run))]
+    ok = subprocess.run(polyshard + [str(tmp_path / "plain"), "--mesh", "dp=4"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "to {'pp': 1, 'dp': 4, 'ep': 1, 'cp': 1, 'tp': 1}" in ok.stdout
+    assert "--set parallel.dp_shard=4" in ok.stdout  # what the next run needs: ZeRO over all of dp
+    bad = subprocess.run(
+        polyshard + [str(tmp_path / "bad"), "--mesh", "dp=4", "--set", "parallel.dp_shard=3"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "parallel.dp_shard=3 must divide parallel.dp=4" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
