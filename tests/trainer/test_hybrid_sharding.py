@@ -183,6 +183,7 @@ def test_resume_on_the_same_hybrid_layout_is_bitwise(distributed, hybrid_run, tm
     assert distributed.run(4, _reshard_train, config, run, True)[0] == losses
 
 
+@pytest.mark.long  # two CLI processes
 def test_reshard_command_moves_in_and_out_of_hybrid_sharding(hybrid_run, tmp_path):
     import subprocess
     import sys
