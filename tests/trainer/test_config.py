@@ -76,10 +76,11 @@ def test_bad_fields(raw, message):
             r"2 x cp = 4 chunks .* choose cp in \[1, 3, 5, 15\]",
         ),
         (
-            {"model": {"kind": "moe-gpt"}, "parallel": {"cp": 2}},
+            {"model": {"kind": "moe-gpt", "capacity_factor": 1.25}, "parallel": {"cp": 2}},
             2,
-            "parallel.cp=2 is not supported for model.kind='moe-gpt'",
+            "model.capacity_factor=1.25 with parallel.cp=2 is not supported",
         ),
+        ({"model": {"kind": "vit"}, "parallel": {"cp": 2}}, 2, "parallel.cp=2 is not supported for model.kind='vit'"),
         ({"model": {"dropout": 0.1}, "parallel": {"cp": 2}}, 2, "no attention dropout; set model.dropout=0"),
         (
             {"model": {"context_length": 36}, "parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}},

@@ -63,6 +63,23 @@ def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str
     layer.ep_group = group
 
 
+def share_routing_statistics(model: nn.Module, *, group: dist.ProcessGroup) -> nn.Module:
+    """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses over ``group``'s tokens
+    (in place; returns ``model``). ``group``: the ranks holding parts of the same sequences (cp)."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no routing statistics")
+    for name, layer in layers:
+        if layer.config.capacity_factor is not None:
+            raise ExpertParallelError(
+                f"MoE layer {name!r} has capacity_factor={layer.config.capacity_factor}: the capacity rule ranks "
+                "the whole batch's tokens, which a token group splits over its ranks; use capacity_factor=None "
+                "(dropless) with a token group"
+            )
+        layer.token_group = group
+    return model
+
+
 def is_expert_parameter(param: torch.Tensor, axis: str = "ep") -> bool:
     """True for a tensor sharded over ``axis`` by :func:`apply_expert_parallel`."""
     record = get_placement(param)

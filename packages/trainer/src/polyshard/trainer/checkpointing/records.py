@@ -55,9 +55,9 @@ def is_expert(config: Config, record: TensorPlacement) -> bool:
 
 
 def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
-    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp only, below ZeRO-3)."""
+    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp x cp, below ZeRO-3)."""
     if is_expert(config, record) and config.parallel.zero_stage < 3:
-        return ("dp",)
+        return config.parallel.expert_replica_axes
     return config.parallel.replica_axes
 
 

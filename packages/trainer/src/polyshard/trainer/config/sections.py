@@ -254,6 +254,14 @@ class ParallelConfig:
         return ("dp", "ep", "cp")
 
     @property
+    def expert_replica_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which an expert parameter is replicated (the ranks holding the same experts):
+        dp, and cp, whose ranks route other tokens of the same sequences. Its gradient sums over them and
+        divides by every replica (dp x ep x cp: it already summed the ep ranks' tokens); ZeRO shards it
+        over them."""
+        return ("dp", "cp")
+
+    @property
     def replicas(self) -> int:
         """Ranks holding one replica each of a (non-expert) parameter: dp x ep x cp."""
         return self.dp * self.ep * self.cp

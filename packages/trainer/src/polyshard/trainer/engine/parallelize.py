@@ -14,8 +14,15 @@ The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
    0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
    Non-expert gradients average over dp x ep x cp (every replica: the data
    ranks and the cp ranks that split their sequences); expert gradients
-   reduce over dp only and are divided by dp x ep, because each expert
-   already summed its gradient over the ep ranks' tokens.
+   reduce over the ranks holding the same experts, dp x cp, and are divided
+   by dp x ep x cp, because each expert already summed its gradient over the
+   ep ranks' tokens. Worked example, dp=1 x ep=2 x cp=2 (ranks (ep, cp):
+   0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)): experts 0..E/2 live on ranks 0 and 1,
+   whose sum holds every rank's tokens once; divided by 4 it is the mean the
+   replicated parameters average to over all four ranks.
+   Under cp, each MoE layer computes its auxiliary losses over the cp group's
+   tokens (:func:`polyshard.ep.share_routing_statistics`): the whole
+   sequences' losses, what the same data rank without cp computes.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -44,7 +51,7 @@ from polyshard.dp import (
     ParamSet,
     ZeroOptimizer,
 )
-from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
+from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, Schedule, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
@@ -276,8 +283,10 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
     if experts:
-        # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
-        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
+        # Each expert's gradient already sums every ep rank's tokens: reduce over the ranks holding the
+        # same experts (dp x cp), divide by every replica (dp x ep x cp).
+        axes = par.expert_replica_axes
+        sets.append(ParamSet(experts, group=mesh.group(axes), divide_by=par.replicas, axis=axes))
     return DataParallel(
         stage, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
     )
@@ -349,6 +358,8 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
+        if par.cp > 1:  # each cp rank routes its chunks; the aux losses are the whole sequences'
+            share_routing_statistics(model, group=mesh.group("cp"))
     stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
