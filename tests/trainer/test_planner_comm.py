@@ -14,7 +14,9 @@ from polyshard.trainer.loop import train_step
 
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
-    config = from_dict({"model": {"preset": "tiny"}, "parallel": parallel, "training": {"global_batch_size": 8}})
+    parallel = dict(parallel)
+    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt")}
+    config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, 256, (8 // config.parallel.data_ranks, 65))
@@ -46,6 +48,8 @@ LAYOUTS = [
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    (2, {"dp": 2, "kind": "moe-gpt"}),
+    (2, {"cp": 2, "kind": "moe-gpt"}),  # the router's statistics summed over cp; experts' grads over dp x cp
 ]
 
 
