@@ -75,11 +75,6 @@ def test_bad_fields(raw, message):
             2,
             r"2 x cp = 4 chunks .* choose cp in \[1, 3, 5, 15\]",
         ),
-        (
-            {"model": {"kind": "moe-gpt", "capacity_factor": 1.25}, "parallel": {"cp": 2}},
-            2,
-            "model.capacity_factor=1.25 with parallel.cp=2 is not supported",
-        ),
         ({"model": {"kind": "vit"}, "parallel": {"cp": 2}}, 2, "parallel.cp=2 is not supported for model.kind='vit'"),
         ({"model": {"dropout": 0.1}, "parallel": {"cp": 2}}, 2, "no attention dropout; set model.dropout=0"),
         (

@@ -286,6 +286,38 @@ def test_moe_gpt_with_context_parallel_matches_the_layout_without_it(
         assert exact[0] == pytest.approx(reference["moe-gpt-no-aux"], rel=DENSE_RTOL)
 
 
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "world, parallel, without_cp",
+    [pytest.param(2, {"cp": 2}, {}, id="cp2"), pytest.param(4, {"cp": 2, "ep": 2}, {"ep": 2}, id="cp2xep2")],
+)
+def test_moe_capacity_with_context_parallel_matches_the_layout_without_it(
+    distributed, corpus, tmp_path, world, parallel, without_cp
+):
+    # capacity_factor 1.0 drops assignments; each cp rank applies the rule to its data rank's whole batch.
+    def config(**axes):
+        base = _config(corpus, "moe-gpt", **axes)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, capacity_factor=1.0))
+
+    expected = distributed.run(world // 2, _train, config(**without_cp), tmp_path / "no-cp")[0]
+    results = distributed.run(world, _train, config(**parallel), tmp_path / "cp")
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx(expected, rel=DENSE_RTOL)  # losses and pre-clip grad norms
+
+
+@pytest.mark.long
+def test_moe_gpt_on_three_cp_ranks_matches_one_process(distributed, corpus, tmp_path):
+    # An odd cp group: 12 positions in 6 chunks of 2, rank r holding chunks r and 5 - r; aux loss on.
+    def config(**parallel):
+        base = _config(corpus, "moe-gpt", **parallel)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=12))
+
+    one = distributed.run(1, _train, config(), tmp_path / "one")[0]
+    three = distributed.run(3, _train, config(cp=3), tmp_path / "cp3")
+    assert all(r == three[0] for r in three)
+    assert three[0] == pytest.approx(one, rel=DENSE_RTOL)  # losses and pre-clip grad norms
+
+
 def _stop_and_resume(config, out):
     mesh = Mesh(config.parallel.mesh_axes)
     whole = train(config, mesh, out / "whole", log=False).losses

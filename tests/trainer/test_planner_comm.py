@@ -15,7 +15,7 @@ from polyshard.trainer.loop import train_step
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
     parallel = dict(parallel)
-    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt")}
+    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt"), "capacity_factor": parallel.pop("capacity", None)}
     config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -50,6 +50,7 @@ LAYOUTS = [
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
     (2, {"dp": 2, "kind": "moe-gpt"}),
     (2, {"cp": 2, "kind": "moe-gpt"}),  # the router's statistics summed over cp; experts' grads over dp x cp
+    (2, {"cp": 2, "kind": "moe-gpt", "capacity": 1.0}),  # + the expert choices gathered for the capacity rule
 ]
 
 

@@ -15,13 +15,8 @@ from polyshard.collectives import eager
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
-from polyshard.ep.router import (
-    Router,
-    capacity_keep_mask,
-    expert_capacity,
-    tokens_per_expert,
-)
-from polyshard.ep.token_group import router_losses
+from polyshard.ep.router import Router, tokens_per_expert
+from polyshard.ep.token_group import capacity_keep, router_losses
 
 
 @dataclass(frozen=True)
@@ -64,6 +59,9 @@ class MoELayer(nn.Module):
         """Ranks holding other parts of this rank's sequences (cp), set by
         :func:`polyshard.ep.share_routing_statistics`: the auxiliary losses are then the whole batch's
         (:mod:`polyshard.ep.token_group`); None: this rank's own."""
+        self.positions: torch.Tensor | None = None
+        """(S_local,) sequence positions of this rank's tokens in the token group's batch (the order the
+        capacity rule serves tokens in), set with ``token_group``."""
         self.last_metrics: MoEMetrics | None = None
         self.rows_seen: torch.Tensor | None = None
         """(E_local,) rows each local expert processed in the training forwards since
@@ -80,9 +78,10 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, cfg.hidden)  # (T, H)
         routing = self.router(tokens)
         keep = None
-        if cfg.capacity_factor is not None:
-            capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-            keep = capacity_keep_mask(routing.experts, cfg.num_experts, capacity)  # (T, k)
+        if cfg.capacity_factor is not None:  # (T, k); over the token group's whole batch when there is one
+            keep = capacity_keep(
+                routing.experts, cfg.num_experts, cfg.capacity_factor, self.token_group, self.positions
+            )
 
         expert_input, meta = dispatch(tokens, routing.experts, cfg.num_experts, self.ep_group, keep)  # (N, H)
         expert_output = self.experts(expert_input, meta.tokens_per_local_expert)  # (N, H)

@@ -63,20 +63,23 @@ def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str
     layer.ep_group = group
 
 
-def share_routing_statistics(model: nn.Module, *, group: dist.ProcessGroup) -> nn.Module:
-    """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses over ``group``'s tokens
-    (in place; returns ``model``). ``group``: the ranks holding parts of the same sequences (cp)."""
+def share_routing_statistics(
+    model: nn.Module, *, group: dist.ProcessGroup, positions: torch.Tensor | None = None
+) -> nn.Module:
+    """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses (and capacity) over the tokens
+    of ``group``: the ranks holding parts of the same sequences (cp). In place; returns ``model``.
+    ``positions``: (S_local,) the sequence positions of this rank's tokens, which the capacity rule needs."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
     if not layers:
         raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no routing statistics")
     for name, layer in layers:
-        if layer.config.capacity_factor is not None:
+        if layer.config.capacity_factor is not None and positions is None:
             raise ExpertParallelError(
                 f"MoE layer {name!r} has capacity_factor={layer.config.capacity_factor}: the capacity rule ranks "
-                "the whole batch's tokens, which a token group splits over its ranks; use capacity_factor=None "
-                "(dropless) with a token group"
+                "the whole batch's tokens in sequence order; pass positions= (this rank's sequence positions, "
+                "e.g. polyshard.cp.position_ids) or use capacity_factor=None (dropless)"
             )
-        layer.token_group = group
+        layer.token_group, layer.positions = group, positions
     return model
 
 

@@ -29,8 +29,16 @@ replicas average to (aux + aux) / 2, whose gradient w.r.t. p0 is
 
 The token group must split tokens only (each rank's tokens are distinct parts
 of one batch): the ranks of ep or dp route different batches and keep their
-own losses, as GShard does. The capacity rule would likewise need the whole
-batch's token order and is refused with one (see :func:`polyshard.ep.share_routing_statistics`).
+own losses, as GShard does.
+
+Capacity. The rule (:func:`polyshard.ep.router.capacity_keep_mask`) serves a
+batch's first choices before its second ones, earlier tokens first, up to
+ceil(factor * T * k / E) per expert, T the batch's tokens. A rank holding
+some of the sequence positions gathers every rank's expert choices
+(T * k int64, no gradient) with their positions, applies the rule to the
+whole batch in sequence order and keeps its own rows: the assignments the
+same rank without cp keeps. Inputs are (..., S_local, H), the positions those
+of the S_local dim.
 """
 
 from __future__ import annotations
@@ -38,8 +46,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from polyshard.collectives import copy_to, reduce_from
-from polyshard.ep.router import Routing, load_balancing_loss, tokens_per_expert, z_loss
+from polyshard.collectives import copy_to, ops, reduce_from
+from polyshard.ep.errors import ExpertParallelError
+from polyshard.ep.router import (
+    Routing,
+    capacity_keep_mask,
+    expert_capacity,
+    load_balancing_loss,
+    tokens_per_expert,
+    z_loss,
+)
 
 
 def sum_over_tokens(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -67,3 +83,30 @@ def router_losses(
     fraction = total[:num_experts].detach() / (num_tokens * routing.experts.shape[1])  # (E,) f_e
     mean_prob = total[num_experts : 2 * num_experts] / num_tokens  # (E,) P_e
     return num_experts * (fraction * mean_prob).sum(), total[-2] / num_tokens
+
+
+def capacity_keep(
+    experts: torch.Tensor,
+    num_experts: int,
+    capacity_factor: float,
+    group: dist.ProcessGroup | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(T, k) bool: which of this rank's assignments the capacity rule keeps, applied to the batch whose
+    sequence positions ``group`` splits (``positions``: (S_local,) this rank's, along the second-to-last
+    input dim, which ``experts`` (T, k) flattens last), or to this rank's tokens without a group."""
+    top_k = experts.shape[1]
+    if group is None or dist.get_world_size(group) == 1:
+        capacity = expert_capacity(experts.shape[0], top_k, num_experts, capacity_factor)
+        return capacity_keep_mask(experts, num_experts, capacity)
+    if positions is None:
+        raise ExpertParallelError("the capacity rule over a token group needs the positions of this rank's tokens")
+    local = positions.numel()
+    rows = experts.shape[0] // local  # every leading dim of (..., S_local)
+    gathered = ops.all_gather(experts.view(rows, local, top_k), 1, group)  # (rows, S, k) in rank order
+    order = ops.all_gather(positions.to(experts.device), 0, group)  # (S,) each gathered column's position
+    whole = torch.empty_like(gathered)
+    whole[:, order] = gathered  # (rows, S, k) in sequence order
+    capacity = expert_capacity(whole.shape[0] * whole.shape[1], top_k, num_experts, capacity_factor)
+    keep = capacity_keep_mask(whole.view(-1, top_k), num_experts, capacity).view(whole.shape)
+    return keep[:, positions.to(experts.device)].reshape(-1, top_k)  # (T, k) this rank's rows

@@ -10,7 +10,8 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
          recomputes the forward; the vocabulary-parallel embedding 1, its head 1 and the loss 3 small
     ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward);
          under cp each rank's b·s/cp tokens, and per MoE block one all-reduce over cp of the router's
-         2E+2 fp32 statistics forward and one backward (polyshard.ep.token_group)
+         2E+2 fp32 statistics forward and one backward (polyshard.ep.token_group); with a capacity
+         factor, all-gathers of the b·s·top_k int64 expert choices and the s int64 positions
     cp   per block (ring): K and V packed, cp-1 hops forward, cp-1 again backward plus cp hops of fp32
          dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward
     pp   one activation forward and one gradient backward per stage boundary (÷ tp under SP)
@@ -103,6 +104,11 @@ def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
         recompute = blocks if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
         out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks, "forward"))
         out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks + recompute, "backward"))
+        if model.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
+            tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
+            for nbytes in (8 * par.cp * tokens * model.top_k, 8 * sequence_length(model)):
+                out.append(Traffic("cp", "all_gather", par.cp, nbytes, blocks, "forward"))
+                out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
         out += _cp(config, blocks, act)
     return out

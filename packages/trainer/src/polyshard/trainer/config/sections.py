@@ -189,7 +189,8 @@ class ParallelConfig:
     """Expert-parallel ranks; they also split the batch, so non-expert gradients reduce over dp x ep."""
     cp: int = 1
     """Context-parallel ranks: each sequence is split over them (load-balanced chunks, see polyshard.cp),
-    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp."""
+    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp,
+    experts' over dp x cp. MoE layers compute their aux losses over the cp group's tokens."""
     cp_style: str = "ring"
     """How context-parallel attention sees the other ranks' keys and values: 'ring' (passed round the cp
     ranks, overlapped with compute) or 'allgather' (gathered once per layer; Llama 3's choice for GQA)."""

@@ -20,9 +20,10 @@ The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
    0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)): experts 0..E/2 live on ranks 0 and 1,
    whose sum holds every rank's tokens once; divided by 4 it is the mean the
    replicated parameters average to over all four ranks.
-   Under cp, each MoE layer computes its auxiliary losses over the cp group's
-   tokens (:func:`polyshard.ep.share_routing_statistics`): the whole
-   sequences' losses, what the same data rank without cp computes.
+   Under cp, each MoE layer computes its auxiliary losses and applies the
+   capacity rule over the cp group's tokens
+   (:func:`polyshard.ep.share_routing_statistics`): the whole sequences',
+   what the same data rank without cp computes.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
+from polyshard.cp import position_ids
 from polyshard.dp import (
     DataParallel,
     DataParallelWrapper,
@@ -358,8 +360,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
-        if par.cp > 1:  # each cp rank routes its chunks; the aux losses are the whole sequences'
-            share_routing_statistics(model, group=mesh.group("cp"))
+        if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
+            positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
+            share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
     stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)

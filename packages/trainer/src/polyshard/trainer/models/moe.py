@@ -104,14 +104,6 @@ def check(config: Config) -> None:
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
         )
-    if par.cp > 1 and model.capacity_factor is not None:
-        # The capacity rule ranks a data rank's tokens in order (GShard's priority); under cp those tokens
-        # are split over the cp ranks, so no rank could apply it as the same rank without cp does.
-        raise ConfigError(
-            f"model.capacity_factor={model.capacity_factor} with parallel.cp={par.cp} is not supported (the "
-            "capacity rule ranks a whole sequence's tokens, which cp splits over its ranks); set "
-            "model.capacity_factor unset (dropless routing) or cp=1"
-        )
     if model.num_experts % par.ep:
         raise ConfigError(
             f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
@@ -128,5 +120,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     check_model=check_model,
-    context_parallel=True,  # each cp rank routes its chunks; aux losses over the cp group (ep.token_group)
+    context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
 )
