@@ -19,6 +19,10 @@ after every microbatch would divide the earlier ones again) and before
 ``optimizer.step()``. With data parallelism on top, let dp reduce instead:
 scale the expert grads here (:func:`scale_expert_gradients`) and hand dp the
 expert parameters with the dp group and the rest with the dp x ep group.
+With context parallelism (cp ranks holding parts of the same sequences),
+:func:`share_routing_statistics` gives the layers the cp group, expert
+gradients sum over dp x cp (every rank holding the same experts) divided by
+dp x ep x cp, and the rest average over dp x ep x cp.
 """
 
 from __future__ import annotations
