@@ -14,7 +14,9 @@ from polyshard.trainer.loop import train_step
 
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
-    config = from_dict({"model": {"preset": "tiny"}, "parallel": parallel, "training": {"global_batch_size": 8}})
+    parallel = dict(parallel)
+    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt"), "capacity_factor": parallel.pop("capacity", None)}
+    config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, 256, (8 // config.parallel.data_ranks, 65))
@@ -49,9 +51,14 @@ LAYOUTS = [
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
-    # hybrid sharding: reduce-scatter and gathers inside dp_shard, the rows all-reduced across dp_replicate
-    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 2}),
-    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3, "microbatches": 2}),
+and once per step: gradients over the replicas dp x ep x cp, experts' over dp x cp (an fp32 all-reduce
+at ZeRO-0; a reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch).
+Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the shard group (axis
+``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
+all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
+``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
+scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
+engine.experts), and
 ]
 
 

@@ -37,7 +37,7 @@ def _held_after_a_step(config):
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, config.model.vocab_size, (8 // config.parallel.data_ranks, 65))
-    engine.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    engine.forward_backward(engine.local_tokens(tokens[:, :-1]), engine.local_tokens(tokens[:, 1:]))
     engine.finish_gradients()
     for optimizer in engine.optimizers:
         optimizer.step()  # state exists now; gradients are still held (no zero_grad yet)
@@ -65,6 +65,7 @@ LAYOUTS = [
     (4, {"dp": 4, "dp_shard": 2, "zero_stage": 1}),
     (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3}),
     (4, {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),
+    (4, {"cp": 2, "ep": 2, "zero_stage": 1, "kind": "moe-gpt"}),  # experts shard over dp x cp
 ]
 
 

@@ -55,7 +55,7 @@ def is_expert(config: Config, record: TensorPlacement) -> bool:
 
 
 def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
-    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp only, below ZeRO-3):
+    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp x cp, below ZeRO-3):
     its replicas, over which its gradient averages (hybrid sharding: dp_replicate then the shard axes)."""
     return config.parallel.replicate_axes + shard_axes(config, record)
 

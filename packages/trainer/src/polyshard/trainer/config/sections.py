@@ -193,7 +193,8 @@ class ParallelConfig:
     """Expert-parallel ranks; they also split the batch, so non-expert gradients reduce over dp x ep."""
     cp: int = 1
     """Context-parallel ranks: each sequence is split over them (load-balanced chunks, see polyshard.cp),
-    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp."""
+    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp,
+    experts' over dp x cp. MoE layers compute their aux losses over the cp group's tokens."""
     cp_style: str = "ring"
     """How context-parallel attention sees the other ranks' keys and values: 'ring' (passed round the cp
     ranks, overlapped with compute) or 'allgather' (gathered once per layer; Llama 3's choice for GQA)."""
@@ -274,8 +275,9 @@ class ParallelConfig:
 
     @property
     def expert_shard_axes(self) -> tuple[str, ...]:
-        """The same for an expert's parameters below ZeRO-3 (they reduce over dp only)."""
-        return ("dp_shard",) if self.hybrid else ("dp",)
+        """The same for an expert's parameters below ZeRO-3 (:attr:`expert_replica_axes`, dp narrowed to
+        dp_shard under hybrid sharding)."""
+        return ("dp_shard", "cp") if self.hybrid else self.expert_replica_axes
 
     @property
     def replicate_axes(self) -> tuple[str, ...]:
@@ -301,6 +303,14 @@ class ParallelConfig:
         """Mesh axes over which a (non-expert) parameter is replicated: its gradient averages over them,
         and ZeRO shards it over them. cp ranks hold the same examples' other tokens: replicas too."""
         return ("dp", "ep", "cp")
+
+    @property
+    def expert_replica_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which an expert parameter is replicated (the ranks holding the same experts):
+        dp, and cp, whose ranks route other tokens of the same sequences. Its gradient sums over them and
+        divides by every replica (dp x ep x cp: it already summed the ep ranks' tokens); ZeRO shards it
+        over them."""
+        return ("dp", "cp")
 
     @property
     def replicas(self) -> int:

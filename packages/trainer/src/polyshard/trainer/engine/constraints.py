@@ -132,7 +132,7 @@ def _check_context(config: Config) -> None:
     if not spec_of(model).context_parallel:
         raise ConfigError(
             f"parallel.cp={par.cp} is not supported for model.kind={model.kind!r} yet (its tokens are not one "
-            "causal sequence polyshard.cp can split, or its experts would need gradients over cp); use cp=1"
+            "causal sequence polyshard.cp can split); use cp=1"
         )
     chunks = 2 * par.cp
     if sequence_length(model) % chunks:

@@ -14,10 +14,19 @@ The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
    0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
    Non-expert gradients average over dp x ep x cp (every replica: the data
    ranks and the cp ranks that split their sequences); expert gradients
-   reduce over dp only and are divided by dp x ep, because each expert
-   already summed its gradient over the ep ranks' tokens. Hybrid sharding
-   (``parallel.dp_shard``): ZeRO shards over dp_shard (x ep x cp for non-expert
-   parameters) and each shard is all-reduced across dp_replicate.
+   reduce over the ranks holding the same experts, dp x cp, and are divided
+   by dp x ep x cp, because each expert already summed its gradient over the
+   ep ranks' tokens. Worked example, dp=1 x ep=2 x cp=2 (ranks (ep, cp):
+   0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)): experts 0..E/2 live on ranks 0 and 1,
+   whose sum holds every rank's tokens once; divided by 4 it is the mean the
+   replicated parameters average to over all four ranks.
+   Under cp, each MoE layer computes its auxiliary losses and applies the
+   capacity rule over the cp group's tokens
+   (:func:`polyshard.ep.share_routing_statistics`): the whole sequences',
+   what the same data rank without cp computes.
+   Hybrid sharding (``parallel.dp_shard``): ZeRO shards over dp_shard (x ep x
+   cp for non-expert parameters, x cp for experts) and each shard is
+   all-reduced across dp_replicate.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -38,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
+from polyshard.cp import position_ids
 from polyshard.dp import (
     DataParallel,
     DataParallelWrapper,
@@ -46,7 +56,7 @@ from polyshard.dp import (
     ParamSet,
     ZeroOptimizer,
 )
-from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
+from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, Schedule, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
@@ -289,13 +299,15 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
     if experts:
-        # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
+        # Each expert's gradient already sums every ep rank's tokens: reduce over the ranks holding the
+        # same experts (dp x cp; dp_shard x cp under hybrid sharding, then across dp_replicate), divide by
+        # every replica (dp x ep x cp).
         expert_axes = par.expert_shard_axes
         sets.append(
             ParamSet(
                 experts,
                 group=mesh.group(expert_axes),
-                divide_by=par.dp * par.ep,
+                divide_by=par.replicas,
                 axis=expert_axes,
                 replicate_group=replicate_group,
                 replicate_axis=replicate_axis,
@@ -379,6 +391,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
+        if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
+            positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
+            share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
     stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)

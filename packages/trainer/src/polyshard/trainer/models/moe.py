@@ -120,4 +120,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     check_model=check_model,
+    context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
 )

@@ -71,7 +71,7 @@ class ModelSpec:
     tp_plan: Callable[[ModelConfig, ParallelConfig], dict[str, object]]
     """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
     has_experts: bool = False
-    """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp."""
+    """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp x cp."""
     context_parallel: bool = False
     """Its attention layers (:class:`polyshard.tp.transformer.Attention`) may be split over a cp axis:
     a causal language model whose sequence polyshard.cp can shard."""
