@@ -160,7 +160,7 @@ def local_squared_norm(
     device = gradients[0][0].device if gradients else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=device)
     # One foreach norm per (copies, dtype) group instead of four kernels per gradient: per-step Python
-    # that does not scale with the model (34 gradients of the tiny GPT took 3.3 ms, now about half).
+    # that does not scale with the model (the tiny GPT's 34 gradients: 0.50 -> 0.26 ms, minima of 200 calls).
     groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for grad, record in gradients:
         groups.setdefault((_copies(record, axis_sizes), grad.dtype), []).append(grad.detach())
