@@ -39,7 +39,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -118,6 +118,7 @@ class Engine:
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
     timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
+    _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
     def device(self) -> torch.device:
@@ -237,8 +238,12 @@ class Engine:
             wrapper.zero_grad(set_to_none=True)
 
     def global_names(self, stage_index: int) -> dict[str, str]:
-        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
-        return global_names(self.stages[stage_index], self.layer_ids[stage_index], tied_names(self.config.model))
+        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight').
+        Worked out once per stage (a stage's modules do not change after it is built): every step reads it."""
+        if stage_index not in self._names:
+            stage, layers = self.stages[stage_index], self.layer_ids[stage_index]
+            self._names[stage_index] = global_names(stage, layers, tied_names(self.config.model))
+        return self._names[stage_index]
 
 
 def global_names(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
