@@ -51,14 +51,12 @@ LAYOUTS = [
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
-and once per step: gradients over the replicas dp x ep x cp, experts' over dp x cp (an fp32 all-reduce
-at ZeRO-0; a reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch).
-Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the shard group (axis
-``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
-all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
-``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
-scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
-engine.experts), and
+    # hybrid sharding: reduce-scatter and gathers inside dp_shard, the rows all-reduced across dp_replicate
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 2}),
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3, "microbatches": 2}),
+    (2, {"dp": 2, "kind": "moe-gpt"}),
+    (2, {"cp": 2, "kind": "moe-gpt"}),  # the router's statistics summed over cp; experts' grads over dp x cp
+    (2, {"cp": 2, "kind": "moe-gpt", "capacity": 1.0}),  # + the expert choices gathered for the capacity rule
 ]
 
 
