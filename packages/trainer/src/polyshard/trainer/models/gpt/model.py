@@ -6,7 +6,8 @@ so a pipeline can cut the list anywhere. ``forward`` simply runs them in
 order; the loss is computed outside the model.
 
 GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``positions="rope"``,
-``bias=False`` and grouped-query attention (the ``llama-*`` presets). :data:`SPEC` declares the
+``bias=False`` and grouped-query attention (the ``llama-*`` presets); Qwen3 adds ``qk_norm`` and its own
+``head_dim``. :data:`SPEC` declares the
 family to the trainer.
 """
 
@@ -88,6 +89,9 @@ class GPT(nn.Module):
         rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         self.context_length = context_length
@@ -102,6 +106,9 @@ class GPT(nn.Module):
             "rope_scaling": rope_scaling if positions == "rope" else None,
             "mlp_hidden": mlp_hidden,
             "norm_eps": norm_eps,
+            "head_dim": head_dim,
+            "qkv_bias": qkv_bias,
+            "qk_norm": qk_norm,
         }
         blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
@@ -163,6 +170,9 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         rope_scaling=rope_scaling(config),
         mlp_hidden=config.mlp_width,
         norm_eps=config.norm_eps,
+        head_dim=config.head_dim,
+        qkv_bias=config.qkv_bias,
+        qk_norm=config.qk_norm,
     )
 
 
