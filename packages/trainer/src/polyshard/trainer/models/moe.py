@@ -154,4 +154,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     check_model=check_model,
+    hf_families=("mixtral", "qwen3_moe", "qwen2_moe"),  # polyshard.trainer.models.hf_moe
 )
