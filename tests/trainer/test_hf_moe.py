@@ -41,11 +41,13 @@ MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 def _models():
     """model_type -> (config class, model class, the config's settings)."""
     t = transformers
+    qwen3 = {"intermediate_size": 40, "head_dim": 16, "tie_word_embeddings": True}
+    qwen2_moe = {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 24}
     return {
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, {"intermediate_size": 24, "num_local_experts": 4}),
-        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, {"intermediate_size": 40, "head_dim": 16, "tie_word_embeddings": True}),
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, qwen3),
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, {**MOE, "num_experts": 4, "norm_topk_prob": True}),
-        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 24}),
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, qwen2_moe),
     }  # fmt: skip
 
 
@@ -85,10 +87,7 @@ QUICK = {("mixtral", "one"), ("qwen3", "one"), ("qwen3_moe", "one"), ("qwen2_moe
 
 @pytest.mark.parametrize(
     "family, mesh",
-    [
-        pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long)
-        for f, m in LAYOUTS
-    ],
+    [pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long) for f, m in LAYOUTS],
 )
 def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
     from polyshard.trainer.checkpointing.export import consolidate
@@ -223,7 +222,9 @@ def test_a_missing_expert_is_named_and_the_cli_exits_2(folders, corpus, tmp_path
     toml += f"[training]\nsteps = 2\nglobal_batch_size = 4\n[data]\nsource = {json.dumps(corpus)}\n"
     (tmp_path / "c.toml").write_text(toml)
     run = tmp_path / "run"
-    result = CliRunner().invoke(app, ["train", str(tmp_path / "c.toml"), "--out", str(run), "--init-from", f"hf:{broken}"])
+    result = CliRunner().invoke(
+        app, ["train", str(tmp_path / "c.toml"), "--out", str(run), "--init-from", f"hf:{broken}"]
+    )
     assert result.exit_code == 2 and expert in result.output, result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1 and not run.exists()
 
@@ -244,3 +245,32 @@ def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
     other = from_dict({"model": {**model_settings(folders["qwen3_moe"]), "expert_hidden": 32}}).model
     with pytest.raises(CheckpointError, match="--set model.expert_hidden=16"):
         check_matches(folders["qwen3_moe"], other)
+
+
+# Totals the model cards give: Mixtral-8x7B 46.7B (46,702,792,704), Qwen3-30B-A3B 30.5B, Qwen3-8B 8.2B.
+@pytest.mark.parametrize(
+    "preset, architecture, parameters",
+    [
+        ("qwen3-tiny", "Qwen3ForCausalLM", None),
+        ("mixtral-tiny", "MixtralForCausalLM", None),
+        ("qwen3-moe-tiny", "Qwen3MoeForCausalLM", None),
+        ("qwen2-moe-tiny", "Qwen2MoeForCausalLM", None),
+        ("qwen3-8b", "Qwen3ForCausalLM", 8_190_735_360),
+        ("mixtral-8x7b", "MixtralForCausalLM", 46_702_792_704),
+        ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30_532_122_624),
+    ],
+)
+def test_the_presets_are_the_families(preset, architecture, parameters):
+    """Each preset exports as its family; transformers builds the same number of parameters from the
+    config.json polyshard writes (on the meta device for the large ones: nothing allocated)."""
+    from polyshard.trainer.models import parameter_count
+
+    model = from_dict({"model": {"preset": preset}}).model
+    hf = hf_config(model)
+    assert hf["architectures"] == [architecture]
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in theirs.parameters()) == parameter_count(model)
+    if parameters is not None:
+        assert parameter_count(model) == parameters

@@ -31,7 +31,11 @@ def _config(corpus, model, **parallel):
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **MODELS[model]},
             "parallel": parallel,
             "training": {
-                "steps": STEPS, "global_batch_size": 8, "warmup_steps": 2, "eval_every": 0, "sample_tokens": 0,
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 2,
+                "eval_every": 0,
+                "sample_tokens": 0,
                 "weight_decay": 0.1,
             },  # fmt: skip
             "data": {"source": corpus},
@@ -46,18 +50,19 @@ def reference(distributed, corpus, tmp_path_factory):
     return {model: distributed.run(1, _train, _config(corpus, model), out)[0] for model in MODELS}
 
 
+LONG = pytest.mark.long
 LAYOUTS = [
     pytest.param("qwen3", 2, {"tp": 2}, id="qwen3-tp2"),
     pytest.param("qwen3", 2, {"tp": 2, "sequence_parallel": True}, id="qwen3-tp2-sp"),
     pytest.param("qwen3", 2, {"cp": 2}, id="qwen3-cp2"),
-    pytest.param("qwen3", 4, {"tp": 4}, id="qwen3-tp4-kv-replicated", marks=pytest.mark.long),
-    pytest.param("qwen3", 2, {"pp": 2, "microbatches": 2}, id="qwen3-pp2", marks=pytest.mark.long),
-    pytest.param("qwen3", 4, {"cp": 2, "tp": 2, "sequence_parallel": True}, id="qwen3-cp2xtp2-sp", marks=pytest.mark.long),
+    pytest.param("qwen3", 4, {"tp": 4}, id="qwen3-tp4-kv-replicated", marks=LONG),
+    pytest.param("qwen3", 2, {"pp": 2, "microbatches": 2}, id="qwen3-pp2", marks=LONG),
+    pytest.param("qwen3", 4, {"cp": 2, "tp": 2, "sequence_parallel": True}, id="qwen3-cp2xtp2-sp", marks=LONG),
     pytest.param("qwen2-moe", 2, {"ep": 2}, id="qwen2-moe-ep2"),
     pytest.param("qwen2-moe", 2, {"tp": 2}, id="qwen2-moe-tp2"),
-    pytest.param("qwen2-moe", 4, {"ep": 2, "tp": 2}, id="qwen2-moe-ep2xtp2", marks=pytest.mark.long),
-    pytest.param("qwen2-moe", 4, {"ep": 2, "pp": 2, "microbatches": 2}, id="qwen2-moe-ep2xpp2", marks=pytest.mark.long),
-    pytest.param("qwen2-moe", 4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="qwen2-moe-dp2xep2-zero1", marks=pytest.mark.long),
+    pytest.param("qwen2-moe", 4, {"ep": 2, "tp": 2}, id="qwen2-moe-ep2xtp2", marks=LONG),
+    pytest.param("qwen2-moe", 4, {"ep": 2, "pp": 2, "microbatches": 2}, id="qwen2-moe-ep2xpp2", marks=LONG),
+    pytest.param("qwen2-moe", 4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="qwen2-moe-dp2xep2-zero1", marks=LONG),
 ]  # fmt: skip
 
 

@@ -197,6 +197,7 @@ class HFWeights:
 
     def _region(self, location: TensorLocation, name: str, want: list[tuple[int, int]]) -> torch.Tensor:
         """The region ``want`` ((low, high) per dim, in our layout) of stored tensor ``name``, checked finite."""
+        block: torch.Tensor  # safetensors' slices are untyped
         with _opened(self.folder / self.files[name]) as f:
             stored = f.get_slice(self.stored[name])
             if location.transposed:

@@ -34,6 +34,40 @@ PRESETS: dict[str, dict[str, Any]] = {
         **LLAMA, "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
         "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
     },
+    # Qwen3: Llama's architecture with q/k norms and 128-dim heads at every width.
+    "qwen3-tiny": {
+        **LLAMA, "qk_norm": True, "hidden": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+        "context_length": 64, "mlp_hidden": 176, "norm_eps": 1e-6, "tie_embeddings": True,
+    },
+    "qwen3-8b": {
+        **LLAMA, "qk_norm": True, "hidden": 4096, "num_layers": 36, "num_heads": 32, "num_kv_heads": 8,
+        "head_dim": 128, "context_length": 40960, "mlp_hidden": 12288, "vocab_size": 151936, "rope_theta": 1e6,
+        "norm_eps": 1e-6,
+    },
+    # Mixture-of-experts families (model.kind = "moe-gpt"): every block's MLP is routed experts.
+    "mixtral-tiny": {
+        **LLAMA, "kind": "moe-gpt", "hidden": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+        "context_length": 64, "num_experts": 4, "top_k": 2, "expert_hidden": 96, "rope_theta": 1e6,
+    },
+    "mixtral-8x7b": {
+        **LLAMA, "kind": "moe-gpt", "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+        "context_length": 32768, "vocab_size": 32000, "num_experts": 8, "top_k": 2, "expert_hidden": 14336,
+        "rope_theta": 1e6,
+    },
+    "qwen3-moe-tiny": {
+        **LLAMA, "kind": "moe-gpt", "qk_norm": True, "hidden": 64, "num_layers": 4, "num_heads": 4,
+        "num_kv_heads": 2, "context_length": 64, "num_experts": 8, "top_k": 2, "expert_hidden": 32, "norm_eps": 1e-6,
+    },
+    "qwen3-30b-a3b": {
+        **LLAMA, "kind": "moe-gpt", "qk_norm": True, "hidden": 2048, "num_layers": 48, "num_heads": 32,
+        "num_kv_heads": 4, "head_dim": 128, "context_length": 40960, "vocab_size": 151936, "num_experts": 128,
+        "top_k": 8, "expert_hidden": 768, "rope_theta": 1e6, "norm_eps": 1e-6,
+    },
+    "qwen2-moe-tiny": {
+        **LLAMA, "kind": "moe-gpt", "qkv_bias": True, "hidden": 64, "num_layers": 4, "num_heads": 4,
+        "context_length": 64, "num_experts": 8, "top_k": 2, "expert_hidden": 32, "shared_experts": 1,
+        "shared_expert_hidden": 128, "shared_expert_gate": True, "router_renormalize": False, "norm_eps": 1e-6,
+    },
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
@@ -50,8 +84,9 @@ class ModelConfig:
     kind: str = "gpt"
     """gpt (decoder-only language model), moe-gpt (its mixture-of-experts variant) or vit (image classifier)."""
     preset: str | None = None
-    """tiny, small, gpt2-124m, llama-tiny, llama-3.2-1b or llama-3-8b: sets the sizes (and for Llama the
-    architecture below); keys given here win."""
+    """Sets the sizes (and for Llama, Qwen and Mixtral the architecture below, and kind): tiny, small, gpt2-124m,
+    llama-tiny, llama-3.2-1b, llama-3-8b, qwen3-tiny, qwen3-8b, mixtral-tiny, mixtral-8x7b, qwen3-moe-tiny,
+    qwen3-30b-a3b or qwen2-moe-tiny; keys given here win."""
     vocab_size: int = 256
     """Tokens in the vocabulary; 256 for the byte-level tokenizer."""
     context_length: int = 64

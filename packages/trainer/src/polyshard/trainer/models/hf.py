@@ -269,7 +269,9 @@ def write_hf(
             if expert is None:
                 return source.whole(MODEL + name)
             shape = source.global_shape(MODEL + name)  # one expert's slice of the stacked tensor
-            return source.read(MODEL + name, (expert, *(0,) * (len(shape) - 1)), (1, *shape[1:]), source.dtype(MODEL + name))[0]
+            return source.read(
+                MODEL + name, (expert, *(0,) * (len(shape) - 1)), (1, *shape[1:]), source.dtype(MODEL + name)
+            )[0]
 
         specs, make = _hf_tensors(model, ours, lambda n: source.dtype(MODEL + n))
         parts = _parts(model)

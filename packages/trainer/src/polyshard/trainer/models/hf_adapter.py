@@ -67,8 +67,14 @@ def setting(model: ModelConfig, key: str) -> object:
 
 
 def shape_differences(model: ModelConfig, shape: Mapping[str, object]) -> dict[str, object]:
-    """The entries of ``shape`` (setting -> required value) that ``model`` does not have."""
-    return {key: value for key, value in shape.items() if setting(model, key) != value}
+    """The entries of ``shape`` (setting -> required value) that ``model`` does not have (an unset
+    qkv_bias follows bias: only bias is named then)."""
+    follows = model.qkv_bias is None and shape.get("qkv_bias", shape.get("bias")) == shape.get("bias")
+    return {
+        key: value
+        for key, value in shape.items()
+        if setting(model, key) != value and not (key == "qkv_bias" and follows and "bias" in shape)
+    }
 
 
 # -- typed reads of config.json (untrusted: every value checked before use) ----------------------------

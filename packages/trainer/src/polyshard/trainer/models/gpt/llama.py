@@ -117,7 +117,9 @@ def locations(model: ModelConfig) -> dict[str, TensorLocation]:
 
 def dense_mlp(ours: str, hf: str) -> dict[str, TensorLocation]:
     """A dense SwiGLU's three matrices: ``mlp.{gate,up,down}_proj`` in both."""
-    return {f"{ours}.mlp.{p}.weight": TensorLocation(f"{hf}.mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+    return {
+        f"{ours}.mlp.{p}.weight": TensorLocation(f"{hf}.mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")
+    }
 
 
 def decoder_locations(

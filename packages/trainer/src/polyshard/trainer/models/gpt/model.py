@@ -228,5 +228,9 @@ SPEC = ModelSpec(
     tied=tied,
     check=check,
     context_parallel=True,
-    hf_families=("gpt2", "llama", "qwen3"),  # polyshard.trainer.models.hf's name tables; the architecture fields pick one
+    hf_families=(
+        "gpt2",
+        "llama",
+        "qwen3",
+    ),  # polyshard.trainer.models.hf's name tables; the architecture fields pick one
 )
