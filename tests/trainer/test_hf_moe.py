@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from polyshard.checkpoint import CheckpointError
+from polyshard.checkpoint import Checkpoint, CheckpointError
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.models.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
@@ -103,12 +103,16 @@ def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tm
     torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
     assert [loss for loss, _ in results] == pytest.approx([hf_loss] * len(results), rel=ROUND_OFF)
     # Import then export, with no training between: the original tensors, bit for bit.
-    state = consolidate(next(tmp_path.glob("step_*")))
+    step = next(tmp_path.glob("step_*"))
+    state = consolidate(step)
     original = load_file(folder / "model.safetensors")
     exported = hf_state(state, config.model)
     assert exported.keys() == original.keys() - ({"lm_head.weight"} if config.model.tie_embeddings else set())
     for key, tensor in exported.items():
         assert torch.equal(tensor, original[key]), key
+    # The same streamed from the checkpoint (polyshard export --format hf), one expert at a time.
+    streamed = load_file(write_hf(Checkpoint(step), config.model, tmp_path / "streamed") / "model.safetensors")
+    assert streamed.keys() == exported.keys() and all(torch.equal(streamed[k], exported[k]) for k in streamed)
     model = build_model(config.model)
     model.load_state_dict(state, strict=True)
     with torch.no_grad():

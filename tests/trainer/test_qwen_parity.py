@@ -72,3 +72,35 @@ def test_qwen_layers_train_as_on_one_process(distributed, corpus, reference, tmp
     assert all(r == results[0] for r in results)
     assert results[0] == pytest.approx(reference[model], rel=DENSE_RTOL)  # losses and pre-clip grad norms
     assert results[0][STEPS - 1] < results[0][0]  # it learns
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ({"shared_expert_gate": True}, "model.shared_expert_gate gates the shared experts: set model.shared_experts"),
+        ({"head_dim": 0}, "model.head_dim=0"),
+        ({"shared_experts": -1}, "model.shared_experts"),
+        ({"expert_hidden": 0}, "model.expert_hidden=0"),
+        ({"positions": "rope", "head_dim": 7}, r"the head dim \(model.head_dim, or hidden/num_heads\)=7 must be even"),
+        ({"kind": "moe-gpt", "shared_experts": 1, "shared_expert_hidden": 33, "tp": 2}, "does not divide the MLP width 33"),
+    ],
+)  # fmt: skip
+def test_the_new_settings_are_checked_naming_the_field(model, message):
+    from polyshard.trainer.engine.constraints import validate
+    from polyshard.trainer.errors import ConfigError
+
+    parallel = {"tp": model.pop("tp")} if "tp" in model else {}
+    with pytest.raises(ConfigError, match=message):
+        validate(from_dict({"model": model, "parallel": parallel}), world_size=max(1, parallel.get("tp", 1)))
+
+
+def test_a_head_dim_of_its_own_needs_no_divisible_width():
+    """Qwen3-4B's shape in small: 3 heads of 16 dims on a 40-wide stream (40 is no multiple of 3)."""
+    import torch
+
+    from polyshard.trainer.models import build_model
+
+    config = from_dict({"model": {**QWEN3, "hidden": 40, "num_heads": 3, "num_kv_heads": 1, "num_layers": 1}}).model
+    model = build_model(config)
+    assert model.layers[1].attn.q_proj.weight.shape == (48, 40)
+    assert model(torch.randint(0, 256, (2, 8))).shape == (2, 8, 256)
