@@ -79,6 +79,7 @@ def test_qwen_layers_train_as_on_one_process(distributed, corpus, reference, tmp
     [
         ({"shared_expert_gate": True}, "model.shared_expert_gate gates the shared experts: set model.shared_experts"),
         ({"head_dim": 0}, "model.head_dim=0"),
+        ({"expert_hidden": 8}, "model.expert_hidden=8 shapes experts, which model.kind='gpt' has none of"),
         ({"shared_experts": -1}, "model.shared_experts"),
         ({"expert_hidden": 0}, "model.expert_hidden=0"),
         ({"positions": "rope", "head_dim": 7}, r"the head dim \(model.head_dim, or hidden/num_heads\)=7 must be even"),

@@ -21,6 +21,7 @@ from torch import nn
 from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.tp.transformer import Block, Documents, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
     BuildOptions,
     ModelSpec,
@@ -220,6 +221,17 @@ def check(config: Config) -> None:
     check_mlp_split(config.model.mlp_width, config.parallel.tp)
 
 
+def check_model(model: ModelConfig) -> None:
+    """Settings only an MoE model reads are refused rather than ignored."""
+    moe_only = {"expert_hidden": None, "shared_experts": 0, "shared_expert_hidden": None, "shared_expert_gate": False}
+    for name, unset in moe_only.items():
+        if getattr(model, name) != unset:
+            raise ConfigError(
+                f"model.{name}={getattr(model, name)!r} shapes experts, which model.kind={model.kind!r} has none of; "
+                f"set model.kind='moe-gpt' or drop it"
+            )
+
+
 SPEC = ModelSpec(
     kind="gpt",
     task=LANGUAGE,
@@ -227,6 +239,7 @@ SPEC = ModelSpec(
     tp_plan=tp_plan,
     tied=tied,
     check=check,
+    check_model=check_model,
     context_parallel=True,
     hf_families=(
         "gpt2",
