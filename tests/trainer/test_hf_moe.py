@@ -1,9 +1,9 @@
-"""Hugging Face Mixtral, Qwen3, Qwen3-MoE and Qwen2-MoE in and out. Tiny random models of each (grouped
-query attention: 4 heads, 2 kv heads; 4 experts, top 2; Qwen3 with a head dim of its own, 16 on a
-32-wide stream, and tied embeddings; Qwen3-MoE renormalising its top-k weights; Qwen2-MoE with q/k/v
-biases and a gated shared expert) are built with `transformers`, saved with save_pretrained (nothing is
-downloaded), imported onto one process, ep2, tp2, ep2 x tp2 and pp2, scored against transformers' own
-forward, and written back in the Hugging Face format.
+"""Hugging Face Mixtral, Qwen2, Qwen3, Qwen3-MoE and Qwen2-MoE in and out. Tiny random models of each
+(grouped query attention: 4 heads, 2 kv heads; 4 experts, top 2; Qwen3 with a head dim of its own, 16 on
+a 32-wide stream, and tied embeddings; Qwen2 with q/k/v biases; Qwen3-MoE renormalising its top-k
+weights; Qwen2-MoE with q/k/v biases and a gated shared expert) are built with `transformers`, saved with
+save_pretrained (nothing is downloaded), imported onto one process, ep2, tp2, ep2 x tp2 and pp2, scored
+against transformers' own forward, and written back in the Hugging Face format.
 
 Tolerances: the import is a copy of regions, so weights compare bitwise. Logits and losses are float32
 computations done in another order than transformers' (SDPA vs eager attention, grouped matmuls vs one
@@ -45,6 +45,7 @@ def _models():
     qwen2_moe = {**MOE, "num_experts": 4, "shared_expert_intermediate_size": 24}
     return {
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, {"intermediate_size": 24, "num_local_experts": 4}),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, {"intermediate_size": 40}),
         "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, qwen3),
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, {**MOE, "num_experts": 4, "norm_topk_prob": True}),
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, qwen2_moe),
@@ -62,7 +63,7 @@ def _save(folder, model_type):
     return folder
 
 
-FAMILIES = ("mixtral", "qwen3", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +78,12 @@ def _hf_logits(folder):
 
 
 MESHES = {"one": {}, "ep2": {"ep": 2}, "tp2": {"tp": 2}, "ep2xtp2": {"ep": 2, "tp": 2}, "pp2": {"pp": 2}}
-LAYOUTS = [(family, mesh) for family in FAMILIES for mesh in MESHES if not (family == "qwen3" and "ep" in mesh)]
+DENSE = ("qwen2", "qwen3")
+LAYOUTS = [(family, mesh) for family in FAMILIES for mesh in MESHES if not (family in DENSE and "ep" in mesh)]
 LAYOUTS += [("qwen3", "tp4")]  # 2 kv heads on 4 tp ranks: each k head (and its k norm) on two ranks
 MESHES["tp4"] = {"tp": 4}
 # The default suite keeps one process for every family and each kind of layout once; `make test-long` the table.
-QUICK = {("mixtral", "one"), ("qwen3", "one"), ("qwen3_moe", "one"), ("qwen2_moe", "one"), ("qwen2_moe", "ep2xtp2"),
-         ("qwen3", "tp2"), ("mixtral", "pp2")}  # fmt: skip
+QUICK = {(family, "one") for family in FAMILIES} | {("qwen2_moe", "ep2xtp2"), ("qwen3", "tp2"), ("mixtral", "pp2")}
 
 
 @pytest.mark.parametrize(
@@ -145,6 +146,8 @@ def test_the_settings_are_the_folders(folders):
         1, 24, True,
     )  # fmt: skip
     assert (qwen2_moe["qkv_bias"], qwen2_moe["bias"], qwen2_moe["router_renormalize"]) == (True, False, False)
+    qwen2 = model_settings(folders["qwen2"])
+    assert (qwen2["kind"], qwen2["qkv_bias"], qwen2["bias"], qwen2["qk_norm"]) == ("gpt", True, False, False)
 
 
 def _train_from_hf(config, folder, out):

@@ -73,6 +73,7 @@ from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.models.gpt.gpt2 import GPT2
 from polyshard.trainer.models.gpt.llama import LLAMA_FAMILY
+from polyshard.trainer.models.gpt.qwen2 import QWEN2
 from polyshard.trainer.models.gpt.qwen3 import QWEN3
 from polyshard.trainer.models.hf_adapter import Family, setting
 from polyshard.trainer.models.hf_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
@@ -94,7 +95,7 @@ __all__ = [
 ]
 
 FAMILIES: dict[str, Family] = {
-    family.model_type: family for family in (GPT2, LLAMA_FAMILY, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE)
+    family.model_type: family for family in (GPT2, LLAMA_FAMILY, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE)
 }
 
 

@@ -241,9 +241,6 @@ SPEC = ModelSpec(
     check=check,
     check_model=check_model,
     context_parallel=True,
-    hf_families=(
-        "gpt2",
-        "llama",
-        "qwen3",
-    ),  # polyshard.trainer.models.hf's name tables; the architecture fields pick one
+    # polyshard.trainer.models.hf's name tables; the architecture fields pick one
+    hf_families=("gpt2", "llama", "qwen2", "qwen3"),
 )
