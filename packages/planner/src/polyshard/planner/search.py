@@ -153,7 +153,8 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
     spec = spec_of(model)
     context = spec.context_parallel and model.dropout == 0
     for tp in divisors(n):
-        if tp > request.devices_per_node or model.num_heads % tp or model.mlp_width % tp:
+        mlp = model.shared_width if spec.has_experts else model.mlp_width  # what tp splits of the MLP
+        if tp > request.devices_per_node or model.num_heads % tp or mlp % tp:
             continue
         if model.kv_heads % tp and tp % model.kv_heads:
             continue

@@ -162,9 +162,10 @@ class Engine:
     def finish_gradients(self) -> None:
         for wrapper in self.wrappers.values():
             wrapper.finish_grad_sync()
-        if self.config.parallel.sequence_parallel:
-            # Norms run on a sequence shard: sum their gradients over tp. Read the reduced gradient
-            # the optimizer steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
+        if self.config.parallel.tp > 1:
+            # Norms on a sequence shard (sequence parallelism) and q/k norms on this rank's heads see
+            # part of the work: sum their gradients over tp. Read the reduced gradient the optimizer
+            # steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
             grads = [
                 wrapper.grad_shard(p)
                 for wrapper in self.wrappers.values()
