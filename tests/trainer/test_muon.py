@@ -186,6 +186,10 @@ LAYOUTS = [
         id="pp2-interleaved",
         marks=pytest.mark.long,
     ),
+    # hybrid sharding: ZeRO rows over dp_shard=2 only, replicated across the two dp_replicate groups
+    pytest.param(
+        4, "gpt", {"dp": 4, "dp_shard": 2, "zero_stage": 3}, id="hsdp-dp4-shard2-zero3", marks=pytest.mark.long
+    ),
     # Llama's 2 kv heads on tp=4: k/v whole on every tp rank (replicated, no gather), q/o/MLP in 4 pieces
     pytest.param(4, "llama", {"tp": 4}, id="llama-tp4-kv-replicated", marks=pytest.mark.long),
 ]

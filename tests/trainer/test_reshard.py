@@ -42,6 +42,8 @@ SOURCES = {
     "llama-tp4": (4, "gpt", {"tp": 4, "llama": True}),
     # Context parallelism shards no parameter: only the layout (and ZeRO over dp x cp) moves.
     "cp2-dp2-zero1": (4, "gpt", {"cp": 2, "dp": 2, "zero_stage": 1}),
+    # Experts under cp: ZeRO shards them over dp x cp (the ranks holding the same experts).
+    "moe-cp2-ep2-zero1": (4, "moe-gpt", {"cp": 2, "ep": 2, "zero_stage": 1}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -187,6 +189,11 @@ MATRIX = [
     ),
     pytest.param("tp2", [({"tp": 4}, {})], id="tp2->tp4-vocab-padding"),
     pytest.param("moe-dp2-ep2", [({"ep": 4}, {}), ({}, {})], id="moe-dp2xep2->ep4->ep1"),
+    pytest.param(
+        "moe-cp2-ep2-zero1",
+        [({"ep": 2}, {"zero_stage": 0}), ({"cp": 2, "ep": 2}, {"zero_stage": 1})],
+        id="moe-cp2xep2-zero1->ep2->back",
+    ),
     pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
     pytest.param(
         "dp2-zero3",

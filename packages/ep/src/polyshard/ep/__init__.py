@@ -13,6 +13,7 @@ from polyshard.ep.parallel import (
     planned_expert_placement,
     replicated_parameters,
     scale_expert_gradients,
+    share_routing_statistics,
     sync_gradients,
 )
 from polyshard.ep.router import (
@@ -23,6 +24,7 @@ from polyshard.ep.router import (
     load_balancing_loss,
     z_loss,
 )
+from polyshard.ep.token_group import router_losses, sum_over_tokens
 
 __all__ = [
     "DispatchMeta",
@@ -47,7 +49,10 @@ __all__ = [
     "moe_metrics",
     "planned_expert_placement",
     "replicated_parameters",
+    "router_losses",
     "scale_expert_gradients",
+    "share_routing_statistics",
+    "sum_over_tokens",
     "sync_gradients",
     "z_loss",
 ]

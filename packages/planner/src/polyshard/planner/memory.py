@@ -19,6 +19,10 @@ Two accountings of the same thing:
   that orthogonalises a matrix also holds it whole for a moment, one matrix at a time, which is
   not counted here (it is not held at the step's end). ``tests/trainer/test_planner_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
+
+Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard
+group's size (dp_shard x ep x cp), not the number of replicas, so a rank holds what ZeRO on
+dp_shard x ep x cp ranks would; the dp / dp_shard replicas each hold the same.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import nn
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.planner.pipeline import stages_by_rank
-from polyshard.trainer.checkpointing.records import base_record, data_axes
+from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.parallelize import pipeline_bounds
 from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
@@ -76,8 +80,15 @@ class Held:
     replicas: int
     tp_sharded: bool = False
     """Split over tp (a replicated 1-D weight under sequence parallelism has its gradient summed over tp)."""
+    shards: int | None = None
+    """Hybrid sharding: the ranks ZeRO shards it over (a divisor of ``replicas``); None: all replicas."""
     muon: bool = False
     """Stepped by Muon (one momentum buffer) rather than AdamW (two moments and a step counter)."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO splits it over: ``shards``, or every replica without hybrid sharding."""
+        return self.replicas if self.shards is None else self.shards
 
 
 def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str) -> ModelStates:
@@ -87,7 +98,7 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     state = 0  # bytes of optimizer state besides masters: per element 8 (AdamW's m, v) or 4 (Muon's buffer)
     masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
     for h, count in held.items():
-        n = h.replicas if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
+        n = h.shard_ranks if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
         rows = ShardSpec(h.shape, n).shard_numel
         numel += count * math.prod(h.shape)
         shard += count * rows
@@ -139,7 +150,8 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     sizes = par.mesh_axes
     replicas = math.prod(sizes[a] for a in data_axes(config, record))
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
-    return Held(record.local_shape(sizes), replicas, tp_sharded, muon=_stepped_by_muon(config, record))
+    shards = math.prod(sizes[a] for a in shard_axes(config, record)) if par.hybrid else None
+    return Held(record.local_shape(sizes), replicas, tp_sharded, shards, muon=_stepped_by_muon(config, record))
 
 
 def _stepped_by_muon(config: Config, record: TensorPlacement) -> bool:
