@@ -41,10 +41,12 @@ class DispatchMeta:
     """Rows this rank sent to each ep rank."""
     recv_splits: tuple[int, ...]
     """Rows this rank received from each ep rank."""
-    regroup_order: torch.Tensor
-    """(N,) received-row index for each row of the expert-major input."""
-    restore_order: torch.Tensor
-    """(N,) inverse of ``regroup_order``: expert-major row for each received row."""
+    regroup_order: torch.Tensor | None
+    """(N,) received-row index for each row of the expert-major input; None where the received rows
+    are already expert-major (one ep rank, or one expert per rank), which saves a gather of every row
+    forward and its scatter backward."""
+    restore_order: torch.Tensor | None
+    """(N,) inverse of ``regroup_order``: expert-major row for each received row (None with it)."""
     tokens_per_local_expert: tuple[int, ...]
     """Rows each local expert processes (from all ranks)."""
     group: dist.ProcessGroup | None
@@ -82,7 +84,8 @@ def dispatch(
     recv_splits = tuple(recv_counts.sum(dim=1).tolist())
     received = _exchange_rows(x[token_index], recv_splits, send_splits, group)  # (A, H) -> (N, H)
 
-    regroup_order = _regroup_order(recv_counts.to(x.device))  # (N,)
+    regrouped = ep_size > 1 and local_experts > 1  # otherwise the received rows are expert-major already
+    regroup_order = _regroup_order(recv_counts.to(x.device)) if regrouped else None  # (N,)
     meta = DispatchMeta(
         num_tokens=num_tokens,
         token_index=token_index,
@@ -90,11 +93,11 @@ def dispatch(
         send_splits=send_splits,
         recv_splits=recv_splits,
         regroup_order=regroup_order,
-        restore_order=torch.argsort(regroup_order),
+        restore_order=torch.argsort(regroup_order) if regroup_order is not None else None,
         tokens_per_local_expert=tuple(recv_counts.sum(dim=0).tolist()),
         group=group,
     )
-    return received[regroup_order], meta
+    return (received[regroup_order] if regroup_order is not None else received), meta
 
 
 def combine(expert_output: torch.Tensor, weights: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
@@ -104,7 +107,8 @@ def combine(expert_output: torch.Tensor, weights: torch.Tensor, meta: DispatchMe
     Returns (T, H); a token whose every assignment was dropped gets zeros.
     forward: payload all-to-all (reverse of dispatch) / backward: payload all-to-all.
     """
-    by_source = expert_output[meta.restore_order]  # (N, H) back in (source rank, local expert) order
+    by_source = expert_output if meta.restore_order is None else expert_output[meta.restore_order]  # (N, H)
+    # ... back in (source rank, local expert) order
     returned = _exchange_rows(by_source, meta.send_splits, meta.recv_splits, meta.group)  # (N, H) -> (A, H)
     row_weights = weights.reshape(-1)[meta.assignment_index].to(returned.dtype).unsqueeze(-1)  # (A, 1)
     out = returned.new_zeros(meta.num_tokens, returned.shape[-1])
