@@ -29,9 +29,9 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import decoder_config, decoder_locations, decoder_settings
+from polyshard.trainer.models.gpt.llama import decoder_config, decoder_family, decoder_locations, decoder_settings
 from polyshard.trainer.models.gpt.qwen3 import check_all_sparse, check_full_attention
-from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.trainer.models.hf_adapter import read_bool, read_int, read_number, require
 
 _BASE = {"kind": "moe-gpt", **LLAMA}
 MIXTRAL_SHAPE: dict[str, object] = {
@@ -130,17 +130,7 @@ def mixtral_config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-MIXTRAL = Family(
-    model_type="mixtral",
-    title="Mixtral",
-    settings=mixtral_settings,
-    differences=lambda model: shape_differences(model, MIXTRAL_SHAPE),
-    locations=mixtral_locations,
-    config=mixtral_config,
-    base_prefix="model.",
-    base_names=("embed_tokens.", "layers.", "norm."),
-    at_most=frozenset({"context_length"}),
-)
+MIXTRAL = decoder_family("mixtral", "Mixtral", MIXTRAL_SHAPE, mixtral_settings, mixtral_locations, mixtral_config)
 
 
 # -- Qwen3-MoE and Qwen2-MoE ---------------------------------------------------------------------------
@@ -214,26 +204,10 @@ def qwen2_moe_config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-QWEN3_MOE = Family(
-    model_type="qwen3_moe",
-    title="Qwen3-MoE",
-    settings=qwen3_moe_settings,
-    differences=lambda model: shape_differences(model, QWEN3_MOE_SHAPE),
-    locations=qwen_moe_locations,
-    config=qwen3_moe_config,
-    base_prefix="model.",
-    base_names=("embed_tokens.", "layers.", "norm."),
-    at_most=frozenset({"context_length"}),
+QWEN3_MOE = decoder_family(
+    "qwen3_moe", "Qwen3-MoE", QWEN3_MOE_SHAPE, qwen3_moe_settings, qwen_moe_locations, qwen3_moe_config
 )
 
-QWEN2_MOE = Family(
-    model_type="qwen2_moe",
-    title="Qwen2-MoE",
-    settings=qwen2_moe_settings,
-    differences=lambda model: shape_differences(model, QWEN2_MOE_SHAPE),
-    locations=qwen_moe_locations,
-    config=qwen2_moe_config,
-    base_prefix="model.",
-    base_names=("embed_tokens.", "layers.", "norm."),
-    at_most=frozenset({"context_length"}),
+QWEN2_MOE = decoder_family(
+    "qwen2_moe", "Qwen2-MoE", QWEN2_MOE_SHAPE, qwen2_moe_settings, qwen_moe_locations, qwen2_moe_config
 )

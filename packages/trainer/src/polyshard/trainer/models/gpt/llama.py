@@ -202,3 +202,26 @@ LLAMA_FAMILY = Family(
     buffers=(".rotary_emb.inv_freq",),  # saved by transformers before 4.31; recomputed from the config
     at_most=frozenset({"context_length"}),  # rotary positions: any shorter sequence works
 )
+
+
+def decoder_family(
+    model_type: str,
+    title: str,
+    shape: Mapping[str, object],
+    settings: Callable[[Mapping[str, Any], str], dict[str, object]],
+    locations: Callable[[ModelConfig], dict[str, TensorLocation]],
+    config: Callable[[ModelConfig], dict[str, object]],
+) -> Family:
+    """A Llama-like family (Qwen2, Qwen3, Mixtral, Qwen-MoE): Llama's file layout under ``model.``, a
+    model of the family has ``shape``'s settings, and it may train on sequences shorter than its folder's."""
+    return Family(
+        model_type=model_type,
+        title=title,
+        settings=settings,
+        differences=lambda model: shape_differences(model, shape),
+        locations=locations,
+        config=config,
+        base_prefix="model.",  # the base model's files: embed_tokens, layers, norm without "model."
+        base_names=("embed_tokens.", "layers.", "norm."),
+        at_most=frozenset({"context_length"}),  # rotary positions: any shorter sequence works
+    )

@@ -9,9 +9,15 @@ from typing import Any
 
 from polyshard.checkpoint import TensorLocation
 from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import decoder_config, decoder_locations, decoder_settings, dense_mlp
+from polyshard.trainer.models.gpt.llama import (
+    decoder_config,
+    decoder_family,
+    decoder_locations,
+    decoder_settings,
+    dense_mlp,
+)
 from polyshard.trainer.models.gpt.qwen3 import check_full_attention
-from polyshard.trainer.models.hf_adapter import Family, read_int, shape_differences
+from polyshard.trainer.models.hf_adapter import read_int
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False}
 
@@ -36,14 +42,4 @@ def config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-QWEN2 = Family(
-    model_type="qwen2",
-    title="Qwen2",
-    settings=settings,
-    differences=lambda model: shape_differences(model, SHAPE),
-    locations=locations,
-    config=config,
-    base_prefix="model.",  # Qwen2Model's files: embed_tokens, layers, norm without "model."
-    base_names=("embed_tokens.", "layers.", "norm."),
-    at_most=frozenset({"context_length"}),  # rotary positions: any shorter sequence works
-)
+QWEN2 = decoder_family("qwen2", "Qwen2", SHAPE, settings, locations, config)

@@ -10,8 +10,14 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import decoder_config, decoder_locations, decoder_settings, dense_mlp
-from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, require, shape_differences
+from polyshard.trainer.models.gpt.llama import (
+    decoder_config,
+    decoder_family,
+    decoder_locations,
+    decoder_settings,
+    dense_mlp,
+)
+from polyshard.trainer.models.hf_adapter import read_bool, read_int, require
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": True}
 QWEN3_HEAD_DIM = 128  # Qwen3Config's default head_dim, used when config.json has none
@@ -75,14 +81,4 @@ def config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-QWEN3 = Family(
-    model_type="qwen3",
-    title="Qwen3",
-    settings=settings,
-    differences=lambda model: shape_differences(model, SHAPE),
-    locations=locations,
-    config=config,
-    base_prefix="model.",  # Qwen3Model's files: embed_tokens, layers, norm without "model."
-    base_names=("embed_tokens.", "layers.", "norm."),
-    at_most=frozenset({"context_length"}),  # rotary positions: any shorter sequence works
-)
+QWEN3 = decoder_family("qwen3", "Qwen3", SHAPE, settings, locations, config)
