@@ -20,7 +20,9 @@ from polyshard.ep.router import (
     Routing,
     capacity_keep_mask,
     expert_capacity,
+    limit_to_groups,
     load_balancing_loss,
+    sequence_balance_loss,
     z_loss,
 )
 
@@ -43,11 +45,13 @@ __all__ = [
     "expert_capacity",
     "expert_parameters",
     "is_expert_parameter",
+    "limit_to_groups",
     "load_balancing_loss",
     "moe_metrics",
     "planned_expert_placement",
     "replicated_parameters",
     "scale_expert_gradients",
+    "sequence_balance_loss",
     "sync_gradients",
     "z_loss",
 ]
