@@ -100,8 +100,13 @@ class Router(nn.Module):
         Exact arithmetic on integer counts, so every rank given the same counts holds the same bias."""
         if self.bias is None:
             raise ValueError("update_bias needs a router with score='sigmoid' (only it has a selection bias)")
-        load = load.to(device=self.bias.device, dtype=torch.float64)
-        self.bias += (rate * torch.sign(load.mean() - load)).to(self.bias.dtype)
+        self.bias.copy_(self.updated_bias(self.bias, load, rate))
+
+    @staticmethod
+    def updated_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+        """What :meth:`update_bias` makes of ``bias`` (float32), as a new tensor."""
+        load = load.to(device=bias.device, dtype=torch.float64)
+        return bias + (rate * torch.sign(load.mean() - load)).to(bias.dtype)
 
 
 def limit_to_groups(choice: torch.Tensor, groups: int, group_topk: int) -> torch.Tensor:

@@ -106,6 +106,9 @@ class Engine:
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
     timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
+    pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
+    # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
+    expert_load: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -278,8 +281,16 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     if experts:
         # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
         sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
+    # No buffer broadcast before each forward: the models' buffers (a sigmoid router's bias) are replicated
+    # state every rank updates alike (engine.balance), and the replica check would not see a drift it hid.
     return DataParallel(
-        stage, group=data_group, zero_stage=par.zero_stage, mixed_precision=mp, param_sets=sets, axis=data_axes
+        stage,
+        group=data_group,
+        zero_stage=par.zero_stage,
+        mixed_precision=mp,
+        param_sets=sets,
+        axis=data_axes,
+        broadcast_buffers=False,
     )
 
 
@@ -373,6 +384,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         optimizers,
         executor,
         _tied_group(config, mesh, schedule),
+        pipeline_layers=bounds[-1].stop,
     )
 
 

@@ -72,6 +72,12 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
         top_k=config.top_k,
         capacity_factor=config.capacity_factor,
         aux_loss_coef=config.aux_loss_weight,
+        z_loss_coef=config.router_z_loss_weight,
+        seq_aux_loss_coef=config.seq_aux_loss_weight,
+        score=config.router,
+        groups=config.router_groups,
+        group_topk=config.router_group_topk,
+        scale=config.router_scale,
     )
     for block in model.layers[1:-1]:
         block.mlp = MoEMLP(moe, aux_loss_scale=options.aux_loss_scale)
