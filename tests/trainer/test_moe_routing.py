@@ -1,0 +1,246 @@
+"""Each routing rule of moe-gpt trained on expert-parallel layouts against one process.
+
+Six AdamW steps (weight decay 0.1, warmup then cosine) through the real step
+(:func:`polyshard.trainer.loop.train_step`: pipeline executor, dp/ZeRO wrappers, tp plan,
+clip, the experts' load all-reduce and the bias update) on live processes, compared with one
+process on the same config and data: the losses, the gradient norms before clipping, the
+router weights after the last step, and every sigmoid router's selection bias, which must be
+bitwise equal on every rank and to one process's (it moves by exact steps from integer counts).
+
+The Switch load-balancing loss is off (its per-rank batches make it differ by layout by design,
+see test_e2e_parity.MOE_RTOL); the sigmoid rules carry the sequence-wise balance loss and the
+z-loss instead, both means over sequences or tokens that no layout changes.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from polyshard.ep import MoELayer
+from polyshard.mesh import Mesh
+from polyshard.trainer.config import from_dict
+
+STEPS = 6
+# Layouts change only the order of float32 sums (all-reduces, the experts' grouped rows, tp's
+# vocabulary-parallel loss): ~1e-7 relative per step, compounded over six AdamW steps (as DENSE_RTOL
+# in test_e2e_parity). A routing decision flipped by such round-off would break far more than this.
+RTOL = 2e-5
+
+RULES = {
+    "softmax": {},  # Mixtral: top-k of the softmax, renormalised
+    "softmax-raw": {"renormalize": False},  # Qwen-MoE as configured: the raw probabilities
+    "sigmoid": {  # DeepSeek-V3: sigmoid affinities, aux-loss-free bias, seq-wise loss, z-loss, scale
+        "router": "sigmoid",
+        "router_bias_update_rate": 0.01,
+        "seq_aux_loss_weight": 0.01,
+        "router_z_loss_weight": 0.001,
+        "router_scale": 2.5,
+    },
+    "grouped": {  # DeepSeek-V3's group-limited choice: 2 groups of 2 experts, the best one per token
+        "router": "sigmoid",
+        "router_bias_update_rate": 0.01,
+        "router_groups": 2,
+        "router_group_topk": 1,
+        "top_k": 2,
+    },
+}
+
+
+def _config(corpus, rule, **parallel):
+    model = {k: v for k, v in RULES[rule].items() if k != "renormalize"}
+    return from_dict(
+        {
+            "model": {
+                "kind": "moe-gpt",
+                "hidden": 32,
+                "num_layers": 2,
+                "num_heads": 4,
+                "context_length": 16,
+                "num_experts": 4,
+                "aux_loss_weight": 0.0,
+                **model,
+            },
+            "parallel": parallel,
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 2,
+                "eval_every": 0,
+                "sample_tokens": 0,
+            },
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+        }
+    )
+
+
+def _routers(engine):
+    """Global name -> this rank's router of every MoE layer it holds."""
+    out = {}
+    for index, stage in engine.stages.items():
+        for name, module in stage.named_modules():
+            if isinstance(module, MoELayer):
+                position, _, rest = name.partition(".")
+                out[f"layers.{engine.layer_ids[index][int(position)]}.{rest}.router"] = module.router
+    return out
+
+
+def _run(config, renormalize):
+    from polyshard.trainer.engine.optim import schedule_of
+    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    torch.manual_seed(config.training.seed)
+    engine = build_engine(config, mesh)
+    for router in _routers(engine).values():
+        router.renormalize = renormalize  # model.router_renormalize arrives with the Hugging Face MoE imports
+    train_data, _ = make_loaders(config, mesh)
+    lr = schedule_of(config.training)
+    losses, norms, biases = [], [], []
+    for step in range(STEPS):
+        loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=lr(step))
+        losses.append(loss)
+        norms.append(norm)
+        biases.append({n: r.bias.clone() for n, r in _routers(engine).items() if r.bias is not None})
+    weights = {n: r.weight.detach().clone() for n, r in _routers(engine).items()}
+    loads = {i: load.tokens_per_expert for i, load in engine.expert_load.items()}
+    return losses + norms, weights, biases, loads
+
+
+@pytest.fixture(scope="module")
+def one_process(distributed, corpus):
+    cache = {}
+
+    def get(rule):
+        if rule not in cache:
+            config = _config(corpus, rule)
+            cache[rule] = distributed.run(1, _run, config, RULES[rule].get("renormalize", True))[0]
+        return cache[rule]
+
+    return get
+
+
+LAYOUTS = {
+    "ep2": (2, {"ep": 2}),
+    "ep4": (4, {"ep": 4}),
+    "dp2xep2-zero1": (4, {"dp": 2, "ep": 2, "zero_stage": 1}),
+    "ep2xpp2": (4, {"ep": 2, "pp": 2, "microbatches": 2}),
+    "ep2xtp2": (4, {"ep": 2, "tp": 2}),
+}
+# The default suite runs one layout per rule (each layout once); `make test-long` runs the whole table.
+FAST = {"softmax": "ep2xpp2", "softmax-raw": "ep2", "sigmoid": "dp2xep2-zero1", "grouped": "ep2xtp2"}
+ROWS = [
+    pytest.param(rule, layout, id=f"{rule}-{layout}", marks=() if FAST[rule] == layout else pytest.mark.long)
+    for rule in RULES
+    for layout in LAYOUTS
+]
+
+
+@pytest.mark.parametrize("rule, layout", ROWS)
+def test_routing_rule_matches_one_process(distributed, corpus, one_process, rule, layout):
+    world, parallel = LAYOUTS[layout]
+    reference = one_process(rule)
+    results = distributed.run(world, _run, _config(corpus, rule, **parallel), RULES[rule].get("renormalize", True))
+    numbers, weights, biases, loads = results[0]
+    assert all(r[0] == numbers for r in results)  # every rank reports the same global losses and norms
+    assert numbers == pytest.approx(reference[0], rel=RTOL)  # losses, then pre-clip gradient norms
+    assert numbers[STEPS - 1] < numbers[0]  # and it learns
+    for name, weight in weights.items():  # the router weights after six steps (their gradients include the aux losses)
+        torch.testing.assert_close(weight, reference[1][name], rtol=RTOL, atol=1e-6)
+    held = set()
+    for _, _, rank_biases, rank_loads in results:
+        assert rank_loads == reference[3]  # the last step's load per layer, summed over every token
+        for step, step_biases in enumerate(rank_biases):
+            for name, bias in step_biases.items():
+                assert torch.equal(bias, reference[2][step][name]), (step, name)  # bitwise, every step
+                held.add(name)
+    if rule in ("sigmoid", "grouped"):
+        assert held == set(reference[2][0]) and len(held) == 2  # every layer's bias is on some rank
+        assert any(b.abs().sum() > 0 for step in reference[2] for b in step.values())  # and the bias did move
+
+
+def test_the_rules_route_differently(one_process):
+    # The table above would pass with a rule silently ignored: the four rules must give four runs.
+    runs = [one_process(rule)[0] for rule in RULES]
+    assert len({tuple(r) for r in runs}) == len(RULES)
+
+
+def _stop_and_resume(config, out):
+    from polyshard.trainer.loop import train
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    whole = train(config, mesh, out / "whole", log=False).losses
+    half = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=STEPS // 2))
+    train(half, mesh, out / "split", log=False)
+    resumed = train(config, mesh, out / "split", log=False, resume=True).losses
+    return whole, resumed
+
+
+def _saved_biases(folder, step=STEPS):
+    from polyshard.checkpoint import step_dir
+    from polyshard.trainer.checkpointing.export import consolidate
+
+    return {k: v for k, v in consolidate(step_dir(folder / "checkpoints", step)).items() if k.endswith("router.bias")}
+
+
+@pytest.mark.parametrize(
+    "world, parallel",
+    [
+        pytest.param(2, {"ep": 2}, id="ep2"),
+        pytest.param(
+            4,
+            {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2, "zero_stage": 1},
+            id="dp2xep2xpp2-zero1",
+            marks=pytest.mark.long,
+        ),  # fmt: skip
+    ],
+)
+def test_resume_restores_the_bias_bitwise(distributed, corpus, tmp_path, world, parallel):
+    config = _config(corpus, "sigmoid", **parallel)
+    for whole, resumed in distributed.run(world, _stop_and_resume, config, tmp_path):
+        assert resumed == whole  # exact: the resumed routing chooses with the saved bias
+    whole, split = _saved_biases(tmp_path / "whole"), _saved_biases(tmp_path / "split")
+    assert len(whole) == 2 and all(torch.equal(whole[n], split[n]) for n in whole)
+    # the resumed run started from a moved bias: after 3 steps of +-rate each entry is odd multiples of rate
+    halfway = _saved_biases(tmp_path / "split", STEPS // 2)
+    assert all(b.abs().min() > 0 for b in halfway.values())
+
+
+def _loaded_biases(config, source, out):
+    from polyshard.trainer.loop import Trainer
+
+    trainer = Trainer(config, Mesh(config.parallel.mesh_axes), out, log=False, init_from=source)
+    return {f"{n}.bias": r.bias.clone() for n, r in _routers(trainer.engine).items()}
+
+
+@pytest.mark.parametrize(
+    "world, parallel",
+    [
+        pytest.param(1, {}, id="one-process"),
+        pytest.param(4, {"dp": 2, "tp": 2}, id="dp2xtp2"),
+        pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2", marks=pytest.mark.long),
+    ],
+)
+def test_the_bias_reshards_into_another_layout(distributed, corpus, tmp_path_factory, world, parallel):
+    # Saved on ep2 (after six updates), loaded on another mesh: every rank holds its layers' saved bias.
+    folder = tmp_path_factory.getbasetemp() / "routing-ep2-source"
+    if not folder.exists():
+        distributed.run(2, _train_only, _config(corpus, "sigmoid", ep=2), folder)
+    saved = _saved_biases(folder)
+    from polyshard.checkpoint import step_dir
+
+    source = step_dir(folder / "checkpoints", STEPS)
+    held = {}
+    for biases in distributed.run(world, _loaded_biases, _config(corpus, "sigmoid", **parallel), source, folder):
+        for name, bias in biases.items():
+            assert torch.equal(bias, saved[name]), name
+            held[name] = bias
+    assert held.keys() == saved.keys() and any(b.abs().sum() > 0 for b in held.values())
+
+
+def _train_only(config, out):
+    from polyshard.trainer.loop import train
+
+    train(config, Mesh(config.parallel.mesh_axes), out, log=False)
