@@ -163,7 +163,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> None:
 
     layers = sorted({k.split("/")[1] for r in records for k in r if k.startswith("moe/")}, key=lambda n: int(n[5:]))
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
-    last = next((r for r in reversed(records) if any(k.startswith("moe/") for k in r)), {})
+    last: dict[str, Any] = next((r for r in reversed(records) if any(k.startswith("moe/") for k in r)), {})
     for j, layer in enumerate(layers):
         points = [(r["step"], r[f"moe/{layer}/max_over_mean"]) for r in records if f"moe/{layer}/max_over_mean" in r]
         curve.plot(*zip(*points), label=layer)
