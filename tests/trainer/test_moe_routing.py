@@ -47,8 +47,9 @@ RULES = {
 }
 
 
-def _config(corpus, rule, **parallel):
+def _config(corpus, rule, capacity_factor=None, **parallel):
     model = {k: v for k, v in RULES[rule].items() if k != "renormalize"}
+    model |= {"capacity_factor": capacity_factor} if capacity_factor else {}
     return from_dict(
         {
             "model": {
@@ -290,3 +291,30 @@ def test_aux_loss_free_balancing_undoes_a_skewed_router(distributed, corpus):
     frozen = dataclasses.replace(config, model=dataclasses.replace(config.model, router_bias_update_rate=0.0))
     skewed = distributed.run(1, _balance_curve, frozen, 0.1, 50)[0]
     assert min(skewed) > 1.8
+
+
+def _train_logged(config, out):
+    from polyshard.trainer.loop import Trainer
+
+    trainer = Trainer(config, Mesh(config.parallel.mesh_axes), out)
+    trainer.run()
+    return {n: r.bias.clone() for n, r in _routers(trainer.engine).items()}
+
+
+def test_the_run_folder_shows_each_layers_load(distributed, corpus, tmp_path):
+    import json
+
+    config = _config(corpus, "sigmoid", ep=2, capacity_factor=0.5)  # a tight capacity drops tokens
+    config = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=2))
+    biases = distributed.run(2, _train_logged, config, tmp_path)[0]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    for layer in (1, 2):  # the two blocks are pipeline layers 1 and 2
+        counts = last[f"moe/layer{layer}/tokens_per_expert"]
+        assert sum(counts) == 8 * 16 * 2  # every token of the global step, top-2
+        assert last[f"moe/layer{layer}/tokens_max"] == max(counts)
+        assert last[f"moe/layer{layer}/max_over_mean"] == pytest.approx(max(counts) / (sum(counts) / 4))
+        assert last[f"moe/layer{layer}/dropped_tokens"] > 0
+        bias = biases[f"layers.{layer}.mlp.moe.router"]  # after the last step's update, as the record says
+        assert (last[f"moe/layer{layer}/bias_min"], last[f"moe/layer{layer}/bias_max"]) == (bias.min(), bias.max())
+    assert (tmp_path / "expert_load.png").stat().st_size > 0

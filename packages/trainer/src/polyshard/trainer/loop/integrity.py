@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel
+from polyshard.trainer.checkpointing.records import model_buffers
 from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.errors import ReplicaMismatchError
@@ -45,14 +46,19 @@ def check_replicas(engine: Engine, step: int) -> None:
 
     ZeRO-3 keeps no parameter replicas (each dp rank holds its own rows), so only buffers are compared."""
     par = engine.config.parallel
+    compare_parameters = par.dp > 1 and par.zero_stage < 3
+    stage_axes = (*par.replica_axes, "tp")  # every rank of a pipeline stage holds the same buffers
+    # Decided from the model, not this rank's stages (one may hold none): every rank joins the last all-reduce.
+    compare_buffers = engine.mesh.size(stage_axes) > 1 and bool(model_buffers(engine.config))
+    if not compare_parameters and not compare_buffers:
+        return
     # Per global rank: 1 differs from its group's majority, 2 its group has no majority.
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=engine.device)
-    if par.dp > 1 and par.zero_stage < 3:
+    if compare_parameters:
         mine = checksum(p for stage in engine.stages.values() for p in stage.parameters())
         _flag_odd_ranks(engine, mine, ("dp",), flags)
     buffers = [b for stage in engine.stages.values() for _, b in persistent_buffers(stage)]
-    stage_axes = (*par.replica_axes, "tp")  # every rank of a pipeline stage holds the same buffers
-    if buffers and engine.mesh.size(stage_axes) > 1:
+    if compare_buffers and buffers:  # the ranks of a stage hold the same layers: all or none of them gather
         _flag_odd_ranks(engine, checksum(buffers), stage_axes, flags)
     ops.all_reduce(flags, op=dist.ReduceOp.MAX)
     odd, unsure = (torch.nonzero(flags == v).flatten().tolist() for v in (1, 2))
