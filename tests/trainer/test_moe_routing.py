@@ -318,3 +318,11 @@ def test_the_run_folder_shows_each_layers_load(distributed, corpus, tmp_path):
         bias = biases[f"layers.{layer}.mlp.moe.router"]  # after the last step's update, as the record says
         assert (last[f"moe/layer{layer}/bias_min"], last[f"moe/layer{layer}/bias_max"]) == (bias.min(), bias.max())
     assert (tmp_path / "expert_load.png").stat().st_size > 0
+
+
+def test_dry_run_says_how_tokens_are_routed(corpus):
+    from polyshard.planner.dry_run import describe
+
+    grouped = describe(_config(corpus, "grouped", ep=2))
+    assert "routing: sigmoid top-2 of 4 experts; within the best 1 of 2 groups; selection bias moved 0.01" in grouped
+    assert "routing: softmax top-2 of 4 experts; balance losses: none" in describe(_config(corpus, "softmax"))

@@ -20,7 +20,8 @@ from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
-from polyshard.trainer.models import build_model, parameter_count, tied_names
+from polyshard.trainer.models import build_model, parameter_count, spec_of, tied_names
+from polyshard.trainer.models.moe import routing_summary
 
 
 def describe(config: Config) -> str:
@@ -59,6 +60,8 @@ def describe(config: Config) -> str:
     lines.append(
         f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}"
     )
+    if spec_of(config.model).has_experts:
+        lines.append(f"  {routing_summary(config.model)}")
     lines.append(
         f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
         f"{config.training.precision}, activation checkpointing {config.training.activation_checkpointing or 'none'}):"

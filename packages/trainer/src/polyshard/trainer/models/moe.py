@@ -84,6 +84,22 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     return model
 
 
+def routing_summary(model: ModelConfig) -> str:
+    """One line saying how tokens choose their experts, for ``--dry-run``."""
+    parts = [f"{model.router} top-{model.top_k} of {model.num_experts} experts"]
+    if model.router_groups > 1:
+        parts.append(f"within the best {model.router_group_topk} of {model.router_groups} groups")
+    if model.router == "sigmoid":
+        parts.append(f"selection bias moved {model.router_bias_update_rate:g} a step by the global load")
+    if model.router_scale != 1.0:
+        parts.append(f"weights x {model.router_scale:g}")
+    losses = {"switch": model.aux_loss_weight, "sequence-wise": model.seq_aux_loss_weight,
+              "z": model.router_z_loss_weight}  # fmt: skip
+    weighted = [f"{name} {weight:g}" for name, weight in losses.items() if weight > 0]
+    parts.append("balance losses: " + (", ".join(weighted) if weighted else "none"))
+    return "routing: " + "; ".join(parts)
+
+
 def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the experts are not split by tp (ep splits them)."""
     plan: dict[str, object] = {}
