@@ -192,10 +192,10 @@ def _saved_biases(folder, step=STEPS):
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(
             4,
-            {"dp": 2, "ep": 2, "pp": 2, "microbatches": 2, "zero_stage": 1},
-            id="dp2xep2xpp2-zero1",
+            {"ep": 2, "pp": 2, "microbatches": 2, "zero_stage": 1},
+            id="ep2xpp2-zero1",
             marks=pytest.mark.long,
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_resume_restores_the_bias_bitwise(distributed, corpus, tmp_path, world, parallel):
