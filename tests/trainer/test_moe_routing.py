@@ -87,6 +87,18 @@ def _routers(engine):
     return out
 
 
+def _router_weights(engine):
+    """Global name -> the router weights this rank holds (ZeRO-3: gathered whole, a collective over dp)."""
+    if engine.config.parallel.zero_stage < 3:
+        return {f"{n}.weight": r.weight.detach().clone() for n, r in _routers(engine).items()}
+    out = {}
+    for index, wrapper in engine.wrappers.items():
+        names = engine.global_names(index)
+        full = wrapper.full_parameters()  # ZeRO-3 frees a layer's parameters after use
+        out |= {names[n]: t.clone() for n, t in full.items() if n.endswith("router.weight")}
+    return out
+
+
 def _run(config, renormalize):
     from polyshard.trainer.engine.optim import schedule_of
     from polyshard.trainer.engine.parallelize import build_engine
@@ -105,7 +117,7 @@ def _run(config, renormalize):
         losses.append(loss)
         norms.append(norm)
         biases.append({n: r.bias.clone() for n, r in _routers(engine).items() if r.bias is not None})
-    weights = {n: r.weight.detach().clone() for n, r in _routers(engine).items()}
+    weights = _router_weights(engine)
     loads = {i: load.tokens_per_expert for i, load in engine.expert_load.items()}
     return losses + norms, weights, biases, loads
 
@@ -129,6 +141,7 @@ LAYOUTS = {
     "dp2xep2-zero1": (4, {"dp": 2, "ep": 2, "zero_stage": 1}),
     "ep2xpp2": (4, {"ep": 2, "pp": 2, "microbatches": 2}),
     "ep2xtp2": (4, {"ep": 2, "tp": 2}),
+    "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),  # the bias beside parameters ZeRO-3 frees after use
 }
 # The default suite runs one layout per rule (each layout once); `make test-long` runs the whole table.
 FAST = {"softmax": "ep2xpp2", "softmax-raw": "ep2", "sigmoid": "dp2xep2-zero1", "grouped": "ep2xtp2"}
