@@ -232,7 +232,7 @@ def _loaded_biases(config, source, out):
 @pytest.mark.parametrize(
     "world, parallel",
     [
-        pytest.param(1, {}, id="one-process"),
+        pytest.param(1, {}, id="one-process", marks=pytest.mark.long),
         pytest.param(4, {"dp": 2, "tp": 2}, id="dp2xtp2"),
         pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2", marks=pytest.mark.long),
     ],
