@@ -75,3 +75,26 @@ def test_unknown_axis_and_bad_rank():
         layout.coords(4)
     with pytest.raises(MeshError, match="listed twice"):
         layout.groups(("dp", "dp"))
+
+
+def test_split_axis_answers_for_the_pair():
+    # The module docstring's example: dp split into dp_replicate x dp_shard, tp fastest.
+    layout = MeshLayout({"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert layout.aliases == {"dp": ("dp_replicate", "dp_shard")}
+    assert [layout.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layout.groups("dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # "dp" is the pair: the same groups as an unsplit dp=4 axis would give.
+    assert layout.groups("dp") == MeshLayout({"dp": 4, "tp": 2}).groups("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.size("dp") == 4 and layout.size(("dp", "tp")) == 8
+    assert layout.normalize_axes(("tp", "dp")) == ("dp_replicate", "dp_shard", "tp")
+    assert layout.rank_of(layout.coords(5)) == 5
+
+
+def test_bad_split_axes():
+    with pytest.raises(MeshError, match="must come before 'dp_shard'"):
+        MeshLayout({"dp_shard": 2, "dp_replicate": 2})
+    with pytest.raises(MeshError, match="already the pair's name"):
+        MeshLayout({"dp": 2, "dp_replicate": 2, "dp_shard": 2})
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'ep'.*dp \(= dp_replicate x dp_shard\)"):
+        MeshLayout({"dp_replicate": 2, "dp_shard": 2}).groups("ep")

@@ -60,3 +60,47 @@ def test_w_runs_only_the_weight_branches():
     backward_weight(work)
     assert calls == [1]  # W did not run it again
     assert all(p.grad is not None for p in stage.parameters())
+
+
+class _Linear(torch.autograd.Function):
+    """forward: x @ w.T / backward: both gradients at once, whatever the graph task needs (as a compiled
+    block's AOTAutograd node computes its input and weight gradients together)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Linear.calls += 1
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.flatten(0, -2).T @ x.flatten(0, -2)
+
+
+class _FusedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        return torch.tanh(_Linear.apply(x, self.weight))
+
+
+def test_w_does_not_run_a_node_again_that_computed_its_weight_gradients_in_b():
+    # A compiled block is one autograd node that computes its weight gradients while B runs it for the
+    # input gradient; W used to run it a second time from the gradients that arrived there.
+    torch.manual_seed(0)
+    stage = nn.Sequential(_FusedBlock(), nn.Linear(8, 8), _FusedBlock())
+    g = torch.Generator().manual_seed(1)
+    x, grad = torch.randn(4, 8, generator=g, requires_grad=True), torch.randn(4, 8, generator=g)
+    expected_input, expected = _full(stage, x, grad)
+    stage.zero_grad(set_to_none=True)
+    _Linear.calls = 0
+    got_input, got = _split(stage, x, grad)
+    assert _Linear.calls == 2  # once per block, in B; none in W
+    assert torch.equal(got_input, expected_input)
+    # the same kernels on the same numbers, accumulated once: equal to the bit
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

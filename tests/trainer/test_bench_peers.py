@@ -97,3 +97,25 @@ def test_command_runs_the_composed_jobs_on_two_processes(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["layout"] for r in rows] == [{"dp": 2}, {"tp": 2}, {"pp": 2}]
     assert all(r["outputs_match"] and r["world_size"] == 2 for r in rows)
+
+
+def _composed_compiled(layouts):
+    peers.quiet_peer_warnings()
+    records = [peers.composed_case(layout, steps=1, check_steps=3, warmup=0, compiled=True) for layout in layouts]
+    from polyshard.trainer.engine.compiling import compile_stats
+
+    return records, compile_stats().frames  # the last layout's: dynamo was reset when its engine was built
+
+
+@pytest.mark.long
+def test_compiled_composed_gpt_matches_the_compiled_torch_native_composition(distributed):
+    # Both sides' blocks compiled (ours through training.compile, the peer's as torchtitan does, DTensor's
+    # collectives traced); all three layouts in one job on the live workers.
+    layouts = [{"dp": 2}, {"tp": 2}, {"pp": 2}]
+    for records, frames in distributed.run(2, _composed_compiled, layouts, timeout_s=1200):
+        assert frames > 0  # dynamo compiled something on this rank
+        for r in records:
+            assert r["case"].endswith(" compiled") and "peer_unavailable" not in r, r.get("peer_unavailable")
+            assert r["outputs_match"] is True, r
+            for ours, peer in zip(r["ours_losses"], r["peer_losses"]):
+                assert math.isclose(ours, peer, rel_tol=peers.COMPILED_LOSS_RTOL)

@@ -84,11 +84,7 @@ def test_bad_fields(raw, message):
             2,
             r"2 x cp = 4 chunks .* choose cp in \[1, 3, 5, 15\]",
         ),
-        (
-            {"model": {"kind": "moe-gpt"}, "parallel": {"cp": 2}},
-            2,
-            "parallel.cp=2 is not supported for model.kind='moe-gpt'",
-        ),
+        ({"model": {"kind": "vit"}, "parallel": {"cp": 2}}, 2, "parallel.cp=2 is not supported for model.kind='vit'"),
         ({"model": {"dropout": 0.1}, "parallel": {"cp": 2}}, 2, "no attention dropout; set model.dropout=0"),
         (
             {"model": {"context_length": 36}, "parallel": {"cp": 2, "tp": 4, "sequence_parallel": True}},

@@ -91,6 +91,11 @@ LAYOUTS = [
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     pytest.param(4, {"dp": 2, "tp": 2}, id="dp2xtp2"),
     pytest.param(4, {"tp": 2, "pp": 2, "microbatches": 2}, id="tp2xpp2"),
+    # split backward over tp's matmul Functions, which compute their weight gradients in B: W reuses them
+    # (36 s on the loaded machine: long)
+    pytest.param(
+        4, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1"}, id="tp2xpp2-zbh1", marks=pytest.mark.long
+    ),
     pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
 ]
 
@@ -251,6 +256,71 @@ def test_moe_gpt_losses_match_one_process(distributed, corpus, reference, tmp_pa
     assert exact[0] == pytest.approx(reference["moe-gpt-no-aux"], rel=DENSE_RTOL)  # losses and grad norms
     results = distributed.run(world, _train, _config(corpus, "moe-gpt", **parallel), tmp_path)
     assert results[0][:STEPS] == pytest.approx(reference["moe-gpt"][:STEPS], rel=MOE_RTOL)  # losses
+
+
+# Context parallelism with experts: each cp rank routes its chunks' tokens through the ep all-to-all and
+# computes the aux loss over its cp group's tokens (polyshard.ep.token_group), i.e. the loss the same
+# data rank computes without cp. So cp alone matches one process exactly with the aux loss on, and cp x ep
+# matches the same dp x ep layout without cp exactly; the aux-free runs match one process exactly.
+# DENSE_RTOL: float32 sums in another order (ring/all-gather softmax, all-reduces), as for dense cp.
+MOE_CP_LAYOUTS = [
+    pytest.param(2, {"cp": 2}, id="cp2-ring"),
+    pytest.param(4, {"cp": 2, "ep": 2}, id="cp2xep2-ring"),  # ~4 s once the module's 4-rank pool runs
+    pytest.param(4, {"cp": 2, "ep": 2, "cp_style": "allgather"}, id="cp2xep2-allgather", marks=pytest.mark.long),
+    pytest.param(4, {"cp": 2, "ep": 2, "zero_stage": 1}, id="cp2xep2-zero1", marks=pytest.mark.long),
+    pytest.param(8, {"dp": 2, "cp": 2, "ep": 2}, id="dp2xcp2xep2", marks=pytest.mark.long),
+    # microbatches: each one's aux loss is its own (as without cp), over its tokens on both cp ranks
+    pytest.param(4, {"cp": 2, "pp": 2, "microbatches": 2}, id="cp2xpp2", marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize("world, parallel", MOE_CP_LAYOUTS)
+def test_moe_gpt_with_context_parallel_matches_the_layout_without_it(
+    distributed, corpus, reference, tmp_path, world, parallel
+):
+    results = distributed.run(world, _train, _config(corpus, "moe-gpt", **parallel), tmp_path / "cp")
+    assert all(r == results[0] for r in results)
+    without_cp = {k: v for k, v in parallel.items() if k not in ("cp", "cp_style")}
+    if without_cp.get("dp", 1) * without_cp.get("ep", 1) * without_cp.get("pp", 1) == 1:
+        expected = reference["moe-gpt"]  # one data rank: one process computes the same aux losses
+    else:
+        expected = distributed.run(world // 2, _train, _config(corpus, "moe-gpt", **without_cp), tmp_path / "no-cp")[0]
+    assert results[0] == pytest.approx(expected, rel=DENSE_RTOL)  # losses and pre-clip grad norms, aux included
+    if world > 2:  # without the aux loss every layout computes one process's maths
+        exact = distributed.run(world, _train, _config(corpus, "moe-gpt", aux_loss_weight=0.0, **parallel), tmp_path)
+        assert exact[0] == pytest.approx(reference["moe-gpt-no-aux"], rel=DENSE_RTOL)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "world, parallel, without_cp",
+    [pytest.param(2, {"cp": 2}, {}, id="cp2"), pytest.param(4, {"cp": 2, "ep": 2}, {"ep": 2}, id="cp2xep2")],
+)
+def test_moe_capacity_with_context_parallel_matches_the_layout_without_it(
+    distributed, corpus, tmp_path, world, parallel, without_cp
+):
+    # capacity_factor 1.0 drops assignments; each cp rank applies the rule to its data rank's whole batch.
+    def config(**axes):
+        base = _config(corpus, "moe-gpt", **axes)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, capacity_factor=1.0))
+
+    expected = distributed.run(world // 2, _train, config(**without_cp), tmp_path / "no-cp")[0]
+    results = distributed.run(world, _train, config(**parallel), tmp_path / "cp")
+    assert all(r == results[0] for r in results)
+    assert results[0] == pytest.approx(expected, rel=DENSE_RTOL)  # losses and pre-clip grad norms
+
+
+@pytest.mark.long
+def test_moe_gpt_on_three_cp_ranks_matches_one_process(distributed, corpus, tmp_path):
+    # An odd cp group: 12 positions in 6 chunks of 2, rank r holding chunks r and 5 - r; aux loss on.
+    def config(**parallel):
+        base = _config(corpus, "moe-gpt", **parallel)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, context_length=12))
+
+    one = distributed.run(1, _train, config(), tmp_path / "one")[0]
+    three = distributed.run(3, _train, config(cp=3), tmp_path / "cp3")
+    assert all(r == three[0] for r in three)
+    assert three[0] == pytest.approx(one, rel=DENSE_RTOL)  # losses and pre-clip grad norms
 
 
 def _stop_and_resume(config, out):

@@ -224,7 +224,7 @@ def _broken(folder, tmp_path, name, config_edit=None, tensors_edit=None):
         ({"attention_bias": True}, "attention_bias=True is not supported"),
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
-        ({"head_dim": 32}, "head_dim=32 is not supported; polyshard's attention uses hidden_size / "),
+        ({"head_dim": 15}, "head_dim=15 must be even"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide num_attention_heads=4"),
         ({"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' must be a finite number"),
         ({"vocab_size": True}, "vocab_size=True must be an integer >= 1"),
@@ -310,13 +310,16 @@ def test_a_base_model_file_reads_like_the_causal_lm(folders, corpus, tmp_path):
 
 def test_only_gpt2_and_llama_shaped_models_are_exported(tmp_path):
     mix = from_dict({"model": {"norm": "rms", "activation": "gelu", "bias": False}}).model
-    with pytest.raises(CheckpointError, match="neither: GPT-2 would need norm='layer', bias=True; Llama would need"):
+    with pytest.raises(CheckpointError, match="none of them: GPT-2 would need norm='layer', bias=True; Llama would"):
         hf_config(mix)
-    with pytest.raises(CheckpointError, match="neither"):
+    with pytest.raises(CheckpointError, match="none of them"):
         write_hf({}, mix, tmp_path / "out")
-    moe = from_dict({"model": {"kind": "moe-gpt"}}).model
-    with pytest.raises(CheckpointError, match="model.kind='moe-gpt' has no Hugging Face counterpart"):
+    moe = from_dict({"model": {"kind": "moe-gpt"}}).model  # GPT-2's blocks with experts: no family has them
+    with pytest.raises(CheckpointError, match="writes Mixtral and Qwen3-MoE and Qwen2-MoE models of model.kind='m"):
         hf_state({}, moe)
+    vit = from_dict({"model": {"kind": "vit", "hidden": 32, "num_heads": 4}}).model
+    with pytest.raises(CheckpointError, match="model.kind='vit' has no Hugging Face counterpart"):
+        hf_state({}, vit)
     gqa = from_dict({"model": {"num_kv_heads": 2}}).model
     with pytest.raises(CheckpointError, match="GPT-2 would need num_kv_heads=4"):
         hf_config(gqa)

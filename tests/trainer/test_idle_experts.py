@@ -38,13 +38,17 @@ def _config(corpus, **parallel):
     )
 
 
-def _avoid_expert_zero(router, active):
-    """Route as the router does, but never to expert 0 while ``active[0]``."""
+def _avoid_expert_zero(router, active, hidden_positions=None):
+    """Route as the router does, but never to expert 0 while ``active[0]``; with ``hidden_positions``
+    ((S_local,) bool, this rank's sequence positions), only from the tokens at those positions."""
 
     def forward(x):
         logits = x @ router.weight.t()
         if active[0]:
-            logits = logits.masked_fill(torch.arange(logits.shape[-1]) == 0, float("-inf"))
+            avoid = torch.arange(logits.shape[-1]) == 0  # (E,)
+            if hidden_positions is not None:  # tokens flatten (B, S_local): position t % S_local
+                avoid = avoid & hidden_positions.repeat(x.shape[0] // hidden_positions.numel()).unsqueeze(-1)
+            logits = logits.masked_fill(avoid, float("-inf"))
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = probs.topk(router.top_k, dim=-1)
         return Routing(logits, probs, weights / weights.sum(dim=-1, keepdim=True), experts)
@@ -65,7 +69,7 @@ def _expert_weights(engine):
     return out
 
 
-def _run(config):
+def _run(config, chunks=None):
     from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
@@ -76,7 +80,12 @@ def _run(config):
     for stage in engine.stages.values():
         for module in stage.modules():
             if isinstance(module, MoELayer):
-                _avoid_expert_zero(module.router, active)
+                hidden = None
+                if chunks is not None:  # avoid expert 0 only at the positions of these of 4 chunks
+                    length = config.model.context_length
+                    positions = module.positions if module.positions is not None else torch.arange(length)
+                    hidden = torch.isin(positions // (length // 4), torch.tensor(chunks))
+                _avoid_expert_zero(module.router, active, hidden)
     train_data, _ = make_loaders(config, mesh)
     snapshots = []
     for step in range(STEPS):
@@ -121,3 +130,17 @@ def test_every_layout_leaves_the_idle_expert_alone(distributed, corpus, one_proc
             # magnify on near-zero gradients to ~1e-5 of an lr-sized (1e-2) update; a wrong or
             # misplaced expert would be off by a whole update.
             torch.testing.assert_close(weights, one_process[-1][name][rows], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.long
+def test_an_expert_idle_on_one_cp_rank_alone_still_trains(distributed, corpus):
+    # Chunks 0 and 3 of each sequence (cp rank 0's under cp2) never route to expert 0: it is idle there but
+    # not on cp rank 1, so it trains, as on one process. (Before: the idle check summed rows over dp only,
+    # and cp rank 0 put back the rows cp rank 1 had stepped: the replicas of expert 0 diverged.)
+    config = _config(corpus, cp=2)
+    _, _, one = distributed.run(1, _run, _config(corpus), [0, 3])[0]
+    results = distributed.run(2, _run, config, [0, 3])
+    for _, _, snapshots in results:
+        for name, weights in snapshots[-1].items():
+            assert not torch.equal(weights[0], snapshots[0][name][0]), name  # expert 0 kept training
+            torch.testing.assert_close(weights, one[-1][name], rtol=1e-4, atol=1e-5)  # as above

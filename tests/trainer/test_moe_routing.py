@@ -29,7 +29,7 @@ RTOL = 2e-5
 
 RULES = {
     "softmax": {},  # Mixtral: top-k of the softmax, renormalised
-    "softmax-raw": {"renormalize": False},  # Qwen-MoE as configured: the raw probabilities
+    "softmax-raw": {"router_renormalize": False},  # Qwen-MoE as configured: the raw probabilities
     "sigmoid": {  # DeepSeek-V3: sigmoid affinities, aux-loss-free bias, seq-wise loss, z-loss, scale
         "router": "sigmoid",
         "router_bias_update_rate": 0.01,
@@ -48,7 +48,7 @@ RULES = {
 
 
 def _config(corpus, rule, capacity_factor=None, **parallel):
-    model = {k: v for k, v in RULES[rule].items() if k != "renormalize"}
+    model = dict(RULES[rule])
     model |= {"capacity_factor": capacity_factor} if capacity_factor else {}
     return from_dict(
         {
@@ -99,7 +99,7 @@ def _router_weights(engine):
     return out
 
 
-def _run(config, renormalize):
+def _run(config):
     from polyshard.trainer.engine.optim import schedule_of
     from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
@@ -107,8 +107,6 @@ def _run(config, renormalize):
     mesh = Mesh(config.parallel.mesh_axes)
     torch.manual_seed(config.training.seed)
     engine = build_engine(config, mesh)
-    for router in _routers(engine).values():
-        router.renormalize = renormalize  # model.router_renormalize arrives with the Hugging Face MoE imports
     train_data, _ = make_loaders(config, mesh)
     lr = schedule_of(config.training)
     losses, norms, biases = [], [], []
@@ -129,7 +127,7 @@ def one_process(distributed, corpus):
     def get(rule):
         if rule not in cache:
             config = _config(corpus, rule)
-            cache[rule] = distributed.run(1, _run, config, RULES[rule].get("renormalize", True))[0]
+            cache[rule] = distributed.run(1, _run, config)[0]
         return cache[rule]
 
     return get
@@ -141,7 +139,9 @@ LAYOUTS = {
     "dp2xep2-zero1": (4, {"dp": 2, "ep": 2, "zero_stage": 1}),
     "ep2xpp2": (4, {"ep": 2, "pp": 2, "microbatches": 2}),
     "ep2xtp2": (4, {"ep": 2, "tp": 2}),
-    "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),  # the bias beside parameters ZeRO-3 frees after use
+    "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),
+    # cp splits each sequence: the load sums over cp ranks too, the seq-wise loss sums each sequence's parts
+    "cp2xep2": (4, {"cp": 2, "ep": 2}),  # the bias beside parameters ZeRO-3 frees after use
 }
 # The default suite runs one layout per rule (each layout once); `make test-long` runs the whole table.
 FAST = {"softmax": "ep2xpp2", "softmax-raw": "ep2", "sigmoid": "dp2xep2-zero1", "grouped": "ep2xtp2"}
@@ -156,7 +156,7 @@ ROWS = [
 def test_routing_rule_matches_one_process(distributed, corpus, one_process, rule, layout):
     world, parallel = LAYOUTS[layout]
     reference = one_process(rule)
-    results = distributed.run(world, _run, _config(corpus, rule, **parallel), RULES[rule].get("renormalize", True))
+    results = distributed.run(world, _run, _config(corpus, rule, **parallel))
     numbers, weights, biases, loads = results[0]
     assert all(r[0] == numbers for r in results)  # every rank reports the same global losses and norms
     assert numbers == pytest.approx(reference[0], rel=RTOL)  # losses, then pre-clip gradient norms

@@ -5,6 +5,7 @@ import pytest
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.dry_run import describe
 from polyshard.planner.memory import rank_model_states
+from polyshard.planner.search import Request, meshes
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.models import build_model, parameter_count
 
@@ -100,3 +101,12 @@ def test_the_dry_run_draws_the_learning_rate_schedule():
     assert top[5:40] == "#" * 35 and top[:2] == "  " and top[-3:] == "   "
     assert bottom[5:-1] == "#" * 44 and bottom[-1] == " "  # the last column: mean 0.1225 lr, below 1/8 of lr
     assert describe(wsd).endswith("\n".join(plot[:1] + lr_plot(wsd.training)[1:]))
+
+
+def test_the_planner_weighs_context_parallelism_for_moe_models():
+    # cp x ep is a layout polyshard runs (experts reduce over dp x cp); a capacity factor refuses cp.
+    raw = {"model": {"kind": "moe-gpt", "preset": "tiny", "context_length": 8192}, "training": {"global_batch_size": 8}}
+    request = Request(devices=8, devices_per_node=8, memory_gb=80)
+    found = list(meshes(from_dict(raw), request))
+    assert {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "cp": 2} in found  # 4096 positions per cp rank, the least
+    assert all(m["cp"] <= 2 for m in found)

@@ -42,6 +42,8 @@ CASES = [
     (2, {"preset": "tiny"}, {"dp": 2, "microbatches": 2, "precision": "bf16"}),
     (2, {"preset": "llama-tiny"}, {"cp": 2}),
     (4, {"preset": "tiny"}, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    (2, {"preset": "qwen3-tiny"}, {"tp": 2}),  # q/k norms, heads of 32 dims on a 64-wide stream
+    (2, {"preset": "qwen2-moe-tiny"}, {"ep": 2}),  # routed experts of their own width, a gated shared expert
 ]
 
 

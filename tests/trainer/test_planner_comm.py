@@ -14,7 +14,9 @@ from polyshard.trainer.loop import train_step
 
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
-    config = from_dict({"model": {"preset": "tiny"}, "parallel": parallel, "training": {"global_batch_size": 8}})
+    parallel = dict(parallel)
+    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt"), "capacity_factor": parallel.pop("capacity", None)}
+    config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, 256, (8 // config.parallel.data_ranks, 65))
@@ -28,6 +30,9 @@ def _wire_by_group(parallel):
     world = tuple(range(mesh.layout.world_size))
     groups = {"world": world, "dp": group_ranks(mesh.group(config.parallel.replica_axes))}
     groups |= {axis: group_ranks(mesh.group(axis)) for axis in ("tp", "pp", "cp")}
+    if config.parallel.hybrid:  # ZeRO's shard group, and the copies of each shard
+        groups["dp_shard"] = group_ranks(mesh.group(config.parallel.shard_axes))
+        groups["dp_replicate"] = group_ranks(mesh.group(config.parallel.replicate_axes))
     estimated: dict[tuple[int, ...], float] = {}
     for t in rank_traffic(config, mesh.coord("pp")):
         times = 1 if t.phase == "step" else config.parallel.microbatches
@@ -46,6 +51,12 @@ LAYOUTS = [
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # hybrid sharding: reduce-scatter and gathers inside dp_shard, the rows all-reduced across dp_replicate
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 2}),
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3, "microbatches": 2}),
+    (2, {"dp": 2, "kind": "moe-gpt"}),
+    (2, {"cp": 2, "kind": "moe-gpt"}),  # the router's statistics summed over cp; experts' grads over dp x cp
+    (2, {"cp": 2, "kind": "moe-gpt", "capacity": 1.0}),  # + the expert choices gathered for the capacity rule
 ]
 
 

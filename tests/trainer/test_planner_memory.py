@@ -37,7 +37,7 @@ def _held_after_a_step(config):
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, config.model.vocab_size, (8 // config.parallel.data_ranks, 65))
-    engine.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    engine.forward_backward(engine.local_tokens(tokens[:, :-1]), engine.local_tokens(tokens[:, 1:]))
     engine.finish_gradients()
     for optimizer in engine.optimizers:
         optimizer.step()  # state exists now; gradients are still held (no zero_grad yet)
@@ -61,6 +61,11 @@ LAYOUTS = [
     (2, {"tp": 2, "sequence_parallel": True, "precision": "bf16"}),
     (4, {"dp": 2, "tp": 2, "zero_stage": 1, "precision": "bf16"}),
     (4, {"dp": 2, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),  # experts shard over dp only
+    # hybrid sharding: ZeRO over dp_shard (x ep), so N is 2 here, not 4; experts over dp_shard alone
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 1}),
+    (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3}),
+    (4, {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),
+    (4, {"cp": 2, "ep": 2, "zero_stage": 1, "kind": "moe-gpt"}),  # experts shard over dp x cp
 ]
 
 

@@ -44,6 +44,8 @@ SOURCES = {
     "llama-tp4": (4, "gpt", {"tp": 4, "llama": True}),
     # Context parallelism shards no parameter: only the layout (and ZeRO over dp x cp) moves.
     "cp2-dp2-zero1": (4, "gpt", {"cp": 2, "dp": 2, "zero_stage": 1}),
+    # Experts under cp: ZeRO shards them over dp x cp (the ranks holding the same experts).
+    "moe-cp2-ep2-zero1": (4, "moe-gpt", {"cp": 2, "ep": 2, "zero_stage": 1}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -200,6 +202,11 @@ MATRIX = [
         "moe-sigmoid-ep2-pp2",
         [({"dp": 2}, {"zero_stage": 3, "microbatches": 1}), ({"ep": 4}, {"zero_stage": 0})],
         id="moe-sigmoid-ep2xpp2->dp2-zero3->ep4",
+    ),
+    pytest.param(
+        "moe-cp2-ep2-zero1",
+        [({"ep": 2}, {"zero_stage": 0}), ({"cp": 2, "ep": 2}, {"zero_stage": 1})],
+        id="moe-cp2xep2-zero1->ep2->back",
     ),
     pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
     pytest.param(

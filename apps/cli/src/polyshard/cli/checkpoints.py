@@ -163,6 +163,8 @@ def _changes(before: Config, after: Config) -> dict[str, object]:
     import dataclasses
 
     old, new = dataclasses.asdict(before.parallel), dataclasses.asdict(after.parallel)
+    for fields in (old, new):  # no dp_shard is dp_shard = dp (ZeRO over all of dp), which --set can write
+        fields["dp_shard"] = fields["dp_shard"] or fields["dp"]
     return {k: v for k, v in new.items() if old[k] != v}
 
 

@@ -206,6 +206,9 @@ def bench_peers(
     ),
     preset: str = typer.Option("tiny", "--preset", help="The composed jobs' GPT: tiny or small."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+    compiled: bool = typer.Option(
+        False, "--compile", help="Compile both sides' transformer blocks in the composed rows (torchtitan's way)."
+    ),
 ) -> None:
     """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
     parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
@@ -228,7 +231,7 @@ def bench_peers(
         raise typer.BadParameter(f"unknown groups {unknown}; choose from {list(GROUPS)}", param_hint="--only")
     if preset not in PRESETS:
         raise typer.BadParameter(f"{preset!r}; choose one of {list(PRESETS)}", param_hint="--preset")
-    args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset]
+    args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset] + (["--compile"] if compiled else [])
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))

@@ -31,6 +31,9 @@ def plan_command(
     seq_len: int | None = typer.Option(None, "--seq-len", min=1, help="Tokens per sequence (default: the model's)."),
     precision: str | None = typer.Option(None, "--precision", help="fp32 or bf16 (default: the config's)."),
     dp: int | None = typer.Option(None, "--dp", min=1, help="Fix the data-parallel size."),
+    dp_shard: int | None = typer.Option(
+        None, "--dp-shard", min=1, help="Fix hybrid sharding: ZeRO over groups of this many data ranks."
+    ),
     tp: int | None = typer.Option(None, "--tp", min=1, help="Fix the tensor-parallel size."),
     pp: int | None = typer.Option(None, "--pp", min=1, help="Fix the pipeline size."),
     ep: int | None = typer.Option(None, "--ep", min=1, help="Fix the expert-parallel size."),
@@ -64,7 +67,7 @@ def plan_command(
         typer.echo(f"profile written to {out} ({profile.source})")
         return
     given: dict[str, int | str | None] = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": zero}
-    given |= {"microbatches": microbatches, "schedule": schedule}
+    given |= {"microbatches": microbatches, "schedule": schedule, "dp_shard": dp_shard}
     fixed = {key: value for key, value in given.items() if value is not None}
     try:
         if model is None or devices is None:

@@ -43,6 +43,16 @@ class TensorLocation:
     rows: int | None = None
     """Only the first ``rows`` rows of the stored tensor are ours (GPT-2's position table, cropped
     to a shorter context); None: all of them."""
+    stacked: tuple[str, ...] = ()
+    """Our tensor is these stored tensors stacked along a new dim 0, each read as ``name`` alone would
+    be (transposed when ``transposed``): one per expert, as Mixtral's ``experts.<e>.w1.weight`` make our
+    ``(E, H, F)`` experts. ``name`` is then the first of them. A rank holding experts [a, b) reads
+    only their files' tensors."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every stored tensor this one is read from."""
+        return self.stacked or (self.name,)
 
 
 def read_config(folder: Path) -> tuple[dict[str, Any], Path]:
@@ -127,7 +137,7 @@ class HFWeights:
                         f"{self.folder / file}: {self.stored[name]!r} is stored as {dtype}; a weight must be "
                         f"floating point ({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model's weights"
                     )
-        needed = {location.name for location in self.locations.values()}
+        needed = {name for location in self.locations.values() for name in location.names}
         missing = sorted(needed - set(self.shapes))
         unexpected = sorted(n for n in set(self.shapes) - needed if not n.endswith(buffers))
         if missing or unexpected:
@@ -136,6 +146,12 @@ class HFWeights:
             )
         for ours, location in self.locations.items():
             held = self.shapes[location.name]
+            for other in location.stacked:  # one shape for every expert
+                if self.shapes[other] != held:
+                    raise CheckpointError(
+                        f"{self.folder}: {other!r} is {list(self.shapes[other])}, but {location.name!r} is "
+                        f"{list(held)}; every expert's tensor in {ours} must have one shape"
+                    )
             if location.rows is not None and (not held or location.rows > held[0]):
                 raise CheckpointError(
                     f"{self.folder}: {location.name!r} is {list(held)}, "
@@ -153,6 +169,8 @@ class HFWeights:
     def global_shape(self, key: str) -> tuple[int, ...]:
         location = self.locations[self.resolve(key)[len(MODEL) :]]
         saved = self.shapes[location.name]
+        if location.stacked:  # (experts, one stored tensor's shape, transposed if stored so)
+            return (len(location.stacked), *(saved[::-1] if location.transposed else saved))
         if location.transposed:  # our (out, in) is HF's (in, out); a fused tensor's out holds several of ours
             return (saved[-1] // location.parts, saved[0])
         if location.parts > 1:
@@ -169,8 +187,19 @@ class HFWeights:
         want = [(s, min(s + n, g)) for s, n, g in zip(start, shape, full)]
         if any(hi <= lo for lo, hi in want):
             return out  # all padding
-        with _opened(self.folder / self.files[location.name]) as f:
-            stored = f.get_slice(self.stored[location.name])
+        if location.stacked:  # only the experts in this region: one stored tensor each
+            (e0, e1), rest = want[0], want[1:]
+            block = torch.stack([self._region(location, location.stacked[e], rest) for e in range(e0, e1)])
+        else:
+            block = self._region(location, location.name, want)
+        out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
+        return out
+
+    def _region(self, location: TensorLocation, name: str, want: list[tuple[int, int]]) -> torch.Tensor:
+        """The region ``want`` ((low, high) per dim, in our layout) of stored tensor ``name``, checked finite."""
+        block: torch.Tensor  # safetensors' slices are untyped
+        with _opened(self.folder / self.files[name]) as f:
+            stored = f.get_slice(self.stored[name])
             if location.transposed:
                 (r0, r1), (c0, c1) = want
                 block = stored[c0:c1, location.offset + r0 : location.offset + r1].T
@@ -181,11 +210,10 @@ class HFWeights:
                 block = stored[tuple(slice(lo, hi) for lo, hi in want)]
         if not bool(torch.isfinite(block).all()):  # read anyway: only this rank's region is checked
             raise CheckpointError(
-                f"{self.folder / self.files[location.name]}: {self.stored[location.name]!r} holds NaN or infinite "
+                f"{self.folder / self.files[name]}: {self.stored[name]!r} holds NaN or infinite "
                 "values; the folder's weights are damaged (re-save or re-download them)"
             )
-        out[tuple(slice(0, hi - lo) for lo, hi in want)] = block.to(dtype)
-        return out
+        return block
 
     def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
         return {}

@@ -175,7 +175,12 @@ class Checkpoint:
 
     def rng_piece(self, coords: Mapping[str, int]) -> Piece | None:
         """The saved generator a target rank at ``coords`` continues with: the source rank's at the
-        same coordinates, each taken modulo the source axis size (None if no RNG was saved)."""
+        same coordinates, each taken modulo the source axis size (None if no RNG was saved). A source
+        whose dp was split (dp_replicate x dp_shard) reads a target's plain dp coordinate as the pair."""
+        coords = dict(coords)
+        for alias, (outer, inner) in self.layout.aliases.items():
+            if alias in coords and outer not in coords:
+                coords[outer], coords[inner] = divmod(coords[alias] % self.layout.size(alias), self.sizes[inner])
         rank = self.layout.rank_of({a: coords.get(a, 0) % n for a, n in self.sizes.items()})
         return next((p for p in self.pieces.get(RNG, []) if p.rank == rank), None)
 

@@ -1,4 +1,5 @@
-"""Benchmark (not a test): our DataParallel vs torch DDP, ZeRO-1 vs ``ZeroRedundancyOptimizer``, ZeRO-3 vs FSDP2.
+"""Benchmark (not a test): our DataParallel vs torch DDP, ZeRO-1 vs ``ZeroRedundancyOptimizer``, ZeRO-3 vs FSDP2,
+and on 4 or more ranks (an even number) hybrid ZeRO-3 (shard groups of 2) vs FSDP2's HSDP on a 2-D DeviceMesh.
 
 Same model, batch, bucket size and world size; the two sides' training steps
 run interleaved (``polyshard.mesh.benchmark.time_interleaved``). Before
@@ -15,6 +16,7 @@ on both sides (:func:`polyshard.dp.bytes_held`, :func:`polyshard.dp.storage_byte
     polyshard bench dp --nproc 2 --json out.json
     python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench
     python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench --memory
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.dp.bench     # adds the HSDP row
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
-from polyshard.mesh import DistributedContext
+from polyshard.mesh import DistributedContext, Mesh
 from polyshard.mesh.benchmark import (
     Column,
     Record,
@@ -153,9 +155,53 @@ def bench_fsdp(iters: int) -> Record:
     )
 
 
+HSDP_SHARD = 2
+"""Ranks per shard group in the hybrid case: neighbouring ranks, as ``dp_replicate x dp_shard`` lays them out."""
+
+
+def bench_hsdp(iters: int) -> Record:
+    """Hybrid ZeRO-3 (shard inside groups of :data:`HSDP_SHARD`, all-reduce across them) vs FSDP2's HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    replicas = world // HSDP_SHARD
+    mesh = Mesh({"dp_replicate": replicas, "dp_shard": HSDP_SHARD})
+    ours_model = FullyShardedDataParallel(
+        make_model(),
+        group=mesh.group("dp_shard"),
+        replicate_group=mesh.group("dp_replicate"),
+        axis="dp_shard",
+        replicate_axis="dp_replicate",
+    )
+    ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
+    peer_model = make_model()
+    device_mesh = init_device_mesh("cpu", (replicas, HSDP_SHARD), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for block in peer_model:
+        fully_shard(block, mesh=device_mesh)  # a 2-D mesh: FSDP2 replicates over dim 0, shards over dim 1
+    fully_shard(peer_model, mesh=device_mesh)
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
+    ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
+    match = losses_match(ours, peer)
+    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    return comparison_record(
+        f"hybrid ZeRO-3 vs FSDP2 HSDP dp={world} (dp_shard={HSDP_SHARD})",
+        ours_s,
+        peer_s,
+        match,
+        ours_held_bytes=bytes_held(ours_model, ours_opt).total,
+        peer_held_bytes=held_bytes([peer_model], [peer_opt]),
+    )
+
+
 def run_all(iters: int) -> list[Record]:
-    """DDP, ZeRO-1 and ZeRO-3 against their peers on the world group (call on every rank)."""
-    return [bench_ddp(iters), bench_zero1(iters), bench_fsdp(iters)]
+    """DDP, ZeRO-1 and ZeRO-3 against their peers on the world group, and hybrid ZeRO-3 against HSDP
+    where the world splits into shard groups (call on every rank)."""
+    records = [bench_ddp(iters), bench_zero1(iters), bench_fsdp(iters)]
+    world = dist.get_world_size()
+    if world > HSDP_SHARD and world % HSDP_SHARD == 0:
+        records.append(bench_hsdp(iters))
+    return records
 
 
 # Bytes per parameter with fp32 parameters, gradients and AdamW (m, v: K = 8, no master copy needed),

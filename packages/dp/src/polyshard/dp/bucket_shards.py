@@ -52,6 +52,11 @@ class BucketShards:
         bucket, index = self._where[id(param)]
         return bucket.layout.specs[index]
 
+    def shard_group(self, param: nn.Parameter) -> dist.ProcessGroup:
+        """The group ``param``'s rows and optimizer state are sharded over (at stage 0 its rows are the
+        whole parameter: ``shard_spec(param).n == 1``). Hybrid sharding: the shard group, not the replicas."""
+        return self._where[id(param)][0].group
+
     def master_init(self, param: nn.Parameter) -> torch.Tensor:
         """fp32 values of this rank's rows of ``param`` (all of it at stage 0): without mixed precision
         a view of the parameter's own storage, which the optimizer then steps in place."""

@@ -45,7 +45,9 @@ class Bucket:
     stages 1 and 2 reduce-scatter it, so each rank gets the sum of its own
     rows (see :mod:`polyshard.dp.flat`). Stage 1 keeps the full buffer
     between steps (ZeRO-1 holds full gradients); stage 2 drops it after the
-    reduction and keeps only the shard.
+    reduction and keeps only the shard. With a ``replicate_group`` (hybrid
+    sharding) the reduce-scattered shard is then all-reduced across it, so it
+    sums every replica's gradients too (``divide_by`` counts both groups).
     """
 
     def __init__(
@@ -57,9 +59,11 @@ class Bucket:
         stage: int,
         reduce_dtype: torch.dtype,
         divide_by: int,
+        replicate_group: dist.ProcessGroup | None = None,
     ):
         self.params, self.names = list(params), list(names)
         self.group, self.stage, self.divide_by = group, stage, divide_by
+        self.replicate_group = replicate_group
         self.reduce_dtype = reduce_dtype
         self.rank = dist.get_rank(group)
         n = 1 if stage == 0 else dist.get_world_size(group)
@@ -97,6 +101,9 @@ class Bucket:
         buffer = cast(GradBuffer, self.buffer)  # launch() made it
         cast(Any, self.work).wait()
         self.work = None
+        if self.replicate_group is not None:
+            # Hybrid sharding: the shard (presence flags included) sums over the other replicas' shards.
+            ops.all_reduce(cast(torch.Tensor, self._landing), self.replicate_group)
         grads, self.present = buffer.split(cast(torch.Tensor, self._landing))
         self._landing = None
         grads.div_(self.divide_by)

@@ -52,3 +52,20 @@ def broadcast_from_first(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     with torch.no_grad():
         for t in tensors:
             ops.broadcast(t.data, src, group)
+
+
+def replicas_of(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` if it holds other replicas to all-reduce with, else None (a group of one rank is
+    no replication: nothing runs, and nothing is recorded in the ledger, as without hybrid sharding)."""
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def broadcast_and_check(
+    named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None
+) -> None:
+    """Check ``named`` agree in names and shapes over ``group`` (and ``replicate_group``) and give every
+    rank the values of the first rank of both: broadcast inside each shard group, then across replicas."""
+    for g in (group, replicate_group):
+        if g is not None:
+            check_same_on_all_ranks(named, g)
+            broadcast_from_first([t for _, t in named], g)

@@ -12,6 +12,18 @@ receives the averaged gradient rows it will update) for use with
 :class:`polyshard.dp.ZeroOptimizer`; stage 2 also keeps only those rows.
 Parameter sets may reduce over their own groups (``param_sets``), e.g. MoE
 experts over the expert-data-parallel group and the rest over dp x ep.
+
+Hybrid sharding (``replicate_group``; stage 3 in
+:class:`~polyshard.dp.FullyShardedDataParallel`; FSDP2's HSDP, DeepSpeed's
+MiCS): ZeRO shards over ``group`` only, and ``replicate_group`` holds the
+replicas of each shard. A bucket is reduce-scattered inside ``group``, its
+shard all-reduced across ``replicate_group`` and, after the step, the
+parameters all-gathered inside ``group``; the average divides by both sizes::
+
+    dp = 4 as dp_replicate 2 x dp_shard 2, ranks [0, 1, 2, 3]:
+    group (shard)      [0, 1] [2, 3]    reduce-scatter, all-gather
+    replicate_group    [0, 2] [1, 3]    all-reduce of each shard
+
 Buffers (BatchNorm statistics) are broadcast from the group's first rank
 before every forward, as DDP does (``broadcast_buffers=False`` turns it off).
 
@@ -33,15 +45,15 @@ from torch import nn
 
 from polyshard.dp.bucket_shards import BucketShards
 from polyshard.dp.buckets import Bucket, assign_buckets
-from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
+from polyshard.dp.checks import broadcast_and_check, broadcast_from_first, replicas_of
 from polyshard.dp.errors import DataParallelError, GradSyncError
 from polyshard.dp.flat import ShardSpec
 from polyshard.dp.hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 
-_Reduction = tuple[list[tuple[str, nn.Parameter]], dist.ProcessGroup, int]
-"""Parameters reduced together: ((name, param) list, group, divide_by)."""
+_Reduction = tuple[list[tuple[str, nn.Parameter]], dist.ProcessGroup, int, dist.ProcessGroup | None]
+"""Parameters reduced together: ((name, param) list, group, divide_by, replicate group or None)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,10 @@ class ParamSet:
     divide_by: int | None = None
     axis: str | tuple[str, ...] | None = None
     """Mesh axis (or axes) ``group`` spans, for placement records (default: the wrapper's ``axis``)."""
+    replicate_group: dist.ProcessGroup | None = None
+    """Hybrid sharding: the replicas of each shard, all-reduced after the reduce-scatter inside ``group``."""
+    replicate_axis: str | tuple[str, ...] | None = None
+    """Mesh axis (or axes) ``replicate_group`` spans, for placement records."""
 
 
 class DataParallel(BucketShards, nn.Module):
@@ -76,6 +92,8 @@ class DataParallel(BucketShards, nn.Module):
         param_sets: Sequence[ParamSet] = (),
         axis: str | tuple[str, ...] = "dp",
         broadcast_buffers: bool = True,
+        replicate_group: dist.ProcessGroup | None = None,
+        replicate_axis: str | tuple[str, ...] | None = None,
     ):
         super().__init__()
         if zero_stage not in (0, 1, 2):
@@ -83,22 +101,28 @@ class DataParallel(BucketShards, nn.Module):
                 f"DataParallel supports zero_stage 0, 1 or 2, not {zero_stage}; "
                 "for stage 3 wrap the model in FullyShardedDataParallel"
             )
+        if zero_stage == 0 and (
+            replicate_group is not None or any(ps.replicate_group is not None for ps in param_sets)
+        ):
+            raise DataParallelError(
+                "replicate_group (hybrid sharding) needs zero_stage 1 or 2: at stage 0 nothing is sharded, "
+                "so pass the whole data-parallel group as group"
+            )
         if not bucket_cap_mb > 0:
             raise DataParallelError(f"bucket_cap_mb={bucket_cap_mb} must be positive (25 is a good default)")
         self.module, self.group, self.zero_stage, self.axis = module, group, zero_stage, axis
+        self.replicate_group, self.replicate_axis = replicas_of(replicate_group), replicate_axis
         self.mixed_precision = mixed_precision
         self.broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._grads_pending = False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones are not reduced
         sets = self._resolve_sets(named, param_sets)
-        for set_params, set_group, _ in sets:
-            check_same_on_all_ranks(set_params, set_group)
-            broadcast_from_first([p for _, p in set_params], set_group)
+        for set_params, set_group, _, set_replicas in sets:
+            broadcast_and_check(list(set_params), set_group, set_replicas)
         # Frozen parameters and buffers are not reduced, but every rank must start from the same ones.
         states = [(n, p) for n, p in module.named_parameters() if not p.requires_grad] + list(module.named_buffers())
-        check_same_on_all_ranks(states, group)
-        broadcast_from_first([t for _, t in states], group)
+        broadcast_and_check(states, group, self.replicate_group)
         self._master_init = self._stash_masters(sets)
         self._homes: dict[int, torch.Tensor] = {}  # padded storage of parameters whose rows are masters
         if mixed_precision is not None:  # frozen layers compute in the same dtype as the rest
@@ -108,8 +132,8 @@ class DataParallel(BucketShards, nn.Module):
         # One queue per process group: buckets on one communicator must launch in one order on every
         # rank, and a queue launches strictly in index order (sets sharing a group share a queue).
         queues: dict[int, list[Bucket]] = {}
-        for set_params, set_group, divide_by in sets:
-            buckets = self._build_buckets(set_params, set_group, divide_by, int(bucket_cap_mb * 2**20))
+        for set_params, set_group, divide_by, set_replicas in sets:
+            buckets = self._build_buckets(set_params, set_group, divide_by, set_replicas, int(bucket_cap_mb * 2**20))
             queues.setdefault(id(set_group), []).extend(buckets)
         self.queues = list(queues.values())
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
@@ -120,9 +144,11 @@ class DataParallel(BucketShards, nn.Module):
 
     # -- construction ---------------------------------------------------------
     def _resolve_sets(self, named: list[tuple[str, nn.Parameter]], param_sets: Sequence[ParamSet]) -> list[_Reduction]:
-        """[(named params, group, divide_by)]: the explicit sets, then everything else on ``self.group``."""
+        """[(named params, group, divide_by, replicate group)]: the explicit sets, then everything else
+        on ``self.group`` (and ``self.replicate_group``)."""
         claimed: dict[int, str] = {}
         self._axis_of: dict[int, str | tuple[str, ...]] = {}  # parameters whose group spans other axes
+        self._replicate_axis_of: dict[int, str | tuple[str, ...] | None] = {}
         by_id = {id(p): n for n, p in named}
         sets = []
         for ps in param_sets:
@@ -143,10 +169,12 @@ class DataParallel(BucketShards, nn.Module):
                 members.append((by_id[id(p)], p))
                 if ps.axis is not None:
                     self._axis_of[id(p)] = ps.axis
-            divide_by = ps.divide_by if ps.divide_by is not None else dist.get_world_size(ps.group)
-            sets.append((members, ps.group, divide_by))
+                self._replicate_axis_of[id(p)] = ps.replicate_axis
+            replicas = replicas_of(ps.replicate_group)
+            divide_by = ps.divide_by if ps.divide_by is not None else _data_ranks(ps.group, replicas)
+            sets.append((members, ps.group, divide_by, replicas))
         rest = [(n, p) for n, p in named if id(p) not in claimed]
-        sets.append((rest, self.group, dist.get_world_size(self.group)))
+        sets.append((rest, self.group, _data_ranks(self.group, self.replicate_group), self.replicate_group))
         return [s for s in sets if s[0]]
 
     def _stash_masters(self, sets: list[_Reduction]) -> dict[int, torch.Tensor]:
@@ -155,7 +183,7 @@ class DataParallel(BucketShards, nn.Module):
         if self.mixed_precision is None:
             return {}
         stash = {}
-        for set_params, set_group, _ in sets:
+        for set_params, set_group, _, _ in sets:
             n = 1 if self.zero_stage == 0 else dist.get_world_size(set_group)
             rank = dist.get_rank(set_group) if self.zero_stage else 0
             for _, p in set_params:
@@ -166,7 +194,12 @@ class DataParallel(BucketShards, nn.Module):
         return stash
 
     def _build_buckets(
-        self, set_params: list[tuple[str, nn.Parameter]], set_group: dist.ProcessGroup, divide_by: int, cap_bytes: int
+        self,
+        set_params: list[tuple[str, nn.Parameter]],
+        set_group: dist.ProcessGroup,
+        divide_by: int,
+        replicate_group: dist.ProcessGroup | None,
+        cap_bytes: int,
     ) -> list[Bucket]:
         params = [p for _, p in set_params]
         buckets = []
@@ -176,7 +209,8 @@ class DataParallel(BucketShards, nn.Module):
             for name, p in zip(names, members):
                 record = get_placement(p) or TensorPlacement(name, tuple(p.shape))
                 axis = self._axis_of.get(id(p), self.axis)
-                for a in (axis,) if isinstance(axis, str) else axis:
+                replicate_axis = self._replicate_axis_of.get(id(p), self.replicate_axis)
+                for a in _axes(replicate_axis) + _axes(axis):  # replicas outer: records list outer axes first
                     record = record.with_axis(a, Replicate())
                 set_placement(p, record)
             buckets.append(
@@ -187,6 +221,7 @@ class DataParallel(BucketShards, nn.Module):
                     stage=self.zero_stage,
                     reduce_dtype=reduce_dtype(members[0], self.mixed_precision),
                     divide_by=divide_by,
+                    replicate_group=replicate_group,
                 )
             )
         return buckets
@@ -209,12 +244,14 @@ class DataParallel(BucketShards, nn.Module):
         dtype over the wrapper's ``group`` (buffers that differ by design across it, e.g. per expert
         rank, need ``broadcast_buffers=False``)."""
         buffers = [b for b in self.module.buffers() if b is not None]
-        if not buffers or dist.get_world_size(self.group) == 1:
+        groups = [g for g in (self.group, self.replicate_group) if g is not None and dist.get_world_size(g) > 1]
+        if not buffers or not groups:
             return
         for dtype in dict.fromkeys(b.dtype for b in buffers):
             same = [b for b in buffers if b.dtype == dtype]
             flat = torch.cat([b.reshape(-1) for b in same])
-            broadcast_from_first([flat], self.group)
+            for g in groups:  # inside the shard group, then across replicas: everyone gets the first rank's
+                broadcast_from_first([flat], g)
             with torch.no_grad():
                 for b, value in zip(same, flat.split([b.numel() for b in same])):
                     b.copy_(value.view_as(b))
@@ -281,3 +318,12 @@ class DataParallel(BucketShards, nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         for bucket in self.buckets():
             bucket.drop_grads()
+
+
+def _axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _data_ranks(group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None) -> int:
+    """Ranks a gradient averages over: the shard group times its replicas."""
+    return dist.get_world_size(group) * (1 if replicate_group is None else dist.get_world_size(replicate_group))

@@ -14,6 +14,10 @@ step that is two all-gathers and one reduce-scatter of every block's
 parameters (3 x parameter volume), one all-gather less for the root.
 Gradient accumulation: every backward reduce-scatters and the shards add up,
 so the full gradients are never kept.
+
+Hybrid sharding (``replicate_group``; FSDP2's HSDP): parameters are sharded
+over ``group`` only and every gather stays inside it; after each
+reduce-scatter the shard is all-reduced across ``replicate_group``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.dp.checks import broadcast_from_first, check_same_on_all_ranks
+from polyshard.dp.checks import broadcast_and_check, replicas_of
 from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
@@ -51,14 +55,16 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: MixedPrecision | None = None,
         prefetch: bool = True,
         axis: str | tuple[str, ...] = "dp",
+        replicate_group: dist.ProcessGroup | None = None,
+        replicate_axis: str | tuple[str, ...] | None = None,
     ):
         super().__init__()
         self.module, self.group, self.mixed_precision, self.prefetch = module, group, mixed_precision, prefetch
         self.axis = axis
+        self.replicate_group, self.replicate_axis = replicas_of(replicate_group), replicate_axis
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         states = list(module.named_parameters()) + list(module.named_buffers())
-        check_same_on_all_ranks(states, group)
-        broadcast_from_first([t for _, t in states], group)
+        broadcast_and_check(states, group, self.replicate_group)
         blocks = list(module.children()) if blocks is None else list(blocks)
         self.block_units = self._make_units(named, blocks, axis)
         claimed = {id(p) for u in self.block_units for p in u.params}
@@ -83,6 +89,8 @@ class FullyShardedDataParallel(nn.Module):
             dtype=compute_dtype(p, self.mixed_precision),
             reduce_dtype=reduce_dtype(p, self.mixed_precision),
             axis=axis,
+            replicate_group=self.replicate_group,
+            replicate_axis=self.replicate_axis,
         )
 
     def _make_units(
@@ -199,6 +207,10 @@ class FullyShardedDataParallel(nn.Module):
     def shard_spec(self, param: nn.Parameter) -> ShardSpec:
         unit, index = self._where[id(param)]
         return unit.layout.specs[index]
+
+    def shard_group(self, param: nn.Parameter) -> dist.ProcessGroup:
+        """The group ``param``'s rows and optimizer state are sharded over (``group``)."""
+        return self._where[id(param)][0].group
 
     def master_init(self, param: nn.Parameter) -> torch.Tensor:
         unit, _ = self._where[id(param)]

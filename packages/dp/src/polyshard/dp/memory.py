@@ -16,6 +16,14 @@ padding (dim 0 padded to a multiple of N), one presence flag per parameter
 in each gradient row, and AdamW's scalar ``step`` per parameter
 (``tests/dp/test_memory_and_ledger.py`` pins each byte).
 
+Hybrid sharding (a ``replicate_group``, FSDP2's HSDP): N above is the shard
+group's size, not the number of data ranks. With dp = R x N ranks (R copies
+of each shard) a rank holds exactly what ZeRO on N ranks holds, e.g. fp32
+stage 3 16Ψ/N rather than 16Ψ/(RN): sharding over fewer ranks costs memory
+and keeps the reduce-scatter and gathers inside the (fast) shard group; only
+each rank's 1/N of the gradients crosses to the other copies, in one
+all-reduce (``tests/dp/test_hybrid.py`` pins bytes and ledger).
+
 :func:`bytes_held` measures instead of computing: it sums the sizes of the
 distinct storages behind the tensors, so views (gradients that live inside a
 bucket) are counted once and freed storages (ZeRO-3 parameters between uses)

@@ -4,7 +4,9 @@ At rest each rank holds only ``local`` (its rows of every parameter, see
 :mod:`polyshard.dp.flat`) and the parameters' storages are resized to zero
 bytes. ``gather`` all-gathers the rows and refills the storages in place, so
 tensors that autograd saved in forward see the values again in backward.
-``launch_reduce`` reduce-scatters the block's gradients and frees it.
+``launch_reduce`` reduce-scatters the block's gradients and frees it. With a
+``replicate_group`` (hybrid sharding) ``wait_reduce`` then all-reduces the
+shard across the replicas; gathers stay inside ``group``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.dp.flat import FlatLayout, GradBuffer, master_rows, shard_record, write_rows
-from polyshard.mesh import get_placement, set_placement
+from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 
 
 class Unit:
@@ -31,16 +33,24 @@ class Unit:
         dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         axis: str | tuple[str, ...],
+        replicate_group: dist.ProcessGroup | None = None,
+        replicate_axis: str | tuple[str, ...] | None = None,
     ):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.group, self.reduce_dtype = group, reduce_dtype
+        self.group, self.reduce_dtype, self.replicate_group = group, reduce_dtype, replicate_group
         self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         self.layout = FlatLayout([tuple(p.shape) for p in self.params], self.n)
         self.local = torch.empty(self.layout.shard_numel, dtype=dtype, device=self.params[0].device)
         self.master_init: dict[int, torch.Tensor] = {}
         self.local_views = []  # this rank's rows of each parameter, with placement records
         for index, (name, p) in enumerate(named_params):
+            if replicate_axis is not None:  # every replica holds these rows: record it (outer axes first)
+                record = get_placement(p) or TensorPlacement(name, tuple(p.shape))
+                for a in (replicate_axis,) if isinstance(replicate_axis, str) else replicate_axis:
+                    record = record.with_axis(a, Replicate())
+                set_placement(p, record)
             spec = self.layout.specs[index]
             full = p.detach()
             view = self.layout.shard_view(self.local, index)
@@ -123,8 +133,10 @@ class Unit:
         work, buffer, out = cast(tuple[Any, GradBuffer, torch.Tensor], self._reduce)  # launched this backward
         work.wait()
         self._reduce = None
+        if self.replicate_group is not None:  # hybrid sharding: sum the shard (and flags) over the replicas
+            ops.all_reduce(out, self.replicate_group)
         grads, present = buffer.split(out)
-        grads.div_(self.n)
+        grads.div_(self.n * self.replicas)
         self.grad_shard = grads if self.grad_shard is None else self.grad_shard.add_(grads)
         self.present = [a or b for a, b in zip(self.present, present)]
         self.ready.clear()

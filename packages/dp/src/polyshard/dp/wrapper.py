@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp.flat import ShardSpec
@@ -44,6 +45,12 @@ class DataParallelWrapper(Protocol):
 
     def shard_spec(self, param: nn.Parameter) -> ShardSpec:
         """How ``param``'s dim 0 is split over the data ranks (n = 1 when nothing is sharded)."""
+        ...
+
+    def shard_group(self, param: nn.Parameter) -> dist.ProcessGroup:
+        """The process group ``param``'s rows and its optimizer state are sharded over; this rank holds
+        rows block ``dist.get_rank(shard_group(param))`` of ``shard_spec(param)``. With hybrid sharding
+        it is the shard group: the other replicas (``replicate_group``) hold the same rows."""
         ...
 
     def shard_placement(self, param: nn.Parameter, name: str) -> TensorPlacement:

@@ -13,6 +13,7 @@ from polyshard.ep.parallel import (
     planned_expert_placement,
     replicated_parameters,
     scale_expert_gradients,
+    share_routing_statistics,
     sync_gradients,
 )
 from polyshard.ep.router import (
@@ -25,6 +26,7 @@ from polyshard.ep.router import (
     sequence_balance_loss,
     z_loss,
 )
+from polyshard.ep.token_group import router_losses, sequence_loss, sum_over_tokens
 
 __all__ = [
     "DispatchMeta",
@@ -50,8 +52,12 @@ __all__ = [
     "moe_metrics",
     "planned_expert_placement",
     "replicated_parameters",
+    "router_losses",
     "scale_expert_gradients",
     "sequence_balance_loss",
+    "sequence_loss",
+    "share_routing_statistics",
+    "sum_over_tokens",
     "sync_gradients",
     "z_loss",
 ]

@@ -15,15 +15,8 @@ from polyshard.collectives import eager
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
-from polyshard.ep.router import (
-    Router,
-    capacity_keep_mask,
-    expert_capacity,
-    load_balancing_loss,
-    sequence_balance_loss,
-    tokens_per_expert,
-    z_loss,
-)
+from polyshard.ep.router import Router, tokens_per_expert
+from polyshard.ep.token_group import capacity_keep, router_losses, sequence_loss
 
 
 @dataclass(frozen=True)
@@ -53,7 +46,9 @@ class MoELayer(nn.Module):
     loss. Without expert parallelism the layer holds all E experts; after
     :func:`polyshard.ep.apply_expert_parallel` it holds E/P of them and
     exchanges tokens with the other ranks of its ep group. Each rank routes,
-    applies capacity and computes the auxiliary losses on its own tokens only.
+    applies capacity and computes the auxiliary losses on its own tokens only,
+    or, with a ``token_group`` (context parallelism), the losses of the whole
+    sequences whose chunks the group's ranks hold.
     """
 
     def __init__(self, config: MoEConfig):
@@ -71,6 +66,13 @@ class MoELayer(nn.Module):
         )
         self.experts = GroupedExperts(config.num_experts, config.hidden, config.ffn_hidden, config.activation)
         self.ep_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
+        self.token_group: dist.ProcessGroup | None = None
+        """Ranks holding other parts of this rank's sequences (cp), set by
+        :func:`polyshard.ep.share_routing_statistics`: the auxiliary losses are then the whole batch's
+        (:mod:`polyshard.ep.token_group`); None: this rank's own."""
+        self.positions: torch.Tensor | None = None
+        """(S_local,) sequence positions of this rank's tokens in the token group's batch (the order the
+        capacity rule serves tokens in), set with ``token_group``."""
         self.last_metrics: MoEMetrics | None = None
         self.rows_seen: torch.Tensor | None = None
         """(E_local,) rows each local expert processed in the training forwards since
@@ -91,9 +93,10 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, cfg.hidden)  # (T, H)
         routing = self.router(tokens)
         keep = None
-        if cfg.capacity_factor is not None:
-            capacity = expert_capacity(tokens.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-            keep = capacity_keep_mask(routing.experts, cfg.num_experts, capacity)  # (T, k)
+        if cfg.capacity_factor is not None:  # (T, k); over the token group's whole batch when there is one
+            keep = capacity_keep(
+                routing.experts, cfg.num_experts, cfg.capacity_factor, self.token_group, self.positions
+            )
 
         expert_input, meta = dispatch(tokens, routing.experts, cfg.num_experts, self.ep_group, keep)  # (N, H)
         expert_output = self.experts(expert_input, meta.tokens_per_local_expert)  # (N, H)
@@ -105,14 +108,13 @@ class MoELayer(nn.Module):
             self.load_seen = load if self.load_seen is None else self.load_seen + load
         y = combine(expert_output, routing.weights, meta)  # (T, H)
 
-        zero = torch.zeros((), device=x.device)
-        balance = load_balancing_loss(routing, cfg.num_experts)
-        aux = cfg.aux_loss_coef * balance
-        router_z = z_loss(routing) if cfg.z_loss_coef > 0 else zero
-        aux = aux + cfg.z_loss_coef * router_z
-        sequence = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]  # (B, S, H): B sequences of S tokens
-        seq_balance = sequence_balance_loss(routing, cfg.num_experts, sequence) if cfg.seq_aux_loss_coef > 0 else zero
-        aux = aux + cfg.seq_aux_loss_coef * seq_balance
+        balance, router_z = router_losses(routing, cfg.num_experts, self.token_group, cfg.z_loss_coef > 0)
+        aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * router_z
+        seq_balance = torch.zeros((), device=x.device)
+        if cfg.seq_aux_loss_coef > 0:
+            sequence = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]  # (B, S, H): B sequences of S tokens
+            seq_balance = sequence_loss(routing, cfg.num_experts, sequence, self.token_group)
+            aux = aux + cfg.seq_aux_loss_coef * seq_balance
         losses = (balance, router_z, seq_balance, aux)
         self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, losses)
         return y.view(x.shape), aux

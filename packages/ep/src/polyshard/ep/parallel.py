@@ -19,6 +19,10 @@ after every microbatch would divide the earlier ones again) and before
 ``optimizer.step()``. With data parallelism on top, let dp reduce instead:
 scale the expert grads here (:func:`scale_expert_gradients`) and hand dp the
 expert parameters with the dp group and the rest with the dp x ep group.
+With context parallelism (cp ranks holding parts of the same sequences),
+:func:`share_routing_statistics` gives the layers the cp group, expert
+gradients sum over dp x cp (every rank holding the same experts) divided by
+dp x ep x cp, and the rest average over dp x ep x cp.
 """
 
 from __future__ import annotations
@@ -61,6 +65,26 @@ def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str
     router = layer.router.weight
     set_placement(router, TensorPlacement(f"{prefix}router.weight", tuple(router.shape), ((axis, Replicate()),)))
     layer.ep_group = group
+
+
+def share_routing_statistics(
+    model: nn.Module, *, group: dist.ProcessGroup, positions: torch.Tensor | None = None
+) -> nn.Module:
+    """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses (and capacity) over the tokens
+    of ``group``: the ranks holding parts of the same sequences (cp). In place; returns ``model``.
+    ``positions``: (S_local,) the sequence positions of this rank's tokens, which the capacity rule needs."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    if not layers:
+        raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no routing statistics")
+    for name, layer in layers:
+        if layer.config.capacity_factor is not None and positions is None:
+            raise ExpertParallelError(
+                f"MoE layer {name!r} has capacity_factor={layer.config.capacity_factor}: the capacity rule ranks "
+                "the whole batch's tokens in sequence order; pass positions= (this rank's sequence positions, "
+                "e.g. polyshard.cp.position_ids) or use capacity_factor=None (dropless)"
+            )
+        layer.token_group, layer.positions = group, positions
+    return model
 
 
 def is_expert_parameter(param: torch.Tensor, axis: str = "ep") -> bool:

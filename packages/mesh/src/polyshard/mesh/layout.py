@@ -21,6 +21,21 @@ Worked example: 8 ranks, ``MeshLayout({"pp": 2, "dp": 2, "tp": 2})``::
 
 A group that varies several axes lists its ranks in ascending order, which is
 also the row-major order of the varying coordinates.
+
+Split axes: an axis ``X`` may be laid out as two, ``X_replicate`` (outer) and
+``X_shard`` (inner, so a shard group is neighbouring ranks), e.g. hybrid
+sharded data parallelism's ``dp_replicate x dp_shard``. The layout then also
+answers for ``X`` as for the pair: ``size("dp")`` is their product,
+``ranks_in_group("dp", r)`` varies both, and ``coords(r)["dp"]`` is the
+row-major coordinate ``replicate * size(X_shard) + shard``. With
+``{"dp_replicate": 2, "dp_shard": 2, "tp": 2}``::
+
+    rank:          0  1  2  3  4  5  6  7
+    dp_replicate:  0  0  0  0  1  1  1  1
+    dp_shard:      0  0  1  1  0  0  1  1
+    dp (alias):    0  0  1  1  2  2  3  3
+    dp_shard groups: [0, 2] [1, 3] [4, 6] [5, 7]; dp_replicate: [0, 4] [1, 5] [2, 6] [3, 7]
+    dp groups:       [0, 2, 4, 6] [1, 3, 5, 7]
 """
 
 from __future__ import annotations
@@ -32,6 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from polyshard.mesh.errors import MeshError
 
 AxisSpec = Mapping[str, int] | Sequence[tuple[str, int]]
+REPLICATE_SUFFIX, SHARD_SUFFIX = "_replicate", "_shard"
+"""An axis ``X`` split in two is named ``X_replicate`` and ``X_shard`` (see the module docstring)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -63,22 +80,47 @@ class MeshLayout:
         self.axis_names: tuple[str, ...] = tuple(names)
         self.shape: tuple[int, ...] = tuple(size for _, size in items)
         self.world_size: int = math.prod(self.shape)
+        self.aliases: dict[str, tuple[str, str]] = self._split_axes(names)
+
+    @staticmethod
+    def _split_axes(names: list[str]) -> dict[str, tuple[str, str]]:
+        """``X`` -> (``X_replicate``, ``X_shard``) for every axis split in two (replicate outer)."""
+        out = {}
+        for name in names:
+            if not name.endswith(REPLICATE_SUFFIX):
+                continue
+            base = name[: -len(REPLICATE_SUFFIX)]
+            shard = base + SHARD_SUFFIX
+            if shard not in names:
+                continue
+            if base in names:
+                raise MeshError(f"axes {base!r}, {name!r} and {shard!r}: {base!r} is already the pair's name; drop it")
+            if names.index(shard) < names.index(name):
+                raise MeshError(f"axis {name!r} must come before {shard!r} (shard groups are the inner, faster axis)")
+            out[base] = (name, shard)
+        return out
+
+    def expand(self, axes: str | Iterable[str]) -> tuple[str, ...]:
+        """``axes`` with every split axis's name replaced by its two parts (no validation)."""
+        return tuple(part for a in _as_axis_tuple(axes) for part in self.aliases.get(a, (a,)))
 
     # -- axes -----------------------------------------------------------------
     def size(self, axes: str | Iterable[str] | None = None) -> int:
         """Number of ranks along ``axes`` (all axes when None)."""
         if axes is None:
             return self.world_size
-        return math.prod(self.shape[self.axis_index(a)] for a in _as_axis_tuple(axes))
+        return math.prod(self.shape[self.axis_index(a)] for a in self.expand(axes))
 
     def axis_index(self, axis: str) -> int:
         if axis not in self.axis_names:
-            raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {list(self.axis_names)}")
+            known = list(self.axis_names) + [f"{a} (= {' x '.join(p)})" for a, p in self.aliases.items()]
+            raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {known}")
         return self.axis_names.index(axis)
 
     def normalize_axes(self, axes: str | Iterable[str]) -> tuple[str, ...]:
-        """Validate ``axes`` and return them in mesh order (outermost first)."""
-        axes = _as_axis_tuple(axes)
+        """Validate ``axes`` and return them in mesh order (outermost first); a split axis's name
+        stands for its two parts."""
+        axes = self.expand(axes)
         if not axes:
             raise MeshError("a group needs at least one axis")
         if len(set(axes)) != len(axes):
@@ -89,14 +131,17 @@ class MeshLayout:
 
     # -- ranks and coordinates ------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinate of ``rank`` along every axis."""
+        """Coordinate of ``rank`` along every axis (then along each split axis's name, e.g. ``dp``)."""
         if not 0 <= rank < self.world_size:
             raise MeshError(f"rank {rank} is outside this mesh of {self.world_size} ranks")
         coords = {}
         for name, size in zip(reversed(self.axis_names), reversed(self.shape)):
             coords[name] = rank % size
             rank //= size
-        return {name: coords[name] for name in self.axis_names}
+        out = {name: coords[name] for name in self.axis_names}
+        for alias, (outer, inner) in self.aliases.items():
+            out[alias] = out[outer] * self.size(inner) + out[inner]
+        return out
 
     def rank_of(self, coords: Mapping[str, int]) -> int:
         """Inverse of :meth:`coords`; every axis must be given."""

@@ -97,7 +97,9 @@ class Mesh:
 
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
-        return self.layout.coords(self.rank)[self.layout.normalize_axes(axis)[0]]
+        if axis not in self.layout.aliases:
+            self.layout.axis_index(axis)  # a clear error for an unknown axis
+        return self.layout.coords(self.rank)[axis]
 
     def coords(self) -> dict[str, int]:
         return self.layout.coords(self.rank)

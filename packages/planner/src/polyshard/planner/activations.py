@@ -10,6 +10,10 @@ hidden, f MLP width, n query heads, k·h/n key/value width, e bytes per element 
     attention       q, k, v, output: (2h + 2·k·h/n)·e, plus n·4 log-sum-exp          ... / tp
     MLP             GELU: f·e twice; SwiGLU: gate, silu, up, product 4·f·e                ... / tp
     RoPE            cos and sin for q and k: 4·s·(h/n) fp32 per microbatch
+    q/k norm        (Qwen3) as RMSNorm over q and k: (2·(h + k·h/n) + n + k)·4              ... / tp
+
+Where ``model.head_dim`` is set, q's width is n·head_dim rather than h; an MoE block's f is an
+expert's width, and its shared experts' SwiGLU (every token) counts like a dense one.
 
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
 sequence (÷ cp). With full activation checkpointing a block keeps its input alone, and one block's
@@ -55,12 +59,15 @@ def micro_batch_size(config: Config) -> int:
 def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    kv = h * model.kv_heads // n
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
-    attention = (2 * h + 2 * kv) * e + n * 4
+    attention = (2 * q + 2 * kv) * e + n * 4
+    if model.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
+        attention += (2 * (q + kv) + n + model.kv_heads) * 4
     if spec_of(model).has_experts:  # routed copies in and out, the experts' SwiGLU, router scores
-        mlp = 2 * model.top_k * h * e + 4 * f * e + model.num_experts * 4
+        mlp = 2 * model.top_k * h * e + 4 * model.expert_width * e + model.num_experts * 4
+        mlp += 4 * model.shared_width * e  # the shared experts' SwiGLU, every token
     else:
         mlp = (2 if model.activation == "gelu" else 4) * f * e
     return (outside + (attention + mlp) / tp) / parallel.cp
@@ -76,11 +83,12 @@ def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precis
 def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    kv = h * model.kv_heads // n
-    columns = (h + 2 * kv) * e + ((h * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
+    columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
     up = 1 if model.activation == "gelu" else 2
     if spec_of(model).has_experts:  # the router's logits and the experts' matmuls on their routed copies
-        rows = h * e + model.num_experts * e + model.top_k * (up * f + h) * e
+        rows = h * e + model.num_experts * e + model.top_k * (up * model.expert_width + h) * e
+        columns += up * model.shared_width * e  # the shared experts' gate and up, split by tp
     else:
         columns += up * f * e
         rows = 2 * h * e  # o_proj's and the MLP's last matmul, each (tokens, h) before the reduction
@@ -113,7 +121,7 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
     else:
         per_block = block_bytes_per_token(model, parallel, precision) * tokens
         if model.positions == "rope":
-            per_block += 16 * seq * (model.hidden // model.num_heads)
+            per_block += 16 * seq * model.attention_head_dim
     total = blocks * per_block
     if 0 in layers:
         total += 8 * tokens  # the int64 token ids

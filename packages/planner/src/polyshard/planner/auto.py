@@ -47,7 +47,9 @@ def choose(
 def overrides(chosen: Candidate) -> list[str]:
     """``--set`` items that make a config run ``chosen``."""
     par = chosen.config.parallel
-    items = [f"parallel.{key}={json.dumps(getattr(par, key))}" for key in CHOSEN]
+    # dp_shard = dp is sharding over all of dp, what None (no value a --set can write) means.
+    values = {key: getattr(par, key) for key in CHOSEN} | {"dp_shard": par.dp_shard or par.dp}
+    items = [f"parallel.{key}={json.dumps(value)}" for key, value in values.items()]
     items.append(f"training.activation_checkpointing={json.dumps(chosen.config.training.activation_checkpointing)}")
     return items
 

@@ -8,15 +8,23 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
     tp   per block 4 all-reduces of b·s·h·e (2 forward, 2 backward; Megatron-LM 1909.08053), or with
          sequence parallelism 4 all-gathers + 4 reduce-scatters of it; +2 (+2+2) when checkpointing
          recomputes the forward; the vocabulary-parallel embedding 1, its head 1 and the loss 3 small
-    ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward)
+    ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward);
+         under cp each rank's b·s/cp tokens, and per MoE block one all-reduce over cp of the router's
+         2E+2 fp32 statistics forward and one backward (polyshard.ep.token_group); with a capacity
+         factor, all-gathers of the b·s·top_k int64 expert choices and the s int64 positions
     cp   per block (ring): K and V packed, cp-1 hops forward, cp-1 again backward plus cp hops of fp32
          dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward
     pp   one activation forward and one gradient backward per stage boundary (÷ tp under SP)
     dp   ZeRO-3: all-gather every parameter in forward and again in backward, reduce-scatter grads
 
-and once per step: gradients over the replicas dp x ep x cp (an fp32 all-reduce at ZeRO-0; a
-reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch), the
-tied embedding's all-reduce between the pipeline's ends, the loop's two scalar all-reduces, and
+and once per step: gradients over the replicas dp x ep x cp, experts' over dp x cp (an fp32 all-reduce
+at ZeRO-0; a reduce-scatter plus the parameters' all-gather at ZeRO-1/2; ZeRO-3's were per microbatch).
+Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the shard group (axis
+``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
+all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
+``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
+scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
+engine.experts), and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
 
@@ -40,7 +48,8 @@ from polyshard.trainer.models.tasks import LANGUAGE
 @dataclass(frozen=True)
 class Traffic:
     axis: str
-    """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world."""
+    """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world; under hybrid sharding also dp_shard
+    (ZeRO's shard group, dp_shard x ep x cp) and dp_replicate (the shard's copies)."""
     op: str
     """all_reduce, all_gather, reduce_scatter, all_to_all or p2p."""
     group: int
@@ -95,6 +104,16 @@ def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
     if par.ep > 1 and spec_of(model).has_experts:
         routed = act * model.top_k
         out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
+    if par.cp > 1 and spec_of(model).has_experts:  # the aux losses' per-expert statistics, summed over cp
+        stats = 4 * (2 * model.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
+        recompute = blocks if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks, "forward"))
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks + recompute, "backward"))
+        if model.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
+            tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
+            for nbytes in (8 * par.cp * tokens * model.top_k, 8 * sequence_length(model)):
+                out.append(Traffic("cp", "all_gather", par.cp, nbytes, blocks, "forward"))
+                out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
         out += _cp(config, blocks, act)
     return out
@@ -140,24 +159,31 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Gradient reduction and ZeRO's parameter gathers, grouped by replica group size."""
     par, precision = config.parallel, config.training.precision
     weight = 2 if precision == "bf16" else 4
-    sizes: dict[int, list[float]] = {}  # group -> elements + flags at stage 0, ZeRO's padded rows, flags
+    # (replicas, shard group) -> elements + flags at stage 0, ZeRO's padded rows, flags
+    sizes: dict[tuple[int, int], list[float]] = {}
     for held, count in holdings(config, pp_rank).items():
-        n = held.replicas
-        if n > 1:
-            entry = sizes.setdefault(n, [0.0, 0.0, 0.0])
+        if held.replicas > 1:
+            n = held.shard_ranks
+            entry = sizes.setdefault((held.replicas, n), [0.0, 0.0, 0.0])
             entry[0] += count * (math.prod(held.shape) + 1)
             entry[1] += count * n * ShardSpec(held.shape, n).shard_numel
             entry[2] += count * n
     out = []
-    for n, (whole, padded, flags) in sizes.items():
+    for (replicas, n), (whole, padded, flags) in sizes.items():
+        copies = replicas // n  # hybrid sharding's replicas of each shard (1 without it)
+        shard_axis = "dp_shard" if copies > 1 else "dp"
+        reduce_phase = "backward" if par.zero_stage == 3 else "step"
         if par.zero_stage == 0:
             out.append(Traffic("dp", "all_reduce", n, 4 * whole, 1, "step"))
         elif par.zero_stage in (1, 2):
-            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
-            out.append(Traffic("dp", "all_gather", n, weight * padded, 1, "step"))
+            out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
+            out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "step"))
         else:
-            out += [Traffic("dp", "all_gather", n, weight * padded, 1, phase) for phase in ("forward", "backward")]
-            out.append(Traffic("dp", "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
+            phases = ("forward", "backward")
+            out += [Traffic(shard_axis, "all_gather", n, weight * padded, 1, phase) for phase in phases]
+            out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
+        if copies > 1:  # each rank's reduced row (1/n of the buffer, flags included) summed over the copies
+            out.append(Traffic("dp_replicate", "all_reduce", copies, 4 * (padded + flags) / n, 1, reduce_phase))
     return out
 
 
@@ -175,6 +201,12 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
             if len(h.shape) == 1 and not h.tp_sharded
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
+    expert_replicas = par.dp * par.cp
+    if spec_of(model).has_experts and expert_replicas > 1:  # idle experts: rows per local expert (int64)
+        bounds, stages = stage_bounds(config), stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]
+        blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers)
+        rows = 8 * blocks * model.num_experts // par.ep
+        out.append(Traffic("dp", "all_reduce", expert_replicas, rows, 1, "step"))
     out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
     if spec_of(model).task is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
         out.append(Traffic("dp", "all_reduce", par.replicas, 8, 1, "step"))

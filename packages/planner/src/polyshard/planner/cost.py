@@ -73,14 +73,22 @@ def _phase_s(traffic: list[Traffic], parallel: ParallelConfig, profile: Profile,
     return sum(t.calls * call_s(t, parallel, profile) for t in traffic if t.phase == phase)
 
 
+DATA_AXES = ("dp", "dp_shard", "dp_replicate")
+"""Traffic axes of the gradient reduction and ZeRO's gathers (see :class:`~polyshard.planner.comm.Traffic`)."""
+
+
 def crosses_nodes(axis: str, parallel: ParallelConfig, profile: Profile) -> bool:
-    """Whether a group of ``axis`` spans nodes: ranks are laid out pp, dp, ep, cp, tp (tp fastest), so a
-    group's ranks are ``stride`` apart, stride the product of the faster axes."""
-    order = ["pp", "dp", "ep", "cp", "tp"]
+    """Whether a group of ``axis`` spans nodes: ranks are laid out pp, dp, ep, cp, tp (tp fastest; hybrid
+    sharding splits dp into dp_replicate, dp_shard), so a group's ranks are ``stride`` apart, stride the
+    product of the faster axes. A shard group that fits in a node keeps ZeRO's traffic there; only
+    the replicas' all-reduce (1/dp_shard of the gradients) crosses nodes."""
     sizes = parallel.mesh_axes
+    order = list(sizes)
     if axis == "world":
         return parallel.world_size > profile.devices_per_node
-    axes = ["dp", "ep", "cp"] if axis == "dp" else [axis]
+    groups = {"dp": ("dp_replicate", "dp_shard", "ep", "cp") if parallel.hybrid else parallel.replica_axes}
+    groups |= {"dp_shard": parallel.shard_axes, "dp_replicate": parallel.replicate_axes}
+    axes = list(groups.get(axis, (axis,)))
     fastest = max(order.index(a) for a in axes)
     stride = math.prod(sizes[a] for a in order[fastest + 1 :])
     span = stride * math.prod(sizes[a] for a in axes)
@@ -160,9 +168,9 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
     slowest: dict[str, float] = {}
     for rank in range(par.pp):  # after the pipeline, the slowest pipeline rank sets the step's end
         traffic = [t for t in per_rank[rank] if t.phase == "step"]
-        reduce = sum(call_s(t, par, profile) for t in traffic if t.axis == "dp" and t.op != "all_gather")
-        gather = sum(call_s(t, par, profile) for t in traffic if t.axis == "dp" and t.op == "all_gather")
-        other = sum(t.calls * call_s(t, par, profile) for t in traffic if t.axis != "dp")
+        reduce = sum(call_s(t, par, profile) for t in traffic if t.axis in DATA_AXES and t.op != "all_gather")
+        gather = sum(call_s(t, par, profile) for t in traffic if t.axis in DATA_AXES and t.op == "all_gather")
+        other = sum(t.calls * call_s(t, par, profile) for t in traffic if t.axis not in DATA_AXES)
         last_backward = max(costs[s].backward + costs[s].weight for s in placement[rank])
         dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
         held = holdings(config, rank)
@@ -178,4 +186,4 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
 
 def _stepped(held: Held, zero_stage: int) -> float:
     """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it)."""
-    return ShardSpec(held.shape, held.replicas).shard_numel if zero_stage >= 1 else math.prod(held.shape)
+    return ShardSpec(held.shape, held.shard_ranks).shard_numel if zero_stage >= 1 else math.prod(held.shape)

@@ -62,6 +62,12 @@ def describe(config: Config) -> str:
     )
     if spec_of(config.model).has_experts:
         lines.append(f"  {routing_summary(config.model)}")
+    if par.hybrid:
+        shard_axes = [a for a in par.shard_axes if a == "dp_shard" or par.mesh_axes[a] > 1]
+        lines.append(
+            f"hybrid sharding: ZeRO-{par.zero_stage} shards over {' x '.join(shard_axes)} "
+            f"(dp_shard={par.dp_shard}) and each shard has {par.dp_replicate} copies over dp_replicate"
+        )
     lines.append(
         f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
         f"{config.training.precision}, activation checkpointing {config.training.activation_checkpointing or 'none'}):"

@@ -16,6 +16,10 @@ Two accountings of the same thing:
   master copies where the optimizer steps them (ZeRO-1/2 always; at ZeRO-3 under fp32 the
   master *is* the local shard). ``tests/trainer/test_planner_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
+
+Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard
+group's size (dp_shard x ep x cp), not the number of replicas, so a rank holds what ZeRO on
+dp_shard x ep x cp ranks would; the dp / dp_shard replicas each hold the same.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from functools import lru_cache
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.planner.pipeline import stages_by_rank
-from polyshard.trainer.checkpointing.records import base_record, data_axes
+from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.parallelize import pipeline_bounds
 from polyshard.trainer.models import build_model, layer_of, tied_names
@@ -70,6 +74,13 @@ class Held:
     replicas: int
     tp_sharded: bool = False
     """Split over tp (a replicated 1-D weight under sequence parallelism has its gradient summed over tp)."""
+    shards: int | None = None
+    """Hybrid sharding: the ranks ZeRO shards it over (a divisor of ``replicas``); None: all replicas."""
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks ZeRO splits it over: ``shards``, or every replica without hybrid sharding."""
+        return self.replicas if self.shards is None else self.shards
 
 
 def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str) -> ModelStates:
@@ -77,7 +88,7 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     weight = 2 if precision == "bf16" else 4
     numel = shard = flags = grad_rows = padded = 0  # whole, this rank's ZeRO rows, flags, gradient buffer, padded
     for h, count in held.items():
-        n = h.replicas if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
+        n = h.shard_ranks if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
         rows = ShardSpec(h.shape, n).shard_numel
         numel += count * math.prod(h.shape)
         shard += count * rows
@@ -128,7 +139,8 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     sizes = par.mesh_axes
     replicas = math.prod(sizes[a] for a in data_axes(config, record))
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
-    return Held(record.local_shape(sizes), replicas, tp_sharded)
+    shards = math.prod(sizes[a] for a in shard_axes(config, record)) if par.hybrid else None
+    return Held(record.local_shape(sizes), replicas, tp_sharded, shards)
 
 
 def holdings(config: Config, pp_rank: int) -> Counter[Held]:

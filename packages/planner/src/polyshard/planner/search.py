@@ -38,7 +38,19 @@ MAX_PIPELINE = 32
 """Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
 SIMULATED = 32
 """Layouts simulated with their own costs after the screen."""
-CHOSEN = ("dp", "tp", "pp", "ep", "cp", "zero_stage", "microbatches", "schedule", "virtual_stages", "sequence_parallel")
+CHOSEN = (
+    "dp",
+    "dp_shard",
+    "tp",
+    "pp",
+    "ep",
+    "cp",
+    "zero_stage",
+    "microbatches",
+    "schedule",
+    "virtual_stages",
+    "sequence_parallel",
+)
 """The fields of a config's ``parallel`` section the search chooses (with ``training.activation_checkpointing``);
 the rest of the section (cp_style, timeout_s, a stage split that still fits) is kept."""
 
@@ -141,7 +153,8 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
     spec = spec_of(model)
     context = spec.context_parallel and model.dropout == 0
     for tp in divisors(n):
-        if tp > request.devices_per_node or model.num_heads % tp or model.mlp_width % tp:
+        mlp = model.shared_width if spec.has_experts else model.mlp_width  # what tp splits of the MLP
+        if tp > request.devices_per_node or model.num_heads % tp or mlp % tp:
             continue
         if model.kv_heads % tp and tp % model.kv_heads:
             continue
@@ -194,9 +207,31 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
                 virtual_stages=virtual,
                 sequence_parallel=bool(sp),
                 stage_layers=split if split is None or len(split) == pp * virtual else None,
+                dp_shard=None,
             )
-            if all(getattr(parallel, key) == value for key, value in fixed.items()):
-                yield parallel
+            for candidate in _with_hybrid(parallel, request.devices_per_node, fixed.get("dp_shard")):
+                if all(_chosen(candidate, key) == value for key, value in fixed.items()):
+                    yield candidate
+
+
+def _chosen(parallel: ParallelConfig, key: str) -> object:
+    """``parallel``'s value of a :data:`CHOSEN` field as the user would fix it (dp_shard: dp when unset)."""
+    return (parallel.dp_shard or parallel.dp) if key == "dp_shard" else getattr(parallel, key)
+
+
+def _with_hybrid(parallel: ParallelConfig, devices_per_node: int, wanted: object = None) -> list[ParallelConfig]:
+    """``parallel``, and under ZeRO with a shard group (dp x ep x cp x tp ranks) wider than a node, also its
+    hybrid-sharded twin with the largest dp_shard whose group fits in one node: ZeRO's reduce-scatter and
+    gathers stay on the node and only the all-reduce of each rank's 1/dp_shard of the gradients crosses,
+    for the memory of sharding over fewer ranks. (Across nodes both exist; the costs choose.) A dp_shard
+    the user fixed (``wanted``) is the twin's instead, wherever its group falls."""
+    inner = parallel.ep * parallel.cp * parallel.tp
+    if isinstance(wanted, int) and parallel.zero_stage > 0 and wanted < parallel.dp and parallel.dp % wanted == 0:
+        return [dataclasses.replace(parallel, dp_shard=wanted)]
+    if parallel.zero_stage == 0 or parallel.dp == 1 or parallel.dp * inner <= devices_per_node:
+        return [parallel]
+    fits = [d for d in divisors(parallel.dp) if d < parallel.dp and d * inner <= devices_per_node]
+    return [parallel] + ([dataclasses.replace(parallel, dp_shard=max(fits))] if fits else [])
 
 
 @dataclass(frozen=True)

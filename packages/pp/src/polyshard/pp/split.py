@@ -15,6 +15,14 @@ Example, a stage ``Linear1 -> Tanh -> Linear2`` with a received input x::
     input path:   Addmm2 -> Tanh -> Addmm1 -> (x)       (B runs these)
     branches:     Addmm2 -> W2, b2;  Addmm1 -> W1, b1   (W runs these, from B's recorded gradients)
 
+A branch node that computes all its gradients at once - a compiled block (AOTAutograd's backward is
+one node for the whole block), a custom autograd Function that takes a weight - has already computed
+its weight gradients while B ran it. B keeps them (a post-hook on the node), and W sends them on from
+below the node instead of running it a second time: with compiled blocks W costs the parameters'
+accumulation, not a second block backward. A node that skipped its weight outputs in B (an eager
+matmul's backward computes only what the graph task needs) is run again by W from the gradients that
+arrived at it, as above.
+
 Gradients are accumulated with ``autograd.backward(..., inputs=params)``, so
 ``.grad`` and post-accumulate-grad hooks (a data-parallel reducer's) behave as
 for any backward. torch.distributed.pipelining splits its backward the same way.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -37,6 +46,8 @@ class WeightWork:
     params: list[torch.Tensor]
     branches: dict[Node, list[torch.Tensor]] = field(default_factory=dict)  # branch node -> its parameters
     arrived: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    # branch node -> (edge towards a parameter, the gradient B's run of the node already computed for it)
+    computed: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = field(default_factory=dict)
     output: torch.Tensor | None = None
     grad: torch.Tensor | None = None
 
@@ -57,6 +68,8 @@ def backward_input(
         return input_grad, WeightWork(params, output=output, grad=grad)
     work = WeightWork(params, branches=branches)
     hooks = [node.register_prehook(_recorder(work, node)) for node in work.branches]
+    on_path = path | {get_gradient_edge(input).node}
+    hooks += [node.register_hook(_keeper(work, node, _weight_edges(node, on_path))) for node in work.branches]
     try:
         (input_grad,) = torch.autograd.grad(output, input, grad, retain_graph=True)
     finally:
@@ -71,6 +84,11 @@ def backward_weight(work: WeightWork) -> None:
         torch.autograd.backward(work.output, work.grad, inputs=work.params)
         return
     for node, params in work.branches.items():
+        if node in work.computed:  # B's run of the node computed them: send them on from below it
+            below = [edge for edge, _ in work.computed[node]]
+            computed = [value for _, value in work.computed[node]]
+            torch.autograd.backward(below, computed, inputs=params, retain_graph=True)
+            continue
         grads = work.arrived.get(node, ())
         edges = [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
         if edges:
@@ -84,6 +102,23 @@ def _recorder(work: WeightWork, node: Node) -> Callable[[tuple[torch.Tensor | No
         work.arrived[node] = grad_outputs
 
     return record
+
+
+def _keeper(work: WeightWork, node: Node, edges: list[int]) -> Callable[..., None]:
+    def keep(grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        grads = [grad_inputs[i] for i in edges]
+        if edges and all(g is not None for g in grads):
+            children = [node.next_functions[i] for i in edges]  # (child node, its input number); never None
+            below = [GradientEdge(cast(Node, child), number) for child, number in children]
+            work.computed[node] = [(e, cast(torch.Tensor, g)) for e, g in zip(below, grads, strict=True)]
+            work.arrived.pop(node, None)  # not needed: W will not run the node again
+
+    return keep
+
+
+def _weight_edges(node: Node, on_path: set[Node]) -> list[int]:
+    """Indices of ``node``'s edges that leave the input path and the input (towards its weight branches)."""
+    return [i for i, (child, _) in enumerate(node.next_functions) if child is not None and child not in on_path]
 
 
 def _input_path(output: torch.Tensor, input: torch.Tensor) -> set[Node]:

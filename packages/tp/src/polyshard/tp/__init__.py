@@ -15,6 +15,7 @@ from polyshard.tp.regions import enter_region, leave_region, split_sequence, syn
 from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequence_parallel, padded_size
 from polyshard.tp.styles import (
     ColumnParallel,
+    HeadNorm,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -29,6 +30,7 @@ from polyshard.tp.vocab import VocabParallelEmbedding, vocab_parallel_cross_entr
 __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
+    "HeadNorm",
     "PlanError",
     "ReplicateKVHeads",
     "ReplicatedKVLinear",

@@ -218,6 +218,14 @@ class SequenceParallel(Style):
         return module
 
 
+@dataclass(frozen=True)
+class HeadNorm(SequenceParallel):
+    """A norm over each head's dims (Qwen3's q/k norm) inside attention whose heads tp splits: one
+    weight entry per head dim, shared by every head, so each rank keeps the whole weight but sees only
+    its own heads; its gradient is summed over tp, as a sequence-parallel norm's is (flagged alike,
+    with or without sequence parallelism)."""
+
+
 def _first_input(args: tuple[object, ...], name: str, style: Style) -> None:
     if not args or not isinstance(args[0], torch.Tensor):
         got = type(args[0]).__name__ if args else "no positional arguments"

@@ -166,7 +166,10 @@ class CoreAttention(nn.Module):
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
     rotary positions on q and k when ``rope_theta`` is given (Llama; ``rope_scaling`` for Llama 3.1's
-    long context); ``bias`` on the projections (GPT-2)."""
+    long context); ``bias`` on the projections (GPT-2), or ``qkv_bias`` on q, k and v only (Qwen2).
+    ``head_dim`` (default hidden / num_heads) may differ from that (Qwen3: 128 whatever the width).
+    ``qk_norm``: an RMSNorm over each head's q and k, before rotary positions (Qwen3, OLMo 2's per-head
+    form); its weight has one entry per head dim, shared by every head, so tp replicates it."""
 
     def __init__(
         self,
@@ -179,26 +182,36 @@ class Attention(nn.Module):
         bias: bool = True,
         rope_theta: float | None = None,
         rope_scaling: RopeScaling | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = hidden // num_heads
+        self.head_dim = head_dim or hidden // num_heads
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.core = CoreAttention(causal=causal, dropout=dropout)
         self.positions: torch.Tensor | None = None  # rotary positions of the tokens; None: 0..S-1
-        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         """``documents``: the batch's documents (see :class:`Documents`): attention inside each, rotary
         positions within each."""
         # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
         # dim alone, so an empty batch (B = 0) works too.
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # (B, S, N, D)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # (B, S, K, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's D dims
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
             positions = self.positions if documents is None else documents.positions
@@ -250,7 +263,8 @@ class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
 
     GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
-    ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is both norms' epsilon.
+    ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is every norm's epsilon (q/k norm's
+    too); ``head_dim``, ``qkv_bias`` and ``qk_norm`` are :class:`Attention`'s (Qwen2, Qwen3).
     With ``checkpoint_activations`` ``"full"`` (or True) only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation. ``"selective"`` also keeps the
@@ -278,6 +292,9 @@ class Block(nn.Module):
         rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -293,6 +310,10 @@ class Block(nn.Module):
             bias=bias,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            head_dim=head_dim,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            norm_eps=norm_eps,
         )
         self.norm2 = norm_layer(norm, hidden, norm_eps)
         width = mlp_hidden or mlp_ratio * hidden

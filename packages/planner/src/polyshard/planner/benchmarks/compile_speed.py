@@ -9,6 +9,9 @@
    compiled with a graph break at each place tensor parallelism puts a collective (the entry and exit of
    attention and of the MLP; here an eager identity, so no communication is timed): what splitting the
    block at its collectives costs against one whole graph (see polyshard-tp's README).
+   Beside them, in the same turns, a 1024 x 1024 x 1024 float32 matmul: the rate this machine multiplies
+   at that moment; each block row's achieved GFLOP/s (its matmul FLOPs, counted by torch's FlopCounterMode,
+   over its time) against it says how much of the step is matmul and so how much fusion can win at most.
 2. **The demo**: ``polyshard train`` on the demo's config (8 processes, dp2 x tp2 x pp2) for a few steps,
    without and with ``--compile``; the median tokens/s over the steps after the compiled run's compiles,
    and the compile seconds its first step logged (rank 0's).
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 DEMO_CONFIG = Path("apps/configs/gpt-shakespeare-3d.toml")  # from the repository root, as `make demo` runs it
 
@@ -45,6 +49,7 @@ class Row:
     unit: str
     compile_s: float
     speedup: float
+    note: str = ""
 
 
 def blocks(num_blocks: int = 2, hidden: int = 256, heads: int = 8) -> nn.Sequential:
@@ -99,19 +104,38 @@ def block_speed(iters: int = 10, batch: int = 8, seq: int = 128) -> list[Row]:
         model(x.requires_grad_()).sum().backward()
         return time.perf_counter() - start
 
-    step(eager)  # warm-up
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+
+    def matmul(_: nn.Module) -> float:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        return time.perf_counter() - start
+
+    with FlopCounterMode(display=False) as counter:  # matmuls only: SDPA on CPU is not counted (~6% here)
+        step(eager)  # (and the warm-up)
+    flops = counter.get_total_flops() / len(eager)
     compile_blocks([whole])
     compile_with_breaks(split)
     first = {"whole": step(whole), "split": step(split)}  # compiles (or loads from the inductor cache)
-    times: dict[str, list[float]] = {"eager": [], "whole": [], "split": []}
+    times: dict[str, list[float]] = {"eager": [], "whole": [], "split": [], "matmul": []}
     for _ in range(iters):
         for name, model in (("eager", eager), ("whole", whole), ("split", split)):
             times[name].append(step(model))
+        times["matmul"].append(matmul(eager))
+    peak = 2 * 1024**3 / statistics.median(times.pop("matmul")) / 1e9
     ms = {name: statistics.median(t) * 1e3 / len(eager) for name, t in times.items()}
+
+    def rates(name: str) -> str:
+        return f"{flops / ms[name] / 1e6:.0f}"
+
     what = f"{len(eager)} Llama blocks fwd+bwd (h256, 8 heads, {batch}x{seq}), per block"
     split_what = "the same, graph breaks at tp's 4 collective places"
+    note = (
+        f"matmul GFLOP/s: eager {rates('eager')}, compiled {rates('whole')}, "
+        f"a 1024^3 matmul {peak:.0f} ({flops / 1e9:.2f} GFLOP of matmuls per block)"
+    )
     return [
-        Row(what, ms["eager"], ms["whole"], "ms", first["whole"], ms["eager"] / ms["whole"]),
+        Row(what, ms["eager"], ms["whole"], "ms", first["whole"], ms["eager"] / ms["whole"], note),
         Row(split_what, ms["eager"], ms["split"], "ms", first["split"], ms["eager"] / ms["split"]),
     ]
 
@@ -162,7 +186,7 @@ def report(rows: Sequence[Row]) -> str:
     for r in rows:
         figures = f"{r.eager:.1f} {r.unit} | {r.compiled:.1f} {r.unit} | {r.speedup:.2f}x | {r.compile_s:.0f} s"
         lines.append(f"| {r.what} | {figures} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [r.note for r in rows if r.note])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

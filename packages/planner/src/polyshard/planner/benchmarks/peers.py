@@ -2,6 +2,7 @@
 mesh against the torch-native composition, in one run, one table.
 
     polyshard bench peers --nproc 2 --json peers.json
+    polyshard bench peers --nproc 2 --only composed --compile   # both sides' blocks compiled
     python -m torch.distributed.run --nproc-per-node 4 -m polyshard.planner.benchmarks.peers --steps 10
 
 Strategy rows come from each package's own benchmark, called as a function (``polyshard.dp.bench``:
@@ -31,6 +32,13 @@ alternating, each step between barriers, the slowest rank's time, the median). B
 parameters, gradients and optimizer state after a step (``polyshard.dp.bytes_held`` for ours, the
 local shards of the peer's DTensors). A peer that cannot be built or run here is reported as
 ``peer unavailable: <the exception>`` beside ours.
+
+With ``--compile`` the composed rows compile both sides' transformer blocks, one compiled unit per
+block: ours with ``training.compile`` (Block.forward compiled, our collectives eager between graph
+pieces), the peer as torchtitan does (``module.compile(fullgraph=True)`` on each block after
+``parallelize_module`` and before ``fully_shard``, so DTensor's collectives are traced into the block's
+graph). The first ``--check-steps`` steps compile (both sides, untimed) and are compared loss by loss
+with the compiled tolerance. The strategy rows are each package's own eager benchmark either way.
 """
 
 from __future__ import annotations
@@ -73,15 +81,20 @@ GLOBAL_BATCH, MICROBATCHES, LR, CHECK_STEPS = 16, 4, 1e-3, 3
 # gathered logits), ~1e-7 relative per step, compounded through AdamW over a few steps: the
 # end-to-end parity tests' 2e-5 (tests/trainer/test_e2e_parity.py, same model family and widths).
 LOSS_RTOL = 2e-5
+# Compiled, each side's inductor fuses elementwise work and reorders float32 sums in its own kernels
+# (~1e-6 relative per op), on top of the above: the compiled parity tests' 1e-4 (tests/trainer/test_compile.py).
+COMPILED_LOSS_RTOL = 1e-4
 
 
 def layout_name(layout: dict[str, int]) -> str:
     return " x ".join(f"{axis}{size}" for axis, size in layout.items())
 
 
-def composed_config(layout: dict[str, int], preset: str = "tiny", grad_clip: float = 1.0) -> Config:
+def composed_config(
+    layout: dict[str, int], preset: str = "tiny", grad_clip: float = 1.0, compiled: bool = False
+) -> Config:
     """The trainer config both sides train: ``preset``'s GPT, ZeRO-3 on dp, 1F1B with 4 microbatches on pp,
-    the gradient norm clipped to ``grad_clip`` (the trainer's default 1.0)."""
+    the gradient norm clipped to ``grad_clip`` (the trainer's default 1.0), blocks compiled if ``compiled``."""
     parallel: dict[str, Any] = dict(layout)
     if layout.get("dp", 1) > 1:
         parallel["zero_stage"] = 3  # the peer's fully_shard is ZeRO-3
@@ -89,6 +102,7 @@ def composed_config(layout: dict[str, int], preset: str = "tiny", grad_clip: flo
         parallel |= {"schedule": "1f1b", "microbatches": MICROBATCHES}
     training = {"global_batch_size": GLOBAL_BATCH, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
     training["grad_clip"] = grad_clip
+    training["compile"] = compiled
     return from_dict({"model": {"preset": preset}, "parallel": parallel, "training": training})
 
 
@@ -150,6 +164,8 @@ class Peer:
         self.first, self.last = self.pp_rank == 0, self.pp_rank == par.pp - 1
         if par.tp > 1:
             self._tensor_parallel(layer_ids)
+        if config.training.compile:
+            self._compile_blocks(layer_ids)
         if par.dp > 1:
             self._fully_shard()
         names = global_names(self.stage, layer_ids)
@@ -180,6 +196,15 @@ class Peer:
                 plan |= {"attn.o_proj": RowwiseParallel(), "mlp.fc_in": ColwiseParallel()}
                 plan |= {"mlp.fc_out": RowwiseParallel()}
             parallelize_module(layer, tp_mesh, plan)
+
+    def _compile_blocks(self, layer_ids: range) -> None:
+        """torchtitan's per-block compile: each transformer block's ``__call__`` compiled whole
+        (``fullgraph``: DTensor's collectives traced into the graph), after tensor parallelism and before
+        fully_shard (whose hooks stay outside the compiled blocks)."""
+        last = self.config.model.num_layers + 1
+        for index, layer in zip(layer_ids, self.stage):
+            if index not in (0, last):  # the embedding and the head stay eager, as ours do
+                layer.compile(fullgraph=True)
 
     def _fully_shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -254,16 +279,18 @@ def composed_case(
     device: torch.device | str = "cpu",
     warmup: int = 2,
     grad_clip: float = 1.0,
+    compiled: bool = False,
 ) -> Record:
     """Ours against the torch-native composition on ``layout`` (its product must be the world size)."""
     device = torch.device(device)
-    config = composed_config(layout, preset, grad_clip)
+    config = composed_config(layout, preset, grad_clip, compiled)
     m = config.model
     case = (
         f"GPT-{preset} {layout_name(layout)}"
         + (" ZeRO-3" if layout.get("dp", 1) > 1 else "")
         + (f" 1F1B m={MICROBATCHES}" if layout.get("pp", 1) > 1 else "")
         + f" (H={m.hidden} L={m.num_layers} S={m.context_length} B={GLOBAL_BATCH})"
+        + (" compiled" if compiled else "")
     )
     ours = Ours(config, device)
     data_rank = ours.mesh.group_rank(config.parallel.batch_axes)
@@ -298,7 +325,8 @@ def composed_case(
         record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
         return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
-    close = all(math.isclose(a, b, rel_tol=LOSS_RTOL) for a, b in zip(ours_losses, peer_losses))
+    rtol = COMPILED_LOSS_RTOL if compiled else LOSS_RTOL
+    close = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(ours_losses, peer_losses))
     match = _same_everywhere(close, device)
     ours_s, peer_s = time_interleaved(run("ours", ours.step), run("peer", peer.step), iters=steps, warmup=warmup)
     return comparison_record(
@@ -355,13 +383,18 @@ def strategy_rows(groups: Sequence[str], steps: int, device: torch.device | str 
 
 
 def measure(
-    groups: Sequence[str], steps: int, preset: str = "tiny", device: torch.device | str = "cpu"
+    groups: Sequence[str],
+    steps: int,
+    preset: str = "tiny",
+    device: torch.device | str = "cpu",
+    compiled: bool = False,
 ) -> list[Record]:
     """Every row for this world size (call on every rank; every rank returns the same records)."""
     n = dist.get_world_size()
     rows = strategy_rows(groups, steps, device)
     if "composed" in groups:
-        rows += [composed_case(layout, steps, preset=preset, device=device) for layout in LAYOUTS.get(n, [])]
+        layouts = LAYOUTS.get(n, [])
+        rows += [composed_case(lay, steps, preset=preset, device=device, compiled=compiled) for lay in layouts]
     return [r | {"world_size": n} for r in rows]
 
 
@@ -417,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated subset of " + ", ".join(GROUPS))
     parser.add_argument("--preset", default="tiny", choices=PRESETS, help="the composed jobs' GPT")
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
+    parser.add_argument("--compile", action="store_true", help="compile both sides' blocks in the composed rows")
     args = parser.parse_args(argv)
     groups = [g.strip() for g in args.only.split(",") if g.strip()]
     unknown = [g for g in groups if g not in GROUPS]
@@ -426,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     def run(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
         quiet_peer_warnings()
-        return measure(groups, args.steps, args.preset, ctx.device)
+        return measure(groups, args.steps, args.preset, ctx.device, compiled=args.compile)
 
     def report(records: list[Record]) -> None:
         print(format_report(records), flush=True)

@@ -64,10 +64,16 @@ def is_expert(config: Config, record: TensorPlacement) -> bool:
 
 
 def data_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
-    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp only, below ZeRO-3)."""
+    """Mesh axes the data-parallel wrapper spans for this parameter (experts: dp x cp, below ZeRO-3):
+    its replicas, over which its gradient averages (hybrid sharding: dp_replicate then the shard axes)."""
+    return config.parallel.replicate_axes + shard_axes(config, record)
+
+
+def shard_axes(config: Config, record: TensorPlacement) -> tuple[str, ...]:
+    """Mesh axes ZeRO shards this parameter over: :func:`data_axes` less hybrid sharding's dp_replicate."""
     if is_expert(config, record) and config.parallel.zero_stage < 3:
-        return ("dp",)
-    return config.parallel.replica_axes
+        return config.parallel.expert_shard_axes
+    return config.parallel.shard_axes
 
 
 def plan_ranks(
@@ -93,14 +99,14 @@ def plan_ranks(
 
     def data_records(record: TensorPlacement) -> tuple[TensorPlacement, TensorPlacement]:
         """(parameter record, optimizer-state record) once dp/ZeRO is applied."""
-        axes = data_axes(config, record)
         replicated = record
-        for axis in axes:
+        for axis in data_axes(config, record):
             replicated = replicated.with_axis(axis, Replicate())
         if par.zero_stage == 0:
             return replicated, replicated
+        axes = shard_axes(config, record)
         n = math.prod(sizes[a] for a in axes)
-        sharded = shard_record(record, record.name, ShardSpec(record.local_shape(sizes), n), axes)
+        sharded = shard_record(replicated, record.name, ShardSpec(record.local_shape(sizes), n), axes)
         return (sharded if par.zero_stage == 3 else replicated), sharded
 
     placed = {name: data_records(record) for name, record in bases.items()}

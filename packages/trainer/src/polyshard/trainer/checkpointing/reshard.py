@@ -38,9 +38,12 @@ from polyshard.trainer.engine.parallelize import Engine
 
 
 def target_config(source: Checkpoint, mesh: Mapping[str, int], overrides: Mapping[str, object] | None = None) -> Config:
-    """The source's config with the mesh (axes not named become 1) and other ``parallel`` fields replaced."""
+    """The source's config with the mesh (axes not named become 1) and other ``parallel`` fields replaced.
+    Hybrid sharding is part of the layout: the target shards over all of dp unless ``overrides`` sets
+    ``dp_shard``."""
     raw = dataclasses.asdict(saved_config(source))
     raw["parallel"].update({axis: int(mesh.get(axis, 1)) for axis in MESH_AXES})
+    raw["parallel"]["dp_shard"] = None
     raw["parallel"].update(overrides or {})
     return from_dict(raw)
 

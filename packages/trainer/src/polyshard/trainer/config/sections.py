@@ -34,6 +34,40 @@ PRESETS: dict[str, dict[str, Any]] = {
         **LLAMA, "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
         "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
     },
+    # Qwen3: Llama's architecture with q/k norms and 128-dim heads at every width.
+    "qwen3-tiny": {
+        **LLAMA, "qk_norm": True, "hidden": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+        "context_length": 64, "mlp_hidden": 176, "norm_eps": 1e-6, "tie_embeddings": True,
+    },
+    "qwen3-8b": {
+        **LLAMA, "qk_norm": True, "hidden": 4096, "num_layers": 36, "num_heads": 32, "num_kv_heads": 8,
+        "head_dim": 128, "context_length": 40960, "mlp_hidden": 12288, "vocab_size": 151936, "rope_theta": 1e6,
+        "norm_eps": 1e-6,
+    },
+    # Mixture-of-experts families (model.kind = "moe-gpt"): every block's MLP is routed experts.
+    "mixtral-tiny": {
+        **LLAMA, "kind": "moe-gpt", "hidden": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+        "context_length": 64, "num_experts": 4, "top_k": 2, "expert_hidden": 96, "rope_theta": 1e6,
+    },
+    "mixtral-8x7b": {
+        **LLAMA, "kind": "moe-gpt", "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+        "context_length": 32768, "vocab_size": 32000, "num_experts": 8, "top_k": 2, "expert_hidden": 14336,
+        "rope_theta": 1e6,
+    },
+    "qwen3-moe-tiny": {
+        **LLAMA, "kind": "moe-gpt", "qk_norm": True, "hidden": 64, "num_layers": 4, "num_heads": 4,
+        "num_kv_heads": 2, "context_length": 64, "num_experts": 8, "top_k": 2, "expert_hidden": 32, "norm_eps": 1e-6,
+    },
+    "qwen3-30b-a3b": {
+        **LLAMA, "kind": "moe-gpt", "qk_norm": True, "hidden": 2048, "num_layers": 48, "num_heads": 32,
+        "num_kv_heads": 4, "head_dim": 128, "context_length": 40960, "vocab_size": 151936, "num_experts": 128,
+        "top_k": 8, "expert_hidden": 768, "rope_theta": 1e6, "norm_eps": 1e-6,
+    },
+    "qwen2-moe-tiny": {
+        **LLAMA, "kind": "moe-gpt", "qkv_bias": True, "hidden": 64, "num_layers": 4, "num_heads": 4,
+        "context_length": 64, "num_experts": 8, "top_k": 2, "expert_hidden": 32, "shared_experts": 1,
+        "shared_expert_hidden": 128, "shared_expert_gate": True, "router_renormalize": False, "norm_eps": 1e-6,
+    },
 }  # fmt: skip
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
@@ -50,8 +84,9 @@ class ModelConfig:
     kind: str = "gpt"
     """gpt (decoder-only language model), moe-gpt (its mixture-of-experts variant) or vit (image classifier)."""
     preset: str | None = None
-    """tiny, small, gpt2-124m, llama-tiny, llama-3.2-1b or llama-3-8b: sets the sizes (and for Llama the
-    architecture below); keys given here win."""
+    """Sets the sizes (and for Llama, Qwen and Mixtral the architecture below, and kind): tiny, small, gpt2-124m,
+    llama-tiny, llama-3.2-1b, llama-3-8b, qwen3-tiny, qwen3-8b, mixtral-tiny, mixtral-8x7b, qwen3-moe-tiny,
+    qwen3-30b-a3b or qwen2-moe-tiny; keys given here win."""
     vocab_size: int = 256
     """Tokens in the vocabulary; 256 for the byte-level tokenizer."""
     context_length: int = 64
@@ -93,6 +128,12 @@ class ModelConfig:
     """Epsilon of every norm (LayerNorm or RMSNorm, blocks and head); Llama 2 uses 1e-6."""
     mlp_hidden: int | None = None
     """MLP width; None means mlp_ratio x hidden (Llama's intermediate_size)."""
+    head_dim: int | None = None
+    """Dims of each attention head; None means hidden / num_heads (Qwen3 uses 128 at every width)."""
+    qkv_bias: bool | None = None
+    """Biases on the q, k and v projections; None follows bias (Qwen2 has them, but none on o or the MLP)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's q and k, before rotary positions (Qwen3); its weight is per head dim."""
     num_experts: int = 4
     """Experts per MoE layer (moe-gpt)."""
     top_k: int = 2
@@ -101,6 +142,19 @@ class ModelConfig:
     """None for dropless routing; otherwise tokens beyond capacity are dropped (moe-gpt)."""
     aux_loss_weight: float = 0.01
     """Weight of the Switch/GShard load-balancing loss, on each data rank's tokens (moe-gpt)."""
+    expert_hidden: int | None = None
+    """Width of each routed expert's MLP (moe-gpt); None means the MLP width / top_k, about a dense MLP's
+    active FLOPs (Hugging Face's moe_intermediate_size; Mixtral's intermediate_size)."""
+    router_renormalize: bool = True
+    """Rescale each token's top-k router weights to sum to 1 (Mixtral; Hugging Face's norm_topk_prob);
+    false keeps their softmax values (Qwen2-MoE, and Qwen3-MoE configured so) (moe-gpt)."""
+    shared_experts: int = 0
+    """Shared experts (moe-gpt): a dense SwiGLU MLP of width shared_experts x shared_expert_hidden that
+    every token passes through beside its routed experts (Qwen2-MoE: 1, DeepSeek-V3: 1); 0 for none."""
+    shared_expert_hidden: int | None = None
+    """Width of one shared expert; None means the routed experts' width (moe-gpt)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . w), w one learned vector (Qwen2-MoE)."""
     router: str = "softmax"
     """Router scores (moe-gpt): softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3: the chosen experts'
     affinities normalised, with a per-expert bias that only selects, see router_bias_update_rate)."""
@@ -139,7 +193,13 @@ class ModelConfig:
                 f"model.capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or unset for dropless"
             )
         self._check_routing()
-        if self.hidden % self.num_heads:
+        for name in ("head_dim", "expert_hidden", "shared_expert_hidden"):
+            if getattr(self, name) is not None:
+                _check_positive(f"model.{name}", getattr(self, name))
+        _check_at_least("model.shared_experts", self.shared_experts, 0)
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ConfigError("model.shared_expert_gate gates the shared experts: set model.shared_experts >= 1")
+        if self.head_dim is None and self.hidden % self.num_heads:
             raise ConfigError(
                 f"model.hidden={self.hidden} is not a multiple of model.num_heads={self.num_heads}; "
                 f"choose num_heads in {divisors(self.hidden)}"
@@ -157,10 +217,10 @@ class ModelConfig:
         self._check_rope_scaling()
         if not 0.0 < self.norm_eps < 1.0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be in (0, 1) (1e-5; Llama 2 uses 1e-6)")
-        if self.positions == "rope" and (self.hidden // self.num_heads) % 2:
+        if self.positions == "rope" and self.attention_head_dim % 2:
             raise ConfigError(
-                f"model.positions='rope' rotates pairs of dims: the head dim hidden/num_heads="
-                f"{self.hidden // self.num_heads} must be even"
+                f"model.positions='rope' rotates pairs of dims: the head dim (model.head_dim, or hidden/num_heads)="
+                f"{self.attention_head_dim} must be even"
             )
         if self.mlp_hidden is not None:
             _check_positive("model.mlp_hidden", self.mlp_hidden)
@@ -222,12 +282,36 @@ class ModelConfig:
     def mlp_width(self) -> int:
         return self.mlp_hidden or self.mlp_ratio * self.hidden
 
+    @property
+    def attention_head_dim(self) -> int:
+        """Dims per attention head: head_dim, or hidden / num_heads when unset."""
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def qkv_biased(self) -> bool:
+        """Whether q, k and v have biases: qkv_bias, or bias when unset."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def expert_width(self) -> int:
+        """Width of each routed expert (moe-gpt): expert_hidden, or the MLP width / top_k when unset."""
+        return self.expert_hidden or max(1, self.mlp_width // self.top_k)
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared experts' one MLP (moe-gpt): shared_experts x one's width; 0 without them."""
+        return self.shared_experts * (self.shared_expert_hidden or self.expert_width)
+
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     dp: int = 1
     """Data-parallel replicas (or ZeRO shards). "auto" in a file or --set: whatever the other axes leave of
     the processes present (elastic jobs); the global batch stays, each data rank takes a larger part."""
+    dp_shard: int | None = None
+    """Hybrid sharding (HSDP): ZeRO shards over groups of dp_shard neighbouring data ranks (x ep x cp) and
+    replicates across the dp / dp_shard groups; the mesh splits dp into dp_replicate x dp_shard. Must divide
+    dp and needs zero_stage >= 1. None (or dp): shard over every data rank."""
     tp: int = 1
     """Tensor-parallel ranks (neighbouring ranks; the fastest mesh axis)."""
     pp: int = 1
@@ -236,7 +320,8 @@ class ParallelConfig:
     """Expert-parallel ranks; they also split the batch, so non-expert gradients reduce over dp x ep."""
     cp: int = 1
     """Context-parallel ranks: each sequence is split over them (load-balanced chunks, see polyshard.cp),
-    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp."""
+    so attention's activations per rank fall as 1/cp; gradients reduce (and ZeRO shards) over dp x ep x cp,
+    experts' over dp x cp. MoE layers compute their aux losses over the cp group's tokens."""
     cp_style: str = "ring"
     """How context-parallel attention sees the other ranks' keys and values: 'ring' (passed round the cp
     ranks, overlapped with compute) or 'allgather' (gathered once per layer; Llama 3's choice for GQA)."""
@@ -265,6 +350,7 @@ class ParallelConfig:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
+        self._check_dp_shard()
         if self.stage_layers is not None and (
             not isinstance(self.stage_layers, list) or not all(isinstance(n, int) and n >= 1 for n in self.stage_layers)
         ):
@@ -279,6 +365,51 @@ class ParallelConfig:
                 f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
                 f"(or 'zb-v' / 'dualpipev' with 2; got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
             )
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard is None:
+            return
+        _check_positive("parallel.dp_shard", self.dp_shard)
+        if isinstance(self.dp, int) and self.dp % self.dp_shard:
+            raise ConfigError(
+                f"parallel.dp_shard={self.dp_shard} must divide parallel.dp={self.dp}; "
+                f"choose dp_shard in {divisors(self.dp)}"
+            )
+        if self.dp_shard == self.dp:  # sharding over all of dp: one spelling of it, None
+            object.__setattr__(self, "dp_shard", None)
+            return
+        if self.hybrid and self.zero_stage == 0:
+            raise ConfigError(
+                f"parallel.dp_shard={self.dp_shard} (hybrid sharding) needs parallel.zero_stage 1, 2 or 3: "
+                "at stage 0 nothing is sharded; set zero_stage or remove dp_shard"
+            )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether ZeRO shards over only part of dp (dp_shard < dp) and replicates across the rest."""
+        return self.dp_shard is not None and self.dp_shard < self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of each ZeRO shard: dp / dp_shard (1 without hybrid sharding)."""
+        return self.dp // self.dp_shard if self.hybrid and self.dp_shard else 1
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """Mesh axes a (non-expert) parameter's ZeRO shards split over: :attr:`replica_axes`, with dp narrowed
+        to dp_shard under hybrid sharding."""
+        return ("dp_shard", "ep", "cp") if self.hybrid else self.replica_axes
+
+    @property
+    def expert_shard_axes(self) -> tuple[str, ...]:
+        """The same for an expert's parameters below ZeRO-3 (:attr:`expert_replica_axes`, dp narrowed to
+        dp_shard under hybrid sharding)."""
+        return ("dp_shard", "cp") if self.hybrid else self.expert_replica_axes
+
+    @property
+    def replicate_axes(self) -> tuple[str, ...]:
+        """Mesh axes holding copies of each ZeRO shard: dp_replicate under hybrid sharding, else none."""
+        return ("dp_replicate",) if self.hybrid else ()
 
     @property
     def world_size(self) -> int:
@@ -301,6 +432,14 @@ class ParallelConfig:
         return ("dp", "ep", "cp")
 
     @property
+    def expert_replica_axes(self) -> tuple[str, ...]:
+        """Mesh axes over which an expert parameter is replicated (the ranks holding the same experts):
+        dp, and cp, whose ranks route other tokens of the same sequences. Its gradient sums over them and
+        divides by every replica (dp x ep x cp: it already summed the ep ranks' tokens); ZeRO shards it
+        over them."""
+        return ("dp", "cp")
+
+    @property
     def replicas(self) -> int:
         """Ranks holding one replica each of a (non-expert) parameter: dp x ep x cp."""
         return self.dp * self.ep * self.cp
@@ -308,8 +447,18 @@ class ParallelConfig:
     @property
     def mesh_axes(self) -> dict[str, int]:
         """Mesh axes, outermost first: tp last so tensor-parallel ranks are neighbours, cp next to it
-        (both talk every layer)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        (both talk every layer). Hybrid sharding splits dp into dp_replicate x dp_shard (shard fastest, so
+        a shard group is neighbouring ranks: on one node when it fits); the mesh answers for "dp" as the pair."""
+        axes = {axis: getattr(self, axis) for axis in MESH_AXES}
+        if not self.hybrid:
+            return axes
+        out: dict[str, int] = {}
+        for axis, size in axes.items():
+            if axis == "dp":  # replicate outer, shard inner (faster)
+                out |= {"dp_replicate": self.dp_replicate, "dp_shard": self.dp // self.dp_replicate}
+            else:
+                out[axis] = size
+        return out
 
 
 @dataclass(kw_only=True, frozen=True)

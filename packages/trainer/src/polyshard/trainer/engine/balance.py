@@ -66,7 +66,8 @@ def moe_layers(engine: Engine) -> dict[int, MoELayer]:
 
 
 def _first_of_replicas(engine: Engine) -> bool:
-    return all(engine.mesh.coord(axis) == 0 for axis in (*engine.config.parallel.replica_axes, "tp"))
+    """Whether this rank is the first of those holding the same layers (every axis but pp)."""
+    return engine.mesh.group_rank((*engine.config.parallel.replica_axes, "tp")) == 0
 
 
 def balance_experts(engine: Engine, stepped: bool) -> dict[int, LayerLoad]:

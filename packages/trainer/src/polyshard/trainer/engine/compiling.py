@@ -41,8 +41,10 @@ def compile_blocks(modules: Iterable[nn.Module], *, retain_graph: bool = False) 
 
     Dynamo's caches and counters are reset first: a process that runs several jobs (a test worker)
     starts each with no compiled code and no recompile budget used by another model. ``retain_graph``:
-    a backward will run twice over the same graph (a zero-bubble split: B, then W from the same node),
-    so AOTAutograd must not free saved tensors into the backward's outputs (its donated buffers)."""
+    the backward is split (zero-bubble). W no longer runs a compiled block's backward again (B keeps the
+    weight gradients it computed, polyshard.pp.split), but the split's fallback for a weight shared
+    inside a stage still runs a whole second backward over the retained graph, and AOTAutograd's donated
+    buffers (saved tensors freed into the backward's outputs) would be gone by then: they stay off."""
     torch._dynamo.reset()
     counters.clear()
     torch._functorch.config.donated_buffer = not retain_graph

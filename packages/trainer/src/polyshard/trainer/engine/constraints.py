@@ -17,7 +17,6 @@ from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
-from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import check_model, sequence_length, spec_of
 from polyshard.trainer.models.hf import family_of
@@ -57,12 +56,6 @@ def layout_notes(config: Config) -> list[str]:
     """What the layout does that the user may not expect (printed at launch and by --dry-run)."""
     model, tp = config.model, config.parallel.tp
     notes = []
-    if config.training.compile and config.parallel.schedule in SPLIT_BACKWARD:
-        notes.append(
-            f"training.compile with parallel.schedule={config.parallel.schedule!r}: a compiled block's backward is one "
-            "autograd node, so the split backward's W step runs it again whole (weight gradients cost a second "
-            "block backward); gradients are the same"
-        )
     if replicates_kv(model.kv_heads, tp):
         notes.append(
             f"tp={tp} is more than model.num_kv_heads={model.kv_heads}: each key/value head is computed on "
@@ -132,7 +125,7 @@ def _check_context(config: Config) -> None:
     if not spec_of(model).context_parallel:
         raise ConfigError(
             f"parallel.cp={par.cp} is not supported for model.kind={model.kind!r} yet (its tokens are not one "
-            "causal sequence polyshard.cp can split, or its experts would need gradients over cp); use cp=1"
+            "causal sequence polyshard.cp can split); use cp=1"
         )
     chunks = 2 * par.cp
     if sequence_length(model) % chunks:

@@ -8,8 +8,9 @@ steps whole. So around each optimizer step the rows of idle experts are copied
 aside and put back afterwards, in every tensor that holds them: the weights
 (ZeRO-3: this rank's rows), ZeRO's fp32 masters and the AdamW moments.
 
-Which experts were idle costs one all-reduce of the row counts over the dp
-group: each local expert's count already includes every ep rank's tokens. A
+Which experts were idle costs one all-reduce of the row counts over the ranks
+holding the same experts (dp x cp): each local expert's count already
+includes every ep rank's tokens. A
 tensor's placement record says which global expert its local row ``j`` is
 (ep and ZeRO shard dim 0, the expert dim), so the same rule serves every
 layout.
@@ -49,10 +50,10 @@ def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:
 
 
 def _idle_experts(engine: Engine, layers: list[tuple[int, str, MoELayer]]) -> list[set[int]]:
-    """Per MoE layer, the global indices of its experts that processed no row on any data rank."""
+    """Per MoE layer, the global indices of its experts that processed no row on any data or cp rank."""
     counts = [layer.take_rows_seen() for _, _, layer in layers]
     total = torch.cat(counts).to(engine.device)
-    ops.all_reduce(total, engine.mesh.group("dp"))
+    ops.all_reduce(total, engine.mesh.group(engine.config.parallel.expert_replica_axes))
     idle, offset = [], 0
     for local in counts:
         first = engine.mesh.coord("ep") * len(local)  # this rank's experts are a contiguous range

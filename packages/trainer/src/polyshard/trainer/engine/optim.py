@@ -159,8 +159,14 @@ def local_squared_norm(
     summed over the world, every element of the global model counts once."""
     device = gradients[0][0].device if gradients else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=device)
+    # One foreach norm per (copies, dtype) group instead of four kernels per gradient: per-step Python
+    # that does not scale with the model (the tiny GPT's 34 gradients: 0.50 -> 0.26 ms, minima of 200 calls).
+    groups: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
     for grad, record in gradients:
-        local += grad.detach().double().pow(2).sum() / _copies(record, axis_sizes)
+        groups.setdefault((_copies(record, axis_sizes), grad.dtype), []).append(grad.detach())
+    for (copies, _), grads in groups.items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)  # each summed in float64, as .double() did
+        local += torch.stack(norms).square().sum() / copies
     return local
 
 

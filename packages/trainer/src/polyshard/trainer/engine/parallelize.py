@@ -14,8 +14,19 @@ The mesh axes are ``pp x dp x ep x cp x tp`` (tp fastest). The order matters:
    0-2) or :class:`polyshard.dp.FullyShardedDataParallel` (stage 3).
    Non-expert gradients average over dp x ep x cp (every replica: the data
    ranks and the cp ranks that split their sequences); expert gradients
-   reduce over dp only and are divided by dp x ep, because each expert
-   already summed its gradient over the ep ranks' tokens.
+   reduce over the ranks holding the same experts, dp x cp, and are divided
+   by dp x ep x cp, because each expert already summed its gradient over the
+   ep ranks' tokens. Worked example, dp=1 x ep=2 x cp=2 (ranks (ep, cp):
+   0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)): experts 0..E/2 live on ranks 0 and 1,
+   whose sum holds every rank's tokens once; divided by 4 it is the mean the
+   replicated parameters average to over all four ranks.
+   Under cp, each MoE layer computes its auxiliary losses and applies the
+   capacity rule over the cp group's tokens
+   (:func:`polyshard.ep.share_routing_statistics`): the whole sequences',
+   what the same data rank without cp computes.
+   Hybrid sharding (``parallel.dp_shard``): ZeRO shards over dp_shard (x ep x
+   cp for non-expert parameters, x cp for experts) and each shard is
+   all-reduced across dp_replicate.
 
 pp x dp: the executor enters dp's ``no_sync`` around every backward but the
 last, so each bucket is reduced once per step, overlapped with the last
@@ -28,7 +39,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -36,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
+from polyshard.cp import position_ids
 from polyshard.dp import (
     DataParallel,
     DataParallelWrapper,
@@ -44,7 +56,7 @@ from polyshard.dp import (
     ParamSet,
     ZeroOptimizer,
 )
-from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters
+from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.pp import PipelineExecutor, Schedule, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
@@ -108,7 +120,8 @@ class Engine:
     timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
     pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
     # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
-    expert_load: dict[int, Any] = dataclasses.field(default_factory=dict)
+    expert_load: dict[int, Any] = field(default_factory=dict)
+    _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
     def device(self) -> torch.device:
@@ -152,9 +165,10 @@ class Engine:
     def finish_gradients(self) -> None:
         for wrapper in self.wrappers.values():
             wrapper.finish_grad_sync()
-        if self.config.parallel.sequence_parallel:
-            # Norms run on a sequence shard: sum their gradients over tp. Read the reduced gradient
-            # the optimizer steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
+        if self.config.parallel.tp > 1:
+            # Norms on a sequence shard (sequence parallelism) and q/k norms on this rank's heads see
+            # part of the work: sum their gradients over tp. Read the reduced gradient the optimizer
+            # steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
             grads = [
                 wrapper.grad_shard(p)
                 for wrapper in self.wrappers.values()
@@ -228,8 +242,12 @@ class Engine:
             wrapper.zero_grad(set_to_none=True)
 
     def global_names(self, stage_index: int) -> dict[str, str]:
-        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight')."""
-        return global_names(self.stages[stage_index], self.layer_ids[stage_index], tied_names(self.config.model))
+        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight').
+        Worked out once per stage (a stage's modules do not change after it is built): every step reads it."""
+        if stage_index not in self._names:
+            stage, layers = self.stages[stage_index], self.layer_ids[stage_index]
+            self._names[stage_index] = global_names(stage, layers, tied_names(self.config.model))
+        return self._names[stage_index]
 
 
 def global_names(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -271,16 +289,39 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
     if config.training.precision == "bf16":
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # The data-parallel group spans every replica axis (dp x ep x cp); records name each axis so
-    # checkpoints and the gradient-norm clip know a ZeRO shard is split over each.
-    data_axes = par.replica_axes
-    data_group = mesh.group(data_axes)
+    # checkpoints and the gradient-norm clip know a ZeRO shard is split over each. Under hybrid sharding
+    # ZeRO's group is the shard axes (dp_shard x ep x cp) and dp_replicate holds the shard's copies.
+    shard_axes, replicate_axes = par.shard_axes, par.replicate_axes
+    replicate_group = mesh.group(replicate_axes) if par.hybrid else None
+    replicate_axis = replicate_axes if par.hybrid else None
+    data_group = mesh.group(shard_axes)
     if par.zero_stage == 3:
-        return FullyShardedDataParallel(stage, group=data_group, blocks=list(stage), mixed_precision=mp, axis=data_axes)
+        return FullyShardedDataParallel(
+            stage,
+            group=data_group,
+            blocks=list(stage),
+            mixed_precision=mp,
+            axis=shard_axes,
+            replicate_group=replicate_group,
+            replicate_axis=replicate_axis,
+        )
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
     if experts:
-        # Each expert's gradient already sums every ep rank's tokens: reduce over dp, divide by dp x ep.
-        sets.append(ParamSet(experts, group=mesh.group("dp"), divide_by=par.dp * par.ep, axis="dp"))
+        # Each expert's gradient already sums every ep rank's tokens: reduce over the ranks holding the
+        # same experts (dp x cp; dp_shard x cp under hybrid sharding, then across dp_replicate), divide by
+        # every replica (dp x ep x cp).
+        expert_axes = par.expert_shard_axes
+        sets.append(
+            ParamSet(
+                experts,
+                group=mesh.group(expert_axes),
+                divide_by=par.replicas,
+                axis=expert_axes,
+                replicate_group=replicate_group,
+                replicate_axis=replicate_axis,
+            )
+        )
     # No buffer broadcast before each forward: the models' buffers (a sigmoid router's bias) are replicated
     # state every rank updates alike (engine.balance), and the replica check would not see a drift it hid.
     return DataParallel(
@@ -289,7 +330,9 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
         zero_stage=par.zero_stage,
         mixed_precision=mp,
         param_sets=sets,
-        axis=data_axes,
+        axis=shard_axes,
+        replicate_group=replicate_group,
+        replicate_axis=replicate_axis,
         broadcast_buffers=False,
     )
 
@@ -360,6 +403,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
+        if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
+            positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
+            share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
     stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)

@@ -73,7 +73,10 @@ from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.models.gpt.gpt2 import GPT2
 from polyshard.trainer.models.gpt.llama import LLAMA_FAMILY
+from polyshard.trainer.models.gpt.qwen2 import QWEN2
+from polyshard.trainer.models.gpt.qwen3 import QWEN3
 from polyshard.trainer.models.hf_adapter import Family, setting
+from polyshard.trainer.models.hf_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 
 __all__ = [
     "CONFIG_FILE",
@@ -91,7 +94,9 @@ __all__ = [
     "write_hf",
 ]
 
-FAMILIES: dict[str, Family] = {family.model_type: family for family in (GPT2, LLAMA_FAMILY)}
+FAMILIES: dict[str, Family] = {
+    family.model_type: family for family in (GPT2, LLAMA_FAMILY, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE)
+}
 
 
 def model_settings(folder: str | Path) -> dict[str, object]:
@@ -171,47 +176,64 @@ def family_of(model: ModelConfig) -> Family:
             return family
         needs[family.title] = ", ".join(f"{k}={v!r}" for k, v in differences.items())
     raise CheckpointError(
-        "the Hugging Face export writes GPT-2 and Llama models; this model is neither: "
+        f"the Hugging Face export writes {' and '.join(FAMILIES[name].title for name in allowed)} models of "
+        f"model.kind={model.kind!r}; this model is none of them: "
         + "; ".join(f"{title} would need {what}" for title, what in needs.items())
     )
 
 
+Part = tuple[str, bool, int | None]
+"""One of our tensors in a Hugging Face tensor: (our name, transposed, expert index or None)."""
+
+
 def _hf_tensors(
-    model: ModelConfig, ours: Callable[[str], torch.Tensor], dtype: Callable[[str], torch.dtype]
+    model: ModelConfig, ours: Callable[[str, int | None], torch.Tensor], dtype: Callable[[str], torch.dtype]
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Callable[[str], torch.Tensor]]:
     """The family's tensors (name -> dtype and shape, in file order) and a function making each from
-    our weights (``ours(name)``), one at a time: transposed where the family stores ``x @ W``, and
-    fused tensors (GPT-2's q, k, v) put side by side along the last dim in their parts' order."""
+    our weights (``ours(name, expert)``: the whole tensor, or with an expert index that expert's slice
+    of stacked experts), one at a time: transposed where the family stores ``x @ W``, and fused tensors
+    (GPT-2's q, k, v) put side by side along the last dim in their parts' order."""
     parts = _parts(model)
     skeleton = build_model(model, layers=())  # the meta device: shapes only
     shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
 
     def shape_of(hf_name: str) -> tuple[int, ...]:
-        pieces = [shapes[n][::-1] if transposed else shapes[n] for n, transposed in parts[hf_name]]
+        pieces = []
+        for n, transposed, expert in parts[hf_name]:
+            shape = shapes[n] if expert is None else shapes[n][1:]
+            pieces.append(shape[::-1] if transposed else shape)
         if len(pieces) == 1:
             return pieces[0]
         return (*pieces[0][:-1], sum(p[-1] for p in pieces))
 
     def make(hf_name: str) -> torch.Tensor:
-        pieces = [ours(n).T if transposed else ours(n) for n, transposed in parts[hf_name]]
+        pieces = [ours(n, expert).T if transposed else ours(n, expert) for n, transposed, expert in parts[hf_name]]
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).contiguous()
 
     specs = {hf_name: (dtype(members[0][0]), shape_of(hf_name)) for hf_name, members in sorted(parts.items())}
     return specs, make
 
 
-def _parts(model: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
-    """HF tensor name -> the (our name, transposed) pieces it is made of, in their order."""
-    parts: dict[str, list[tuple[str, bool]]] = {}
+def _parts(model: ModelConfig) -> dict[str, list[Part]]:
+    """HF tensor name -> the pieces of ours it is made of, in their order."""
+    parts: dict[str, list[Part]] = {}
     for name, location in family_of(model).locations(model).items():
-        parts.setdefault(location.name, []).append((name, location.transposed))
+        if location.stacked:  # one HF tensor per expert, each one row of our stacked tensor
+            for expert, hf_name in enumerate(location.stacked):
+                parts.setdefault(hf_name, []).append((name, location.transposed, expert))
+        else:
+            parts.setdefault(location.name, []).append((name, location.transposed, None))
     return parts
+
+
+def _from_state(state: Mapping[str, torch.Tensor]) -> Callable[[str, int | None], torch.Tensor]:
+    return lambda name, expert: state[name] if expert is None else state[name][expert]
 
 
 def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
     """Our unsharded weights (:func:`polyshard.trainer.checkpointing.export.consolidate`) in the family's
     names and layouts."""
-    specs, make = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
+    specs, make = _hf_tensors(model, _from_state(state), lambda name: state[name].dtype)
     return {name: make(name).clone() for name in specs}
 
 
@@ -243,16 +265,25 @@ def write_hf(
     produce: Callable[[str], torch.Tensor | Iterator[torch.Tensor]]
     if isinstance(state, Checkpoint):
         source = state
-        specs, make = _hf_tensors(model, lambda n: source.whole(MODEL + n), lambda n: source.dtype(MODEL + n))
+
+        def ours(name: str, expert: int | None) -> torch.Tensor:
+            if expert is None:
+                return source.whole(MODEL + name)
+            shape = source.global_shape(MODEL + name)  # one expert's slice of the stacked tensor
+            return source.read(
+                MODEL + name, (expert, *(0,) * (len(shape) - 1)), (1, *shape[1:]), source.dtype(MODEL + name)
+            )[0]
+
+        specs, make = _hf_tensors(model, ours, lambda n: source.dtype(MODEL + n))
         parts = _parts(model)
 
         def produce(hf_name: str) -> torch.Tensor | Iterator[torch.Tensor]:
             pieces = parts[hf_name]
-            if len(pieces) == 1 and not pieces[0][1]:  # stored as we store it: in row blocks
-                return blocks(source, MODEL + pieces[0][0])  # the embeddings, the largest tensors
-            return make(hf_name)  # transposed or fused (GPT-2's Conv1D weights): a few MB each, whole
+            if len(pieces) == 1 and not pieces[0][1] and pieces[0][2] is None:  # stored as we store it
+                return blocks(source, MODEL + pieces[0][0])  # in row blocks: the embeddings, the largest tensors
+            return make(hf_name)  # transposed, fused or one expert: a few MB each, whole
     else:
-        specs, produce = _hf_tensors(model, state.__getitem__, lambda name: state[name].dtype)
+        specs, produce = _hf_tensors(model, _from_state(state), lambda name: state[name].dtype)
     config = hf_config(model)
     files: dict[str, Path | str] = {}
     if tokenizer is not None:

@@ -48,19 +48,33 @@ class Family:
         return self.base_prefix + name if name.startswith(self.base_names) else name
 
 
+_EFFECTIVE = {
+    "num_kv_heads": "kv_heads",
+    "mlp_hidden": "mlp_width",
+    "head_dim": "attention_head_dim",
+    "qkv_bias": "qkv_biased",
+    "expert_hidden": "expert_width",
+}
+
+
 def setting(model: ModelConfig, key: str) -> object:
     """``model``'s effective value of a ``[model]`` setting: unset kv heads are all heads, an unset MLP
-    width is mlp_ratio x hidden."""
-    if key == "num_kv_heads":
-        return model.kv_heads
-    if key == "mlp_hidden":
-        return model.mlp_width
-    return getattr(model, key)
+    width is mlp_ratio x hidden, an unset head dim hidden / heads, unset q/k/v biases follow bias, an
+    unset expert width is the MLP width / top_k, an unset shared expert width the experts'."""
+    if key == "shared_expert_hidden":
+        return model.shared_expert_hidden or model.expert_width
+    return getattr(model, _EFFECTIVE.get(key, key))
 
 
 def shape_differences(model: ModelConfig, shape: Mapping[str, object]) -> dict[str, object]:
-    """The entries of ``shape`` (setting -> required value) that ``model`` does not have."""
-    return {key: value for key, value in shape.items() if setting(model, key) != value}
+    """The entries of ``shape`` (setting -> required value) that ``model`` does not have (an unset
+    qkv_bias follows bias: only bias is named then)."""
+    follows = model.qkv_bias is None and shape.get("qkv_bias", shape.get("bias")) == shape.get("bias")
+    return {
+        key: value
+        for key, value in shape.items()
+        if setting(model, key) != value and not (key == "qkv_bias" and follows and "bias" in shape)
+    }
 
 
 # -- typed reads of config.json (untrusted: every value checked before use) ----------------------------

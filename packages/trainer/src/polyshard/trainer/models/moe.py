@@ -18,10 +18,18 @@ from torch import nn
 from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
+from polyshard.tp.transformer import SwiGLU
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.gpt import model as gpt
-from polyshard.trainer.models.spec import BuildOptions, ModelSpec, attention_plan, split_sequence
+from polyshard.trainer.models.spec import (
+    BuildOptions,
+    ModelSpec,
+    attention_plan,
+    check_mlp_split,
+    mlp_plan,
+    split_sequence,
+)
 from polyshard.trainer.models.tasks import LANGUAGE
 
 
@@ -39,18 +47,32 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoEMLP(nn.Module):
-    """``aux_loss_scale``: the aux loss's gradient; 1 / microbatches when a step accumulates several,
+    """The routed experts (``moe``), plus with ``shared_hidden`` > 0 a dense SwiGLU every token passes
+    through beside them (``shared_expert``: Qwen2-MoE's and DeepSeek's shared experts, one MLP as wide
+    as all of them), whose output ``shared_gate`` scales per token by sigmoid(x . w) (Qwen2-MoE).
+    Under tp the shared expert splits like the dense MLP; the routed experts are ep's.
+
+    ``aux_loss_scale``: the aux loss's gradient; 1 / microbatches when a step accumulates several,
     as each microbatch's aux loss, like its cross-entropy, counts 1/m."""
 
-    def __init__(self, config: MoEConfig, *, aux_loss_scale: float = 1.0):
+    def __init__(
+        self, config: MoEConfig, *, aux_loss_scale: float = 1.0, shared_hidden: int = 0, shared_gate: bool = False
+    ):
         super().__init__()
         self.moe = MoELayer(config)
+        self.shared_expert = SwiGLU(config.hidden, shared_hidden) if shared_hidden else None
+        self.shared_expert_gate = nn.Linear(config.hidden, 1, bias=False) if shared_gate else None
         self.aux_loss_scale = aux_loss_scale
         self.last_aux_loss = 0.0
 
     @eager  # eager under training.compile: reads the aux loss as a float (and see MoELayer)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, aux = self.moe(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)  # (B, S, H), whole on every tp rank (row parallel's all-reduce)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # (B, S, 1) * (B, S, H)
+            y = y + shared
         self.last_aux_loss = float(aux.detach())
         return (  # type: ignore[no-any-return]  # Function.apply and nn.Module.__call__ return Any
             _AttachAuxLoss.apply(y, aux, self.aux_loss_scale)  # type: ignore[no-untyped-call]
@@ -63,13 +85,15 @@ class MoEMLP(nn.Module):
 
 
 def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
-    """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's)."""
+    """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's),
+    with shared experts beside them when ``model.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's)."""
     model = gpt.build(config, options)
     moe = MoEConfig(
         hidden=config.hidden,
-        ffn_hidden=config.mlp_width // config.top_k,  # about a dense MLP's active FLOPs
+        ffn_hidden=config.expert_width,  # by default about a dense MLP's active FLOPs
         num_experts=config.num_experts,
         top_k=config.top_k,
+        renormalize=config.router_renormalize,
         capacity_factor=config.capacity_factor,
         aux_loss_coef=config.aux_loss_weight,
         z_loss_coef=config.router_z_loss_weight,
@@ -80,7 +104,12 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
         scale=config.router_scale,
     )
     for block in model.layers[1:-1]:
-        block.mlp = MoEMLP(moe, aux_loss_scale=options.aux_loss_scale)
+        block.mlp = MoEMLP(
+            moe,
+            aux_loss_scale=options.aux_loss_scale,
+            shared_hidden=config.shared_width,
+            shared_gate=config.shared_expert_gate,
+        )
     return model
 
 
@@ -101,10 +130,13 @@ def routing_summary(model: ModelConfig) -> str:
 
 
 def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
-    """Attention and vocabulary as the GPT's; the experts are not split by tp (ep splits them)."""
+    """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
+    the shared experts are, like the dense MLP (their gate's one vector is replicated)."""
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
         plan |= attention_plan(f"layers.{i}", model, parallel)
+        if model.shared_experts:
+            plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 
@@ -126,6 +158,8 @@ def check(config: Config) -> None:
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
         )
+    if model.shared_experts:
+        check_mlp_split(model.shared_width, par.tp)
     if model.num_experts % par.ep:
         raise ConfigError(
             f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
@@ -142,4 +176,6 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     check_model=check_model,
+    context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
+    hf_families=("mixtral", "qwen3_moe", "qwen2_moe"),  # polyshard.trainer.models.hf_moe
 )

@@ -25,6 +25,7 @@ from torch import nn
 from polyshard.mesh import divisors
 from polyshard.tp import (
     ColumnParallel,
+    HeadNorm,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -71,7 +72,7 @@ class ModelSpec:
     tp_plan: Callable[[ModelConfig, ParallelConfig], dict[str, object]]
     """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
     has_experts: bool = False
-    """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp."""
+    """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp x cp."""
     context_parallel: bool = False
     """Its attention layers (:class:`polyshard.tp.transformer.Attention`) may be split over a cp axis:
     a causal language model whose sequence polyshard.cp can shard."""
@@ -116,21 +117,23 @@ def attention_plan(block: str, model: ModelConfig, parallel: ParallelConfig) -> 
     else:
         plan[f"{block}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
     plan[f"{block}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
+    if model.qk_norm:  # one weight per head dim for every head: replicated, its gradient summed over tp
+        plan[f"{block}.attn.[qk]_norm"] = HeadNorm()
     return plan
 
 
-def mlp_plan(block: str, sp: bool, activation: str) -> dict[str, object]:
+def mlp_plan(block: str, sp: bool, activation: str, mlp: str = "mlp") -> dict[str, object]:
     """The MLP's first matrices by columns and its last by rows: each rank's share is a whole MLP
-    (SwiGLU's gate and up split alike)."""
+    (SwiGLU's gate and up split alike). ``mlp``: its name in the block (an MoE's ``mlp.shared_expert``)."""
     if activation == "swiglu":
         return {
-            f"{block}.mlp.gate_proj": ColumnParallel(sequence_parallel=sp),
-            f"{block}.mlp.up_proj": ColumnParallel(sequence_parallel=sp),
-            f"{block}.mlp.down_proj": RowParallel(sequence_parallel=sp),
+            f"{block}.{mlp}.gate_proj": ColumnParallel(sequence_parallel=sp),
+            f"{block}.{mlp}.up_proj": ColumnParallel(sequence_parallel=sp),
+            f"{block}.{mlp}.down_proj": RowParallel(sequence_parallel=sp),
         }
     return {
-        f"{block}.mlp.fc_in": ColumnParallel(sequence_parallel=sp),
-        f"{block}.mlp.fc_out": RowParallel(sequence_parallel=sp),
+        f"{block}.{mlp}.fc_in": ColumnParallel(sequence_parallel=sp),
+        f"{block}.{mlp}.fc_out": RowParallel(sequence_parallel=sp),
     }
 
 

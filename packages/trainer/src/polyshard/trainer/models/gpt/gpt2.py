@@ -12,7 +12,10 @@ from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT GPT-2's architecture.
-SHAPE: dict[str, object] = {"kind": "gpt", "norm": "layer", "activation": "gelu", "positions": "learned", "bias": True}
+SHAPE: dict[str, object] = {
+    "kind": "gpt", "norm": "layer", "activation": "gelu", "positions": "learned", "bias": True, "qkv_bias": True,
+    "qk_norm": False,
+}  # fmt: skip
 
 
 def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
@@ -42,6 +45,8 @@ def differences(model: ModelConfig) -> dict[str, object]:
     out = shape_differences(model, SHAPE)
     if model.kv_heads != model.num_heads:
         out["num_kv_heads"] = model.num_heads  # GPT-2 has no grouped-query attention
+    if model.attention_head_dim * model.num_heads != model.hidden:
+        out["head_dim"] = model.hidden // model.num_heads  # nor a head dim of its own
     return out
 
 

@@ -6,7 +6,8 @@ so a pipeline can cut the list anywhere. ``forward`` simply runs them in
 order; the loss is computed outside the model.
 
 GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``positions="rope"``,
-``bias=False`` and grouped-query attention (the ``llama-*`` presets). :data:`SPEC` declares the
+``bias=False`` and grouped-query attention (the ``llama-*`` presets); Qwen3 adds ``qk_norm`` and its own
+``head_dim``. :data:`SPEC` declares the
 family to the trainer.
 """
 
@@ -20,6 +21,7 @@ from torch import nn
 from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.tp.transformer import Block, Documents, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
+from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (
     BuildOptions,
     ModelSpec,
@@ -88,6 +90,9 @@ class GPT(nn.Module):
         rope_scaling: RopeScaling | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
     ):
         super().__init__()
         self.context_length = context_length
@@ -102,6 +107,9 @@ class GPT(nn.Module):
             "rope_scaling": rope_scaling if positions == "rope" else None,
             "mlp_hidden": mlp_hidden,
             "norm_eps": norm_eps,
+            "head_dim": head_dim,
+            "qkv_bias": qkv_bias,
+            "qk_norm": qk_norm,
         }
         blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
@@ -163,6 +171,9 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         rope_scaling=rope_scaling(config),
         mlp_hidden=config.mlp_width,
         norm_eps=config.norm_eps,
+        head_dim=config.head_dim,
+        qkv_bias=config.qkv_bias,
+        qk_norm=config.qk_norm,
     )
 
 
@@ -210,6 +221,21 @@ def check(config: Config) -> None:
     check_mlp_split(config.model.mlp_width, config.parallel.tp)
 
 
+def check_model(model: ModelConfig) -> None:
+    """Settings only an MoE model reads are refused rather than ignored."""
+    moe_only = {
+        "expert_hidden": None, "shared_experts": 0, "shared_expert_hidden": None, "shared_expert_gate": False,
+        "router": "softmax", "router_bias_update_rate": 0.0, "router_groups": 1, "router_group_topk": 1,
+        "router_scale": 1.0, "seq_aux_loss_weight": 0.0, "router_z_loss_weight": 0.0,
+    }  # fmt: skip
+    for name, unset in moe_only.items():
+        if getattr(model, name) != unset:
+            raise ConfigError(
+                f"model.{name}={getattr(model, name)!r} shapes experts, which model.kind={model.kind!r} has none of; "
+                f"set model.kind='moe-gpt' or drop it"
+            )
+
+
 SPEC = ModelSpec(
     kind="gpt",
     task=LANGUAGE,
@@ -217,6 +243,8 @@ SPEC = ModelSpec(
     tp_plan=tp_plan,
     tied=tied,
     check=check,
+    check_model=check_model,
     context_parallel=True,
-    hf_families=("gpt2", "llama"),  # polyshard.trainer.models.hf's name tables; the architecture fields pick one
+    # polyshard.trainer.models.hf's name tables; the architecture fields pick one
+    hf_families=("gpt2", "llama", "qwen2", "qwen3"),
 )

@@ -1,0 +1,49 @@
+"""Qwen2 and Qwen2.5 (``Qwen2ForCausalLM``): Llama's architecture with biases on the q, k and v
+projections only (``model.qkv_bias = true``; none on o or the MLP). The names are Llama's, the biases
+``self_attn.{q,k,v}_proj.bias``; nothing is transposed or permuted."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from polyshard.checkpoint import TensorLocation
+from polyshard.trainer.config import LLAMA, ModelConfig
+from polyshard.trainer.models.gpt.llama import decoder_config, decoder_locations, decoder_settings, dense_mlp
+from polyshard.trainer.models.gpt.qwen3 import check_full_attention
+from polyshard.trainer.models.hf_adapter import Family, read_int, shape_differences
+
+SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False}
+
+
+def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    """``config.json`` -> polyshard's ``[model]`` settings; whatever polyshard cannot compute is refused."""
+    check_full_attention(hf, where)
+    return {**SHAPE, **decoder_settings(hf, where), "mlp_hidden": read_int(hf, "intermediate_size", where)}
+
+
+def locations(model: ModelConfig) -> dict[str, TensorLocation]:
+    return decoder_locations(model, dense_mlp)
+
+
+def config(model: ModelConfig) -> dict[str, object]:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **decoder_config(model),
+        "intermediate_size": model.mlp_width,
+        "use_sliding_window": False,
+    }
+
+
+QWEN2 = Family(
+    model_type="qwen2",
+    title="Qwen2",
+    settings=settings,
+    differences=lambda model: shape_differences(model, SHAPE),
+    locations=locations,
+    config=config,
+    base_prefix="model.",  # Qwen2Model's files: embed_tokens, layers, norm without "model."
+    base_names=("embed_tokens.", "layers.", "norm."),
+    at_most=frozenset({"context_length"}),  # rotary positions: any shorter sequence works
+)

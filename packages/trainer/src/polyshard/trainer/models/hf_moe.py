@@ -1,0 +1,239 @@
+"""Mixtral, Qwen3-MoE and Qwen2-MoE: Llama-like decoders whose MLPs are polyshard's MoE layers.
+
+Attention and norms have Llama's names (Qwen3-MoE adds q/k norms, Qwen2-MoE q/k/v biases; see
+:mod:`polyshard.trainer.models.gpt.llama`). The files keep one ``Linear`` per expert, as the Hub's
+checkpoints do (transformers 5 fuses them into 3-D tensors in memory and splits them again when it
+saves); polyshard stacks them, each transposed, into one tensor per weight:
+
+=====================================  ======================================================  ==========
+polyshard (``layers.<i>.mlp``)         Hugging Face (``model.layers.<i-1>``)                   layout
+=====================================  ======================================================  ==========
+``moe.router.weight`` (E, H)           Mixtral ``block_sparse_moe.gate``; Qwen ``mlp.gate``    same
+``moe.experts.w1`` (E, H, F)           ``…experts.<e>.w1`` / ``mlp.experts.<e>.gate_proj``     stacked, T
+``moe.experts.w3`` (E, H, F)           ``…experts.<e>.w3`` / ``mlp.experts.<e>.up_proj``       stacked, T
+``moe.experts.w2`` (E, F, H)           ``…experts.<e>.w2`` / ``mlp.experts.<e>.down_proj``     stacked, T
+``shared_expert.{gate,up,down}_proj``  ``mlp.shared_expert.{gate,up,down}_proj`` (Qwen2-MoE)   same
+``shared_expert_gate.weight`` (1, H)   ``mlp.shared_expert_gate.weight`` (Qwen2-MoE)           same
+=====================================  ======================================================  ==========
+
+An ep rank reads only its own experts' tensors. Routing is each family's softmax top-k: Mixtral always
+renormalises the k weights, Qwen as ``norm_topk_prob`` says (``model.router_renormalize``). Refused,
+naming the key: dense layers between sparse ones (``decoder_sparse_step``, ``mlp_only_layers``),
+sliding-window attention, router jitter noise, another activation, and biases polyshard does not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from polyshard.checkpoint import CheckpointError, TensorLocation
+from polyshard.trainer.config import LLAMA, ModelConfig
+from polyshard.trainer.models.gpt.llama import decoder_config, decoder_locations, decoder_settings
+from polyshard.trainer.models.gpt.qwen3 import check_all_sparse, check_full_attention
+from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+
+_BASE = {"kind": "moe-gpt", **LLAMA}
+MIXTRAL_SHAPE: dict[str, object] = {
+    **_BASE, "qkv_bias": False, "qk_norm": False, "shared_experts": 0, "router_renormalize": True,
+}  # fmt: skip
+QWEN3_MOE_SHAPE: dict[str, object] = {**_BASE, "qkv_bias": False, "qk_norm": True, "shared_experts": 0}
+# bias=False (from Llama's) is o_proj's and the MLPs'; q, k and v have biases as qkv_bias says.
+QWEN2_MOE_SHAPE: dict[str, object] = {**_BASE, "qk_norm": False, "shared_experts": 1, "shared_expert_gate": True}
+
+
+def _experts(model: ModelConfig, prefix: str, names: Mapping[str, str]) -> dict[str, TensorLocation]:
+    """Our stacked experts of one block, ``layers.<i>.mlp.moe.experts.<w>``, from the per-expert
+    ``<prefix>.<e>.<names[w]>.weight`` (each a Linear weight: ours transposed)."""
+    return {
+        w: TensorLocation(
+            f"{prefix}.0.{hf}.weight",
+            transposed=True,
+            stacked=tuple(f"{prefix}.{e}.{hf}.weight" for e in range(model.num_experts)),
+        )
+        for w, hf in names.items()
+    }
+
+
+def _moe_mlp(
+    model: ModelConfig, block: str, router: str, experts: str, names: Mapping[str, str]
+) -> Callable[[str, str], dict[str, TensorLocation]]:
+    """Where one block's MoE MLP lives: the router ``<block>.<router>``, the experts ``<block>.<experts>.<e>``
+    (their weights named by ``names``), and Qwen2-MoE's shared expert and its gate."""
+
+    def mlp(ours: str, hf: str) -> dict[str, TensorLocation]:
+        out = {f"{ours}.mlp.moe.router.weight": TensorLocation(f"{hf}.{block}.{router}.weight")}
+        for w, location in _experts(model, f"{hf}.{block}.{experts}", names).items():
+            out[f"{ours}.mlp.moe.experts.{w}"] = location
+        if model.shared_experts:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"mlp.shared_expert.{proj}.weight"
+                out[f"{ours}.{name}"] = TensorLocation(f"{hf}.{name}")
+        if model.shared_expert_gate:
+            out[f"{ours}.mlp.shared_expert_gate.weight"] = TensorLocation(f"{hf}.mlp.shared_expert_gate.weight")
+        return out
+
+    return mlp
+
+
+_QWEN_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _routing(hf: Mapping[str, Any], where: str, experts_key: str, experts: int, top_k: int) -> dict[str, object]:
+    num_experts = read_int(hf, experts_key, where, default=experts)
+    k = read_int(hf, "num_experts_per_tok", where, default=top_k)
+    if k > num_experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok={k} exceeds {experts_key}={num_experts}")
+    return {"num_experts": num_experts, "top_k": k}
+
+
+# -- Mixtral ---------------------------------------------------------------------------------------------
+
+
+def mixtral_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    noise = read_number(hf, "router_jitter_noise", where, default=0.0, above=-1.0)
+    if noise != 0.0:
+        raise CheckpointError(
+            f"{where}: router_jitter_noise={noise} is not supported (polyshard's router adds no noise); "
+            "polyshard reads 0"
+        )
+    window = hf.get("sliding_window")
+    if window is not None:
+        raise CheckpointError(
+            f"{where}: sliding_window={window!r} is not supported (polyshard's attention sees the whole context); "
+            "polyshard reads null"
+        )
+    return {
+        **MIXTRAL_SHAPE,
+        **decoder_settings(hf, where, theta=1e6, eps=1e-5),  # MixtralConfig's default base and epsilon
+        **_routing(hf, where, "num_local_experts", 8, 2),
+        "expert_hidden": read_int(hf, "intermediate_size", where),
+    }
+
+
+def mixtral_locations(model: ModelConfig) -> dict[str, TensorLocation]:
+    names = {"w1": "w1", "w2": "w2", "w3": "w3"}
+    return decoder_locations(model, _moe_mlp(model, "block_sparse_moe", "gate", "experts", names))
+
+
+def mixtral_config(model: ModelConfig) -> dict[str, object]:
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **decoder_config(model),
+        "intermediate_size": model.expert_width,
+        "num_local_experts": model.num_experts,
+        "num_experts_per_tok": model.top_k,
+        "router_aux_loss_coef": model.aux_loss_weight,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    }
+
+
+MIXTRAL = Family(
+    model_type="mixtral",
+    title="Mixtral",
+    settings=mixtral_settings,
+    differences=lambda model: shape_differences(model, MIXTRAL_SHAPE),
+    locations=mixtral_locations,
+    config=mixtral_config,
+    base_prefix="model.",
+    base_names=("embed_tokens.", "layers.", "norm."),
+    at_most=frozenset({"context_length"}),
+)
+
+
+# -- Qwen3-MoE and Qwen2-MoE ---------------------------------------------------------------------------
+
+
+def qwen3_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    require(hf, "attention_bias", where, (False,), "Qwen3's projections have no biases")
+    check_full_attention(hf, where)
+    check_all_sparse(hf, where)
+    # transformers 5 writes num_local_experts, 4 (and the Hub's files) num_experts.
+    key = "num_local_experts" if hf.get("num_local_experts") is not None else "num_experts"
+    return {
+        **QWEN3_MOE_SHAPE,
+        **decoder_settings(hf, where),
+        **_routing(hf, where, key, 128, 8),
+        "expert_hidden": read_int(hf, "moe_intermediate_size", where, default=768),
+        "router_renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+    }
+
+
+def qwen2_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    check_full_attention(hf, where)
+    check_all_sparse(hf, where)
+    return {
+        **QWEN2_MOE_SHAPE,
+        **decoder_settings(hf, where),
+        **_routing(hf, where, "num_experts", 60, 4),
+        "qkv_bias": read_bool(hf, "qkv_bias", where, default=True),
+        "expert_hidden": read_int(hf, "moe_intermediate_size", where, default=1408),
+        "shared_expert_hidden": read_int(hf, "shared_expert_intermediate_size", where, default=5632),
+        "router_renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+    }
+
+
+def qwen_moe_locations(model: ModelConfig) -> dict[str, TensorLocation]:
+    return decoder_locations(model, _moe_mlp(model, "mlp", "gate", "experts", _QWEN_EXPERTS))
+
+
+def _qwen_moe_config(model: ModelConfig) -> dict[str, object]:
+    return {
+        **decoder_config(model),
+        "intermediate_size": model.mlp_width,  # dense layers' width: none here (mlp_only_layers is empty)
+        "moe_intermediate_size": model.expert_width,
+        "num_experts_per_tok": model.top_k,
+        "norm_topk_prob": model.router_renormalize,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": model.aux_loss_weight,
+        "use_sliding_window": False,
+    }
+
+
+def qwen3_moe_config(model: ModelConfig) -> dict[str, object]:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **_qwen_moe_config(model),
+        "num_experts": model.num_experts,
+        "attention_bias": False,
+    }
+
+
+def qwen2_moe_config(model: ModelConfig) -> dict[str, object]:
+    return {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        **_qwen_moe_config(model),
+        "num_experts": model.num_experts,
+        "shared_expert_intermediate_size": model.shared_width,
+        "qkv_bias": model.qkv_biased,
+    }
+
+
+QWEN3_MOE = Family(
+    model_type="qwen3_moe",
+    title="Qwen3-MoE",
+    settings=qwen3_moe_settings,
+    differences=lambda model: shape_differences(model, QWEN3_MOE_SHAPE),
+    locations=qwen_moe_locations,
+    config=qwen3_moe_config,
+    base_prefix="model.",
+    base_names=("embed_tokens.", "layers.", "norm."),
+    at_most=frozenset({"context_length"}),
+)
+
+QWEN2_MOE = Family(
+    model_type="qwen2_moe",
+    title="Qwen2-MoE",
+    settings=qwen2_moe_settings,
+    differences=lambda model: shape_differences(model, QWEN2_MOE_SHAPE),
+    locations=qwen_moe_locations,
+    config=qwen2_moe_config,
+    base_prefix="model.",
+    base_names=("embed_tokens.", "layers.", "norm."),
+    at_most=frozenset({"context_length"}),
+)
