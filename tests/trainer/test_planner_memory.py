@@ -27,8 +27,9 @@ def _config(**parallel):
     precision = parallel.pop("precision", "fp32")
     tie = parallel.pop("tie", False)
     kind = parallel.pop("kind", "gpt")
+    optimizer = parallel.pop("optimizer", "adamw")
     model = {"kind": kind, "preset": "tiny", "vocab_size": 250, "tie_embeddings": tie}  # 250 pads under ZeRO
-    training = {"global_batch_size": 8, "precision": precision}
+    training = {"global_batch_size": 8, "precision": precision, "optimizer": optimizer}
     return from_dict({"model": model, "parallel": parallel, "training": training})
 
 
@@ -66,6 +67,9 @@ LAYOUTS = [
     (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3}),
     (4, {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 2, "kind": "moe-gpt"}),
     (4, {"cp": 2, "ep": 2, "zero_stage": 1, "kind": "moe-gpt"}),  # experts shard over dp x cp
+    # Muon: one momentum buffer per matrix element (AdamW's two moments and step for the rest)
+    (2, {"dp": 2, "zero_stage": 1, "optimizer": "muon", "precision": "bf16"}),
+    (4, {"dp": 2, "ep": 2, "zero_stage": 1, "kind": "moe-gpt", "optimizer": "muon"}),
 ]
 
 

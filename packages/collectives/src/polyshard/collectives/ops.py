@@ -118,6 +118,26 @@ def broadcast(
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
 
+def gather_to(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (one shape on all) on the rank ``owner`` of ``group`` (a group rank), in
+    group-rank order; None on the other ranks. Each other rank sends its tensor once."""
+    n, mine = world_size(group), rank_in(group) == owner
+    record("gather", group, _nbytes(tensor), wire_bytes=0.0 if mine else float(_nbytes(tensor)))
+    pieces = [torch.empty_like(tensor) for _ in range(n)] if mine else None
+    dist.gather(tensor.contiguous(), pieces, group=group, group_dst=owner)
+    return pieces
+
+
+def scatter_from(
+    out: torch.Tensor, pieces: Sequence[torch.Tensor] | None, owner: int, group: dist.ProcessGroup
+) -> None:
+    """Fill ``out`` on every rank of ``group`` with its piece of ``pieces``, which the rank ``owner``
+    (a group rank) gives, in group-rank order (None elsewhere). The owner sends every other piece once."""
+    n, mine = world_size(group), rank_in(group) == owner
+    record("scatter", group, _nbytes(out), wire_bytes=float((n - 1) * _nbytes(out)) if mine else 0.0)
+    dist.scatter(out, list(pieces) if pieces is not None else None, group=group, group_src=owner)
+
+
 def check_divisible(size: int, n: int, what: str) -> None:
     if size % n:
         raise CollectiveError(

@@ -1,4 +1,4 @@
-"""polyshard.dp: bucketed overlapped data parallelism, ZeRO-1/2/3 and mixed precision."""
+"""polyshard.dp: bucketed overlapped data parallelism, ZeRO-1/2/3, mixed precision and the Muon optimizer."""
 
 from polyshard.dp.data_parallel import DataParallel, ParamSet
 from polyshard.dp.errors import DataParallelError, GradSyncError, ParameterMismatchError, UnownedParameterError
@@ -6,6 +6,8 @@ from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.fully_sharded import FullyShardedDataParallel
 from polyshard.dp.memory import MemoryReport, bytes_held, storage_bytes
 from polyshard.dp.mixed_precision import MixedPrecision
+from polyshard.dp.muon import MOMENTUM, Muon, matrix_axes
+from polyshard.dp.newton_schulz import orthogonalise, shape_scale
 from polyshard.dp.optimizer import ZeroOptimizer
 from polyshard.dp.wrapper import DataParallelWrapper
 
@@ -15,14 +17,19 @@ __all__ = [
     "DataParallelWrapper",
     "FullyShardedDataParallel",
     "GradSyncError",
+    "MOMENTUM",
     "MemoryReport",
     "MixedPrecision",
+    "Muon",
     "ParamSet",
     "ParameterMismatchError",
     "ShardSpec",
     "UnownedParameterError",
     "ZeroOptimizer",
     "bytes_held",
+    "matrix_axes",
+    "orthogonalise",
+    "shape_scale",
     "shard_record",
     "storage_bytes",
 ]

@@ -1,6 +1,10 @@
 """Benchmark (not a test): the expert-parallel MoE layer against the same layer on one process.
 
     polyshard bench ep --nproc 2 --json ep.json
+    python -m polyshard.ep.bench              (one process: only :mod:`polyshard.ep.bench_experts`)
+
+On rank 0 it first runs :mod:`polyshard.ep.bench_experts` (grouped experts against a loop, the
+layer against a torch-ops MoE), then, on two or more ranks, the expert-parallel cases below.
 
 The peer (the issue's choice) is the same :class:`MoELayer` without expert
 parallelism: one process holds all E experts and loops over them on the
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
+from polyshard.ep import bench_experts
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
@@ -38,6 +44,7 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.mesh.init import DistributedContext
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken
@@ -150,13 +157,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
+            if "all_to_all_fraction" not in r:
+                continue  # printed by bench_experts as it ran
             print(
                 f"{r['case']}: ours {r['ours_tokens_per_s']:.0f} tok/s, peer {r['peer_tokens_per_s']:.0f} tok/s, "
                 f"all-to-all {100 * r['all_to_all_fraction']:.1f}% of our step",
                 flush=True,
             )
 
-    run_bench(lambda ctx: [_case(args, top_k) for top_k in (1, 2)], report)
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun: the one-process section alone
+        records = bench_experts.compare(iters=args.iters)
+        bench_experts.report(records)
+        write_records(records, args.json)
+        return
+
+    def measure(ctx: DistributedContext) -> list[Record]:
+        records: list[Record] = []
+        if ctx.rank == 0:  # one process: grouped experts vs a loop, our layer vs a torch-ops MoE
+            records += bench_experts.compare(iters=args.iters)
+            bench_experts.report(records)
+        dist.barrier()
+        if ctx.world_size > 1:
+            records += [_case(args, top_k) for top_k in (1, 2)]
+        return records
+
+    run_bench(measure, report)
 
 
 if __name__ == "__main__":

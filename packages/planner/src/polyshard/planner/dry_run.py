@@ -70,7 +70,8 @@ def describe(config: Config) -> str:
         )
     lines.append(
         f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
-        f"{config.training.precision}, activation checkpointing {config.training.activation_checkpointing or 'none'}):"
+        f"{config.training.precision}, {_OPTIMIZER_STATE[config.training.optimizer]}, "
+        f"activation checkpointing {config.training.activation_checkpointing or 'none'}):"
     )
     for rank in range(par.pp):
         states, acts = rank_model_states(config, rank), activation_bytes(config, rank)
@@ -105,3 +106,9 @@ def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
+
+
+_OPTIMIZER_STATE = {
+    "adamw": "AdamW",
+    "muon": "Muon (1 buffer per matrix element)",
+}

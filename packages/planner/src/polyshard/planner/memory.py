@@ -14,7 +14,10 @@ Two accountings of the same thing:
   ZeRO (:class:`polyshard.dp.ShardSpec`), one presence flag per parameter in every gradient row,
   AdamW's float32 ``step`` per parameter, gradients reduced in fp32 also under bf16, and fp32
   master copies where the optimizer steps them (ZeRO-1/2 always; at ZeRO-3 under fp32 the
-  master *is* the local shard). ``tests/trainer/test_planner_memory.py`` checks it against
+  master *is* the local shard). Under ``training.optimizer = "muon"`` the blocks' matrices keep one
+  float32 momentum buffer (K = 4, no step counter) instead of AdamW's two moments (K = 8); the rank
+  that orthogonalises a matrix also holds it whole for a moment, one matrix at a time, which is
+  not counted here (it is not held at the step's end). ``tests/trainer/test_planner_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
 
 Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard
@@ -30,13 +33,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+from torch import nn
+
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.parallelize import pipeline_bounds
-from polyshard.trainer.models import build_model, layer_of, tied_names
+from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
@@ -76,6 +82,8 @@ class Held:
     """Split over tp (a replicated 1-D weight under sequence parallelism has its gradient summed over tp)."""
     shards: int | None = None
     """Hybrid sharding: the ranks ZeRO shards it over (a divisor of ``replicas``); None: all replicas."""
+    muon: bool = False
+    """Stepped by Muon (one momentum buffer) rather than AdamW (two moments and a step counter)."""
 
     @property
     def shard_ranks(self) -> int:
@@ -87,6 +95,8 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     """Bytes polyshard's engine holds for ``held`` (parameter -> how many of it) at the optimizer step."""
     weight = 2 if precision == "bf16" else 4
     numel = shard = flags = grad_rows = padded = 0  # whole, this rank's ZeRO rows, flags, gradient buffer, padded
+    state = 0  # bytes of optimizer state besides masters: per element 8 (AdamW's m, v) or 4 (Muon's buffer)
+    masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
     for h, count in held.items():
         n = h.shard_ranks if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
         rows = ShardSpec(h.shape, n).shard_numel
@@ -95,9 +105,10 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
         flags += count
         grad_rows += count * n * (rows + 1)  # ZeRO-1 keeps every rank's row of the bucket
         padded += count * n * rows
+        elems = count * (rows if zero_stage >= 1 else math.prod(h.shape))
+        moments = 4 if h.muon else 8  # Muon's momentum buffer, or AdamW's exp_avg and exp_avg_sq
+        state += (moments + (4 if masters else 0)) * elems + (0 if h.muon else STEP_BYTES * count)
     grads = {0: numel + flags, 1: grad_rows, 2: shard + flags, 3: shard + flags}[zero_stage]
-    masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
-    state_elems = shard if zero_stage >= 1 else numel
     params = numel
     if zero_stage == 3:
         params = shard
@@ -106,7 +117,7 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     return ModelStates(
         params=weight * params,
         grads=FLAG_AND_GRAD_BYTES * grads,
-        optimizer=(12 if masters else 8) * state_elems + STEP_BYTES * flags,
+        optimizer=state,
     )
 
 
@@ -140,7 +151,17 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     replicas = math.prod(sizes[a] for a in data_axes(config, record))
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
     shards = math.prod(sizes[a] for a in shard_axes(config, record)) if par.hybrid else None
-    return Held(record.local_shape(sizes), replicas, tp_sharded, shards)
+    return Held(record.local_shape(sizes), replicas, tp_sharded, shards, muon=_stepped_by_muon(config, record))
+
+
+def _stepped_by_muon(config: Config, record: TensorPlacement) -> bool:
+    """Whether ``training.optimizer = "muon"`` steps this parameter with Muon (the family's rule, asked of a
+    meta tensor of its global shape)."""
+    if config.training.optimizer != "muon":
+        return False
+    return spec_of(config.model).orthogonalised(
+        record.name, nn.Parameter(torch.empty(record.global_shape, device="meta"))
+    )
 
 
 def holdings(config: Config, pp_rank: int) -> Counter[Held]:
@@ -152,7 +173,7 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     par = config.parallel
     key: tuple[object, ...] = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
     key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
-    key += (tuple(par.stage_layers or ()), pp_rank)
+    key += (tuple(par.stage_layers or ()), pp_rank, config.training.optimizer)
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)
     return _HOLDINGS[key]

@@ -18,8 +18,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from polyshard.checkpoint import MASTER, RNG, LocalTensor, model_key, optim_key
-from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
+from polyshard.checkpoint import MASTER, RNG, CheckpointError, LocalTensor, model_key, optim_key
+from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.models import layer_of
@@ -89,6 +89,26 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
     return out
 
 
+ADAMW_STATE = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _check_state_keys(
+    engine: Engine, name: str, optimizer: torch.optim.Optimizer, stepped: torch.Tensor, saved: set[str]
+) -> None:
+    """A checkpoint's optimizer state must be the kind this run's optimizer keeps for ``name`` (AdamW's
+    moments, or Muon's momentum buffer): a run saved with one ``training.optimizer`` does not resume
+    with the other."""
+    expected = ADAMW_STATE
+    if isinstance(optimizer, Muon) and optimizer.orthogonalises(stepped):
+        expected = {MOMENTUM}
+    if saved and saved != expected:
+        raise CheckpointError(
+            f"the checkpoint holds optimizer state {sorted(saved)} for {name!r}, but "
+            f"training.optimizer={engine.config.training.optimizer!r} keeps {sorted(expected)} for it; resume with "
+            "the optimizer the checkpoint was saved with (its config.json says which)"
+        )
+
+
 @torch.no_grad()
 def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors laid out for this rank of ``engine`` into it: parameters, optimizer state, RNG.
@@ -105,6 +125,7 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
         keys = [k for k in tensors if k.startswith(prefix) and k != optim_key(name, MASTER)]
         # Moments live on the parameter's device; AdamW keeps its step counter on the CPU.
         state = {k[len(prefix) :]: tensors[k].to(stepped.device if tensors[k].dim() else "cpu") for k in keys}
+        _check_state_keys(engine, name, optimizer, stepped, set(state))
         if state:
             optimizer.state[stepped] = state
     if RNG in tensors:

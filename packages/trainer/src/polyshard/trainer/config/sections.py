@@ -77,6 +77,7 @@ PRECISIONS = ("fp32", "bf16")
 CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
 SCHEDULE_KINDS = ("cosine", "linear", "constant", "wsd")  # the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -467,8 +468,20 @@ class TrainingConfig:
     """Optimizer steps."""
     global_batch_size: int = 16
     """Sequences (or images) per optimizer step, over all data ranks and microbatches."""
+    optimizer: str = "adamw"
+    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the blocks' weight matrices (experts'
+    one by one) with Moonlight's 0.2 * sqrt(max(m, n)) update scale, so `lr` and `weight_decay` carry
+    over from AdamW; AdamW (`beta1`, `beta2`) for embeddings, head, norms, biases and routers. Each
+    matrix is orthogonalised whole, on one rank of those holding its tp/ZeRO pieces."""
+    muon_momentum: float = 0.95
+    """optimizer = 'muon': the momentum of the matrices' buffer."""
+    muon_nesterov: bool = True
+    """optimizer = 'muon': orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) rather
+    than the buffer."""
+    muon_ns_steps: int = 5
+    """optimizer = 'muon': Newton-Schulz iterations (5 with the usual quintic coefficients)."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate (of AdamW; Muon's matrices scale it by their shape)."""
     min_lr: float = 1e-4
     """Learning rate at the end of the decay."""
     warmup_steps: int = 10
@@ -527,6 +540,12 @@ class TrainingConfig:
         _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
         _check_choice("training.schedule", self.schedule, SCHEDULE_KINDS)
         _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
+        _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
+        _check_positive("training.muon_ns_steps", self.muon_ns_steps)
+        if not isinstance(self.muon_nesterov, bool):
+            raise ConfigError(f"training.muon_nesterov={self.muon_nesterov!r} must be true or false")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(
                 f"training.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20%)"

@@ -1,4 +1,4 @@
-"""AdamW parameter groups, the warmup + cosine schedule and the global gradient-norm clip."""
+"""AdamW and Muon parameter groups, the learning-rate schedules and the global gradient-norm clip."""
 
 from __future__ import annotations
 
@@ -36,6 +36,26 @@ def param_groups(
             continue
         (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def muon_groups(
+    named: Iterable[tuple[str, nn.Parameter]],
+    weight_decay: float,
+    decays: Callable[[str, nn.Parameter], bool],
+    orthogonalised: Callable[[str, nn.Parameter], bool],
+) -> list[dict[str, Any]]:
+    """:class:`polyshard.dp.Muon`'s groups: the matrices ``orthogonalised`` picks (``muon=True``), then
+    AdamW's two groups of :func:`param_groups` for the rest. Each Muon matrix is decayed when ``decays``
+    says so (the blocks' matrices all are, by the usual rule)."""
+    named = [(name, p) for name, p in named if p.requires_grad]
+    matrices = [(name, p) for name, p in named if orthogonalised(name, p)]
+    chosen = {id(p) for _, p in matrices}
+    rest = [(name, p) for name, p in named if id(p) not in chosen]
+    muon = [
+        {"params": [p for name, p in matrices if decays(name, p) == wanted], "weight_decay": wd, "muon": True}
+        for wanted, wd in ((True, weight_decay), (False, 0.0))
+    ]
+    return muon + param_groups(rest, weight_decay, decays)
 
 
 def lr_at(

@@ -53,6 +53,7 @@ from polyshard.dp import (
     DataParallelWrapper,
     FullyShardedDataParallel,
     MixedPrecision,
+    Muon,
     ParamSet,
     ZeroOptimizer,
 )
@@ -70,7 +71,7 @@ from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
 from polyshard.trainer.engine.documents import StageDocuments, documents_of
-from polyshard.trainer.engine.optim import param_groups
+from polyshard.trainer.engine.optim import muon_groups, param_groups
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
 from polyshard.trainer.models.tasks import LossFn
@@ -338,12 +339,26 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
 
 
 def _optimizer(
-    wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str]
+    wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str], mesh: Mesh
 ) -> torch.optim.Optimizer | ZeroOptimizer:
-    train = config.training
+    train, spec = config.training, spec_of(config.model)
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
-    groups = param_groups(named, train.weight_decay, spec_of(config.model).decays)
-    inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
+    inner: torch.optim.Optimizer
+    if train.optimizer == "muon":
+        # Muon reads each stepped tensor's placement record (ZeRO's masters carry theirs) and gathers a
+        # split matrix over the mesh axes the record names: see polyshard.dp.muon.
+        inner = Muon(
+            muon_groups(named, train.weight_decay, spec.decays, spec.orthogonalised),
+            mesh=mesh,
+            lr=train.lr,
+            momentum=train.muon_momentum,
+            nesterov=train.muon_nesterov,
+            ns_steps=train.muon_ns_steps,
+            betas=(train.beta1, train.beta2),
+        )
+    else:
+        groups = param_groups(named, train.weight_decay, spec.decays)
+        inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
     if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)
@@ -413,7 +428,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     if config.training.compile:
         # After every strategy has replaced its modules and set its hooks: only block forwards compile.
         compile_blocks(stages.values(), retain_graph=par.schedule in SPLIT_BACKWARD)
-    optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases)) for s, w in wrappers.items()]
+    optimizers = [_optimizer(w, config, global_names(stages[s], bounds[s], aliases), mesh) for s, w in wrappers.items()]
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,

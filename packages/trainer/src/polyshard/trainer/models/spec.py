@@ -61,6 +61,12 @@ def decays(name: str, param: nn.Parameter) -> bool:
     return param.dim() >= 2 and not any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
 
 
+def block_matrix(name: str, param: nn.Parameter) -> bool:
+    """Muon's rule: the weight matrices of the blocks' attention and MLP (an MoE layer's stacked experts
+    too), not the embeddings, the head, norms, biases or an MoE router (Moonlight, Keller Jordan's Muon)."""
+    return param.dim() >= 2 and any(part in name for part in (".attn.", ".mlp.")) and ".router." not in name
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     kind: str
@@ -82,6 +88,9 @@ class ModelSpec:
     """Parameters that are another parameter (tied weights): alias -> name."""
     decays: Callable[[str, nn.Parameter], bool] = decays
     """Whether AdamW decays this parameter (by model name)."""
+    orthogonalised: Callable[[str, nn.Parameter], bool] = block_matrix
+    """With ``training.optimizer = "muon"``: whether Muon steps this parameter (by model name); AdamW
+    steps the others."""
     check: Callable[[Config], None] = _no_checks
     """Family constraints against the rest of the config, before launch (a :class:`ConfigError`)."""
     check_model: Callable[[ModelConfig], None] = lambda model: None
