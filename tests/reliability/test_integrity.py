@@ -67,6 +67,42 @@ def test_every_rank_stops_when_one_dp_group_drifted(distributed, corpus):
     assert "ranks [1, 3] disagree with no majority" in errors[0]
 
 
+def _drift_one_bias(config, drifted_rank):
+    import torch.distributed as dist
+
+    from polyshard.ep import MoELayer
+    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.errors import ReplicaMismatchError
+    from polyshard.trainer.loop import make_loaders, split_batch, train_step
+    from polyshard.trainer.loop.integrity import check_replicas
+
+    engine = build_engine(config, Mesh(config.parallel.mesh_axes))
+    train_data, _ = make_loaders(config, engine.mesh)
+    train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-3)
+    check_replicas(engine, 1)  # the bias moved alike on every rank: no error
+    if dist.get_rank() == drifted_rank:
+        router = next(m for m in engine.stages[0].modules() if isinstance(m, MoELayer)).router
+        router.bias.view(torch.int32)[1] ^= 1  # one bit of one expert's bias
+    try:
+        check_replicas(engine, 2)
+    except ReplicaMismatchError as err:
+        return str(err)
+    return None
+
+
+def test_a_router_bias_that_drifted_is_found_on_expert_parallel_ranks(distributed, corpus):
+    # ep3 alone has no dp replicas of the experts to compare, but the sigmoid router's bias is
+    # replicated state on every rank of a stage: a rank whose bias drifted is named.
+    config = _config(corpus, ep=3)
+    model = {"kind": "moe-gpt", "num_experts": 3, "top_k": 1, "router": "sigmoid", "router_bias_update_rate": 0.01}
+    config = config.__class__(
+        **{**config.__dict__, "model": config.model.__class__(**{**config.model.__dict__, **model})}
+    )
+    errors = distributed.run(3, _drift_one_bias, config, 1)
+    assert all(e is not None and e == errors[0] for e in errors)
+    assert "step 2" in errors[0] and "rank(s) [1] differ from the other replicas" in errors[0]
+
+
 def _nan_on_one_rank(config):
     import torch.distributed as dist
 

@@ -53,6 +53,15 @@ def test_defaults_are_valid():
         ({"model": {"rope_low_freq_factor": 4, "rope_high_freq_factor": 1}}, "need 0 < low < high"),
         ({"model": {"rope_original_context": 0}}, "model.rope_original_context=0 must be an integer >= 1"),
         ({"model": {"rope_original_context": 8192.0}}, "model.rope_original_context=8192.0 must be an integer"),
+        ({"model": {"router": "relu"}}, "model.router='relu'; choose one of \\['softmax', 'sigmoid'\\]"),
+        ({"model": {"router_bias_update_rate": 0.001}}, "balances a sigmoid router's selection bias, but model.router"),
+        ({"model": {"router_bias_update_rate": -0.1}}, "model.router_bias_update_rate=-0.1 must be >= 0"),
+        ({"model": {"router_scale": 0}}, "model.router_scale=0.0 must be > 0"),
+        ({"model": {"num_experts": 8, "router_groups": 3}}, "choose router_groups in \\[1, 2, 4, 8\\]"),
+        ({"model": {"num_experts": 8, "router_groups": 4, "router_group_topk": 5}}, "model.router_group_topk=5 must"),
+        ({"model": {"num_experts": 8, "top_k": 3, "router_groups": 4}}, "model.top_k=3 exceeds the 2 experts"),
+        ({"model": {"seq_aux_loss_weight": -1}}, "model.seq_aux_loss_weight=-1.0 must be >= 0"),
+        ({"model": {"router_z_loss_weight": -1}}, "model.router_z_loss_weight=-1.0 must be >= 0"),
     ],
 )
 def test_bad_fields(raw, message):

@@ -21,10 +21,12 @@ from polyshard.ep.router import (
     Routing,
     capacity_keep_mask,
     expert_capacity,
+    limit_to_groups,
     load_balancing_loss,
+    sequence_balance_loss,
     z_loss,
 )
-from polyshard.ep.token_group import router_losses, sum_over_tokens
+from polyshard.ep.token_group import router_losses, sequence_loss, sum_over_tokens
 
 __all__ = [
     "DispatchMeta",
@@ -45,12 +47,15 @@ __all__ = [
     "expert_capacity",
     "expert_parameters",
     "is_expert_parameter",
+    "limit_to_groups",
     "load_balancing_loss",
     "moe_metrics",
     "planned_expert_placement",
     "replicated_parameters",
     "router_losses",
     "scale_expert_gradients",
+    "sequence_balance_loss",
+    "sequence_loss",
     "share_routing_statistics",
     "sum_over_tokens",
     "sync_gradients",

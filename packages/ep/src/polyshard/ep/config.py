@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polyshard.ep.errors import MoEConfigError
+from polyshard.ep.router import SCORES
+from polyshard.mesh import divisors
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -23,6 +25,15 @@ class MoEConfig:
     """How many experts each token goes to."""
     renormalize: bool = True
     """Rescale the chosen top-k probabilities to sum to 1 (Mixtral); False keeps the raw softmax values (Switch)."""
+    score: str = "softmax"
+    """Router scores: 'softmax' (Mixtral, Qwen-MoE) or 'sigmoid' (DeepSeek-V3: with a per-expert selection
+    bias for auxiliary-loss-free balancing, see :meth:`polyshard.ep.Router.update_bias`)."""
+    groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): experts split into this many equal groups; 1 is off."""
+    group_topk: int = 1
+    """With groups > 1: each token chooses its experts within its best group_topk groups (topk_group)."""
+    scale: float = 1.0
+    """Factor on the chosen experts' weights (DeepSeek-V3's routed_scaling_factor)."""
     activation: str = "swiglu"
     """Expert MLP: 'swiglu' (silu(x W1) * (x W3)) W2, or 'gelu' gelu(x W1) W2."""
     capacity_factor: float | None = None
@@ -31,6 +42,8 @@ class MoEConfig:
     """Weight of the Switch/GShard load-balancing loss in the returned auxiliary loss."""
     z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE, 2202.08906); 0 turns it off."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss (per sequence of the layer's (B, S, H) input)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "ffn_hidden", "num_experts", "top_k"):
@@ -47,8 +60,28 @@ class MoEConfig:
             raise MoEConfigError(
                 f"capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or None for dropless routing"
             )
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+        if min(self.aux_loss_coef, self.z_loss_coef, self.seq_aux_loss_coef) < 0:
             raise MoEConfigError(
                 f"loss coefficients must be >= 0, got aux_loss_coef={self.aux_loss_coef}, "
-                f"z_loss_coef={self.z_loss_coef}; use 0 to turn a loss off"
+                f"z_loss_coef={self.z_loss_coef}, seq_aux_loss_coef={self.seq_aux_loss_coef}; use 0 to turn a loss off"
+            )
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        if self.score not in SCORES:
+            raise MoEConfigError(f"score={self.score!r} is unknown; choose one of {SCORES}")
+        if not self.scale > 0:
+            raise MoEConfigError(f"scale={self.scale} must be > 0 (1 leaves the routing weights as they are)")
+        if self.groups < 1 or self.num_experts % self.groups:
+            raise MoEConfigError(
+                f"groups={self.groups} must divide num_experts={self.num_experts} into equal groups; "
+                f"choose groups in {divisors(self.num_experts)} (1 turns group-limited routing off)"
+            )
+        if not 1 <= self.group_topk <= self.groups:
+            raise MoEConfigError(f"group_topk={self.group_topk} must be between 1 and groups={self.groups}")
+        reachable = self.group_topk * (self.num_experts // self.groups)
+        if self.top_k > reachable:
+            raise MoEConfigError(
+                f"top_k={self.top_k} exceeds the {reachable} experts in group_topk={self.group_topk} groups of "
+                f"{self.num_experts // self.groups}; raise group_topk or lower top_k"
             )

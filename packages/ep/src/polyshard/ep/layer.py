@@ -16,7 +16,7 @@ from polyshard.ep.config import MoEConfig
 from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
 from polyshard.ep.experts import GroupedExperts
 from polyshard.ep.router import Router, tokens_per_expert
-from polyshard.ep.token_group import capacity_keep, router_losses
+from polyshard.ep.token_group import capacity_keep, router_losses, sequence_loss
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,10 @@ class MoEMetrics:
     """Tokens of this rank that lost every one of their experts (the layer output is zero for them)."""
     load_balancing_loss: float
     z_loss: float
+    sequence_balance_loss: float
+    """DeepSeek-V3's sequence-wise balance loss (0 unless seq_aux_loss_coef > 0)."""
     aux_loss: float
-    """aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss."""
+    """aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss + seq_aux_loss_coef * sequence_balance_loss."""
 
 
 class MoELayer(nn.Module):
@@ -52,7 +54,16 @@ class MoELayer(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        self.router = Router(config.hidden, config.num_experts, config.top_k, config.renormalize)
+        self.router = Router(
+            config.hidden,
+            config.num_experts,
+            config.top_k,
+            config.renormalize,
+            score=config.score,
+            groups=config.groups,
+            group_topk=config.group_topk,
+            scale=config.scale,
+        )
         self.experts = GroupedExperts(config.num_experts, config.hidden, config.ffn_hidden, config.activation)
         self.ep_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
         self.token_group: dist.ProcessGroup | None = None
@@ -67,13 +78,17 @@ class MoELayer(nn.Module):
         """(E_local,) rows each local expert processed in the training forwards since
         :meth:`take_rows_seen` (from every ep rank, after capacity drops): an expert at 0
         took no part in the step, and a trainer can leave it exactly as it was."""
+        self.load_seen: torch.Tensor | None = None
+        """(E + 2,) int64 over the training forwards since :meth:`take_load`, this rank's tokens only:
+        the assignments its router chose for each of the E experts (before capacity drops: the load
+        that balancing acts on), then the tokens that lost every expert, then the tokens routed."""
 
     # Eager under torch.compile (a graph break): the dispatch's split sizes change every step and are read
     # as Python ints (all_to_all, the experts' grouped matmul, the metrics); compiled they would force a
     # recompile per step. The attention and norms of an MoE block still compile.
     @eager
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., H) -> ((..., H), scalar aux loss)."""
+        """(..., H) -> ((..., H), scalar aux loss). The sequence-wise loss reads (B, S, H) as B sequences."""
         cfg = self.config
         tokens = x.reshape(-1, cfg.hidden)  # (T, H)
         routing = self.router(tokens)
@@ -88,11 +103,20 @@ class MoELayer(nn.Module):
         if torch.is_grad_enabled():  # training forwards only (not evaluation, nor shape inference)
             rows = torch.tensor(meta.tokens_per_local_expert, dtype=torch.int64)
             self.rows_seen = rows if self.rows_seen is None else self.rows_seen + rows
+        if _training_forward():
+            load = _load(routing.experts, keep, cfg.num_experts)
+            self.load_seen = load if self.load_seen is None else self.load_seen + load
         y = combine(expert_output, routing.weights, meta)  # (T, H)
 
         balance, router_z = router_losses(routing, cfg.num_experts, self.token_group, cfg.z_loss_coef > 0)
         aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * router_z
-        self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, balance, router_z, aux)
+        seq_balance = torch.zeros((), device=x.device)
+        if cfg.seq_aux_loss_coef > 0:
+            sequence = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]  # (B, S, H): B sequences of S tokens
+            seq_balance = sequence_loss(routing, cfg.num_experts, sequence, self.token_group)
+            aux = aux + cfg.seq_aux_loss_coef * seq_balance
+        losses = (balance, router_z, seq_balance, aux)
+        self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, losses)
         return y.view(x.shape), aux
 
     def take_rows_seen(self) -> torch.Tensor:
@@ -103,16 +127,38 @@ class MoELayer(nn.Module):
         self.rows_seen = None
         return seen
 
+    def take_load(self) -> torch.Tensor:
+        """:attr:`load_seen` since the last call (zeros if none), and reset."""
+        load = (
+            self.load_seen
+            if self.load_seen is not None
+            else torch.zeros(self.config.num_experts + 2, dtype=torch.int64)
+        )
+        self.load_seen = None
+        return load
+
+
+def _training_forward() -> bool:
+    """A forward with gradients that is not activation checkpointing's recompute inside backward, so
+    each token is counted once however the block is checkpointed."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+def _load(experts: torch.Tensor, keep: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """(E + 2,) int64 on the CPU: assignments per expert, tokens that lost every expert, tokens."""
+    dropped = 0 if keep is None else int((~keep.any(dim=1)).sum())
+    counts = tokens_per_expert(experts, num_experts).cpu()
+    return torch.cat([counts, torch.tensor([dropped, experts.shape[0]], dtype=torch.int64)])
+
 
 def _metrics(
     experts: torch.Tensor,
     keep: torch.Tensor | None,
     num_experts: int,
     meta: DispatchMeta,
-    balance: torch.Tensor,
-    router_z: torch.Tensor,
-    aux: torch.Tensor,
+    losses: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> MoEMetrics:
+    balance, router_z, seq_balance, aux = losses
     dropped = 0 if keep is None else int((~keep).sum())
     dropped_tokens = 0 if keep is None else int((~keep.any(dim=1)).sum())
     return MoEMetrics(
@@ -122,6 +168,7 @@ def _metrics(
         dropped_tokens=dropped_tokens,
         load_balancing_loss=float(balance.detach()),
         z_loss=float(router_z.detach()),
+        sequence_balance_loss=float(seq_balance.detach()),
         aux_loss=float(aux.detach()),
     )
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from polyshard.collectives import copy_to, ops, reduce_from
 from polyshard.ep.errors import ExpertParallelError
@@ -53,6 +54,7 @@ from polyshard.ep.router import (
     capacity_keep_mask,
     expert_capacity,
     load_balancing_loss,
+    sequence_balance_loss,
     tokens_per_expert,
     z_loss,
 )
@@ -83,6 +85,27 @@ def router_losses(
     fraction = total[:num_experts].detach() / (num_tokens * routing.experts.shape[1])  # (E,) f_e
     mean_prob = total[num_experts : 2 * num_experts] / num_tokens  # (E,) P_e
     return num_experts * (fraction * mean_prob).sum(), total[-2] / num_tokens
+
+
+def sequence_loss(
+    routing: Routing, num_experts: int, sequence_length: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (:func:`polyshard.ep.router.sequence_balance_loss`) of
+    whole sequences whose positions ``group`` splits (``sequence_length``: this rank's part of each):
+    per sequence, its assignments and probabilities summed per expert over the group, as
+    :func:`router_losses` sums the batch's; this rank's sequences alone without a group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return sequence_balance_loss(routing, num_experts, sequence_length)
+    top_k = routing.experts.shape[-1]
+    experts = routing.experts.view(-1, sequence_length * top_k)  # (B, S_local * k)
+    probs = routing.probs.view(-1, sequence_length, num_experts)  # (B, S_local, E)
+    counts = F.one_hot(experts, num_experts).sum(dim=1).to(probs.dtype)  # (B, E), no gradient
+    tokens = probs.new_full((probs.shape[0], 1), sequence_length)
+    total = sum_over_tokens(torch.cat([counts, probs.sum(dim=1), tokens], dim=1), group)  # (B, 2E + 1)
+    length = total[:, -1:].detach()  # (B, 1): whole sequences
+    fraction = total[:, :num_experts].detach() * (num_experts / top_k) / length
+    mean_prob = total[:, num_experts : 2 * num_experts] / length
+    return (fraction * mean_prob).sum(dim=-1).mean()
 
 
 def capacity_keep(

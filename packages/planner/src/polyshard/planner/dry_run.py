@@ -20,7 +20,8 @@ from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
-from polyshard.trainer.models import build_model, parameter_count, tied_names
+from polyshard.trainer.models import build_model, parameter_count, spec_of, tied_names
+from polyshard.trainer.models.moe import routing_summary
 
 
 def describe(config: Config) -> str:
@@ -59,6 +60,8 @@ def describe(config: Config) -> str:
     lines.append(
         f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}"
     )
+    if spec_of(config.model).has_experts:
+        lines.append(f"  {routing_summary(config.model)}")
     if par.hybrid:
         shard_axes = [a for a in par.shard_axes if a == "dp_shard" or par.mesh_axes[a] > 1]
         lines.append(

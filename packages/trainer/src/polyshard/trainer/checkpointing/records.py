@@ -8,7 +8,9 @@ yet. This module computes them from the rules the packages publish:
 * tp: :func:`polyshard.tp.planned_placement` reads the trainer's tp plan;
 * ep: :func:`polyshard.ep.planned_expert_placement` reads the MoE names;
 * pp: :func:`pipeline_bounds` is the split :func:`build_engine` uses;
-* dp/ZeRO: :func:`polyshard.dp.shard_record` adds the dim-0 shards.
+* dp/ZeRO: :func:`polyshard.dp.shard_record` adds the dim-0 shards;
+* buffers (a sigmoid router's bias): whole on every rank of their layer, no optimizer state,
+  known from the model built on the meta device.
 
 ``tests/trainer/test_reshard.py`` checks the result against the records that
 real runs save, layout by layout.
@@ -28,9 +30,16 @@ from polyshard.ep import planned_expert_placement
 from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
+from polyshard.trainer.checkpointing.state import buffer_record, persistent_buffers
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.parallelize import keeps_masters, pipeline_bounds, tp_plan
-from polyshard.trainer.models import layer_of, spec_of, tied_names
+from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
+
+
+def model_buffers(config: Config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The model's persistent buffers by name: (dtype, shape), from the model built on the meta device."""
+    skeleton = build_model(config.model, layers=())
+    return {name: (b.dtype, tuple(b.shape)) for name, b in persistent_buffers(skeleton)}
 
 
 def model_dtype(config: Config) -> torch.dtype:
@@ -82,6 +91,8 @@ def plan_ranks(
     par = config.parallel
     layout = MeshLayout(par.mesh_axes)
     sizes = layout.as_dict()
+    buffers = {name: info for name, info in model_buffers(config).items() if name in params}
+    params = {name: shape for name, shape in params.items() if name not in buffers}
     bases = {name: base_record(config, name, shape) for name, shape in params.items()}
     bounds = pipeline_bounds(config, params)
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
@@ -125,5 +136,8 @@ def plan_ranks(
                     tensors[optim_key(name, key)] = Planned(None, (), dtype)
                 else:
                     tensors[optim_key(name, key)] = Planned(state_record, state_shape, dtype)
+        for name, (dtype, shape) in buffers.items():
+            if layer_of(name) in layers:
+                tensors[model_key(name)] = Planned(buffer_record(name, torch.empty(shape, device="meta")), shape, dtype)
         out.append(tensors)
     return out

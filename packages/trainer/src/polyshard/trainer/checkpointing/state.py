@@ -1,7 +1,9 @@
 """What a rank saves and restores: its parameters, optimizer state, RNG and data position.
 
 Tensor keys follow :mod:`polyshard.checkpoint.format` (``model/<name>``,
-``optim/<name>/<state>``, ``rng/torch``).
+``optim/<name>/<state>``, ``rng/torch``). A model's persistent buffers (a sigmoid router's
+selection bias) are saved beside its parameters under ``model/<name>``: replicated state, one
+copy per layer, so the plain model's ``load_state_dict(strict=True)`` finds them in an export.
 Each carries its placement record into the checkpoint index. Restoring into
 the same layout is exact: on CPU a resumed run's losses equal an
 uninterrupted run's bit for bit. Restoring into another layout goes through
@@ -18,8 +20,31 @@ from torch import nn
 
 from polyshard.checkpoint import MASTER, RNG, CheckpointError, LocalTensor, model_key, optim_key
 from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
-from polyshard.mesh import get_placement
+from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.models import layer_of
+
+
+def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buffers ``module.state_dict()`` holds (not the non-persistent ones), by name."""
+    for prefix, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
+def _buffers(engine: Engine, index: int) -> dict[str, torch.Tensor]:
+    """Global name -> a stage's persistent buffer (whole on every rank: replicated state)."""
+    out = {}
+    for local, buffer in persistent_buffers(engine.stages[index]):
+        position, _, rest = local.partition(".")
+        out[f"layers.{engine.layer_ids[index][int(position)]}.{rest}"] = buffer
+    return out
+
+
+def buffer_record(name: str, buffer: torch.Tensor) -> TensorPlacement:
+    """A buffer's record: the whole tensor on every rank (replicated over every axis), in its layer."""
+    return TensorPlacement(name, tuple(buffer.shape), layer=layer_of(name))
 
 
 def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch.Tensor]:
@@ -51,6 +76,8 @@ def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
     for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
             out[model_key(name)] = LocalTensor(tensor.detach(), get_placement(tensor))
+        for name, buffer in _buffers(engine, index).items():
+            out[model_key(name)] = LocalTensor(buffer, buffer_record(name, buffer))
     for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:
             out[optim_key(name, MASTER)] = LocalTensor(master.detach(), get_placement(master))
@@ -89,7 +116,7 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
     :func:`polyshard.trainer.checkpointing.reshard.load_into` cuts them from a checkpoint of any layout.
     """
     for index in engine.stages:
-        for name, tensor in _model_tensors(engine, index).items():
+        for name, tensor in (_model_tensors(engine, index) | _buffers(engine, index)).items():
             tensor.copy_(tensors[model_key(name)])
     for name, stepped, optimizer, master in optimizer_entries(engine):
         if master is not None:

@@ -142,7 +142,7 @@ class ModelConfig:
     capacity_factor: float | None = None
     """None for dropless routing; otherwise tokens beyond capacity are dropped (moe-gpt)."""
     aux_loss_weight: float = 0.01
-    """Weight of the load-balancing loss (moe-gpt)."""
+    """Weight of the Switch/GShard load-balancing loss, on each data rank's tokens (moe-gpt)."""
     expert_hidden: int | None = None
     """Width of each routed expert's MLP (moe-gpt); None means the MLP width / top_k, about a dense MLP's
     active FLOPs (Hugging Face's moe_intermediate_size; Mixtral's intermediate_size)."""
@@ -156,6 +156,23 @@ class ModelConfig:
     """Width of one shared expert; None means the routed experts' width (moe-gpt)."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(x . w), w one learned vector (Qwen2-MoE)."""
+    router: str = "softmax"
+    """Router scores (moe-gpt): softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3: the chosen experts'
+    affinities normalised, with a per-expert bias that only selects, see router_bias_update_rate)."""
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (router = sigmoid; DeepSeek-V3 uses 0.001): after every optimizer step
+    each expert's selection bias moves by this toward balance, from the step's load over all tokens; 0 keeps
+    the bias as it is."""
+    router_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts split into this many equal groups; 1 is off."""
+    router_group_topk: int = 1
+    """With router_groups > 1: each token chooses among the experts of its best this-many groups (topk_group)."""
+    router_scale: float = 1.0
+    """Factor on the chosen experts' weights (DeepSeek-V3's routed_scaling_factor, 2.5 there)."""
+    seq_aux_loss_weight: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, per sequence (moe-gpt; DeepSeek-V3 uses 0.0001)."""
+    router_z_loss_weight: float = 0.0
+    """Weight of the router z-loss (ST-MoE): mean squared logsumexp of the router logits (moe-gpt)."""
     image_size: int = 8
     """Side of the square input image (vit)."""
     patch_size: int = 2
@@ -176,7 +193,7 @@ class ModelConfig:
             raise ConfigError(
                 f"model.capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or unset for dropless"
             )
-        _check_at_least("model.aux_loss_weight", self.aux_loss_weight, 0.0)
+        self._check_routing()
         for name in ("head_dim", "expert_hidden", "shared_expert_hidden"):
             if getattr(self, name) is not None:
                 _check_positive(f"model.{name}", getattr(self, name))
@@ -210,6 +227,36 @@ class ModelConfig:
             _check_positive("model.mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    def _check_routing(self) -> None:
+        for name in ("aux_loss_weight", "seq_aux_loss_weight", "router_z_loss_weight", "router_bias_update_rate"):
+            _check_at_least(f"model.{name}", getattr(self, name), 0.0)
+        _check_choice("model.router", self.router, ("softmax", "sigmoid"))
+        if self.router_bias_update_rate > 0 and self.router != "sigmoid":
+            raise ConfigError(
+                f"model.router_bias_update_rate={self.router_bias_update_rate} balances a sigmoid router's selection "
+                f"bias, but model.router={self.router!r}; set router='sigmoid' or router_bias_update_rate=0"
+            )
+        if not 0.0 < self.router_scale < math.inf:
+            raise ConfigError(f"model.router_scale={self.router_scale} must be > 0 (1 leaves the weights as they are)")
+        _check_positive("model.router_groups", self.router_groups)
+        if self.num_experts % self.router_groups:
+            raise ConfigError(
+                f"model.router_groups={self.router_groups} must divide model.num_experts={self.num_experts}; "
+                f"choose router_groups in {divisors(self.num_experts)}"
+            )
+        if not 1 <= self.router_group_topk <= self.router_groups:
+            raise ConfigError(
+                f"model.router_group_topk={self.router_group_topk} must be between 1 and model.router_groups="
+                f"{self.router_groups}"
+            )
+        reachable = self.router_group_topk * (self.num_experts // self.router_groups)
+        if self.router_groups > 1 and self.top_k > reachable:
+            raise ConfigError(
+                f"model.top_k={self.top_k} exceeds the {reachable} experts of model.router_group_topk="
+                f"{self.router_group_topk} groups of {self.num_experts // self.router_groups}; raise "
+                f"router_group_topk or lower top_k"
+            )
 
     def _check_rope_scaling(self) -> None:
         if not 1.0 <= self.rope_scale_factor < math.inf:

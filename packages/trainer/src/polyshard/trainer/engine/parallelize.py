@@ -119,6 +119,9 @@ class Engine:
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
     timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
+    pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
+    # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
+    expert_load: dict[int, Any] = field(default_factory=dict)
     _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
@@ -320,6 +323,8 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
                 replicate_axis=replicate_axis,
             )
         )
+    # No buffer broadcast before each forward: the models' buffers (a sigmoid router's bias) are replicated
+    # state every rank updates alike (engine.balance), and the replica check would not see a drift it hid.
     return DataParallel(
         stage,
         group=data_group,
@@ -329,6 +334,7 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
         axis=shard_axes,
         replicate_group=replicate_group,
         replicate_axis=replicate_axis,
+        broadcast_buffers=False,
     )
 
 
@@ -439,6 +445,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         optimizers,
         executor,
         _tied_group(config, mesh, schedule),
+        pipeline_layers=bounds[-1].stop,
     )
 
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel
+from polyshard.trainer.checkpointing.records import model_buffers
+from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.errors import ReplicaMismatchError
 
@@ -36,39 +38,55 @@ def checksum(tensors: Iterable[torch.Tensor]) -> int:
 
 def check_replicas(engine: Engine, step: int) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank when the replicas of any dp group hold different
-    parameters, naming the ranks that differ from their group's majority. One all-gather of one int64
-    per rank over dp, then one all-reduce of a per-rank flag over the world, so every rank stops at
-    the same check (a rank that went on alone would wait in the next collective forever).
+    parameters, or the ranks of one pipeline stage different buffers (a sigmoid router's bias, which
+    every rank updates alike), naming the ranks that differ from their group's majority. One
+    all-gather of one int64 per rank over dp (and one over the stage's ranks when the model has
+    buffers), then one all-reduce of a per-rank flag over the world, so every rank stops at the same
+    check (a rank that went on alone would wait in the next collective forever).
 
-    ZeRO-3 keeps no replicas (each dp rank holds its own rows), so there is nothing to compare."""
+    ZeRO-3 keeps no parameter replicas (each dp rank holds its own rows), so only buffers are compared."""
     par = engine.config.parallel
-    if par.dp == 1 or par.zero_stage == 3:
+    compare_parameters = par.dp > 1 and par.zero_stage < 3
+    stage_axes = (*par.replica_axes, "tp")  # every rank of a pipeline stage holds the same buffers
+    # Decided from the model, not this rank's stages (one may hold none): every rank joins the last all-reduce.
+    compare_buffers = engine.mesh.size(stage_axes) > 1 and bool(model_buffers(engine.config))
+    if not compare_parameters and not compare_buffers:
         return
-    mine = checksum(p for stage in engine.stages.values() for p in stage.parameters())
-    group = engine.mesh.group("dp")
-    sums = ops.all_gather(torch.tensor([mine], dtype=torch.int64, device=engine.device), 0, group).tolist()
-    ranks = engine.mesh.ranks_in_group("dp")
     # Per global rank: 1 differs from its group's majority, 2 its group has no majority.
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=engine.device)
-    if len(set(sums)) > 1:
-        majority, count = Counter(sums).most_common(1)[0]
-        for rank, value in zip(ranks, sums):
-            if count * 2 <= len(sums):
-                flags[rank] = 2
-            elif value != majority:
-                flags[rank] = 1
+    if compare_parameters:
+        mine = checksum(p for stage in engine.stages.values() for p in stage.parameters())
+        _flag_odd_ranks(engine, mine, ("dp",), flags)
+    buffers = [b for stage in engine.stages.values() for _, b in persistent_buffers(stage)]
+    if compare_buffers and buffers:  # the ranks of a stage hold the same layers: all or none of them gather
+        _flag_odd_ranks(engine, checksum(buffers), stage_axes, flags)
     ops.all_reduce(flags, op=dist.ReduceOp.MAX)
     odd, unsure = (torch.nonzero(flags == v).flatten().tolist() for v in (1, 2))
     if not odd and not unsure:
         return
-    who = f"rank(s) {odd} differ from the other replicas of their dp group" if odd else ""
+    who = f"rank(s) {odd} differ from the other replicas of their group" if odd else ""
     if unsure:
         who += ("; " if who else "") + f"ranks {unsure} disagree with no majority"
     raise ReplicaMismatchError(
-        f"step {step}: data-parallel replicas hold different parameters: {who}. A faulty device or a "
+        f"step {step}: replicas hold different parameters or buffers: {who}. A faulty device or a "
         f"missed reduction; this step was not saved. Resume from the last checkpoint, away from those ranks' "
         f"devices if the fault repeats"
     )
+
+
+def _flag_odd_ranks(engine: Engine, mine: int, axes: tuple[str, ...], flags: torch.Tensor) -> None:
+    """Gather each rank's checksum over the ``axes`` group and flag (in ``flags``, by global rank) the
+    ones that differ from the group's majority (1), or every rank of a group without one (2)."""
+    group = engine.mesh.group(axes)
+    sums = ops.all_gather(torch.tensor([mine], dtype=torch.int64, device=engine.device), 0, group).tolist()
+    if len(set(sums)) == 1:
+        return
+    majority, count = Counter(sums).most_common(1)[0]
+    for rank, value in zip(engine.mesh.ranks_in_group(axes), sums):
+        if count * 2 <= len(sums):
+            flags[rank] = max(int(flags[rank]), 2)
+        elif value != majority:
+            flags[rank] = max(int(flags[rank]), 1)
 
 
 def weights_finite(engine: Engine) -> bool:

@@ -1,9 +1,13 @@
-"""What a run writes next to its checkpoints: metrics.jsonl, loss.png, and the progress line.
+"""What a run writes next to its checkpoints: metrics.jsonl, loss.png (and expert_load.png for an MoE
+model), and the progress line.
 
 Rank 0 alone writes; every line of ``metrics.jsonl`` is one JSON object
 (step, loss, grad_norm, lr, tokens_per_s, model_flops_per_token,
 achieved_tflops_per_rank, mfu with its peak_tflops and peak_source (:mod:`.mfu`), peak memory per
-rank, and val_loss/accuracy when evaluated). With ``logging.tensorboard`` the same
+rank, and val_loss/accuracy when evaluated; for an MoE model each layer's ``moe/layer{i}/...`` load
+over the global step: tokens_per_expert, tokens_max, tokens_mean, max_over_mean, dropped_tokens, and
+bias_min/bias_max of a sigmoid router, see :mod:`polyshard.trainer.engine.balance`). With
+``logging.tensorboard`` the same
 records go to ``tensorboard/`` as scalars too.
 """
 
@@ -144,6 +148,37 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_expert_load(records: list[dict[str, Any]], path: Path) -> None:
+    """An MoE run's load per expert, as a PNG: left, each layer's busiest expert over the mean (1 is
+    balanced) against step; right, each layer's share of the tokens per expert in the last logged step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted({k.split("/")[1] for r in records for k in r if k.startswith("moe/")}, key=lambda n: int(n[5:]))
+    fig, (curve, bars) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    last: dict[str, Any] = next((r for r in reversed(records) if any(k.startswith("moe/") for k in r)), {})
+    for j, layer in enumerate(layers):
+        points = [(r["step"], r[f"moe/{layer}/max_over_mean"]) for r in records if f"moe/{layer}/max_over_mean" in r]
+        curve.plot(*zip(*points), label=layer)
+        counts = last.get(f"moe/{layer}/tokens_per_expert", [])
+        total = sum(counts) or 1
+        width = 0.8 / len(layers)
+        bars.bar([e + j * width for e in range(len(counts))], [c / total for c in counts], width, label=layer)
+    curve.axhline(1.0, color="grey", lw=0.8)
+    curve.set_xlabel("step")
+    curve.set_ylabel("tokens of the busiest expert / mean")
+    bars.set_xlabel("expert")
+    bars.set_ylabel(f"share of assignments, step {last.get('step', '?')}")
+    for ax in (curve, bars):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -2,7 +2,8 @@
 
 this data rank's batch -> pipeline forward/backward over microbatches (dp reduces once,
 overlapped with the last backward) -> finish gradient reductions -> one global norm clip ->
-optimizer step (skipped by every rank alike when the loss or the norm is not finite).
+optimizer step (skipped by every rank alike when the loss or the norm is not finite) -> the experts'
+load of the step, and the routers' balancing bias moved by it (MoE models).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from polyshard.collectives import ops
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.parallelize import Engine
@@ -83,10 +85,13 @@ def train_step(
     ops.all_reduce(sums)
     grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.config.parallel.replicas
     clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
-    if math.isfinite(loss) and math.isfinite(grad_norm):
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    if stepped:
         with keep_idle_experts(engine):
             for optimizer in engine.optimizers:
                 optimizer.step()
+    if spec_of(engine.config.model).has_experts:  # the step's load over every token; sigmoid routers rebalance
+        engine.expert_load = balance_experts(engine, stepped)
     if before_zero_grad is not None:
         before_zero_grad()
     engine.zero_grad()

@@ -33,13 +33,21 @@ from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine import compiling
+from polyshard.trainer.engine.balance import load_metrics
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.loop.evaluate import evaluate_batches
 from polyshard.trainer.loop.hooks import CompileLog, FaultInjection, Hook, ReplicaCheck
 from polyshard.trainer.loop.integrity import weights_finite
-from polyshard.trainer.loop.metrics import MetricsLog, Progress, model_flops_per_token, peak_memory_bytes, plot_losses
+from polyshard.trainer.loop.metrics import (
+    MetricsLog,
+    Progress,
+    model_flops_per_token,
+    peak_memory_bytes,
+    plot_expert_load,
+    plot_losses,
+)
 from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.profiling import StepProfiler
@@ -250,6 +258,7 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,
         }
+        record.update(load_metrics(self.engine.expert_load))  # MoE: each layer's load over the global step
         if len(self.train_data.sources) > 1:  # a mixture: the share of each source in the batches so far
             record["data_shares"] = self.train_data.shares()
         if self.nonfinite:
@@ -352,7 +361,10 @@ class Trainer:
                 state = consolidate(latest)
                 self.result.sample = sample_text(self.config, state, train.sample_tokens, tokenizer=self.tokenizer)
         if self.verbose:
-            plot_losses(self.metrics.records(), self.out / "loss.png")
+            records = self.metrics.records()
+            plot_losses(records, self.out / "loss.png")
+            if self.engine.expert_load:
+                plot_expert_load(records, self.out / "expert_load.png")
         return self.result
 
 

@@ -17,3 +17,8 @@ def init_weights(module: nn.Module, num_layers: int, generator: torch.Generator 
             nn.init.normal_(p, std=0.02 / (2 * num_layers) ** 0.5, generator=generator)
         else:
             nn.init.normal_(p, std=0.02, generator=generator)
+    # The layer was built on the meta device and moved with to_empty: its buffers hold garbage until set.
+    # The families' buffers (a sigmoid router's selection bias) start at zero.
+    for _, b in module.named_buffers():
+        if b.is_floating_point():
+            b.zero_()

@@ -96,6 +96,12 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
         renormalize=config.router_renormalize,
         capacity_factor=config.capacity_factor,
         aux_loss_coef=config.aux_loss_weight,
+        z_loss_coef=config.router_z_loss_weight,
+        seq_aux_loss_coef=config.seq_aux_loss_weight,
+        score=config.router,
+        groups=config.router_groups,
+        group_topk=config.router_group_topk,
+        scale=config.router_scale,
     )
     for block in model.layers[1:-1]:
         block.mlp = MoEMLP(
@@ -105,6 +111,22 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
             shared_gate=config.shared_expert_gate,
         )
     return model
+
+
+def routing_summary(model: ModelConfig) -> str:
+    """One line saying how tokens choose their experts, for ``--dry-run``."""
+    parts = [f"{model.router} top-{model.top_k} of {model.num_experts} experts"]
+    if model.router_groups > 1:
+        parts.append(f"within the best {model.router_group_topk} of {model.router_groups} groups")
+    if model.router == "sigmoid":
+        parts.append(f"selection bias moved {model.router_bias_update_rate:g} a step by the global load")
+    if model.router_scale != 1.0:
+        parts.append(f"weights x {model.router_scale:g}")
+    losses = {"switch": model.aux_loss_weight, "sequence-wise": model.seq_aux_loss_weight,
+              "z": model.router_z_loss_weight}  # fmt: skip
+    weighted = [f"{name} {weight:g}" for name, weight in losses.items() if weight > 0]
+    parts.append("balance losses: " + (", ".join(weighted) if weighted else "none"))
+    return "routing: " + "; ".join(parts)
 
 
 def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:

@@ -223,7 +223,11 @@ def check(config: Config) -> None:
 
 def check_model(model: ModelConfig) -> None:
     """Settings only an MoE model reads are refused rather than ignored."""
-    moe_only = {"expert_hidden": None, "shared_experts": 0, "shared_expert_hidden": None, "shared_expert_gate": False}
+    moe_only = {
+        "expert_hidden": None, "shared_experts": 0, "shared_expert_hidden": None, "shared_expert_gate": False,
+        "router": "softmax", "router_bias_update_rate": 0.0, "router_groups": 1, "router_group_topk": 1,
+        "router_scale": 1.0, "seq_aux_loss_weight": 0.0, "router_z_loss_weight": 0.0,
+    }  # fmt: skip
     for name, unset in moe_only.items():
         if getattr(model, name) != unset:
             raise ConfigError(
