@@ -281,3 +281,17 @@ def test_the_presets_are_the_families(preset, architecture, parameters):
     assert sum(p.numel() for p in theirs.parameters()) == parameter_count(model)
     if parameters is not None:
         assert parameter_count(model) == parameters
+
+
+def test_a_sigmoid_or_grouped_router_is_not_exported_as_a_softmax_family():
+    # Mixtral and Qwen-MoE route with softmax top-k over all experts: a model trained with DeepSeek's
+    # biased sigmoid router or group-limited choice would load there and compute something else.
+    from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.config import from_dict
+    from polyshard.trainer.models.hf import hf_config
+
+    mixtral = {"kind": "moe-gpt", "preset": "mixtral-tiny"}
+    assert hf_config(from_dict({"model": mixtral}).model)["model_type"] == "mixtral"
+    for routing in ({"router": "sigmoid"}, {"router_groups": 2, "router_group_topk": 2}):
+        with pytest.raises(CheckpointError, match="router"):
+            hf_config(from_dict({"model": {**mixtral, **routing}}).model)

@@ -33,7 +33,9 @@ from polyshard.trainer.models.gpt.llama import decoder_config, decoder_family, d
 from polyshard.trainer.models.gpt.qwen3 import check_all_sparse, check_full_attention
 from polyshard.trainer.models.hf_adapter import read_bool, read_int, read_number, require
 
-_BASE = {"kind": "moe-gpt", **LLAMA}
+# Softmax top-k over every expert: what these families compute (a sigmoid router with a selection bias,
+# DeepSeek's, or group-limited routing would need other files and are refused on export).
+_BASE = {"kind": "moe-gpt", **LLAMA, "router": "softmax", "router_groups": 1, "router_scale": 1.0}
 MIXTRAL_SHAPE: dict[str, object] = {
     **_BASE, "qkv_bias": False, "qk_norm": False, "shared_experts": 0, "router_renormalize": True,
 }  # fmt: skip
