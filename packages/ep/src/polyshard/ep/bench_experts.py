@@ -15,6 +15,7 @@ Two comparisons, each a forward + backward on the same rows and weights, timed a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,7 @@ def layer_vs_torch_ops(*, experts: int, tokens: int, hidden: int, ffn: int, top_
 
     def step(module: nn.Module) -> torch.Tensor:
         def run() -> torch.Tensor:
-            y, aux = module(x)
+            y, aux = cast(tuple[torch.Tensor, torch.Tensor], module(x))
             return y + aux  # the aux loss's gradient flows as in training
 
         return _fwd_bwd(run, params, target)
