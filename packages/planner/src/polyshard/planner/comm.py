@@ -24,7 +24,7 @@ Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the
 all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
 ``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
 scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
-engine.experts), and
+engine.experts) and every layer's load and bias over the world (engine.balance), and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
 
@@ -208,6 +208,11 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         rows = 8 * blocks * model.num_experts // par.ep
         out.append(Traffic("dp", "all_reduce", expert_replicas, rows, 1, "step"))
     out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
+    if spec_of(model).has_experts and par.world_size > 1:  # every layer's load and bias (engine.balance), fp64
+        pipeline_layers = model.num_layers + 2  # the embedding, the blocks, the head
+        out.append(
+            Traffic("world", "all_reduce", par.world_size, 8 * pipeline_layers * (2 * model.num_experts + 2), 1, "step")
+        )
     if spec_of(model).task is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
         out.append(Traffic("dp", "all_reduce", par.replicas, 8, 1, "step"))
     return out
