@@ -315,3 +315,13 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused(distributed, corpus, tmp
     message = distributed.run(1, _resume_with_the_other_optimizer, _config(corpus), tmp_path)[0]
     assert message is not None and "training.optimizer='muon' keeps ['momentum_buffer']" in message
     assert "['exp_avg', 'exp_avg_sq', 'step']" in message
+    # The launcher refuses it before any process starts, from the checkpoint's index alone.
+    from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.runtime.launch import prepare_launch
+
+    settings = dataclasses.asdict(_config(corpus))
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer='adamw', but this run sets 'muon'; resume with --set training.optimizer=adamw",
+    ):
+        prepare_launch(settings, out=tmp_path, nproc=1, resume=True)

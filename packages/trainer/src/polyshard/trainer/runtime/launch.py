@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint
+from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, read_index
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
@@ -104,7 +104,8 @@ def prepare_launch(
         find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give the folder the run writes into")
-    if resume and latest_checkpoint(out / "checkpoints") is None:
+    latest = latest_checkpoint(out / "checkpoints") if resume else None
+    if resume and latest is None:
         raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start")
     if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
         nproc = from_dict(settings).parallel.world_size // low
@@ -120,6 +121,8 @@ def prepare_launch(
     if hf_folder is not None:
         # config.json against the settings, then every weight file's header: names, shapes, dtypes.
         HFSource(hf_folder, config)
+    if latest is not None:
+        _check_same_optimizer(config, latest)
     spec_of(config.model).task.check_data(config)
     faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     if hf_folder is not None:
@@ -127,6 +130,19 @@ def prepare_launch(
     elif init_from is not None:
         init_from = str(Path(init_from).resolve())
     return Launch(dict(settings), config, out, nproc, nodes, resume, init_from, layout_notes(config), prediction)
+
+
+def _check_same_optimizer(config: Config, folder: Path) -> None:
+    """A resumed run continues the optimizer state it saved: AdamW's moments are no Muon momentum.
+    Read from the index alone (the files are verified when the workers open them)."""
+    settings = read_index(folder).get("config")
+    training = settings.get("training") if isinstance(settings, dict) else None
+    saved = training.get("optimizer", "adamw") if isinstance(training, dict) else "adamw"
+    if saved != config.training.optimizer:
+        raise CheckpointError(
+            f"--resume: {folder} holds the optimizer state of training.optimizer={saved!r}, but this run "
+            f"sets {config.training.optimizer!r}; resume with --set training.optimizer={saved}"
+        )
 
 
 def read_resolved(path: str | Path, world_size: int | None = None) -> Config:
