@@ -13,6 +13,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
+from tests.trainer._short import short_training
 
 STEPS = 4
 # Inductor fuses elementwise work and reorders float32 sums inside a block (its kernels against eager's):
@@ -32,15 +33,7 @@ def _config(corpus, kind="gpt", compiled=False, training=None, document_mask=Fal
         {
             "model": {"kind": kind, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **LLAMA},
             "parallel": parallel,
-            "training": {
-                "steps": STEPS,
-                "global_batch_size": 8,
-                "warmup_steps": 2,
-                "eval_every": 0,
-                "sample_tokens": 0,
-                "compile": compiled,
-                **(training or {}),
-            },
+            "training": short_training(STEPS, compile=compiled, **(training or {})),
             "data": {"source": corpus, "document_mask": document_mask},
             "logging": {"progress_bar": False},
         }

@@ -14,6 +14,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
+from tests.trainer._short import short_training
 
 STEPS = 6
 # Dense layouts differ from one process only in the order float32 sums are taken
@@ -45,13 +46,7 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llam
                 **(LLAMA if llama else {}),
             },
             "parallel": parallel,
-            "training": {
-                "steps": STEPS,
-                "global_batch_size": 8,
-                "warmup_steps": 2,
-                "eval_every": 0,
-                "sample_tokens": 0,
-            },
+            "training": short_training(STEPS),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

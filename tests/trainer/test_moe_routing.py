@@ -20,6 +20,7 @@ import torch
 from polyshard.ep import MoELayer
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
+from tests.trainer._short import short_training
 
 STEPS = 6
 # Layouts change only the order of float32 sums (all-reduces, the experts' grouped rows, tp's
@@ -63,13 +64,7 @@ def _config(corpus, rule, capacity_factor=None, **parallel):
                 **model,
             },
             "parallel": parallel,
-            "training": {
-                "steps": STEPS,
-                "global_batch_size": 8,
-                "warmup_steps": 2,
-                "eval_every": 0,
-                "sample_tokens": 0,
-            },
+            "training": short_training(STEPS),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from polyshard.trainer.config import from_dict
+from tests.trainer._short import short_training
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS, _train
 
 ARCH = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
@@ -30,14 +31,7 @@ def _config(corpus, model, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **MODELS[model]},
             "parallel": parallel,
-            "training": {
-                "steps": STEPS,
-                "global_batch_size": 8,
-                "warmup_steps": 2,
-                "eval_every": 0,
-                "sample_tokens": 0,
-                "weight_decay": 0.1,
-            },  # fmt: skip
+            "training": short_training(STEPS, weight_decay=0.1),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }
