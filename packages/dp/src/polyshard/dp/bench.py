@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -130,14 +130,13 @@ def bench_zero1(iters: int) -> Record:
     )
 
 
-def bench_fsdp(iters: int) -> Record:
-    from torch.distributed.device_mesh import init_device_mesh
+def _against_fsdp2(case: str, ours_model: FullyShardedDataParallel, device_mesh: Any, iters: int) -> Record:
+    """``ours_model`` against the same model under FSDP2's ``fully_shard`` (per block, then the root) on
+    ``device_mesh``: a 1-D mesh shards over it, a 2-D one replicates over dim 0 and shards over dim 1."""
     from torch.distributed.fsdp import fully_shard
 
-    ours_model = FullyShardedDataParallel(make_model(), group=_world())
     ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
     peer_model = make_model()
-    device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in peer_model:
         fully_shard(block, mesh=device_mesh)
     fully_shard(peer_model, mesh=device_mesh)
@@ -146,13 +145,21 @@ def bench_fsdp(iters: int) -> Record:
     match = losses_match(ours, peer)
     ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
     return comparison_record(
-        f"ZeRO-3 vs FSDP2 dp={dist.get_world_size()}",
+        case,
         ours_s,
         peer_s,
         match,
         ours_held_bytes=bytes_held(ours_model, ours_opt).total,
         peer_held_bytes=held_bytes([peer_model], [peer_opt]),
     )
+
+
+def bench_fsdp(iters: int) -> Record:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ours_model = FullyShardedDataParallel(make_model(), group=_world())
+    device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return _against_fsdp2(f"ZeRO-3 vs FSDP2 dp={dist.get_world_size()}", ours_model, device_mesh, iters)
 
 
 HSDP_SHARD = 2
@@ -162,7 +169,6 @@ HSDP_SHARD = 2
 def bench_hsdp(iters: int) -> Record:
     """Hybrid ZeRO-3 (shard inside groups of :data:`HSDP_SHARD`, all-reduce across them) vs FSDP2's HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
     replicas = world // HSDP_SHARD
@@ -174,24 +180,9 @@ def bench_hsdp(iters: int) -> Record:
         axis="dp_shard",
         replicate_axis="dp_replicate",
     )
-    ours_opt = ZeroOptimizer(torch.optim.AdamW(ours_model.parameters(), lr=LR), ours_model)
-    peer_model = make_model()
     device_mesh = init_device_mesh("cpu", (replicas, HSDP_SHARD), mesh_dim_names=("dp_replicate", "dp_shard"))
-    for block in peer_model:
-        fully_shard(block, mesh=device_mesh)  # a 2-D mesh: FSDP2 replicates over dim 0, shards over dim 1
-    fully_shard(peer_model, mesh=device_mesh)
-    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
-    ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
-    match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
-    return comparison_record(
-        f"hybrid ZeRO-3 vs FSDP2 HSDP dp={world} (dp_shard={HSDP_SHARD})",
-        ours_s,
-        peer_s,
-        match,
-        ours_held_bytes=bytes_held(ours_model, ours_opt).total,
-        peer_held_bytes=held_bytes([peer_model], [peer_opt]),
-    )
+    case = f"hybrid ZeRO-3 vs FSDP2 HSDP dp={world} (dp_shard={HSDP_SHARD})"
+    return _against_fsdp2(case, ours_model, device_mesh, iters)
 
 
 def run_all(iters: int) -> list[Record]:
