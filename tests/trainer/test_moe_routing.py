@@ -21,6 +21,7 @@ from polyshard.ep import MoELayer
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from tests.trainer._short import short_training
+from tests.trainer.test_e2e_parity import _stop_and_resume
 
 STEPS = 6
 # Layouts change only the order of float32 sums (all-reduces, the experts' grouped rows, tp's
@@ -174,17 +175,6 @@ def test_the_rules_route_differently(one_process):
     # The table above would pass with a rule silently ignored: the four rules must give four runs.
     runs = [one_process(rule)[0] for rule in RULES]
     assert len({tuple(r) for r in runs}) == len(RULES)
-
-
-def _stop_and_resume(config, out):
-    from polyshard.trainer.loop import train
-
-    mesh = Mesh(config.parallel.mesh_axes)
-    whole = train(config, mesh, out / "whole", log=False).losses
-    half = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=STEPS // 2))
-    train(half, mesh, out / "split", log=False)
-    resumed = train(config, mesh, out / "split", log=False, resume=True).losses
-    return whole, resumed
 
 
 def _saved_biases(folder, step=STEPS):
