@@ -20,7 +20,7 @@ from polyshard.tp import (
     VocabParallel,
     gather_full_tensor,
 )
-from polyshard.tp.transformer import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
+from polyshard.models.common import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
 
 
 class GPT(nn.Module):

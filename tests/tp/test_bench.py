@@ -5,7 +5,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from polyshard.mesh import Mesh
 from polyshard.tp import bench
-from polyshard.tp.transformer import MLP, Block
+from polyshard.models.common import MLP, Block
 
 
 def _cases():

@@ -227,7 +227,7 @@ def test_a_batch_without_document_ids_is_named():
 
 
 def test_positions_restart_at_each_document():
-    from polyshard.tp.transformer import document_positions
+    from polyshard.models.common import document_positions
 
     segments = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
     assert document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyshard.tp.transformer import RopeScaling, rope_frequencies, rotate
+from polyshard.models.common import RopeScaling, rope_frequencies, rotate
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.models import build_model
 

@@ -17,7 +17,7 @@ expert's width, and its shared experts' SwiGLU (every token) counts like a dense
 
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
 sequence (÷ cp). With full activation checkpointing a block keeps its input alone, and one block's
-insides live again while it is recomputed. Selective checkpointing (:mod:`polyshard.tp.recompute`)
+insides live again while it is recomputed. Selective checkpointing (:mod:`polyshard.models.common.recompute`)
 keeps the input and every matmul and attention-kernel output, and recomputes the rest::
 
     input           h·4, the float32 residual stream (÷ tp under SP)

@@ -99,7 +99,7 @@ def _forward_backward(block: torch.nn.Module, x: torch.Tensor) -> None:
 def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s: float) -> tuple[float, float]:
     """(GB/s of saved bytes, fixed seconds) of a GPT block of width h beyond its matmuls, from its forward
     and backward on 4 and on 16 sequences of 64 tokens: the line through the two."""
-    from polyshard.tp.transformer import Block
+    from polyshard.models.common import Block
 
     seq, block = 64, Block(h, h // 16)
     points = []

@@ -2,7 +2,7 @@
 
 :mod:`polyshard.cp` does the attention; this module puts it in place on the layers a rank builds:
 
-* every :class:`~polyshard.tp.transformer.Attention` gets a :class:`ContextParallelCore` instead of
+* every :class:`~polyshard.models.common.Attention` gets a :class:`ContextParallelCore` instead of
   its ``CoreAttention`` (ring or all-gather attention over the cp group), and the global positions
   of this rank's tokens for its rotary embeddings;
 * the token embedding gets the same positions for its learned position table (GPT-2);
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.cp import context_parallel_attention, position_ids, shard_sequence
-from polyshard.tp.transformer import Attention, CoreAttention
+from polyshard.models.common import Attention, CoreAttention
 from polyshard.trainer.models.gpt import Embedding
 
 

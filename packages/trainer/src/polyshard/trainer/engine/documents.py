@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from polyshard.tp.transformer import Block, Documents, document_positions
+from polyshard.models.common import Block, Documents, document_positions
 from polyshard.trainer.models.gpt import Embedding
 
 

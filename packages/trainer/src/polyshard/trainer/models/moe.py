@@ -18,7 +18,7 @@ from torch import nn
 from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
-from polyshard.tp.transformer import SwiGLU
+from polyshard.models.common import SwiGLU
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.gpt import model as gpt

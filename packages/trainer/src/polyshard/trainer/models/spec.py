@@ -36,7 +36,7 @@ from polyshard.tp import (
 )
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models.init import init_weights
+from polyshard.models.common.initialise import init_weights
 from polyshard.trainer.models.tasks import Task
 
 
@@ -80,7 +80,7 @@ class ModelSpec:
     has_experts: bool = False
     """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp x cp."""
     context_parallel: bool = False
-    """Its attention layers (:class:`polyshard.tp.transformer.Attention`) may be split over a cp axis:
+    """Its attention layers (:class:`polyshard.models.common.Attention`) may be split over a cp axis:
     a causal language model whose sequence polyshard.cp can shard."""
     init: Callable[[nn.Module, int, torch.Generator | None], None] = init_weights
     """Initialise one pipeline layer in place: (layer, num_layers, generator)."""

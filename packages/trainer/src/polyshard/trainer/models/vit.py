@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from polyshard.mesh import divisors
-from polyshard.tp.transformer import Block
+from polyshard.models.common import Block
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from polyshard.tp import SequenceParallel, VocabParallel
-from polyshard.tp.transformer import Block, Documents, RopeScaling, norm_layer
+from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models.spec import (

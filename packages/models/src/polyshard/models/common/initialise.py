@@ -1,4 +1,4 @@
-"""The initialisation rule of the trainer's models (their blocks are :mod:`polyshard.tp.transformer`'s)."""
+"""The initialisation rule of the families' models: GPT-2's, by parameter name."""
 
 from __future__ import annotations
 
