@@ -1,5 +1,6 @@
 """Communication volumes in the byte ledger: the ring moves cp - 1 K/V blocks per rank forward
-(and cp - 1 K/V plus cp dK/dV blocks backward); the all-gather moves (cp - 1)/cp of K and V."""
+(and cp - 1 K/V plus cp dK/dV blocks backward); the all-gather moves (cp - 1)/cp of K and V; Ulysses
+all-to-alls Q, K, V and the output, sending (cp - 1)/cp of each, and the same again backward."""
 
 import pytest
 import torch
@@ -24,15 +25,15 @@ def _volumes(style):
     for name, ledger in (("forward", forward), ("backward", backward)):
         views[name] = {
             op: (ledger.calls(op), ledger.total(op), ledger.wire(op))
-            for op in ("send", "recv", "all_gather", "reduce_scatter")
+            for op in ("send", "recv", "all_gather", "reduce_scatter", "all_to_all")
         }
         views[name]["all"] = ledger.calls()
-    return kv_elements, views
+    return kv_elements, views, q.numel()
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_volumes(distributed, cp):
-    for kv_elements, views in distributed.run(cp, _volumes, "ring"):
+    for kv_elements, views, _ in distributed.run(cp, _volumes, "ring"):
         kv_bf16, kv_f32 = 2 * kv_elements, 4 * kv_elements
         fwd, bwd = views["forward"], views["backward"]
         # Forward: one packed K/V transfer per step but the last.
@@ -46,7 +47,7 @@ def test_ring_volumes(distributed, cp):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_allgather_volumes(distributed, cp):
-    for kv_elements, views in distributed.run(cp, _volumes, "allgather"):
+    for kv_elements, views, _ in distributed.run(cp, _volumes, "allgather"):
         full_kv_bf16 = cp * 2 * kv_elements  # the gathered K and V of the whole sequence
         fwd, bwd = views["forward"], views["backward"]
         calls, size, wire = fwd["all_gather"]
@@ -88,3 +89,15 @@ def test_ring_posts_the_next_block_before_computing(distributed):
     # step has nothing left to send.
     for posted in distributed.run(4, _ring_posts_before_computing):
         assert posted == [1, 2, 3, 3]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_volumes(distributed, cp):
+    for kv_elements, views, q_elements in distributed.run(cp, _volumes, "ulysses"):
+        copies = max(1, cp // 2)  # 2 kv heads: on 4 ranks each is repeated twice before the all-to-all
+        moved = 2 * (2 * q_elements + copies * kv_elements)  # bf16 Q, K, V in and the output (as Q) back
+        for phase in ("forward", "backward"):  # backward: dO in, dQ, dK, dV back, each in bf16
+            calls, size, wire = views[phase]["all_to_all"]
+            assert calls == 4 and size == moved, phase
+            assert wire == pytest.approx((cp - 1) / cp * moved), phase  # 1/cp of each stays on this rank
+            assert views[phase]["all"] == 4, phase

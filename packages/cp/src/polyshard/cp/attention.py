@@ -9,12 +9,16 @@ An attention layer that calls SDPA swaps it for this module and changes nothing 
 its input tokens were sharded with ``shard_sequence`` and its rotary positions came from
 ``position_ids``::
 
-    core = ContextParallelAttention(mesh.group("cp"))              # style="ring" or "allgather"
+    core = ContextParallelAttention(mesh.group("cp"))              # style="ring", "allgather" or "ulysses"
     y = core(q, k, v, is_causal=True)                             # instead of F.scaled_dot_product_attention
 
 Packed rows of several documents (document masking): pass ``segments``, each local token's document
 index within its row (B, S), sharded with ``shard_sequence`` like the tokens; attention then stays
 inside each document, and blocks of keys no query may see are skipped.
+
+The 2-D scheme (``style="ulysses+ring"``): ``group`` is the all-to-all (Ulysses) group of neighbouring
+cp ranks and ``ring_group`` the ranks of the same Ulysses index (:func:`~polyshard.cp.groups.ulysses_ring_groups`
+makes both); the tokens are sharded over the whole cp group as for the other styles.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from polyshard.collectives import eager
 from polyshard.cp.allgather import allgather_attention
 from polyshard.cp.errors import ContextParallelError
 from polyshard.cp.ring import ring_attention
+from polyshard.cp.ulysses import sdpa_core, ulysses_attention
 from polyshard.mesh import divisors
 
-Style = Literal["ring", "allgather"]
+Style = Literal["ring", "allgather", "ulysses", "ulysses+ring"]
 STYLES: tuple[str, ...] = get_args(Style)
 
 
@@ -94,6 +99,7 @@ def context_parallel_attention(
     style: Style = "ring",
     scale: float | None = None,
     segments: torch.Tensor | None = None,
+    ring_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by ``group`` (None: the world).
 
@@ -101,7 +107,10 @@ def context_parallel_attention(
     :func:`~polyshard.cp.sharding.shard_sequence` lays them out; returns this rank's (B, N, S, E)
     output in the same layout, equal to ``scaled_dot_product_attention(..., is_causal=causal,
     enable_gqa=True)`` on the full sequence followed by ``shard_sequence``. ``scale`` defaults to
-    1/sqrt(D). ``style="ring"`` passes K/V round the group; ``"allgather"`` gathers them once.
+    1/sqrt(D). ``style="ring"`` passes K/V round the group; ``"allgather"`` gathers them once;
+    ``"ulysses"`` turns the sequence split into a head split with all-to-alls around SDPA (the heads must
+    divide over the group, :func:`~polyshard.cp.ulysses.kv_copies`); ``"ulysses+ring"`` does that over
+    ``group`` and runs ring attention over ``ring_group`` on its heads (see the module docstring).
     Gradients flow to q, k and v (each rank gets those of its own chunks). ``segments`` (B, S) int:
     the local tokens' documents (non-decreasing along each full row), sharded like q; a query then
     sees only keys of its own document (and, causal, not after it), and fully masked blocks are skipped.
@@ -112,7 +121,20 @@ def context_parallel_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if style == "ring":
         return ring_attention(q, k, v, group, causal, scale, segments)
-    return allgather_attention(q, k, v, group, causal, scale, segments)
+    if style == "allgather":
+        return allgather_attention(q, k, v, group, causal, scale, segments)
+    if style == "ulysses":
+        return ulysses_attention(q, k, v, group, sdpa_core(causal=causal, scale=scale), segments)
+    if ring_group is None:
+        raise ContextParallelError(
+            "style='ulysses+ring' needs ring_group, the ranks that share this rank's Ulysses index "
+            "(polyshard.cp.ulysses_ring_groups makes it and group)"
+        )
+
+    def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, every: torch.Tensor | None) -> torch.Tensor:
+        return ring_attention(q, k, v, ring_group, causal, scale, every)
+
+    return ulysses_attention(q, k, v, group, ring, segments)
 
 
 class ContextParallelAttention(nn.Module):
@@ -125,11 +147,17 @@ class ContextParallelAttention(nn.Module):
     accepted and needs not be set.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, style: Style = "ring"):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        style: Style = "ring",
+        ring_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__()
         if style not in STYLES:
             raise ContextParallelError(f"style={style!r} is unknown; choose one of {STYLES}")
-        self.group, self.style = group, style
+        self.group, self.style, self.ring_group = group, style, ring_group
 
     def forward(
         self,
@@ -155,8 +183,18 @@ class ContextParallelAttention(nn.Module):
                 "parallelism; set the attention dropout to 0"
             )
         return context_parallel_attention(
-            query, key, value, self.group, causal=is_causal, style=self.style, scale=scale, segments=segments
+            query,
+            key,
+            value,
+            self.group,
+            causal=is_causal,
+            style=self.style,
+            scale=scale,
+            segments=segments,
+            ring_group=self.ring_group,
         )
 
     def extra_repr(self) -> str:
-        return f"style={self.style!r}, cp={dist.get_world_size(self.group)}"
+        if self.ring_group is None:
+            return f"style={self.style!r}, cp={dist.get_world_size(self.group)}"
+        return f"style={self.style!r}, cp={dist.get_world_size(self.group)}x{dist.get_world_size(self.ring_group)}"

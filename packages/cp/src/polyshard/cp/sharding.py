@@ -85,3 +85,10 @@ def to_sequence_order(gathered: torch.Tensor, dim: int, cp: int) -> torch.Tensor
     slots = gathered.chunk(2 * cp, dim=dim)  # slot 2r holds chunk r, slot 2r+1 holds chunk 2cp-1-r
     slot_of = [2 * c if c < cp else 2 * (2 * cp - 1 - c) + 1 for c in range(2 * cp)]
     return torch.cat([slots[s] for s in slot_of], dim=dim)
+
+
+def to_rank_order(ordered: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """The inverse of :func:`to_sequence_order`: 2 cp chunks in sequence order -> each rank's two
+    chunks r and 2cp-1-r, rank after rank (what each rank of an all-to-all must get back)."""
+    chunks = ordered.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for r in range(cp) for c in rank_chunks(r, cp)], dim=dim)
