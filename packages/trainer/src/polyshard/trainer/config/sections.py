@@ -304,6 +304,9 @@ class ModelConfig:
         return self.shared_experts * (self.shared_expert_hidden or self.expert_width)
 
 
+CP_STYLES = ("ring", "allgather", "ulysses", "ulysses+ring")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     dp: int = 1
@@ -325,7 +328,13 @@ class ParallelConfig:
     experts' over dp x cp. MoE layers compute their aux losses over the cp group's tokens."""
     cp_style: str = "ring"
     """How context-parallel attention sees the other ranks' keys and values: 'ring' (passed round the cp
-    ranks, overlapped with compute) or 'allgather' (gathered once per layer; Llama 3's choice for GQA)."""
+    ranks, overlapped with compute), 'allgather' (gathered once per layer; Llama 3's choice for GQA),
+    'ulysses' (all-to-alls turn the sequence split into a head split around the attention core; the heads
+    after tp must divide by cp) or 'ulysses+ring' (all-to-all over cp_ulysses neighbouring cp ranks, ring
+    across them: for more cp ranks than heads)."""
+    cp_ulysses: int | None = None
+    """With cp_style 'ulysses+ring': the cp ranks of each all-to-all group (a divisor of cp between 1 and
+    cp); the ring spans cp / cp_ulysses. Unused by the other styles."""
     sequence_parallel: bool = False
     """Keep activations between tensor-parallel regions sharded along the sequence."""
     zero_stage: int = 0
@@ -345,7 +354,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
-        _check_choice("parallel.cp_style", self.cp_style, ("ring", "allgather"))
+        _check_choice("parallel.cp_style", self.cp_style, CP_STYLES)
+        self._check_cp_ulysses()
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
@@ -365,6 +375,24 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
                 f"(or 'zb-v' / 'dualpipev' with 2; got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
+            )
+
+    def _check_cp_ulysses(self) -> None:
+        if self.cp_style != "ulysses+ring":
+            if self.cp_ulysses is not None:
+                raise ConfigError(
+                    f"parallel.cp_ulysses={self.cp_ulysses} applies to cp_style 'ulysses+ring' only (got "
+                    f"{self.cp_style!r}); remove cp_ulysses or set cp_style = 'ulysses+ring'"
+                )
+            return
+        inner = [d for d in divisors(self.cp) if 1 < d < self.cp]
+        if self.cp_ulysses is None or self.cp_ulysses not in inner:
+            fix = (
+                f"choose cp_ulysses in {inner}" if inner else "use cp_style 'ulysses' or 'ring' (cp has no such split)"
+            )
+            raise ConfigError(
+                f"parallel.cp_style='ulysses+ring' needs parallel.cp_ulysses, the all-to-all part of cp={self.cp}: a "
+                f"divisor of cp between 1 and cp (got {self.cp_ulysses}); {fix}"
             )
 
     def _check_dp_shard(self) -> None:
