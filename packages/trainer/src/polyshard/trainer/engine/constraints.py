@@ -144,6 +144,28 @@ def _check_context(config: Config) -> None:
             f"sequence parallelism splits each cp rank's {sequence_length(model) // par.cp} positions over "
             f"tp={par.tp}; choose another tp or cp, or turn parallel.sequence_parallel off"
         )
+    _check_ulysses_heads(config)
+
+
+def _check_ulysses_heads(config: Config) -> None:
+    """Ulysses splits each tp rank's heads over its all-to-all group: the query heads must divide by it,
+    the kv heads divide by it or it by them (then each is repeated, as tp replicates them)."""
+    model, par = config.model, config.parallel
+    if par.cp_style not in ("ulysses", "ulysses+ring"):
+        return
+    ulysses = par.cp if par.cp_style == "ulysses" else (par.cp_ulysses or 1)
+    heads, kv = model.num_heads // par.tp, max(1, model.kv_heads // par.tp)  # after tp (kv replicated past tp)
+    valid = [d for d in divisors(heads) if kv % d == 0 or d % kv == 0]
+    if heads % ulysses == 0 and (kv % ulysses == 0 or ulysses % kv == 0):
+        return
+    what = f"cp={par.cp}" if par.cp_style == "ulysses" else f"cp_ulysses={par.cp_ulysses}"
+    two_d = [d for d in valid if d > 1 and par.cp % d == 0 and d < par.cp]
+    other = f", or cp_style 'ulysses+ring' with cp_ulysses in {two_d}" if two_d else ""
+    raise ConfigError(
+        f"parallel.{what} with cp_style {par.cp_style!r} splits each tp rank's {heads} query and {kv} key/value "
+        f"heads (model.num_heads={model.num_heads}, num_kv_heads={model.kv_heads}, tp={par.tp}) over {ulysses} "
+        f"ranks; the all-to-all group's size must be in {valid}{other}, or use cp_style 'ring'"
+    )
 
 
 def _check_documents(config: Config) -> None:

@@ -3,8 +3,10 @@
 :mod:`polyshard.cp` does the attention; this module puts it in place on the layers a rank builds:
 
 * every :class:`~polyshard.models.common.Attention` gets a :class:`ContextParallelCore` instead of
-  its ``CoreAttention`` (ring or all-gather attention over the cp group), and the global positions
-  of this rank's tokens for its rotary embeddings;
+  its ``CoreAttention`` (ring or all-gather attention over the cp group), or for Ulysses an
+  :class:`UlyssesCore` that keeps the model's own core and runs it on whole sequences of the heads
+  the all-to-all hands this rank (over a ring for the 2-D scheme), and the global positions of this
+  rank's tokens for its rotary embeddings;
 * the token embedding gets the same positions for its learned position table (GPT-2);
 * :func:`local_tokens` keeps this rank's two load-balanced chunks of a batch's inputs and targets
   (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.cp import context_parallel_attention, position_ids, shard_sequence
+from polyshard.cp import context_parallel_attention, position_ids, ring_attention, shard_sequence, ulysses_attention
 from polyshard.models.common import Attention, CoreAttention
 from polyshard.trainer.models.gpt import Embedding
 
@@ -50,17 +52,54 @@ class ContextParallelCore(nn.Module):
         return f"style={self.style}, causal={self.causal}, cp={dist.get_world_size(self.group)}"
 
 
+class UlyssesCore(nn.Module):
+    """The model's own core on this rank's heads of the whole sequence: all-to-alls over ``group`` turn
+    the (B, N, 2C, D) sequence chunks into (B, N/u, S, D) head shards and back (polyshard.cp.ulysses).
+    With ``ring_group`` (the 2-D scheme) the sequence the all-to-all gathers is still this ring rank's
+    two chunks, and ring attention over ``ring_group`` takes the core's place."""
+
+    def __init__(self, group: dist.ProcessGroup, inner: CoreAttention, ring_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.group, self.inner, self.ring_group = group, inner, ring_group
+
+    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        return ring_attention(q, k, v, self.ring_group, self.inner.causal, q.shape[-1] ** -0.5, segments)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        core = self.inner if self.ring_group is None else self._ring
+        return ulysses_attention(q, k, v, self.group, core, segments)
+
+    def extra_repr(self) -> str:
+        ring = "" if self.ring_group is None else f", ring={dist.get_world_size(self.ring_group)}"
+        return f"ulysses={dist.get_world_size(self.group)}{ring}"
+
+
 def apply_context_parallel(
-    model: nn.Module, group: dist.ProcessGroup, style: str, sequence_length: int, device: torch.device | str
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    style: str,
+    sequence_length: int,
+    device: torch.device | str,
+    *,
+    ulysses_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
 ) -> None:
-    """Swap every attention's inner product for the cp one and give positions to the layers that use them."""
+    """Swap every attention's inner product for the cp one and give positions to the layers that use them.
+    ``ulysses_groups``: this rank's (all-to-all group, ring group) for style 'ulysses+ring'."""
     positions = position_ids(sequence_length, group, device)
     for module in model.modules():
         if isinstance(module, Attention):
             core = module.core
             assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
-            # polyshard.tp types core as the CoreAttention it builds; this module takes (q, k, v) alike.
-            module.core = ContextParallelCore(group, causal=core.causal, style=style)  # type: ignore[assignment]
+            # polyshard.tp types core as the CoreAttention it builds; these modules take (q, k, v) alike.
+            if style == "ulysses":
+                module.core = UlyssesCore(group, core)  # type: ignore[assignment]
+            elif style == "ulysses+ring":
+                assert ulysses_groups is not None  # build_engine makes them for this style
+                module.core = UlyssesCore(ulysses_groups[0], core, ring_group=ulysses_groups[1])  # type: ignore[assignment]
+            else:
+                module.core = ContextParallelCore(group, causal=core.causal, style=style)  # type: ignore[assignment]
             module.positions = positions
         elif isinstance(module, Embedding):
             module.positions = positions

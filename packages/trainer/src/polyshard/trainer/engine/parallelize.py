@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.cp import position_ids
+from polyshard.cp import position_ids, ulysses_ring_groups
 from polyshard.dp import (
     DataParallel,
     DataParallelWrapper,
@@ -411,7 +412,13 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     model.layers = nn.ModuleDict({str(i): cast(nn.ModuleList, full.layers)[i] for i in owned})
     del full, skeleton
     if par.cp > 1:
-        apply_context_parallel(model, mesh.group("cp"), par.cp_style, sequence_length(config.model), device)
+        ulysses_groups = None
+        if par.cp_style == "ulysses+ring" and par.cp_ulysses is not None:  # collective: every rank, same order
+            timeout = datetime.timedelta(seconds=par.timeout_s)
+            ulysses_groups = ulysses_ring_groups(mesh.layout.groups("cp"), par.cp_ulysses, timeout=timeout)
+        apply_context_parallel(
+            model, mesh.group("cp"), par.cp_style, sequence_length(config.model), device, ulysses_groups=ulysses_groups
+        )
     aliases = tied_names(config.model)
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
