@@ -55,7 +55,10 @@ def test_mismatched_dtype_and_unknown_style():
     q, k, v = _qkv()
     with pytest.raises(ContextParallelError, match="share dtype and device"):
         context_parallel_attention(q, k.double(), v)
-    with pytest.raises(ContextParallelError, match=r"style='tree' is unknown; choose one of \('ring', 'allgather', 'ulysses', 'ulysses\+ring'\)"):
+    with pytest.raises(
+        ContextParallelError,
+        match=r"style='tree' is unknown; choose one of \('ring', 'allgather', 'ulysses', 'ulysses\+ring'\)",
+    ):
         context_parallel_attention(q, k, v, style="tree")
     with pytest.raises(ContextParallelError, match="style='tree' is unknown"):
         ContextParallelAttention(style="tree")

@@ -155,6 +155,10 @@ LAYOUTS = [
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     pytest.param(2, {"cp": 2}, id="cp2-ring"),
     pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+    # Ulysses gathers each row's document ids for the model's core; the 2-D scheme's ring masks its blocks
+    pytest.param(2, {"cp": 2, "cp_style": "ulysses"}, id="cp2-ulysses"),
+    pytest.param(4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}, id="cp2x2-ulysses-ring"),
+    pytest.param(4, {"cp": 2, "tp": 2, "cp_style": "ulysses"}, id="cp2xtp2-ulysses", marks=pytest.mark.long),
     *SELECTIVE,
     pytest.param(8, {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}, id="dp2xcp2xtp2", marks=pytest.mark.long),
 ]
@@ -173,6 +177,7 @@ def test_masked_packed_rows_match_each_document_alone(distributed, world, parall
         pytest.param(1, {}, id="one-process"),
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(2, {"ep": 2, "activation_checkpointing": "selective"}, id="ep2-selective"),
+        pytest.param(4, {"ep": 2, "cp": 2, "cp_style": "ulysses"}, id="ep2xcp2-ulysses"),
     ],
 )
 def test_moe_masked_packed_rows_match_each_document_alone(distributed, world, parallel):
@@ -193,6 +198,7 @@ def _masked_and_plain(config):
         pytest.param(1, {}, id="one-process"),
         pytest.param(2, {"cp": 2}, id="cp2-ring"),
         pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+        pytest.param(2, {"cp": 2, "cp_style": "ulysses"}, id="cp2-ulysses"),
         *SELECTIVE,
     ],
 )

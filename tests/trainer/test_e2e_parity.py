@@ -146,6 +146,11 @@ CP_LAYOUTS = [
     (4, {"cp": 2, "dp": 2}, "cp2xdp2"),
     (4, {"cp": 2, "pp": 2, "microbatches": 2}, "cp2xpp2"),
     (4, {"cp": 2, "dp": 2, "zero_stage": 3}, "cp2xdp2-zero3"),
+    # Ulysses: all-to-alls around one process's SDPA on 2 of the 4 heads (the 2-D scheme: ring across pairs)
+    (2, {"cp": 2, "cp_style": "ulysses"}, "cp2-ulysses"),
+    (4, {"cp": 2, "pp": 2, "microbatches": 2, "cp_style": "ulysses"}, "cp2xpp2-ulysses"),
+    (4, {"cp": 2, "dp": 2, "zero_stage": 3, "cp_style": "ulysses"}, "cp2xdp2-zero3-ulysses"),
+    (4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}, "cp2x2-ulysses-ring"),
 ]
 # The default suite runs each layout once, alternating the model; `make test-long` (CI) runs both
 # models on every layout and the 8-rank row.
@@ -157,6 +162,15 @@ CP_ROWS = [
     for i, (world, parallel, name) in enumerate(CP_LAYOUTS)
 ]
 CP_ROWS.append(pytest.param("llama", 8, {"dp": 2, "cp": 2, "tp": 2}, id="llama-dp2xcp2xtp2", marks=pytest.mark.long))
+CP_ROWS.append(
+    pytest.param(
+        "llama",
+        8,
+        {"dp": 4, "dp_shard": 2, "zero_stage": 2, "cp": 2, "cp_style": "ulysses"},
+        id="llama-hybrid-dp4x2-cp2-ulysses",
+        marks=pytest.mark.long,
+    )
+)
 
 
 @pytest.mark.parametrize("model, world, parallel", CP_ROWS)
@@ -262,6 +276,7 @@ MOE_CP_LAYOUTS = [
     pytest.param(2, {"cp": 2}, id="cp2-ring"),
     pytest.param(4, {"cp": 2, "ep": 2}, id="cp2xep2-ring"),  # ~4 s once the module's 4-rank pool runs
     pytest.param(4, {"cp": 2, "ep": 2, "cp_style": "allgather"}, id="cp2xep2-allgather", marks=pytest.mark.long),
+    pytest.param(4, {"cp": 2, "ep": 2, "cp_style": "ulysses"}, id="cp2xep2-ulysses"),
     pytest.param(4, {"cp": 2, "ep": 2, "zero_stage": 1}, id="cp2xep2-zero1", marks=pytest.mark.long),
     pytest.param(8, {"dp": 2, "cp": 2, "ep": 2}, id="dp2xcp2xep2", marks=pytest.mark.long),
     # microbatches: each one's aux loss is its own (as without cp), over its tokens on both cp ranks
@@ -275,7 +290,7 @@ def test_moe_gpt_with_context_parallel_matches_the_layout_without_it(
 ):
     results = distributed.run(world, _train, _config(corpus, "moe-gpt", **parallel), tmp_path / "cp")
     assert all(r == results[0] for r in results)
-    without_cp = {k: v for k, v in parallel.items() if k not in ("cp", "cp_style")}
+    without_cp = {k: v for k, v in parallel.items() if k not in ("cp", "cp_style", "cp_ulysses")}
     if without_cp.get("dp", 1) * without_cp.get("ep", 1) * without_cp.get("pp", 1) == 1:
         expected = reference["moe-gpt"]  # one data rank: one process computes the same aux losses
     else:
