@@ -110,3 +110,40 @@ def test_the_planner_weighs_context_parallelism_for_moe_models():
     found = list(meshes(from_dict(raw), request))
     assert {"dp": 2, "tp": 1, "pp": 1, "ep": 2, "cp": 2} in found  # 4096 positions per cp rank, the least
     assert all(m["cp"] <= 2 for m in found)
+
+
+def test_the_planner_weighs_every_cp_style_and_counts_their_bytes():
+    from polyshard.planner.search import comm_of, layouts
+
+    # 4 heads on cp 4: Ulysses gives each rank one head; the 2-D scheme all-to-alls over pairs, rings across.
+    raw = {"model": {"preset": "tiny", "context_length": 32768}, "training": {"global_batch_size": 4}}
+    config = from_dict(raw)
+    request = Request(devices=4, devices_per_node=4, memory_gb=80, fixed={"cp": 4, "zero_stage": 0})
+    found = {(p.cp_style, p.cp_ulysses): p for p in layouts(config, request)}
+    assert set(found) == {("ring", None), ("allgather", None), ("ulysses", None), ("ulysses+ring", 2)}
+    sent = {style: comm_of(from_dict({**raw, "parallel": p.__dict__})) for (style, _), p in found.items()}
+    # Per block and microbatch, in units of one rank's K (= Q = V = the output here, fp32): the ring sends
+    # 2 x 3 K/V hops forward, 6 + 4 x 2 (fp32 dK/dV, cp hops) backward = 20; Ulysses 8 all-to-alls of
+    # 3/4 of a unit = 6; the 2-D scheme 8 all-to-alls of 1/2 a unit over pairs (4) and a ring of 2 ranks
+    # (2 forward, 2 + 2 x 2 backward: 8) = 12.
+    assert sent["ulysses"]["cp"] == pytest.approx(sent["ring"]["cp"] * 6 / 20)
+    two_d = sent["ulysses+ring"]
+    assert two_d["cp_ulysses"] + two_d["cp_ring"] == pytest.approx(sent["ring"]["cp"] * 12 / 20)
+    # A tp rank's heads that do not split over cp leave Ulysses out (4 heads / tp 2 = 2 heads on cp 4).
+    tp2 = Request(devices=8, devices_per_node=8, memory_gb=80, fixed={"cp": 4, "tp": 2, "zero_stage": 0})
+    assert {(p.cp_style, p.cp_ulysses) for p in layouts(config, tp2)} == {
+        ("ring", None),
+        ("allgather", None),
+        ("ulysses+ring", 2),
+    }
+
+
+def test_the_dry_run_shows_the_two_d_groups_and_the_bytes_each_axis_sends():
+    config = from_dict(
+        {"model": {"preset": "llama-tiny"}, "parallel": {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}}
+    )
+    text = describe(config)
+    assert "cp_ulysses       [[0, 1], [2, 3]] (all-to-all)" in text
+    assert "cp_ring          [[0, 2], [1, 3]] (ring)" in text
+    sent = next(line for line in text.splitlines() if line.strip().startswith("sent by pp rank 0:"))
+    assert "cp_ulysses" in sent and "cp_ring" in sent

@@ -42,6 +42,10 @@ CASES = [
     (2, {"preset": "tiny"}, {"dp": 2, "microbatches": 2, "precision": "bf16"}),
     (2, {"preset": "llama-tiny"}, {"cp": 2}),
     (4, {"preset": "tiny"}, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # Ulysses: the core keeps its head shards of the whole sequence; on cp 4 Llama's 2 kv heads are repeated
+    (2, {"preset": "llama-tiny"}, {"cp": 2, "cp_style": "ulysses"}),
+    (4, {"preset": "llama-tiny"}, {"cp": 4, "cp_style": "ulysses"}),
+    (4, {"preset": "llama-tiny"}, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}),
     (2, {"preset": "qwen3-tiny"}, {"tp": 2}),  # q/k norms, heads of 32 dims on a 64-wide stream
     (2, {"preset": "qwen2-moe-tiny"}, {"ep": 2}),  # routed experts of their own width, a gated shared expert
 ]

@@ -5,6 +5,7 @@ import torch
 
 from polyshard.collectives import CommLedger
 from polyshard.collectives.ledger import group_ranks
+from polyshard.cp import split_context_group
 from polyshard.mesh import Mesh
 from polyshard.planner.comm import rank_traffic
 from polyshard.trainer.config import from_dict
@@ -15,7 +16,11 @@ from polyshard.trainer.loop import train_step
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
     parallel = dict(parallel)
-    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt"), "capacity_factor": parallel.pop("capacity", None)}
+    model = {
+        "preset": parallel.pop("preset", "tiny"),
+        "kind": parallel.pop("kind", "gpt"),
+        "capacity_factor": parallel.pop("capacity", None),
+    }
     config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
@@ -30,6 +35,10 @@ def _wire_by_group(parallel):
     world = tuple(range(mesh.layout.world_size))
     groups = {"world": world, "dp": group_ranks(mesh.group(config.parallel.replica_axes))}
     groups |= {axis: group_ranks(mesh.group(axis)) for axis in ("tp", "pp", "cp")}
+    if config.parallel.cp_style == "ulysses+ring":  # the 2-D scheme's all-to-all group and ring
+        inner, outer = split_context_group(groups["cp"], config.parallel.cp_ulysses)
+        groups["cp_ulysses"] = next(tuple(g) for g in inner if mesh.rank in g)
+        groups["cp_ring"] = next(tuple(g) for g in outer if mesh.rank in g)
     if config.parallel.hybrid:  # ZeRO's shard group, and the copies of each shard
         groups["dp_shard"] = group_ranks(mesh.group(config.parallel.shard_axes))
         groups["dp_replicate"] = group_ranks(mesh.group(config.parallel.replicate_axes))
@@ -51,6 +60,12 @@ LAYOUTS = [
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # Ulysses: Q, K, V and the output all-to-all'd, forward and backward; on cp 4 Llama's 2 kv heads are
+    # each repeated twice before the all-to-all; with tp 2 each rank's 2 heads split over cp 2
+    (2, {"cp": 2, "cp_style": "ulysses"}),
+    (4, {"cp": 4, "cp_style": "ulysses", "preset": "llama-tiny"}),
+    (4, {"cp": 2, "tp": 2, "cp_style": "ulysses"}),
+    (4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}),  # all-to-all over pairs, ring across them
     # hybrid sharding: reduce-scatter and gathers inside dp_shard, the rows all-reduced across dp_replicate
     (4, {"dp": 4, "dp_shard": 2, "zero_stage": 2}),
     (4, {"dp": 4, "dp_shard": 2, "zero_stage": 3, "microbatches": 2}),

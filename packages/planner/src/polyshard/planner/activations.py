@@ -16,7 +16,9 @@ Where ``model.head_dim`` is set, q's width is n·head_dim rather than h; an MoE 
 expert's width, and its shared experts' SwiGLU (every token) counts like a dense one.
 
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
-sequence (÷ cp). With full activation checkpointing a block keeps its input alone, and one block's
+sequence (÷ cp); under Ulysses the core keeps q, k, v and its output as head shards of the whole sequence
+(the same bytes), but k and v count once per copy where its all-to-all group outnumbers a tp rank's kv
+heads. With full activation checkpointing a block keeps its input alone, and one block's
 insides live again while it is recomputed. Selective checkpointing (:mod:`polyshard.models.common.recompute`)
 keeps the input and every matmul and attention-kernel output, and recomputes the rest::
 
@@ -56,10 +58,19 @@ def micro_batch_size(config: Config) -> int:
     return config.training.global_batch_size // (config.parallel.data_ranks * config.parallel.microbatches)
 
 
+def _kv_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Under Ulysses, how many copies of each kv head the attention core keeps: the all-to-all group's size
+    over the kv heads of a tp rank, where it has fewer (polyshard.cp.ulysses repeats them); else 1."""
+    if parallel.cp_style not in ("ulysses", "ulysses+ring"):
+        return 1
+    group = parallel.cp if parallel.cp_style == "ulysses" else parallel.cp_ulysses or 1
+    return max(1, group // max(1, model.kv_heads // parallel.tp))
+
+
 def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim * _kv_copies(model, parallel)
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
     attention = (2 * q + 2 * kv) * e + n * 4
@@ -83,7 +94,7 @@ def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precis
 def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim * _kv_copies(model, parallel)
     columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
     up = 1 if model.activation == "gelu" else 2
     if spec_of(model).has_experts:  # the router's logits and the experts' matmuls on their routed copies

@@ -49,7 +49,8 @@ def overrides(chosen: Candidate) -> list[str]:
     par = chosen.config.parallel
     # dp_shard = dp is sharding over all of dp, what None (no value a --set can write) means.
     values = {key: getattr(par, key) for key in CHOSEN} | {"dp_shard": par.dp_shard or par.dp}
-    items = [f"parallel.{key}={json.dumps(value)}" for key, value in values.items()]
+    # cp_ulysses is None outside the 2-D cp scheme: left unset, as a --set cannot write None.
+    items = [f"parallel.{key}={json.dumps(value)}" for key, value in values.items() if value is not None]
     items.append(f"training.activation_checkpointing={json.dumps(chosen.config.training.activation_checkpointing)}")
     return items
 

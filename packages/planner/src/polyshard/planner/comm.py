@@ -13,7 +13,10 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
          2E+2 fp32 statistics forward and one backward (polyshard.ep.token_group); with a capacity
          factor, all-gathers of the b·s·top_k int64 expert choices and the s int64 positions
     cp   per block (ring): K and V packed, cp-1 hops forward, cp-1 again backward plus cp hops of fp32
-         dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward
+         dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward;
+         (ulysses) 4 all-to-alls of Q, K, V and the output forward, 4 of their gradients backward, each
+         sending (cp-1)/cp of its buffer; (ulysses+ring) those over cp_ulysses ranks (axis cp_ulysses)
+         and the ring's over the cp / cp_ulysses ranks of axis cp_ring, with the kv heads of N/cp_ulysses
     pp   one activation forward and one gradient backward per stage boundary (÷ tp under SP)
     dp   ZeRO-3: all-gather every parameter in forward and again in backward, reduce-scatter grads
 
@@ -49,7 +52,8 @@ from polyshard.trainer.models.tasks import LANGUAGE
 class Traffic:
     axis: str
     """tp, pp, dp (the replica group dp x ep x cp), ep, cp or world; under hybrid sharding also dp_shard
-    (ZeRO's shard group, dp_shard x ep x cp) and dp_replicate (the shard's copies)."""
+    (ZeRO's shard group, dp_shard x ep x cp) and dp_replicate (the shard's copies); under cp_style
+    'ulysses+ring' cp_ulysses (neighbouring cp ranks) and cp_ring (the cp ranks of one Ulysses index)."""
     op: str
     """all_reduce, all_gather, reduce_scatter, all_to_all or p2p."""
     group: int
@@ -120,26 +124,44 @@ def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
 
 
 def _cp(config: Config, blocks: int, act: float) -> list[Traffic]:
-    """Context parallelism's K/V traffic per microbatch (``act``: this rank's b·s/cp·h·e). The ring
+    """Context parallelism's traffic per microbatch (``act``: this rank's b·s/cp·h·e). The ring
     (polyshard.cp.ring) sends K and V packed, cp-1 hops forward; backward re-sends them cp-1 hops and
     passes the fp32 dK/dV partial sums cp hops. The all-gather style gathers K and V in forward and
-    reduce-scatters their fp32 gradients in backward."""
-    model, tp, cp = config.model, config.parallel.tp, config.parallel.cp
+    reduce-scatters their fp32 gradients in backward. Ulysses (polyshard.cp.ulysses) all-to-alls Q, K,
+    V (K and V repeated where the group outnumbers the kv heads) and the output forward, their
+    gradients backward; the 2-D scheme does that over its cp_ulysses group and rings the K/V its heads
+    need over the cp / cp_ulysses ranks of axis cp_ring."""
+    model, par = config.model, config.parallel
+    tp, cp, style = par.tp, par.cp, par.cp_style
     e = 2 if config.training.precision == "bf16" else 4
     kv_heads = model.kv_heads // tp if model.kv_heads % tp == 0 else 1  # replicated past kv heads
-    chunk = act * kv_heads / model.num_heads  # this rank's K (or V): its tokens x its kv heads
-    if config.parallel.cp_style == "ring":
-        forward = Traffic("cp", "p2p", cp, 2 * chunk, (cp - 1) * blocks, "forward")
+    tokens = act / (model.hidden * e)  # this rank's b·s/cp
+    chunk = tokens * kv_heads * model.attention_head_dim * e  # this rank's K (or V): its tokens x its kv heads
+    if style in ("ulysses", "ulysses+ring"):
+        ulysses = cp if style == "ulysses" else par.cp_ulysses or 1
+        axis = "cp" if style == "ulysses" else "cp_ulysses"
+        chunk *= max(1, ulysses // kv_heads)  # each kv head repeated for the ranks beyond the kv heads
+        query = tokens * model.num_heads // tp * model.attention_head_dim * e  # Q, and the output alike
+        forward = [Traffic(axis, "all_to_all", ulysses, nbytes, blocks, "forward") for nbytes in (query, query)]
+        forward += [Traffic(axis, "all_to_all", ulysses, chunk, 2 * blocks, "forward")]
+        backward = [dataclasses.replace(t, phase="backward") for t in forward]
+        if style == "ulysses+ring":
+            ring = cp // ulysses
+            forward.append(Traffic("cp_ring", "p2p", ring, 2 * chunk, (ring - 1) * blocks, "forward"))
+            backward.append(dataclasses.replace(forward[-1], phase="backward"))
+            backward.append(Traffic("cp_ring", "p2p", ring, 8 * chunk / e, ring * blocks, "backward"))
+    elif style == "ring":
+        forward = [Traffic("cp", "p2p", cp, 2 * chunk, (cp - 1) * blocks, "forward")]
         backward = [
-            dataclasses.replace(forward, phase="backward"),
+            dataclasses.replace(forward[0], phase="backward"),
             Traffic("cp", "p2p", cp, 8 * chunk / e, cp * blocks, "backward"),
         ]
     else:
-        forward = Traffic("cp", "all_gather", cp, chunk * cp, 2 * blocks, "forward")
+        forward = [Traffic("cp", "all_gather", cp, chunk * cp, 2 * blocks, "forward")]
         backward = [Traffic("cp", "reduce_scatter", cp, chunk * cp * 4 / e, 2 * blocks, "backward")]
     if config.training.activation_checkpointing:  # the recomputed forward moves K and V again
-        backward.append(dataclasses.replace(forward, phase="backward"))
-    return [forward, *backward]
+        backward += [dataclasses.replace(t, phase="backward") for t in forward]
+    return forward + backward
 
 
 def microbatch_traffic(config: Config, layers: range, micro_batch: int) -> list[Traffic]:

@@ -86,6 +86,10 @@ def crosses_nodes(axis: str, parallel: ParallelConfig, profile: Profile) -> bool
     order = list(sizes)
     if axis == "world":
         return parallel.world_size > profile.devices_per_node
+    if axis in ("cp_ulysses", "cp_ring"):  # the 2-D scheme's parts of cp: Ulysses groups are neighbouring cp ranks
+        inner = parallel.cp_ulysses or parallel.cp
+        stride = math.prod(sizes[a] for a in order[order.index("cp") + 1 :])
+        return stride * (inner if axis == "cp_ulysses" else parallel.cp) > profile.devices_per_node
     groups = {"dp": ("dp_replicate", "dp_shard", "ep", "cp") if parallel.hybrid else parallel.replica_axes}
     groups |= {"dp_shard": parallel.shard_axes, "dp_replicate": parallel.replicate_axes}
     axes = list(groups.get(axis, (axis,)))

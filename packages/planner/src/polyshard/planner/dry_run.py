@@ -1,4 +1,4 @@
-"""What a run would do, without starting it: the mesh, every group, memory per rank.
+"""What a run would do, without starting it: the mesh, every group, memory and communication per rank.
 
 Used by ``polyshard train --dry-run``. The parameter count is exact (the
 model is built on the meta device, which allocates nothing); the memory per
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 
+from polyshard.cp import split_context_group
 from polyshard.mesh import MeshLayout
 from polyshard.planner.activations import activation_bytes
+from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
@@ -36,6 +38,10 @@ def describe(config: Config) -> str:
     for subset in layout.axis_subsets():
         if all(layout.size(a) > 1 for a in subset):  # an axis of size 1 adds no new group
             lines.append(f"  {' x '.join(subset):<16} {layout.groups(subset)}")
+    if par.cp_style == "ulysses+ring" and par.cp_ulysses:  # the 2-D scheme's parts of each cp group
+        parts = [split_context_group(ranks, par.cp_ulysses) for ranks in layout.groups("cp")]
+        lines.append(f"  {'cp_ulysses':<16} {[g for inner, _ in parts for g in inner]} (all-to-all)")
+        lines.append(f"  {'cp_ring':<16} {[g for _, outer in parts for g in outer]} (ring)")
     skeleton = build_model(config.model, layers=())  # the meta device: shapes only
     shapes = {n: p.shape for n, p in skeleton.named_parameters()}
     costs = layer_costs(shapes, tied_names(config.model))  # a tied head holds its copy of the embedding
@@ -80,6 +86,11 @@ def describe(config: Config) -> str:
             f"{_mib(states.optimizer)} = model states {_mib(states.total)}; activations {_mib(acts)}; "
             f"total {_mib(states.total + acts)}"
         )
+    lines.append("communication per step (estimate: the wire bytes one rank sends, by axis):")
+    for rank in range(par.pp):
+        sent = bytes_per_axis(rank_traffic(config, rank), par.microbatches)
+        axes = ", ".join(f"{axis} {_mib(nbytes)}" for axis, nbytes in sorted(sent.items()) if nbytes)
+        lines.append(f"  sent by pp rank {rank}: {axes or 'nothing'}")
     lines += lr_plot(config.training)
     return "\n".join(lines)
 

@@ -36,7 +36,8 @@ def _cells(rank: int, c: Candidate, scale: float, axes: Sequence[str]) -> list[s
 def table(ranked: Sequence[Candidate]) -> str:
     """A header and one line per candidate (see :data:`COLUMNS`)."""
     unit, scale = ("GB", 1e9) if max((c.memory.total for c in ranked), default=0.0) >= 1e9 else ("MB", 1e6)
-    optional = ("ep", "cp", "dp_shard", "dp_replicate")  # the last two: hybrid sharding's (ZeRO's, the copies')
+    # dp_shard, dp_replicate: hybrid sharding's (ZeRO's, the copies'); cp_ulysses, cp_ring: the 2-D cp scheme's
+    optional = ("ep", "cp", "cp_ulysses", "cp_ring", "dp_shard", "dp_replicate")
     axes = ["tp", "pp", "dp"] + [a for a in optional if any(c.comm_bytes.get(a) for c in ranked)]
     widths = [width for _, width in COLUMNS] + [AXIS_WIDTH] * len(axes)
 

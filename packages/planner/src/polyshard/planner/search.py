@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from polyshard.mesh import divisors
 from polyshard.planner.activations import activation_bytes
@@ -45,6 +46,8 @@ CHOSEN = (
     "pp",
     "ep",
     "cp",
+    "cp_style",
+    "cp_ulysses",
     "zero_stage",
     "microbatches",
     "schedule",
@@ -52,7 +55,7 @@ CHOSEN = (
     "sequence_parallel",
 )
 """The fields of a config's ``parallel`` section the search chooses (with ``training.activation_checkpointing``);
-the rest of the section (cp_style, timeout_s, a stage split that still fits) is kept."""
+the rest of the section (timeout_s, a stage split that still fits) is kept."""
 
 
 def choices(config: Config) -> dict[str, object]:
@@ -194,24 +197,55 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
                 continue  # fewer layers than stages
             if (schedule == "interleaved" and m % pp) or (schedule == "dualpipev" and m < 2 * pp):
                 continue
-            parallel = dataclasses.replace(
-                config.parallel,
-                dp=mesh["dp"],
-                tp=mesh["tp"],
-                pp=pp,
-                ep=mesh["ep"],
-                cp=mesh["cp"],
-                zero_stage=zero,
-                microbatches=m,
-                schedule=schedule,
-                virtual_stages=virtual,
-                sequence_parallel=bool(sp),
-                stage_layers=split if split is None or len(split) == pp * virtual else None,
-                dp_shard=None,
-            )
-            for candidate in _with_hybrid(parallel, request.devices_per_node, fixed.get("dp_shard")):
-                if all(_chosen(candidate, key) == value for key, value in fixed.items()):
-                    yield candidate
+            for style, ulysses in _cp_styles(config, mesh["cp"], mesh["tp"]):
+                yield from _fixed(
+                    config.parallel,
+                    request,
+                    fixed,
+                    dp=mesh["dp"],
+                    tp=mesh["tp"],
+                    pp=pp,
+                    ep=mesh["ep"],
+                    cp=mesh["cp"],
+                    cp_style=style,
+                    cp_ulysses=ulysses,
+                    zero_stage=zero,
+                    microbatches=m,
+                    schedule=schedule,
+                    virtual_stages=virtual,
+                    sequence_parallel=bool(sp),
+                    stage_layers=split if split is None or len(split) == pp * virtual else None,
+                    dp_shard=None,
+                )
+
+
+def _fixed(
+    parallel: ParallelConfig, request: Request, fixed: Mapping[str, object], **chosen: Any
+) -> Iterator[ParallelConfig]:
+    """``parallel`` with the ``chosen`` fields, and its hybrid twin, where they keep what the user fixed."""
+    for candidate in _with_hybrid(
+        dataclasses.replace(parallel, **chosen), request.devices_per_node, fixed.get("dp_shard")
+    ):
+        if all(_chosen(candidate, key) == value for key, value in fixed.items()):
+            yield candidate
+
+
+def _cp_styles(config: Config, cp: int, tp: int) -> list[tuple[str, int | None]]:
+    """The cp styles weighed for ``cp`` ranks: the config's own without cp (it does nothing then); with cp the
+    ring, the all-gather, Ulysses where a tp rank's heads split over cp, and Ulysses x ring with the largest
+    all-to-all group the heads allow (for more cp ranks than heads)."""
+    if cp == 1:
+        style = config.parallel.cp_style
+        return [("ring", None) if style == "ulysses+ring" else (style, None)]
+    heads, kv = config.model.num_heads // tp, max(1, config.model.kv_heads // tp)
+
+    def splits(group: int) -> bool:
+        return heads % group == 0 and (kv % group == 0 or group % kv == 0)
+
+    out: list[tuple[str, int | None]] = [("ring", None), ("allgather", None)]
+    out += [("ulysses", None)] if splits(cp) else []
+    inner = [u for u in divisors(cp) if 1 < u < cp and splits(u)]
+    return out + ([("ulysses+ring", inner[-1])] if inner else [])
 
 
 def _chosen(parallel: ParallelConfig, key: str) -> object:
