@@ -91,6 +91,7 @@ LAYOUTS = [
         2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"activation_checkpointing": True}, id="pp2-zb-ac"
     ),
     pytest.param(2, "gpt", {"cp": 2}, {}, id="cp2-ring"),
+    pytest.param(2, "gpt", {"cp": 2, "cp_style": "ulysses"}, {}, id="cp2-ulysses"),
     pytest.param(2, "gpt", {"dp": 2}, {"activation_checkpointing": "selective"}, id="dp2-selective"),
     # Document masking: each microbatch's documents are set on the blocks around its forward.
     pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "document_mask": True}, {}, id="pp2-documents"),

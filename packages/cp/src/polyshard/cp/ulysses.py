@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from polyshard.collectives import all_to_all, ops
+from polyshard.collectives import all_to_all, eager, ops
 from polyshard.cp.errors import ContextParallelError
 from polyshard.cp.sharding import to_rank_order, to_sequence_order
 from polyshard.mesh import divisors
@@ -87,6 +87,7 @@ def heads_to_sequence(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return received.movedim(0, 1).flatten(1, 2)  # (B, u, H/u, S, E) -> (B, H, S, E)
 
 
+@eager  # a graph break under torch.compile, as the ring's: its collectives and the core between them run eagerly
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
