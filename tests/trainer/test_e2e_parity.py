@@ -389,8 +389,8 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
     import torch
     from safetensors.torch import load_file
 
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import export
-    from polyshard.trainer.models import build_model
 
     config = _config(corpus, kind, aux_loss_weight=0.0, **parallel)
     single = _config(corpus, kind, aux_loss_weight=0.0)

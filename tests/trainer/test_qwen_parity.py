@@ -93,7 +93,7 @@ def test_a_head_dim_of_its_own_needs_no_divisible_width():
     """Qwen3-4B's shape in small: 3 heads of 16 dims on a 40-wide stream (40 is no multiple of 3)."""
     import torch
 
-    from polyshard.trainer.models import build_model
+    from polyshard.models import build_model
 
     config = from_dict({"model": {**QWEN3, "hidden": 40, "num_heads": 3, "num_kv_heads": 1, "num_layers": 1}}).model
     model = build_model(config)

@@ -37,10 +37,11 @@ backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter`
 
 from __future__ import annotations
 
+from polyshard.models import sequence_length, spec_of
 from polyshard.planner.memory import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.models import sequence_length, spec_of
+from polyshard.trainer.tasks import task_of
 
 
 def _element_bytes(precision: str) -> int:
@@ -98,7 +99,7 @@ def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, prec
 def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     e = _element_bytes(precision)
     shard = parallel.tp if parallel.sequence_parallel else 1
-    vocab = model.vocab_size if spec_of(model).task.generates_text else model.num_classes
+    vocab = model.vocab_size if task_of(model).generates_text else model.num_classes
     loss = vocab * 4 / parallel.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
     return (_norm(model, e) / shard + model.hidden * e + loss) / parallel.cp
 

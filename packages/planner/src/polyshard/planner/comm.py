@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.models import sequence_length, spec_of, tied_names
 from polyshard.planner.activations import micro_batch_size
 from polyshard.planner.memory import holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import sequence_length, spec_of, tied_names
-from polyshard.trainer.models.tasks import LANGUAGE
+from polyshard.trainer.tasks import LANGUAGE, task_of
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         out.append(
             Traffic("world", "all_reduce", par.world_size, 8 * pipeline_layers * (2 * model.num_experts + 2), 1, "step")
         )
-    if spec_of(model).task is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
+    if task_of(model) is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
         out.append(Traffic("dp", "all_reduce", par.replicas, 8, 1, "step"))
     return out
 

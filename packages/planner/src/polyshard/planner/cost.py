@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.models import layer_of, sequence_length, tied_names
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
 from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config, ParallelConfig
-from polyshard.trainer.models import layer_of, sequence_length, spec_of, tied_names
+from polyshard.trainer.tasks import task_of
 
 
 def layer_matmul_params(config: Config) -> list[float]:
@@ -39,7 +40,7 @@ def layer_matmul_params(config: Config) -> list[float]:
     shapes = dict(global_shapes(model))
     for alias, name in tied_names(model).items():
         shapes[alias] = shapes[name]
-    lookups = ("layers.0.tok.", "layers.0.pos.") if spec_of(model).task.generates_text else ()
+    lookups = ("layers.0.tok.", "layers.0.pos.") if task_of(model).generates_text else ()
     out = [0.0] * (model.num_layers + 2)
     for name, shape in shapes.items():
         if len(shape) < 2 or name.startswith(lookups):

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from polyshard.mesh import divisors
+from polyshard.models import sequence_length, spec_of
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
@@ -27,7 +28,6 @@ from polyshard.planner.profile import Profile
 from polyshard.trainer.config import CHECKPOINTING, V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import sequence_length, spec_of
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
 MIN_CONTEXT_TOKENS = 4096

@@ -16,6 +16,7 @@ from torch import nn
 from polyshard.models.common.documents import Documents, document_mask
 from polyshard.models.common.rotary import RopeScaling, rotate
 
+
 class CoreAttention(nn.Module):
     """Attention's inner product: softmax(q k^T / sqrt(D)) v over (B, N, S, D) heads, causal or not, with
     grouped-query attention when k and v hold fewer heads. No parameters: a parallelism that splits the

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+
 class Documents(NamedTuple):
     """The documents of a packed batch: ``segments`` (B, S) int64, each token's document index within its
     row (0, 1, 2, ...; non-decreasing, a new document starts where it increases), and ``positions`` (B, S),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1's rotary frequency scaling (Hugging Face's ``rope_type = "llama3"``), which stretches

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import Mesh, init_distributed
+from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
-from polyshard.trainer.models import build_model
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:

@@ -61,11 +61,11 @@ from polyshard.collectives import ops
 from polyshard.dp import bytes_held
 from polyshard.mesh import DistributedContext, Mesh
 from polyshard.mesh.benchmark import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
+from polyshard.models import build_model, spec_of
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.engine.parallelize import build_engine, global_names, pipeline_bounds
 from polyshard.trainer.loop import train_step
-from polyshard.trainer.models import build_model, spec_of
 
 GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")
 PRESETS = ("tiny", "small")

@@ -26,9 +26,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from polyshard.models import build_model, sequence_length
 from polyshard.planner.activations import stage_bytes
 from polyshard.trainer.config import Config, from_dict
-from polyshard.trainer.models import build_model, sequence_length
 
 MODES: tuple[bool | str, ...] = (False, "selective", "full")
 

@@ -11,13 +11,12 @@ pipeline stages, ...) are checked by
 :func:`polyshard.trainer.engine.constraints.validate` before any process starts.
 """
 
+from polyshard.models.config import LLAMA, PRESETS, ModelConfig
 from polyshard.trainer.config.parse import apply_overrides, auto_dp, check_type, from_dict, load_config, read_toml
 from polyshard.trainer.config.sections import (
     CHECKPOINTING,
-    LLAMA,
     MESH_AXES,
     PRECISIONS,
-    PRESETS,
     SCHEDULES,
     SECTIONS,
     V_SCHEDULES,
@@ -25,7 +24,6 @@ from polyshard.trainer.config.sections import (
     Config,
     DataConfig,
     LoggingConfig,
-    ModelConfig,
     ParallelConfig,
     TrainingConfig,
 )

@@ -15,7 +15,9 @@ from typing import Any
 
 import tomllib
 
-from polyshard.trainer.config.sections import PRESETS, SECTIONS, Config, _check_positive
+from polyshard.models.config import PRESETS
+from polyshard.models.errors import check_positive as _check_positive
+from polyshard.trainer.config.sections import SECTIONS, Config
 from polyshard.trainer.errors import ConfigError
 
 

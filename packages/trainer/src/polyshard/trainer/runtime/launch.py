@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, read_index
+from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
 from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
-from polyshard.trainer.models import spec_of
-from polyshard.trainer.models.hf import PREFIX, HFSource
+from polyshard.trainer.tasks import task_of
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
 
@@ -123,7 +123,7 @@ def prepare_launch(
         HFSource(hf_folder, config)
     if latest is not None:
         _check_same_optimizer(config, latest)
-    spec_of(config.model).task.check_data(config)
+    task_of(config.model).check_data(config)
     faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     if hf_folder is not None:
         init_from = f"{PREFIX}{hf_folder.resolve()}"

@@ -1,7 +1,7 @@
 """Mixtral, Qwen3-MoE and Qwen2-MoE: Llama-like decoders whose MLPs are polyshard's MoE layers.
 
 Attention and norms have Llama's names (Qwen3-MoE adds q/k norms, Qwen2-MoE q/k/v biases; see
-:mod:`polyshard.trainer.models.gpt.llama`). The files keep one ``Linear`` per expert, as the Hub's
+:mod:`polyshard.models.gpt.hf_llama`). The files keep one ``Linear`` per expert, as the Hub's
 checkpoints do (transformers 5 fuses them into 3-D tensors in memory and splits them again when it
 saves); polyshard stacks them, each transposed, into one tensor per weight:
 
@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import decoder_config, decoder_family, decoder_locations, decoder_settings
-from polyshard.trainer.models.gpt.qwen3 import check_all_sparse, check_full_attention
-from polyshard.trainer.models.hf_adapter import read_bool, read_int, read_number, require
+from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.hf_llama import decoder_config, decoder_family, decoder_locations, decoder_settings
+from polyshard.models.gpt.hf_qwen3 import check_all_sparse, check_full_attention
+from polyshard.models.hf_adapter import read_bool, read_int, read_number, require
 
 # Softmax top-k over every expert: what these families compute (a sigmoid router with a selection bias,
 # DeepSeek's, or group-limited routing would need other files and are refused on export).

@@ -12,15 +12,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from polyshard.trainer.config import ModelConfig
-from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import gpt, moe, vit
-from polyshard.trainer.models.gpt import GPT
-from polyshard.trainer.models.spec import BuildOptions, ModelSpec, layer_of
-from polyshard.trainer.models.vit import ViT
-
-SPECS: dict[str, ModelSpec] = {spec.kind: spec for spec in (gpt.SPEC, moe.SPEC, vit.SPEC)}
-"""Every model family by ``model.kind``; a new family adds its spec here."""
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.registry import SPECS
+from polyshard.models.spec import BuildOptions, ModelSpec, layer_of
 
 
 def spec_of(config: ModelConfig) -> ModelSpec:
@@ -96,19 +91,3 @@ def tied_names(config: ModelConfig) -> dict[str, str]:
 def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The generator layer ``layer``'s initial weights come from."""
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)
-
-
-__all__ = [
-    "GPT",
-    "SPECS",
-    "BuildOptions",
-    "ModelSpec",
-    "ViT",
-    "build_model",
-    "check_model",
-    "layer_of",
-    "parameter_count",
-    "sequence_length",
-    "spec_of",
-    "tied_names",
-]

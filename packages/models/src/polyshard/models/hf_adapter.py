@@ -2,7 +2,7 @@
 
 A :class:`Family` is a small record of functions: ``config.json`` -> polyshard's ``[model]``
 settings, our parameter names -> where each lives in the family's files, and back. The reader
-and writer in :mod:`polyshard.trainer.models.hf` know nothing of any one family; a model-spec
+and writer in :mod:`polyshard.trainer.checkpointing.hugging_face` know nothing of any one family; a model-spec
 registry can point a model kind at one of these records.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.trainer.config import ModelConfig
+from polyshard.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

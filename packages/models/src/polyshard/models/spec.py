@@ -3,7 +3,7 @@
 The trainer, the pipeline split, resharding, export and ``--dry-run`` never branch on
 ``model.kind``; they ask the family's :class:`ModelSpec` (torchtitan's ``TrainSpec`` is the same
 idea). A new family is one file that defines its modules and a ``SPEC``, plus one line in
-:data:`polyshard.trainer.models.SPECS`.
+:data:`polyshard.models.SPECS`.
 
 What a spec must keep true:
 
@@ -18,11 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from polyshard.mesh import divisors
+from polyshard.models.common.initialise import init_weights
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.hf_adapter import Family
 from polyshard.tp import (
     ColumnParallel,
     HeadNorm,
@@ -34,10 +39,25 @@ from polyshard.tp import (
     TPEntry,
     replicates_kv,
 )
-from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.errors import ConfigError
-from polyshard.models.common.initialise import init_weights
-from polyshard.trainer.models.tasks import Task
+
+
+class ParallelSizes(Protocol):
+    """What a family's plan and checks read of the layout (the trainer's ``[parallel]`` section is one)."""
+
+    @property
+    def dp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -52,7 +72,7 @@ def _no_ties(model: ModelConfig) -> dict[str, str]:
     return {}
 
 
-def _no_checks(config: Config) -> None:
+def _no_checks(model: ModelConfig, parallel: ParallelSizes) -> None:
     return None
 
 
@@ -71,11 +91,12 @@ def block_matrix(name: str, param: nn.Parameter) -> bool:
 class ModelSpec:
     kind: str
     """``model.kind`` in a config."""
-    task: Task
-    """Its data, how a batch splits into inputs and targets, its loss."""
+    task: str
+    """What it learns: "language" (next-token prediction) or "images" (classification); the trainer's
+    :mod:`polyshard.trainer.tasks` gives each its data, batches and loss."""
     build: Callable[[ModelConfig, BuildOptions], nn.Module]
     """The model, uninitialised (called under the meta device)."""
-    tp_plan: Callable[[ModelConfig, ParallelConfig], dict[str, object]]
+    tp_plan: Callable[[ModelConfig, ParallelSizes], dict[str, object]]
     """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
     has_experts: bool = False
     """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp x cp."""
@@ -91,14 +112,14 @@ class ModelSpec:
     orthogonalised: Callable[[str, nn.Parameter], bool] = block_matrix
     """With ``training.optimizer = "muon"``: whether Muon steps this parameter (by model name); AdamW
     steps the others."""
-    check: Callable[[Config], None] = _no_checks
+    check: Callable[[ModelConfig, ParallelSizes], None] = _no_checks
     """Family constraints against the rest of the config, before launch (a :class:`ConfigError`)."""
     check_model: Callable[[ModelConfig], None] = lambda model: None
     """Family constraints between ``[model]`` fields, when the section is read."""
     sequence_length: Callable[[ModelConfig], int] = lambda model: model.context_length
     """Positions per example the transformer sees."""
-    hf_families: tuple[str, ...] = ()
-    """The Hugging Face architectures (``model_type``) its weights can map to (``polyshard.trainer.models.hf``)."""
+    hf_families: tuple[Family, ...] = ()
+    """The Hugging Face architectures (``model_type``) its weights can map to (its adapters, one per ``model_type``)."""
 
 
 def check_mlp_split(width: int, tp: int) -> None:
@@ -115,7 +136,7 @@ def layer_of(name: str) -> int:
 # -- tensor-parallel plan pieces the families share ------------------------------------------------------
 
 
-def attention_plan(block: str, model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def attention_plan(block: str, model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
     ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
     sp = parallel.sequence_parallel

@@ -18,20 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyshard.tp import SequenceParallel, VocabParallel
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
-from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models.spec import (
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.gpt.hf_gpt2 import GPT2
+from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
+from polyshard.models.gpt.hf_qwen2 import QWEN2
+from polyshard.models.gpt.hf_qwen3 import QWEN3
+from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
+    ParallelSizes,
     attention_plan,
     check_mlp_split,
     mlp_plan,
     sequence_plan,
     split_sequence,
 )
-from polyshard.trainer.models.tasks import LANGUAGE
+from polyshard.tp import SequenceParallel, VocabParallel
 
 
 class Embedding(nn.Module):
@@ -189,7 +193,7 @@ def rope_scaling(config: ModelConfig) -> RopeScaling | None:
     )
 
 
-def vocab_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
     last, sp = model.num_layers + 1, parallel.sequence_parallel
     plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
@@ -199,7 +203,7 @@ def vocab_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object
     return plan
 
 
-def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
@@ -217,8 +221,8 @@ def tied(model: ModelConfig) -> dict[str, str]:
     return {f"layers.{model.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
 
 
-def check(config: Config) -> None:
-    check_mlp_split(config.model.mlp_width, config.parallel.tp)
+def check(model: ModelConfig, parallel: ParallelSizes) -> None:
+    check_mlp_split(model.mlp_width, parallel.tp)
 
 
 def check_model(model: ModelConfig) -> None:
@@ -238,13 +242,13 @@ def check_model(model: ModelConfig) -> None:
 
 SPEC = ModelSpec(
     kind="gpt",
-    task=LANGUAGE,
+    task="language",
     build=build,
     tp_plan=tp_plan,
     tied=tied,
     check=check,
     check_model=check_model,
     context_parallel=True,
-    # polyshard.trainer.models.hf's name tables; the architecture fields pick one
-    hf_families=("gpt2", "llama", "qwen2", "qwen3"),
+    # polyshard.trainer.checkpointing.hugging_face's name tables; the architecture fields pick one
+    hf_families=(GPT2, LLAMA_FAMILY, QWEN2, QWEN3),
 )

@@ -19,18 +19,19 @@ from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.models.common import SwiGLU
-from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models.gpt import model as gpt
-from polyshard.trainer.models.spec import (
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.gpt import model as gpt
+from polyshard.models.moe_gpt.hf import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
+    ParallelSizes,
     attention_plan,
     check_mlp_split,
     mlp_plan,
     split_sequence,
 )
-from polyshard.trainer.models.tasks import LANGUAGE
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -129,7 +130,7 @@ def routing_summary(model: ModelConfig) -> str:
     return "routing: " + "; ".join(parts)
 
 
-def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
     the shared experts are, like the dense MLP (their gate's one vector is replicated)."""
     plan: dict[str, object] = {}
@@ -145,8 +146,8 @@ def check_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.top_k={model.top_k} must be between 1 and model.num_experts={model.num_experts}")
 
 
-def check(config: Config) -> None:
-    model, par = config.model, config.parallel
+def check(model: ModelConfig, parallel: ParallelSizes) -> None:
+    par = parallel
     if par.sequence_parallel:
         raise ConfigError(
             "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
@@ -169,7 +170,7 @@ def check(config: Config) -> None:
 
 SPEC = ModelSpec(
     kind="moe-gpt",
-    task=LANGUAGE,
+    task="language",
     build=build,
     tp_plan=tp_plan,
     has_experts=True,
@@ -177,5 +178,5 @@ SPEC = ModelSpec(
     check=check,
     check_model=check_model,
     context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
-    hf_families=("mixtral", "qwen3_moe", "qwen2_moe"),  # polyshard.trainer.models.hf_moe
+    hf_families=(MIXTRAL, QWEN3_MOE, QWEN2_MOE),
 )

@@ -43,8 +43,8 @@ exactly as an online reshard reads a polyshard checkpoint. Export: :func:`write_
 ``config.json`` and ``model.safetensors`` (streamed from a checkpoint, one tensor at a time) that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-Each family is one record (:mod:`polyshard.trainer.models.gpt.gpt2`, :mod:`polyshard.trainer.models.gpt.llama`,
-declared as :class:`polyshard.trainer.models.hf_adapter.Family`); this module reads and writes any of them.
+Each family is one record (:mod:`polyshard.models.gpt.hf_gpt2`, :mod:`polyshard.models.gpt.hf_llama`,
+declared as :class:`polyshard.models.hf_adapter.Family`); this module reads and writes any of them.
 """
 
 from __future__ import annotations
@@ -69,18 +69,13 @@ from polyshard.checkpoint.hf import (
     write_hf_folder,
 )
 from polyshard.data.tokenizer import FileTokenizer
+from polyshard.models import build_model
+from polyshard.models.hf_adapter import Family, setting
+from polyshard.models.hf_families import family_of, hf_families
 from polyshard.trainer.config import Config, ModelConfig
-from polyshard.trainer.models import build_model, spec_of
-from polyshard.trainer.models.gpt.gpt2 import GPT2
-from polyshard.trainer.models.gpt.llama import LLAMA_FAMILY
-from polyshard.trainer.models.gpt.qwen2 import QWEN2
-from polyshard.trainer.models.gpt.qwen3 import QWEN3
-from polyshard.trainer.models.hf_adapter import Family, setting
-from polyshard.trainer.models.hf_moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 
 __all__ = [
     "CONFIG_FILE",
-    "FAMILIES",
     "INDEX_FILE",
     "PREFIX",
     "WEIGHTS_FILE",
@@ -94,9 +89,6 @@ __all__ = [
     "write_hf",
 ]
 
-FAMILIES: dict[str, Family] = {
-    family.model_type: family for family in (GPT2, LLAMA_FAMILY, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE)
-}
 
 
 def model_settings(folder: str | Path) -> dict[str, object]:
@@ -156,30 +148,13 @@ def _read_config(folder: Path) -> tuple[Family, dict[str, Any], str]:
     """The folder's family, its parsed ``config.json`` and that file's path (for messages)."""
     hf, path = read_config(folder)
     kind = hf.get("model_type")
-    if not isinstance(kind, str) or kind not in FAMILIES:
-        raise CheckpointError(f"{path}: model_type {kind!r} is not supported; polyshard reads {sorted(FAMILIES)}")
-    return FAMILIES[kind], hf, str(path)
+    families = hf_families()
+    if not isinstance(kind, str) or kind not in families:
+        raise CheckpointError(f"{path}: model_type {kind!r} is not supported; polyshard reads {sorted(families)}")
+    return families[kind], hf, str(path)
 
 
 # -- export --------------------------------------------------------------------------------------------
-
-
-def family_of(model: ModelConfig) -> Family:
-    """The family whose architecture ``model`` has; an error naming what each would need otherwise."""
-    allowed = spec_of(model).hf_families
-    if not allowed:
-        raise CheckpointError(f"model.kind={model.kind!r} has no Hugging Face counterpart polyshard reads or writes")
-    needs = {}
-    for family in (FAMILIES[name] for name in allowed):
-        differences = family.differences(model)
-        if not differences:
-            return family
-        needs[family.title] = ", ".join(f"{k}={v!r}" for k, v in differences.items())
-    raise CheckpointError(
-        f"the Hugging Face export writes {' and '.join(FAMILIES[name].title for name in allowed)} models of "
-        f"model.kind={model.kind!r}; this model is none of them: "
-        + "; ".join(f"{title} would need {what}" for title, what in needs.items())
-    )
 
 
 Part = tuple[str, bool, int | None]

@@ -8,16 +8,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import TensorLocation
-from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import (
+from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.hf_llama import (
     decoder_config,
     decoder_family,
     decoder_locations,
     decoder_settings,
     dense_mlp,
 )
-from polyshard.trainer.models.gpt.qwen3 import check_full_attention
-from polyshard.trainer.models.hf_adapter import read_int
+from polyshard.models.gpt.hf_qwen3 import check_full_attention
+from polyshard.models.hf_adapter import read_int
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False}
 

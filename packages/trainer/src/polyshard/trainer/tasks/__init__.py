@@ -1,13 +1,13 @@
 """What a model learns to do: its data, how a batch splits into inputs and targets, and its loss.
 
-A :class:`~polyshard.trainer.models.spec.ModelSpec` names one task. Two exist:
+A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist:
 
 * :data:`LANGUAGE`: next-token prediction on tokenized text, or on prompt/response pairs for
   fine-tuning (a ``.jsonl`` source). A row of ``context_length + 1`` tokens gives the inputs (all
   but the last) and the targets (all but the first; a fine-tuning row takes them from its
   ``labels``, IGNORE_INDEX on prompt and padding). The loss is cross-entropy over the vocabulary,
   vocabulary-parallel under tp, averaged over the counted tokens of the global batch
-  (:mod:`polyshard.trainer.models.loss`).
+  (:mod:`polyshard.trainer.tasks.loss`).
 * :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
   evaluation also reports accuracy.
 """
@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from polyshard.models import ModelConfig, spec_of
 from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models.loss import IGNORE_INDEX, TokenMeanLoss
+from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -137,3 +138,14 @@ LANGUAGE = Task(
     input_segments=_input_segments,
 )
 IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)
+
+TASKS: dict[str, Task] = {task.name: task for task in (LANGUAGE, IMAGES)}
+"""Every task by the name a family's spec gives (``ModelSpec.task``)."""
+
+
+def task_of(model: ModelConfig) -> Task:
+    """What ``model``'s family learns: its data, batches and loss."""
+    name = spec_of(model).task
+    if name not in TASKS:
+        raise ConfigError(f"model.kind={model.kind!r} names task {name!r}; the trainer knows {list(TASKS)}")
+    return TASKS[name]

@@ -12,18 +12,18 @@ from torch import nn
 
 from polyshard.mesh import divisors
 from polyshard.models.common import Block
-from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models.spec import (
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
+    ParallelSizes,
     attention_plan,
     check_mlp_split,
     mlp_plan,
     sequence_plan,
     split_sequence,
 )
-from polyshard.trainer.models.tasks import IMAGES
 
 
 class PatchEmbedding(nn.Module):
@@ -118,7 +118,7 @@ def build(config: ModelConfig, options: BuildOptions) -> ViT:
     )
 
 
-def tp_plan(model: ModelConfig, parallel: ParallelConfig) -> dict[str, object]:
+def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """The blocks as the GPT's; the patch embedding and the small classifier head stay replicated."""
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
@@ -141,13 +141,13 @@ def check_model(model: ModelConfig) -> None:
         )
 
 
-def check(config: Config) -> None:
-    check_mlp_split(config.model.mlp_ratio * config.model.hidden, config.parallel.tp)  # the ViT's MLP
+def check(model: ModelConfig, parallel: ParallelSizes) -> None:
+    check_mlp_split(model.mlp_ratio * model.hidden, parallel.tp)  # the ViT's MLP
 
 
 SPEC = ModelSpec(
     kind="vit",
-    task=IMAGES,
+    task="images",
     build=build,
     tp_plan=tp_plan,
     check=check,

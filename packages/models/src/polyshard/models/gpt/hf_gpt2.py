@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.trainer.config import ModelConfig
-from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.models.config import ModelConfig
+from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT GPT-2's architecture.
 SHAPE: dict[str, object] = {

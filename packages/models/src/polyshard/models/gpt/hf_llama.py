@@ -9,8 +9,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT Llama's architecture.
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": False}

@@ -9,15 +9,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.trainer.config import LLAMA, ModelConfig
-from polyshard.trainer.models.gpt.llama import (
+from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.hf_llama import (
     decoder_config,
     decoder_family,
     decoder_locations,
     decoder_settings,
     dense_mlp,
 )
-from polyshard.trainer.models.hf_adapter import read_bool, read_int, require
+from polyshard.models.hf_adapter import read_bool, read_int, require
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": True}
 QWEN3_HEAD_DIM = 128  # Qwen3Config's default head_dim, used when config.json has none
