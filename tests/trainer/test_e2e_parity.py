@@ -297,7 +297,8 @@ def test_moe_capacity_with_context_parallel_matches_the_layout_without_it(
     # capacity_factor 1.0 drops assignments; each cp rank applies the rule to its data rank's whole batch.
     def config(**axes):
         base = _config(corpus, "moe-gpt", **axes)
-        return dataclasses.replace(base, model=dataclasses.replace(base.model, capacity_factor=1.0))
+        moe = dataclasses.replace(base.model.moe, capacity_factor=1.0)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, moe=moe))
 
     expected = distributed.run(world // 2, _train, config(**without_cp), tmp_path / "no-cp")[0]
     results = distributed.run(world, _train, config(**parallel), tmp_path / "cp")

@@ -257,7 +257,7 @@ def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
         hf_config(raw)
     # The folder's settings are what a run must use, named as --set fixes.
     other = from_dict({"model": {**model_settings(folders["qwen3_moe"]), "expert_hidden": 32}}).model
-    with pytest.raises(CheckpointError, match="--set model.expert_hidden=16"):
+    with pytest.raises(CheckpointError, match="--set model.moe.ffn_hidden=16"):
         check_matches(folders["qwen3_moe"], other)
 
 

@@ -31,6 +31,11 @@ def check_model(config: ModelConfig) -> None:
     spec_of(config).check_model(config)
 
 
+def output_width(config: ModelConfig) -> int:
+    """Outputs per position: the vocabulary of a language model, the classes of a classifier."""
+    return spec_of(config).output_width(config)
+
+
 def sequence_length(config: ModelConfig) -> int:
     """Positions per example the transformer sees (patches + class token for the ViT)."""
     return spec_of(config).sequence_length(config)

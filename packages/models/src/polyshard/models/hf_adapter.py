@@ -27,11 +27,13 @@ class Family:
     """The family's name in messages, e.g. ``Llama``."""
     settings: Callable[[Mapping[str, Any], str], dict[str, object]]
     """A validated ``config.json`` (its path for messages) -> polyshard's ``[model]`` settings."""
-    differences: Callable[[ModelConfig], dict[str, object]]
+    # The functions below take the family's own config class (GPTConfig, MoEGPTConfig), hence Any: the
+    # reader and writer call them only with a model of the spec that lists this family.
+    differences: Callable[[Any], dict[str, object]]
     """The settings a model would need to change to be of this family (empty: it is)."""
-    locations: Callable[[ModelConfig], dict[str, TensorLocation]]
+    locations: Callable[[Any], dict[str, TensorLocation]]
     """Our parameter name -> where it lives in the family's files."""
-    config: Callable[[ModelConfig], dict[str, object]]
+    config: Callable[[Any], dict[str, object]]
     """The ``config.json`` written for a model of this family."""
     base_prefix: str
     """The prefix the causal-LM class adds to the base model's names (``transformer.``, ``model.``)."""
@@ -41,7 +43,7 @@ class Family:
     """Name ends of saved buffers that hold no weights (skipped when reading)."""
     at_most: frozenset[str] = field(default_factory=frozenset)
     """Settings ours may undershoot: a model may train on sequences shorter than the folder's context."""
-    note: Callable[[ModelConfig], str | None] = lambda model: None
+    note: Callable[[Any], str | None] = lambda model: None
     """What an export of ``model`` in this family's format should tell its user (None: nothing)."""
 
     def canonical(self, name: str) -> str:
@@ -53,7 +55,7 @@ _EFFECTIVE = {
     "mlp_hidden": "mlp_width",
     "head_dim": "attention_head_dim",
     "qkv_bias": "qkv_biased",
-    "expert_hidden": "expert_width",
+    "moe.ffn_hidden": "expert_width",
 }
 
 
@@ -61,12 +63,16 @@ def setting(model: ModelConfig, key: str) -> object:
     """``model``'s effective value of a ``[model]`` setting: unset kv heads are all heads, an unset MLP
     width is mlp_ratio x hidden, an unset head dim hidden / heads, unset q/k/v biases follow bias, an
     unset expert width is the MLP width / top_k, an unset shared expert width the experts'."""
-    if key == "shared_expert_hidden":
-        return model.shared_expert_hidden or model.expert_width
-    return getattr(model, _EFFECTIVE.get(key, key))
+    if key == "moe.shared_ffn_hidden":
+        moe = getattr(model, "moe")  # noqa: B009  (a family with experts)
+        return moe.shared_ffn_hidden or getattr(model, "expert_width")  # noqa: B009
+    value: object = model
+    for part in _EFFECTIVE.get(key, key).split("."):  # "moe.top_k": a nested table's field
+        value = getattr(value, part)
+    return value
 
 
-def shape_differences(model: ModelConfig, shape: Mapping[str, object]) -> dict[str, object]:
+def shape_differences(model: Any, shape: Mapping[str, object]) -> dict[str, object]:
     """The entries of ``shape`` (setting -> required value) that ``model`` does not have (an unset
     qkv_bias follows bias: only bias is named then)."""
     follows = model.qkv_bias is None and shape.get("qkv_bias", shape.get("bias")) == shape.get("bias")

@@ -2,8 +2,8 @@
 
 The trainer, the pipeline split, resharding, export and ``--dry-run`` never branch on
 ``model.kind``; they ask the family's :class:`ModelSpec` (torchtitan's ``TrainSpec`` is the same
-idea). A new family is one file that defines its modules and a ``SPEC``, plus one line in
-:data:`polyshard.models.SPECS`.
+idea). A new family is one folder that defines its config, modules and a ``SPEC``, plus one line in
+:mod:`polyshard.models.registry` (or :func:`polyshard.models.register` from outside).
 
 What a spec must keep true:
 
@@ -16,9 +16,10 @@ What a spec must keep true:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -76,6 +77,10 @@ def _no_checks(model: ModelConfig, parallel: ParallelSizes) -> None:
     return None
 
 
+def _no_sequence(model: ModelConfig) -> int:
+    raise ConfigError(f"model.kind={model.kind!r} declares no sequence length or output width (its spec)")
+
+
 def decays(name: str, param: nn.Parameter) -> bool:
     """The usual AdamW rule (GPT-2, nanoGPT): decay matrices; not biases, norms or embeddings."""
     return param.dim() >= 2 and not any(part in name for part in ("tok.", "pos.", ".cls", ".pos"))
@@ -91,6 +96,8 @@ def block_matrix(name: str, param: nn.Parameter) -> bool:
 class ModelSpec:
     kind: str
     """``model.kind`` in a config."""
+    config: type[ModelConfig]
+    """Its settings: the fields ``[model]`` may hold for it, their defaults and their checks."""
     task: str
     """What it learns: "language" (next-token prediction) or "images" (classification); the trainer's
     :mod:`polyshard.trainer.tasks` gives each its data, batches and loss."""
@@ -116,9 +123,13 @@ class ModelSpec:
     """Family constraints against the rest of the config, before launch (a :class:`ConfigError`)."""
     check_model: Callable[[ModelConfig], None] = lambda model: None
     """Family constraints between ``[model]`` fields, when the section is read."""
-    sequence_length: Callable[[ModelConfig], int] = lambda model: model.context_length
+    sequence_length: Callable[[ModelConfig], int] = _no_sequence
     """Positions per example the transformer sees."""
+    output_width: Callable[[ModelConfig], int] = _no_sequence
+    """Outputs per position: the vocabulary of a language model, the classes of a classifier."""
     hf_families: tuple[Family, ...] = ()
+    presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """Named settings (``model.preset``), each a ``[model]`` table."""
     """The Hugging Face architectures (``model_type``) its weights can map to (its adapters, one per ``model_type``)."""
 
 
@@ -136,7 +147,9 @@ def layer_of(name: str) -> int:
 # -- tensor-parallel plan pieces the families share ------------------------------------------------------
 
 
-def attention_plan(block: str, model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
+def attention_plan(
+    block: str, model: ModelConfig, parallel: ParallelSizes, *, qk_norm: bool = False
+) -> dict[str, object]:
     """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
     ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
     sp = parallel.sequence_parallel
@@ -147,7 +160,7 @@ def attention_plan(block: str, model: ModelConfig, parallel: ParallelSizes) -> d
     else:
         plan[f"{block}.attn.[qkv]_proj"] = ColumnParallel(input_entered=True)
     plan[f"{block}.attn.o_proj"] = RowParallel(sequence_parallel=sp)
-    if model.qk_norm:  # one weight per head dim for every head: replicated, its gradient summed over tp
+    if qk_norm:  # one weight per head dim for every head: replicated, its gradient summed over tp
         plan[f"{block}.attn.[qk]_norm"] = HeadNorm()
     return plan
 

@@ -107,5 +107,3 @@ class Attention(nn.Module):
             k = rotate(k, self.rope_theta, self.rope_scaling, positions)
         y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents.segments)
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
-
-

@@ -38,5 +38,3 @@ def document_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, caus
     if causal:
         visible &= torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
     return visible.unsqueeze(1)
-
-

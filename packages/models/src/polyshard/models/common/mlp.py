@@ -42,4 +42,3 @@ def norm_layer(kind: str, hidden: int, eps: float = 1e-5) -> nn.Module:
     if kind not in NORMS:
         raise ValueError(f"norm {kind!r}: choose one of {NORMS}")
     return nn.LayerNorm(hidden, eps=eps) if kind == "layer" else nn.RMSNorm(hidden, eps=eps)
-

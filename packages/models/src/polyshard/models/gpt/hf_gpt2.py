@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.config import ModelConfig
+from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT GPT-2's architecture.
@@ -41,7 +41,7 @@ def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     }
 
 
-def differences(model: ModelConfig) -> dict[str, object]:
+def differences(model: GPTConfig) -> dict[str, object]:
     out = shape_differences(model, SHAPE)
     if model.kv_heads != model.num_heads:
         out["num_kv_heads"] = model.num_heads  # GPT-2 has no grouped-query attention
@@ -50,7 +50,7 @@ def differences(model: ModelConfig) -> dict[str, object]:
     return out
 
 
-def locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def locations(model: GPTConfig) -> dict[str, TensorLocation]:
     """Our parameter name -> where it lives in a GPT-2 file."""
     h, last = model.hidden, model.num_layers + 1
     out = {
@@ -79,7 +79,7 @@ def locations(model: ModelConfig) -> dict[str, TensorLocation]:
     return out
 
 
-def config(model: ModelConfig) -> dict[str, object]:
+def config(model: GPTConfig) -> dict[str, object]:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",

@@ -9,7 +9,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.config import GPTConfig
+from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
 
 # The settings that make polyshard's GPT Llama's architecture.
@@ -106,11 +107,11 @@ def _rope(hf: Mapping[str, Any], where: str, context: int, default_theta: float 
     }
 
 
-def differences(model: ModelConfig) -> dict[str, object]:
+def differences(model: GPTConfig) -> dict[str, object]:
     return shape_differences(model, SHAPE)
 
 
-def locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def locations(model: GPTConfig) -> dict[str, TensorLocation]:
     """Our parameter name -> where it lives in a Llama file (the same layout, other names)."""
     return decoder_locations(model, dense_mlp)
 
@@ -123,7 +124,7 @@ def dense_mlp(ours: str, hf: str) -> dict[str, TensorLocation]:
 
 
 def decoder_locations(
-    model: ModelConfig, mlp: Callable[[str, str], dict[str, TensorLocation]]
+    model: GPTConfig, mlp: Callable[[str, str], dict[str, TensorLocation]]
 ) -> dict[str, TensorLocation]:
     """The names of a Llama-like file (Llama, Mixtral, Qwen): embedding, each block's norms and attention
     (with q/k/v biases and q/k norms where ``model`` has them), its MLP as ``mlp(ours, hf)`` places it
@@ -148,7 +149,7 @@ def decoder_locations(
     return out
 
 
-def config(model: ModelConfig) -> dict[str, object]:
+def config(model: GPTConfig) -> dict[str, object]:
     """``config.json`` in the names transformers 4 writes (``rope_theta``, ``rope_scaling``), which
     transformers 5 reads too. ``max_position_embeddings`` is the context polyshard trained on."""
     return {
@@ -161,7 +162,7 @@ def config(model: ModelConfig) -> dict[str, object]:
     }
 
 
-def decoder_config(model: ModelConfig) -> dict[str, object]:
+def decoder_config(model: GPTConfig) -> dict[str, object]:
     """The ``config.json`` entries every Llama-like family writes alike (:func:`decoder_settings`'s)."""
     scaling = None
     if model.rope_scale_factor != 1.0:
@@ -209,8 +210,8 @@ def decoder_family(
     title: str,
     shape: Mapping[str, object],
     settings: Callable[[Mapping[str, Any], str], dict[str, object]],
-    locations: Callable[[ModelConfig], dict[str, TensorLocation]],
-    config: Callable[[ModelConfig], dict[str, object]],
+    locations: Callable[[Any], dict[str, TensorLocation]],
+    config: Callable[[Any], dict[str, object]],
 ) -> Family:
     """A Llama-like family (Qwen2, Qwen3, Mixtral, Qwen-MoE): Llama's file layout under ``model.``, a
     model of the family has ``shape``'s settings, and it may train on sequences shorter than its folder's."""

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import TensorLocation
-from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.hf_llama import (
     decoder_config,
     decoder_family,
@@ -17,6 +17,7 @@ from polyshard.models.gpt.hf_llama import (
     dense_mlp,
 )
 from polyshard.models.gpt.hf_qwen3 import check_full_attention
+from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import read_int
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False}
@@ -28,11 +29,11 @@ def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     return {**SHAPE, **decoder_settings(hf, where), "mlp_hidden": read_int(hf, "intermediate_size", where)}
 
 
-def locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def locations(model: GPTConfig) -> dict[str, TensorLocation]:
     return decoder_locations(model, dense_mlp)
 
 
-def config(model: ModelConfig) -> dict[str, object]:
+def config(model: GPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.config import LLAMA, ModelConfig
+from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.hf_llama import (
     decoder_config,
     decoder_family,
@@ -17,6 +17,7 @@ from polyshard.models.gpt.hf_llama import (
     decoder_settings,
     dense_mlp,
 )
+from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import read_bool, read_int, require
 
 SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": True}
@@ -66,11 +67,11 @@ def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     }
 
 
-def locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def locations(model: GPTConfig) -> dict[str, TensorLocation]:
     return decoder_locations(model, dense_mlp)
 
 
-def config(model: ModelConfig) -> dict[str, object]:
+def config(model: GPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",

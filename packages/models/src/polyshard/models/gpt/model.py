@@ -20,11 +20,12 @@ from torch import nn
 
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
 from polyshard.models.config import ModelConfig
-from polyshard.models.errors import ConfigError
+from polyshard.models.gpt.config import GPTConfig, gpt_config
 from polyshard.models.gpt.hf_gpt2 import GPT2
 from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
 from polyshard.models.gpt.hf_qwen2 import QWEN2
 from polyshard.models.gpt.hf_qwen3 import QWEN3
+from polyshard.models.gpt.presets import PRESETS
 from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
@@ -156,6 +157,7 @@ class GPT(nn.Module):
 
 
 def build(config: ModelConfig, options: BuildOptions) -> GPT:
+    config = gpt_config(config)
     return GPT(
         vocab_size=config.vocab_size,
         context_length=config.context_length,
@@ -172,7 +174,7 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         positions=config.positions,
         bias=config.bias,
         rope_theta=config.rope_theta,
-        rope_scaling=rope_scaling(config),
+        rope_scaling=config.rope_scaling,
         mlp_hidden=config.mlp_width,
         norm_eps=config.norm_eps,
         head_dim=config.head_dim,
@@ -181,20 +183,9 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
     )
 
 
-def rope_scaling(config: ModelConfig) -> RopeScaling | None:
-    """Llama 3.1's rotary frequency scaling as ``config`` sets it; None when the factor is 1 (none)."""
-    if config.rope_scale_factor == 1.0:
-        return None
-    return RopeScaling(
-        factor=config.rope_scale_factor,
-        low_freq_factor=config.rope_low_freq_factor,
-        high_freq_factor=config.rope_high_freq_factor,
-        original_context=config.rope_original_context,
-    )
-
-
 def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
+    model = gpt_config(model)
     last, sp = model.num_layers + 1, parallel.sequence_parallel
     plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
     plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
@@ -205,18 +196,19 @@ def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]
 
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
+    model = gpt_config(model)
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
         block = f"layers.{i}"
-        plan |= attention_plan(block, model, parallel) | mlp_plan(block, sp, model.activation)
+        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm) | mlp_plan(block, sp, model.activation)
         plan |= sequence_plan(block, sp)
     return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
 
 
 def tied(model: ModelConfig) -> dict[str, str]:
     """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2)."""
-    if not model.tie_embeddings:
+    if not gpt_config(model).tie_embeddings:
         return {}
     return {f"layers.{model.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
 
@@ -225,29 +217,27 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     check_mlp_split(model.mlp_width, parallel.tp)
 
 
-def check_model(model: ModelConfig) -> None:
-    """Settings only an MoE model reads are refused rather than ignored."""
-    moe_only = {
-        "expert_hidden": None, "shared_experts": 0, "shared_expert_hidden": None, "shared_expert_gate": False,
-        "router": "softmax", "router_bias_update_rate": 0.0, "router_groups": 1, "router_group_topk": 1,
-        "router_scale": 1.0, "seq_aux_loss_weight": 0.0, "router_z_loss_weight": 0.0,
-    }  # fmt: skip
-    for name, unset in moe_only.items():
-        if getattr(model, name) != unset:
-            raise ConfigError(
-                f"model.{name}={getattr(model, name)!r} shapes experts, which model.kind={model.kind!r} has none of; "
-                f"set model.kind='moe-gpt' or drop it"
-            )
+def sequence_length(model: ModelConfig) -> int:
+    """Tokens per row: the context length."""
+    return gpt_config(model).context_length
+
+
+def vocab_size(model: ModelConfig) -> int:
+    """Logits per position: the vocabulary."""
+    return gpt_config(model).vocab_size
 
 
 SPEC = ModelSpec(
     kind="gpt",
+    sequence_length=sequence_length,
+    output_width=vocab_size,
+    config=GPTConfig,
+    presets=PRESETS,
     task="language",
     build=build,
     tp_plan=tp_plan,
     tied=tied,
     check=check,
-    check_model=check_model,
     context_parallel=True,
     # polyshard.trainer.checkpointing.hugging_face's name tables; the architecture fields pick one
     hf_families=(GPT2, LLAMA_FAMILY, QWEN2, QWEN3),

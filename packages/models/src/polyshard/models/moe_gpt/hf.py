@@ -17,7 +17,7 @@ polyshard (``layers.<i>.mlp``)         Hugging Face (``model.layers.<i-1>``)    
 =====================================  ======================================================  ==========
 
 An ep rank reads only its own experts' tensors. Routing is each family's softmax top-k: Mixtral always
-renormalises the k weights, Qwen as ``norm_topk_prob`` says (``model.router_renormalize``). Refused,
+renormalises the k weights, Qwen as ``norm_topk_prob`` says (``model.moe.renormalize``). Refused,
 naming the key: dense layers between sparse ones (``decoder_sparse_step``, ``mlp_only_layers``),
 sliding-window attention, router jitter noise, another activation, and biases polyshard does not have.
 """
@@ -28,37 +28,38 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.config import LLAMA, ModelConfig
 from polyshard.models.gpt.hf_llama import decoder_config, decoder_family, decoder_locations, decoder_settings
 from polyshard.models.gpt.hf_qwen3 import check_all_sparse, check_full_attention
+from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import read_bool, read_int, read_number, require
+from polyshard.models.moe_gpt.config import MoEGPTConfig
 
 # Softmax top-k over every expert: what these families compute (a sigmoid router with a selection bias,
 # DeepSeek's, or group-limited routing would need other files and are refused on export).
-_BASE = {"kind": "moe-gpt", **LLAMA, "router": "softmax", "router_groups": 1, "router_scale": 1.0}
+_BASE = {"kind": "moe-gpt", **LLAMA, "moe.score": "softmax", "moe.groups": 1, "moe.scale": 1.0}
 MIXTRAL_SHAPE: dict[str, object] = {
-    **_BASE, "qkv_bias": False, "qk_norm": False, "shared_experts": 0, "router_renormalize": True,
+    **_BASE, "qkv_bias": False, "qk_norm": False, "moe.shared_experts": 0, "moe.renormalize": True,
 }  # fmt: skip
-QWEN3_MOE_SHAPE: dict[str, object] = {**_BASE, "qkv_bias": False, "qk_norm": True, "shared_experts": 0}
+QWEN3_MOE_SHAPE: dict[str, object] = {**_BASE, "qkv_bias": False, "qk_norm": True, "moe.shared_experts": 0}
 # bias=False (from Llama's) is o_proj's and the MLPs'; q, k and v have biases as qkv_bias says.
-QWEN2_MOE_SHAPE: dict[str, object] = {**_BASE, "qk_norm": False, "shared_experts": 1, "shared_expert_gate": True}
+QWEN2_MOE_SHAPE: dict[str, object] = {**_BASE, "qk_norm": False, "moe.shared_experts": 1, "moe.shared_gate": True}
 
 
-def _experts(model: ModelConfig, prefix: str, names: Mapping[str, str]) -> dict[str, TensorLocation]:
+def _experts(model: MoEGPTConfig, prefix: str, names: Mapping[str, str]) -> dict[str, TensorLocation]:
     """Our stacked experts of one block, ``layers.<i>.mlp.moe.experts.<w>``, from the per-expert
     ``<prefix>.<e>.<names[w]>.weight`` (each a Linear weight: ours transposed)."""
     return {
         w: TensorLocation(
             f"{prefix}.0.{hf}.weight",
             transposed=True,
-            stacked=tuple(f"{prefix}.{e}.{hf}.weight" for e in range(model.num_experts)),
+            stacked=tuple(f"{prefix}.{e}.{hf}.weight" for e in range(model.moe.num_experts)),
         )
         for w, hf in names.items()
     }
 
 
 def _moe_mlp(
-    model: ModelConfig, block: str, router: str, experts: str, names: Mapping[str, str]
+    model: MoEGPTConfig, block: str, router: str, experts: str, names: Mapping[str, str]
 ) -> Callable[[str, str], dict[str, TensorLocation]]:
     """Where one block's MoE MLP lives: the router ``<block>.<router>``, the experts ``<block>.<experts>.<e>``
     (their weights named by ``names``), and Qwen2-MoE's shared expert and its gate."""
@@ -67,11 +68,11 @@ def _moe_mlp(
         out = {f"{ours}.mlp.moe.router.weight": TensorLocation(f"{hf}.{block}.{router}.weight")}
         for w, location in _experts(model, f"{hf}.{block}.{experts}", names).items():
             out[f"{ours}.mlp.moe.experts.{w}"] = location
-        if model.shared_experts:
+        if model.moe.shared_experts:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 name = f"mlp.shared_expert.{proj}.weight"
                 out[f"{ours}.{name}"] = TensorLocation(f"{hf}.{name}")
-        if model.shared_expert_gate:
+        if model.moe.shared_gate:
             out[f"{ours}.mlp.shared_expert_gate.weight"] = TensorLocation(f"{hf}.mlp.shared_expert_gate.weight")
         return out
 
@@ -86,7 +87,7 @@ def _routing(hf: Mapping[str, Any], where: str, experts_key: str, experts: int, 
     k = read_int(hf, "num_experts_per_tok", where, default=top_k)
     if k > num_experts:
         raise CheckpointError(f"{where}: num_experts_per_tok={k} exceeds {experts_key}={num_experts}")
-    return {"num_experts": num_experts, "top_k": k}
+    return {"moe.num_experts": num_experts, "moe.top_k": k}
 
 
 # -- Mixtral ---------------------------------------------------------------------------------------------
@@ -109,24 +110,24 @@ def mixtral_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         **MIXTRAL_SHAPE,
         **decoder_settings(hf, where, theta=1e6, eps=1e-5),  # MixtralConfig's default base and epsilon
         **_routing(hf, where, "num_local_experts", 8, 2),
-        "expert_hidden": read_int(hf, "intermediate_size", where),
+        "moe.ffn_hidden": read_int(hf, "intermediate_size", where),
     }
 
 
-def mixtral_locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def mixtral_locations(model: MoEGPTConfig) -> dict[str, TensorLocation]:
     names = {"w1": "w1", "w2": "w2", "w3": "w3"}
     return decoder_locations(model, _moe_mlp(model, "block_sparse_moe", "gate", "experts", names))
 
 
-def mixtral_config(model: ModelConfig) -> dict[str, object]:
+def mixtral_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
         **decoder_config(model),
         "intermediate_size": model.expert_width,
-        "num_local_experts": model.num_experts,
-        "num_experts_per_tok": model.top_k,
-        "router_aux_loss_coef": model.aux_loss_weight,
+        "num_local_experts": model.moe.num_experts,
+        "num_experts_per_tok": model.moe.top_k,
+        "router_aux_loss_coef": model.moe.aux_loss_coef,
         "router_jitter_noise": 0.0,
         "sliding_window": None,
     }
@@ -148,8 +149,8 @@ def qwen3_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         **QWEN3_MOE_SHAPE,
         **decoder_settings(hf, where),
         **_routing(hf, where, key, 128, 8),
-        "expert_hidden": read_int(hf, "moe_intermediate_size", where, default=768),
-        "router_renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+        "moe.ffn_hidden": read_int(hf, "moe_intermediate_size", where, default=768),
+        "moe.renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
     }
 
 
@@ -161,46 +162,46 @@ def qwen2_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         **decoder_settings(hf, where),
         **_routing(hf, where, "num_experts", 60, 4),
         "qkv_bias": read_bool(hf, "qkv_bias", where, default=True),
-        "expert_hidden": read_int(hf, "moe_intermediate_size", where, default=1408),
-        "shared_expert_hidden": read_int(hf, "shared_expert_intermediate_size", where, default=5632),
-        "router_renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+        "moe.ffn_hidden": read_int(hf, "moe_intermediate_size", where, default=1408),
+        "moe.shared_ffn_hidden": read_int(hf, "shared_expert_intermediate_size", where, default=5632),
+        "moe.renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
     }
 
 
-def qwen_moe_locations(model: ModelConfig) -> dict[str, TensorLocation]:
+def qwen_moe_locations(model: MoEGPTConfig) -> dict[str, TensorLocation]:
     return decoder_locations(model, _moe_mlp(model, "mlp", "gate", "experts", _QWEN_EXPERTS))
 
 
-def _qwen_moe_config(model: ModelConfig) -> dict[str, object]:
+def _qwen_moe_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         **decoder_config(model),
         "intermediate_size": model.mlp_width,  # dense layers' width: none here (mlp_only_layers is empty)
         "moe_intermediate_size": model.expert_width,
-        "num_experts_per_tok": model.top_k,
-        "norm_topk_prob": model.router_renormalize,
+        "num_experts_per_tok": model.moe.top_k,
+        "norm_topk_prob": model.moe.renormalize,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "router_aux_loss_coef": model.aux_loss_weight,
+        "router_aux_loss_coef": model.moe.aux_loss_coef,
         "use_sliding_window": False,
     }
 
 
-def qwen3_moe_config(model: ModelConfig) -> dict[str, object]:
+def qwen3_moe_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         **_qwen_moe_config(model),
-        "num_experts": model.num_experts,
+        "num_experts": model.moe.num_experts,
         "attention_bias": False,
     }
 
 
-def qwen2_moe_config(model: ModelConfig) -> dict[str, object]:
+def qwen2_moe_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen2MoeForCausalLM"],
         "model_type": "qwen2_moe",
         **_qwen_moe_config(model),
-        "num_experts": model.num_experts,
+        "num_experts": model.moe.num_experts,
         "shared_expert_intermediate_size": model.shared_width,
         "qkv_bias": model.qkv_biased,
     }

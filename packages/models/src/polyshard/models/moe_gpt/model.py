@@ -22,7 +22,9 @@ from polyshard.models.common import SwiGLU
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
+from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_config
 from polyshard.models.moe_gpt.hf import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from polyshard.models.moe_gpt.presets import PRESETS
 from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
@@ -87,44 +89,31 @@ class MoEMLP(nn.Module):
 
 def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's),
-    with shared experts beside them when ``model.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's)."""
+    with shared experts beside them when ``model.moe.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's)."""
+    config = moe_config(config)
     model = gpt.build(config, options)
-    moe = MoEConfig(
-        hidden=config.hidden,
-        ffn_hidden=config.expert_width,  # by default about a dense MLP's active FLOPs
-        num_experts=config.num_experts,
-        top_k=config.top_k,
-        renormalize=config.router_renormalize,
-        capacity_factor=config.capacity_factor,
-        aux_loss_coef=config.aux_loss_weight,
-        z_loss_coef=config.router_z_loss_weight,
-        seq_aux_loss_coef=config.seq_aux_loss_weight,
-        score=config.router,
-        groups=config.router_groups,
-        group_topk=config.router_group_topk,
-        scale=config.router_scale,
-    )
+    layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
     for block in model.layers[1:-1]:
         block.mlp = MoEMLP(
-            moe,
+            layer,
             aux_loss_scale=options.aux_loss_scale,
             shared_hidden=config.shared_width,
-            shared_gate=config.shared_expert_gate,
+            shared_gate=config.moe.shared_gate,
         )
     return model
 
 
 def routing_summary(model: ModelConfig) -> str:
     """One line saying how tokens choose their experts, for ``--dry-run``."""
-    parts = [f"{model.router} top-{model.top_k} of {model.num_experts} experts"]
-    if model.router_groups > 1:
-        parts.append(f"within the best {model.router_group_topk} of {model.router_groups} groups")
-    if model.router == "sigmoid":
-        parts.append(f"selection bias moved {model.router_bias_update_rate:g} a step by the global load")
-    if model.router_scale != 1.0:
-        parts.append(f"weights x {model.router_scale:g}")
-    losses = {"switch": model.aux_loss_weight, "sequence-wise": model.seq_aux_loss_weight,
-              "z": model.router_z_loss_weight}  # fmt: skip
+    moe = moe_config(model).moe
+    parts = [f"{moe.score} top-{moe.top_k} of {moe.num_experts} experts"]
+    if moe.groups > 1:
+        parts.append(f"within the best {moe.group_topk} of {moe.groups} groups")
+    if moe.score == "sigmoid":
+        parts.append(f"selection bias moved {moe.bias_update_rate:g} a step by the global load")
+    if moe.scale != 1.0:
+        parts.append(f"weights x {moe.scale:g}")
+    losses = {"switch": moe.aux_loss_coef, "sequence-wise": moe.seq_aux_loss_coef, "z": moe.z_loss_coef}
     weighted = [f"{name} {weight:g}" for name, weight in losses.items() if weight > 0]
     parts.append("balance losses: " + (", ".join(weighted) if weighted else "none"))
     return "routing: " + "; ".join(parts)
@@ -133,21 +122,17 @@ def routing_summary(model: ModelConfig) -> str:
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
     the shared experts are, like the dense MLP (their gate's one vector is replicated)."""
+    model = moe_config(model)
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
-        plan |= attention_plan(f"layers.{i}", model, parallel)
-        if model.shared_experts:
+        plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm)
+        if model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 
-def check_model(model: ModelConfig) -> None:
-    if not 1 <= model.top_k <= model.num_experts:
-        raise ConfigError(f"model.top_k={model.top_k} must be between 1 and model.num_experts={model.num_experts}")
-
-
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    par = parallel
+    model, par = moe_config(model), parallel
     if par.sequence_parallel:
         raise ConfigError(
             "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
@@ -159,24 +144,27 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
         )
-    if model.shared_experts:
+    if model.moe.shared_experts:
         check_mlp_split(model.shared_width, par.tp)
-    if model.num_experts % par.ep:
+    experts = model.moe.num_experts
+    if experts % par.ep:
         raise ConfigError(
-            f"parallel.ep={par.ep} does not divide model.num_experts={model.num_experts}; "
-            f"choose ep in {divisors(model.num_experts)}"
+            f"parallel.ep={par.ep} does not divide model.moe.num_experts={experts}; choose ep in {divisors(experts)}"
         )
 
 
 SPEC = ModelSpec(
     kind="moe-gpt",
+    config=MoEGPTConfig,
+    presets=PRESETS,
+    sequence_length=gpt.sequence_length,
+    output_width=gpt.vocab_size,
     task="language",
     build=build,
     tp_plan=tp_plan,
     has_experts=True,
     tied=gpt.tied,
     check=check,
-    check_model=check_model,
     context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
     hf_families=(MIXTRAL, QWEN3_MOE, QWEN2_MOE),
 )

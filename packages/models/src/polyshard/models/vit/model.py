@@ -24,6 +24,7 @@ from polyshard.models.spec import (
     sequence_plan,
     split_sequence,
 )
+from polyshard.models.vit.config import ViTConfig, vit_config
 
 
 class PatchEmbedding(nn.Module):
@@ -103,6 +104,7 @@ class ViT(nn.Module):
 
 
 def build(config: ModelConfig, options: BuildOptions) -> ViT:
+    config = vit_config(config)
     return ViT(
         image_size=config.image_size,
         patch_size=config.patch_size,
@@ -130,10 +132,12 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 
 def sequence_length(model: ModelConfig) -> int:
     """Patches plus the class token."""
+    model = vit_config(model)
     return (model.image_size // model.patch_size) ** 2 + 1
 
 
 def check_model(model: ModelConfig) -> None:
+    model = vit_config(model)
     if model.image_size % model.patch_size:
         raise ConfigError(
             f"model.image_size={model.image_size} is not a multiple of model.patch_size={model.patch_size}; "
@@ -147,10 +151,12 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
 
 SPEC = ModelSpec(
     kind="vit",
+    config=ViTConfig,
     task="images",
     build=build,
     tp_plan=tp_plan,
     check=check,
     check_model=check_model,
     sequence_length=sequence_length,
+    output_width=lambda model: vit_config(model).num_classes,
 )

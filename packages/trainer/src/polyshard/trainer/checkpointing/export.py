@@ -29,7 +29,7 @@ def saved_config(source: Checkpoint) -> Config:
         for section, values in source.settings.items()
     }
     try:
-        return from_dict(settings)
+        return from_dict(settings, saved=True)
     except ConfigError as err:
         raise CheckpointError(f"{source.folder}/index.json: the saved config is not valid: {err}") from err
 

@@ -90,7 +90,6 @@ __all__ = [
 ]
 
 
-
 def model_settings(folder: str | Path) -> dict[str, object]:
     """The ``[model]`` settings of a Hugging Face folder's ``config.json``, in polyshard's names."""
     family, hf, where = _read_config(Path(folder))

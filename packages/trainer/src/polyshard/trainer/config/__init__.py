@@ -11,7 +11,9 @@ pipeline stages, ...) are checked by
 :func:`polyshard.trainer.engine.constraints.validate` before any process starts.
 """
 
-from polyshard.models.config import LLAMA, PRESETS, ModelConfig
+from polyshard.models.config import ModelConfig
+from polyshard.models.gpt.presets import LLAMA
+from polyshard.models.settings import presets
 from polyshard.trainer.config.parse import apply_overrides, auto_dp, check_type, from_dict, load_config, read_toml
 from polyshard.trainer.config.sections import (
     CHECKPOINTING,
@@ -27,6 +29,9 @@ from polyshard.trainer.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
+
+PRESETS = {name: values for name, (_, values) in presets().items()}
+"""Every family's presets by name (``model.preset``)."""
 
 __all__ = [
     "LLAMA",

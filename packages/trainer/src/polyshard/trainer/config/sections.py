@@ -16,6 +16,7 @@ from polyshard.models.errors import ConfigError
 from polyshard.models.errors import check_at_least as _check_at_least
 from polyshard.models.errors import check_choice as _check_choice
 from polyshard.models.errors import check_positive as _check_positive
+from polyshard.models.gpt.config import GPTConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
@@ -437,7 +438,7 @@ class LoggingConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)

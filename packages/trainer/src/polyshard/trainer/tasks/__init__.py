@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from polyshard.models import ModelConfig, spec_of
+from polyshard.models import ModelConfig, output_width, spec_of
 from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
@@ -90,7 +90,7 @@ def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
     """Cross-entropy of (B, S, V) logits against (B, S) token ids, summed over the targets that are not
     IGNORE_INDEX and divided by the global batch's count of them: vocabulary-parallel under tp."""
     if tp_group is not None:
-        vocab = config.model.vocab_size
+        vocab = output_width(config.model)
         return TokenMeanLoss(
             lambda logits, targets: vocab_parallel_cross_entropy(
                 logits.float(), targets, tp_group, vocab_size=vocab, ignore_index=IGNORE_INDEX, reduction="sum"
