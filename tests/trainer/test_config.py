@@ -61,7 +61,10 @@ def test_defaults_are_valid():
         ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "groups": 3}}}, "choose groups in \\[1, 2, 4, 8\\]"),
         ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "groups": 4, "group_topk": 5}}}, "group_topk=5 must"),
         ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "top_k": 3, "groups": 4}}}, "top_k=3 exceeds the 2"),
-        ({"model": {"kind": "moe-gpt", "moe": {"seq_aux_loss_coef": -1}}}, "must be >= 0, got .*seq_aux_loss_coef=-1.0"),
+        (
+            {"model": {"kind": "moe-gpt", "moe": {"seq_aux_loss_coef": -1}}},
+            "must be >= 0, got .*seq_aux_loss_coef=-1.0",
+        ),
         ({"model": {"kind": "moe-gpt", "moe": {"top_k": 1.5}}}, "model.moe.top_k=1.5 must be an integer"),
         ({"model": {"kind": "moe-gpt", "moe": {"experts": 4}}}, "unknown key in \\[model.moe\\] 'experts'"),
         # A family holds its own fields only: the ViT has no router, the GPT no image.
@@ -125,7 +128,11 @@ def test_bad_fields(raw, message):
         ({"parallel": {"ep": 2}}, 2, "needs experts"),
         ({"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1}}, 2, "zero_stage=0 with sequence"),
         ({"model": {"kind": "moe-gpt"}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2, "moe-gpt"),
-        ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 6}}, "parallel": {"ep": 4}}, 4, "choose ep in \\[1, 2, 3, 6\\]"),
+        (
+            {"model": {"kind": "moe-gpt", "moe": {"num_experts": 6}}, "parallel": {"ep": 4}},
+            4,
+            "choose ep in \\[1, 2, 3, 6\\]",
+        ),
         ({"parallel": {"dp": 2, "microbatches": 3}, "training": {"global_batch_size": 16}}, 2, "multiple of 6"),
         ({"parallel": {"pp": 2, "stage_layers": [3, 2]}}, 2, "layer counts that add up to 6"),
         ({"parallel": {"pp": 2, "stage_layers": [6]}}, 2, "must give 2 pipeline stages"),

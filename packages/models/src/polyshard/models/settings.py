@@ -142,7 +142,7 @@ def model_config(values: Mapping[str, Any], *, saved: bool = False, note: Note |
     own = _translated(dict(values), kind, fields, saved=saved, note=note)
     for key in own:
         if key not in fields:
-            near = difflib.get_close_matches(key, fields, n=1)
+            near = difflib.get_close_matches(key, fields, n=1, cutoff=0.75)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ConfigError(
                 f"model.{key} is not a setting of model.kind={kind!r}; {hint}its settings are: {', '.join(fields)}"
