@@ -30,7 +30,7 @@ def _config(corpus, **parallel):
 def _drift_one_replica(config, drifted_rank):
     import torch.distributed as dist
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import check_replicas
@@ -71,7 +71,7 @@ def _drift_one_bias(config, drifted_rank):
     import torch.distributed as dist
 
     from polyshard.ep import MoELayer
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import check_replicas
@@ -106,7 +106,7 @@ def test_a_router_bias_that_drifted_is_found_on_expert_parallel_ranks(distribute
 def _nan_on_one_rank(config):
     import torch.distributed as dist
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import weights_finite
 

@@ -80,7 +80,7 @@ def _reference(config):
 def _run(config, masked=True, documents=DOCUMENTS):
     """One training step's forward/backward and an evaluation forward of the same batch on this rank:
     (this rank's logits or None, [(placement, gradient)], where the rank sits, the evaluation loss)."""
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, evaluate, split_batch
     from polyshard.trainer.tasks.loss import global_token_mean
 

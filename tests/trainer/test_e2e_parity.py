@@ -195,7 +195,7 @@ def test_bf16_gradient_norms_are_measured(distributed, corpus, reference, tmp_pa
 
 def _sequence_parallel_norms(config):
     from polyshard.tp import is_sequence_parallel
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -350,7 +350,7 @@ def test_resume_is_bitwise_identical(distributed, corpus, tmp_path, world, paral
 
 def _eval_twice(config, out):
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate, make_loaders, split_batch
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -417,7 +417,7 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
 def _evaluate_in_order(config, tokens):
     from polyshard.data.examples import Arrays
     from polyshard.data.loader import ShardedLoader
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate_batches, split_batch
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -493,7 +493,7 @@ def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, 
 
 
 def _nan_on_one_rank(config):
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

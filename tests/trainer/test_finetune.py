@@ -210,7 +210,7 @@ def _by_hand(logits, targets):
 
 
 def _masked_loss(tp):
-    from polyshard.trainer.engine.parallelize import loss_function
+    from polyshard.trainer.engine.builder import loss_function
 
     config = from_dict({"model": {"vocab_size": 11, "num_heads": 2}, "parallel": {"tp": tp}})
     mesh = Mesh({"tp": tp})

@@ -91,7 +91,7 @@ def _import_and_score(config, folder, out):
     from polyshard.checkpoint import save_checkpoint
     from polyshard.trainer.checkpointing.reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate_batches
 
     mesh = Mesh(config.parallel.mesh_axes)

@@ -70,7 +70,7 @@ def _expert_weights(engine):
 
 
 def _run(config, chunks=None):
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

@@ -96,8 +96,8 @@ def _router_weights(engine):
 
 
 def _run(config):
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.engine.optim import schedule_of
-    from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -253,7 +253,7 @@ BALANCE_STEPS = 200
 def _balance_curve(config, skew, steps=BALANCE_STEPS):
     """Train ``config`` with every router's bias started at ``skew`` toward expert 0 (each token takes it
     first); returns, per step, the worst layer's tokens of the busiest expert over the mean."""
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

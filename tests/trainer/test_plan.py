@@ -76,7 +76,7 @@ def test_model_states_count_the_heaviest_pipeline_rank_and_the_tied_copy():
 
 
 def test_a_tied_head_weighs_in_the_pipeline_split():
-    from polyshard.trainer.engine.parallelize import pipeline_bounds
+    from polyshard.trainer.engine.layout import pipeline_bounds
 
     def bounds(tie):
         model = {"vocab_size": 5000, "hidden": 32, "num_layers": 6, "num_heads": 4, "tie_embeddings": tie}

@@ -11,7 +11,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.planner.activations import activation_bytes
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.engine.parallelize import build_engine
+from polyshard.trainer.engine.builder import build_engine
 from polyshard.trainer.loop.plan_check import SavedTensorMeter
 
 TOLERANCE = 0.25  # the bound; the count leaves out a few small saved tensors (masks, indices)

@@ -8,7 +8,7 @@ from polyshard.collectives.ledger import group_ranks
 from polyshard.mesh import Mesh
 from polyshard.planner.comm import rank_traffic
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.engine.parallelize import build_engine
+from polyshard.trainer.engine.builder import build_engine
 from polyshard.trainer.loop import train_step
 
 

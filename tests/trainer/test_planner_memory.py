@@ -7,7 +7,7 @@ from polyshard.dp import bytes_held
 from polyshard.mesh import Mesh
 from polyshard.planner.memory import rank_model_states, zero_paper_bytes
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.engine.parallelize import build_engine
+from polyshard.trainer.engine.builder import build_engine
 
 GB = 1e9  # the paper's GB
 

@@ -339,7 +339,7 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
 
 def _parallel_loss(config, folder, tokens):
     from polyshard.trainer.checkpointing.reshard import load_into
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))

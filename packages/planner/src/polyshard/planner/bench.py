@@ -49,7 +49,7 @@ def tiny_gpt(global_batch: int = 16) -> Config:
 def _time_steps(config: Config, steps: int) -> float:
     """Median seconds per training step of ``config`` on this pool (the slowest rank's, random tokens)."""
     from polyshard.mesh import Mesh
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

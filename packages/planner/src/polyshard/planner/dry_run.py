@@ -20,8 +20,8 @@ from polyshard.planner.activations import activation_bytes
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
 from polyshard.trainer.engine.optim import schedule_of
-from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
 
 
 def describe(config: Config) -> str:

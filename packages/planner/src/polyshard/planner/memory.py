@@ -42,7 +42,7 @@ from polyshard.models import build_model, layer_of, spec_of, tied_names
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
-from polyshard.trainer.engine.parallelize import pipeline_bounds
+from polyshard.trainer.engine.layout import pipeline_bounds
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar

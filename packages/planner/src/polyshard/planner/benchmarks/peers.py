@@ -15,7 +15,7 @@ group, with their shapes, warm-up and interleaving.
 Composed rows train the trainer's GPT (the ``tiny`` preset unless ``--preset`` says otherwise) on a
 layout (dp2, tp2, pp2 at 2 ranks; dp2 x tp2, tp2 x pp2, dp2 x pp2 at 4; dp2 x tp2 x pp2 at 8):
 
-* ours: :func:`polyshard.trainer.engine.parallelize.build_engine` and
+* ours: :func:`polyshard.trainer.engine.builder.build_engine` and
   :func:`polyshard.trainer.loop.train_step`, exactly as ``polyshard train`` steps
   (ZeRO-3 on the dp axis, 1F1B on the pp axis, the global-norm clip, AdamW);
 * the peer: the torch-native composition torchtitan uses, on a ``DeviceMesh`` of the same shape and
@@ -63,8 +63,9 @@ from polyshard.mesh import DistributedContext, Mesh
 from polyshard.mesh.benchmark import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
 from polyshard.models import build_model, output_width, sequence_length, spec_of
 from polyshard.trainer.config import Config, from_dict
+from polyshard.trainer.engine.builder import build_engine
+from polyshard.trainer.engine.layout import global_names, pipeline_bounds
 from polyshard.trainer.engine.optim import param_groups
-from polyshard.trainer.engine.parallelize import build_engine, global_names, pipeline_bounds
 from polyshard.trainer.loop import train_step
 
 GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")

@@ -33,7 +33,7 @@ from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.checkpointing.state import buffer_record, persistent_buffers
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.parallelize import keeps_masters, pipeline_bounds, tp_plan
+from polyshard.trainer.engine.layout import keeps_masters, pipeline_bounds, tp_plan
 
 
 def model_buffers(config: Config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -22,7 +22,7 @@ from polyshard.checkpoint import MASTER, RNG, CheckpointError, LocalTensor, mode
 from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.models import layer_of
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from polyshard.collectives import ops
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import task_of
 from polyshard.trainer.tasks.loss import IGNORE_INDEX
 

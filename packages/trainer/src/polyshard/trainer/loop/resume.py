@@ -16,7 +16,7 @@ from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.export import saved_config
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 
 
 def continue_from(

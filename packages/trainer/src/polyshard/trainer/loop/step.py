@@ -20,7 +20,7 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import task_of
 from polyshard.trainer.tasks.loss import global_token_mean
 

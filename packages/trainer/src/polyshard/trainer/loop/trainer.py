@@ -37,8 +37,8 @@ from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine import compiling
 from polyshard.trainer.engine.balance import load_metrics
+from polyshard.trainer.engine.builder import build_engine
 from polyshard.trainer.engine.optim import schedule_of
-from polyshard.trainer.engine.parallelize import build_engine
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.loop.evaluate import evaluate_batches
 from polyshard.trainer.loop.hooks import CompileLog, FaultInjection, Hook, ReplicaCheck

@@ -97,7 +97,8 @@ def prepare_launch(
     """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,
     :class:`CheckpointError` or :class:`DataError` naming the field, file or flag (or a ValueError
     for ``POLYSHARD_FAULT``)."""
-    settings = copy.deepcopy(dict(settings))  # the caller's tables stay as they are
+    resolved: dict[str, Any] = copy.deepcopy(dict(settings))  # the caller's tables stay as they are
+    settings = resolved
     low, high = nodes
     if resume and init_from is not None:
         raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
@@ -121,7 +122,7 @@ def prepare_launch(
     for line in dict.fromkeys(spellings):
         print(line, file=sys.stderr)
     if spellings:  # the run folder and its workers hold the new spelling
-        settings["model"] = dataclasses.asdict(sizes[low].model)
+        resolved["model"] = dataclasses.asdict(sizes[low].model)
     if low != high and sizes[low].parallel.dp == sizes[high].parallel.dp:
         raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
     for count, parsed in sizes.items():
