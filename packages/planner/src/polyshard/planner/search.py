@@ -166,7 +166,7 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
             elif cp > 1 and (sequence_length(model) % (2 * cp) or sequence_length(model) // cp < MIN_CONTEXT_TOKENS):
                 continue
             for ep in divisors(n // (tp * cp)) if spec.has_experts else [1]:
-                if moe_config(model).moe.num_experts % ep:
+                if spec.has_experts and moe_config(model).moe.num_experts % ep:
                     continue
                 for pp in divisors(n // (tp * cp * ep)):
                     if pp <= min(model.num_layers + 2, MAX_PIPELINE):
