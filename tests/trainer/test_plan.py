@@ -92,7 +92,7 @@ def test_a_tied_head_weighs_in_the_pipeline_split():
 def test_the_dry_run_draws_the_learning_rate_schedule():
     from polyshard.planner.dry_run import lr_plot
 
-    wsd = from_dict({"training": {"steps": 100, "warmup_steps": 10, "schedule": "wsd", "decay_fraction": 0.2}})
+    wsd = from_dict({"training": {"steps": 100, "warmup_steps": 10, "lr_schedule": "wsd", "decay_fraction": 0.2}})
     plot = lr_plot(wsd.training, width=50, height=4)
     assert plot[0].startswith("learning rate (wsd, decay over the last 20 steps, linear; 10 warmup steps")
     top, bottom = plot[1][3:], plot[4][3:]  # after "  |"

@@ -406,7 +406,7 @@ def test_reshard_command(trained, tmp_path):
 
 def _wsd(corpus, **training):
     config = _config(corpus, dp=2)
-    wsd = {"steps": 6, "schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
+    wsd = {"steps": 6, "lr_schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
     logging = dataclasses.replace(config.logging, every=1)
     return dataclasses.replace(
         config, training=dataclasses.replace(config.training, **wsd, **training), logging=logging

@@ -78,3 +78,11 @@ def test_a_0_2_run_folder_resumes_through_the_cli(tmp_path):
     assert "step 3/3" in done.stdout
     resumed = saved_config(Checkpoint(run / "checkpoints" / "step_00000003"))
     assert dataclasses.asdict(resumed.model)["moe"]["score"] == "sigmoid"  # saved in today's spelling
+
+
+def test_the_learning_rate_schedule_reads_under_its_old_name():
+    notes: list[str] = []
+    training = {"schedule": "wsd", "steps": 10, "warmup_steps": 2, "decay_fraction": 0.2}
+    config = from_dict({"training": training}, note=notes.append)
+    assert config.training.lr_schedule == "wsd"
+    assert notes == ["note: training.schedule is now training.lr_schedule (read as such)"]

@@ -93,8 +93,8 @@ def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str
     for c in range(columns):
         part = range(c * steps // columns, max((c + 1) * steps // columns, c * steps // columns + 1))
         means.append(sum(schedule(step) for step in part) / len(part))
-    title = f"learning rate ({train.schedule}"
-    if train.schedule == "wsd":
+    title = f"learning rate ({train.lr_schedule}"
+    if train.lr_schedule == "wsd":
         title += f", decay over the last {train.decay_steps} steps, {train.decay_shape}"
     lines = [f"{title}; {train.warmup_steps} warmup steps; peak {train.lr:g}, end {schedule(steps - 1):.3g}):"]
     for row in range(height, 0, -1):

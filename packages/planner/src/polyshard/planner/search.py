@@ -26,7 +26,7 @@ from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
 from polyshard.planner.memory import ModelStates, rank_model_states
 from polyshard.planner.profile import Profile
-from polyshard.trainer.config import CHECKPOINTING, V_SCHEDULES, Config, ParallelConfig
+from polyshard.trainer.config import RECOMPUTE, V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 
@@ -253,7 +253,7 @@ def search(config: Config, request: Request, profile: Profile, simulated: int = 
     fixed_mode = request.fixed.get("activation_checkpointing")
     fixed_mode = "full" if fixed_mode is True else fixed_mode  # true is what "full" was called before
     for parallel in layouts(config, request):
-        for checkpointing in CHECKPOINTING:  # the least recompute that fits
+        for checkpointing in RECOMPUTE:  # the least recompute that fits
             if fixed_mode is not None and fixed_mode != checkpointing:
                 continue
             training = dataclasses.replace(config.training, activation_checkpointing=checkpointing)

@@ -16,9 +16,9 @@ from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.settings import presets
 from polyshard.trainer.config.parse import apply_overrides, auto_dp, check_type, from_dict, load_config, read_toml
 from polyshard.trainer.config.sections import (
-    CHECKPOINTING,
     MESH_AXES,
     PRECISIONS,
+    RECOMPUTE,
     SCHEDULES,
     SECTIONS,
     V_SCHEDULES,
@@ -36,7 +36,7 @@ PRESETS = {name: values for name, (_, values) in presets().items()}
 __all__ = [
     "LLAMA",
     "MESH_AXES",
-    "CHECKPOINTING",
+    "RECOMPUTE",
     "PRECISIONS",
     "PRESETS",
     "SCHEDULES",

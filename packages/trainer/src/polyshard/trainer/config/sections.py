@@ -23,8 +23,8 @@ V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virt
 SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # backward split into B (input gradient) and W (weights)
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
-CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
-SCHEDULE_KINDS = ("cosine", "linear", "constant", "wsd")  # the learning rate after warmup
+RECOMPUTE = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # training.lr_schedule: the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 OPTIMIZERS = ("adamw", "muon")
 
@@ -211,14 +211,14 @@ class TrainingConfig:
     """Learning rate at the end of the decay."""
     warmup_steps: int = 10
     """Linear warmup from 0 to lr."""
-    schedule: str = "cosine"
+    lr_schedule: str = "cosine"
     """After warmup: 'cosine' (cosine decay to min_lr at `steps`), 'linear' (linear decay to min_lr),
     'constant' (lr), or 'wsd' (warmup-stable-decay: lr, then the last `decay_fraction` of the steps decay
     to min_lr in the shape `decay_shape`)."""
     decay_fraction: float = 0.2
-    """schedule = 'wsd': the share of `steps` spent decaying, at the end of the run (MiniCPM uses ~0.1-0.2)."""
+    """lr_schedule = 'wsd': the share of `steps` spent decaying, at the end of the run (MiniCPM uses ~0.1-0.2)."""
     decay_shape: str = "linear"
-    """schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
+    """lr_schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only; not norms, biases or embeddings)."""
     beta1: float = 0.9
@@ -261,9 +261,9 @@ class TrainingConfig:
         _check_choice("training.precision", self.precision, PRECISIONS)
         if isinstance(self.activation_checkpointing, bool):  # true, in older configs and checkpoints: full
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else False)
-        _check_choice("training.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
+        _check_choice("training.activation_checkpointing", self.activation_checkpointing, RECOMPUTE)
         _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
-        _check_choice("training.schedule", self.schedule, SCHEDULE_KINDS)
+        _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
         _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
         if not 0.0 <= self.muon_momentum < 1.0:
@@ -275,7 +275,7 @@ class TrainingConfig:
             raise ConfigError(
                 f"training.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20%)"
             )
-        if self.schedule == "wsd" and self.warmup_steps > self.steps - self.decay_steps:
+        if self.lr_schedule == "wsd" and self.warmup_steps > self.steps - self.decay_steps:
             raise ConfigError(
                 f"training.warmup_steps={self.warmup_steps} overlaps the decay, which starts at step "
                 f"{self.steps - self.decay_steps} (decay_fraction={self.decay_fraction} of steps={self.steps}); "

@@ -115,7 +115,7 @@ def schedule_of(train: TrainingConfig) -> Callable[[int], float]:
         min_lr=train.min_lr,
         warmup_steps=train.warmup_steps,
         total_steps=train.steps,
-        schedule=train.schedule,
+        schedule=train.lr_schedule,
         decay_steps=train.decay_steps,
         decay_shape=train.decay_shape,
     )
