@@ -42,7 +42,7 @@ def bench_comm(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
 ) -> None:
     """Time each collective over a range of sizes: time, algbw and busbw (nccl-tests definitions)."""
-    from polyshard.collectives.bench import OPS, parse_size
+    from polyshard.bench.collectives import OPS, parse_size
 
     unknown = [o for o in ops.split(",") if o.strip() and o.strip() not in OPS]
     if unknown:
@@ -55,7 +55,7 @@ def bench_comm(
     args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters)]
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
-    raise typer.Exit(run_local(nproc, "polyshard.collectives.bench", args))
+    raise typer.Exit(run_local(nproc, "polyshard.bench.collectives", args))
 
 
 @bench_app.command("matmul")
@@ -102,7 +102,7 @@ def bench_cp_memory(
     if style not in ("ring", "allgather") or not sizes or min(sizes) < 1 or not lengths:
         raise typer.BadParameter("give cp sizes >= 1, sequence lengths, and --style ring or allgather")
     for cp in sizes:
-        code = run_local(cp, "polyshard.planner.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
+        code = run_local(cp, "polyshard.bench.context_memory", ["--seq-lens", *lengths, "--style", style])
         if code:
             raise typer.Exit(code)
 
@@ -116,7 +116,7 @@ def bench_recompute(
     vocab_size: int = typer.Option(256, "--vocab-size", min=2, help="Kept small so the blocks' time shows."),
 ) -> None:
     """Activation checkpointing none, selective and full: bytes one block keeps (measured and planned), step time."""
-    from polyshard.planner.benchmarks import recompute
+    from polyshard.bench import recompute
 
     if precision not in ("fp32", "bf16"):
         raise typer.BadParameter("choose fp32 or bf16", param_hint="--precision")
@@ -131,7 +131,7 @@ def bench_data(
     folder: Path | None = typer.Option(None, "--folder", help="Keep the corpora and runs here (default: temporary)."),
 ) -> None:
     """Memory and startup of a run's data against the corpus size: synthetic corpora prepared and trained on."""
-    from polyshard.planner.benchmarks import data_memory
+    from polyshard.bench import data_memory
 
     try:
         sized = [str(float(s)) for s in sizes.split(",") if s.strip()]
@@ -149,7 +149,7 @@ def bench_checkpoint(
     nproc: int = typer.Option(2, "--nproc", min=1, help="Data-parallel processes (ZeRO-1 over them)."),
 ) -> None:
     """How long training stops for a checkpoint of a ~100M-parameter GPT: blocking against async_save."""
-    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.save_stall", []))
+    raise typer.Exit(run_local(nproc, "polyshard.bench.save_stall", []))
 
 
 @bench_app.command("compile")
@@ -162,7 +162,7 @@ def bench_compile(
     skip_demo: bool = typer.Option(False, "--skip-demo", help="Time the blocks only."),
 ) -> None:
     """Compiled over eager (training.compile): one block's forward + backward, and the demo's tokens/s."""
-    from polyshard.planner.benchmarks import compile_speed
+    from polyshard.bench import compile_speed
 
     args = ["--iters", str(iters), "--config", str(config), "--steps", str(steps)]
     raise typer.Exit(compile_speed.main(args + (["--skip-demo"] if skip_demo else [])))
@@ -180,7 +180,7 @@ def bench_plan(
     """The layout planner's predicted step time against the measured one for six layouts of the tiny GPT."""
     import json
 
-    from polyshard.planner import bench
+    from polyshard.bench import plan as bench
     from polyshard.planner.profile import load_profile
     from polyshard.trainer import ConfigError
 
@@ -212,7 +212,7 @@ def bench_peers(
 ) -> None:
     """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
     parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
-    from polyshard.planner.benchmarks.peers import GROUPS, LAYOUTS, PRESETS
+    from polyshard.bench.peers import GROUPS, LAYOUTS, PRESETS
 
     if nproc not in LAYOUTS:
         raise typer.BadParameter(
@@ -234,7 +234,7 @@ def bench_peers(
     args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset] + (["--compile"] if compiled else [])
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
-    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))
+    raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
 
 
 @bench_app.command("prepare")
@@ -244,7 +244,7 @@ def bench_prepare(
     vocab_size: int = typer.Option(8192, "--vocab-size", min=257, help="The BPE trained for the run."),
 ) -> None:
     """polyshard prepare's MB/s against nanoGPT's pattern (datasets map + np.memmap), same tokenizer and cores."""
-    from polyshard.planner.benchmarks.prepare_speed import report, run
+    from polyshard.bench.prepare_speed import report, run
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]

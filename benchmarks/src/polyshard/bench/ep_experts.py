@@ -1,6 +1,6 @@
 """Benchmark (not a test), one process: how the experts run, against the alternatives.
 
-    python -m polyshard.ep.bench          (this section first, then expert parallelism under torchrun)
+    python -m polyshard.bench.ep          (this section first, then expert parallelism under torchrun)
 
 Two comparisons, each a forward + backward on the same rows and weights, timed alternately:
 
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.bench.timing import Record, comparison_record, time_interleaved
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.experts import GroupedExperts
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.router import load_balancing_loss
-from polyshard.mesh.benchmark import Record, comparison_record, time_interleaved
 
 # float32 both sides; the loop and the grouped kernel sum in the same order on CPU (bitwise in the
 # tests), the torch-ops MoE adds the k contributions of a token in another order: ulp-level.

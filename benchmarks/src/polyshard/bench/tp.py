@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.mesh import Mesh
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -30,6 +29,7 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.mesh import Mesh
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
 from polyshard.tp.transformer import MLP, Attention, Block

@@ -1,9 +1,9 @@
 """Benchmark (not a test): the expert-parallel MoE layer against the same layer on one process.
 
     polyshard bench ep --nproc 2 --json ep.json
-    python -m polyshard.ep.bench              (one process: only :mod:`polyshard.ep.bench_experts`)
+    python -m polyshard.bench.ep              (one process: only :mod:`polyshard.bench.ep_experts`)
 
-On rank 0 it first runs :mod:`polyshard.ep.bench_experts` (grouped experts against a loop, the
+On rank 0 it first runs :mod:`polyshard.bench.ep_experts` (grouped experts against a loop, the
 layer against a torch-ops MoE), then, on two or more ranks, the expert-parallel cases below.
 
 The peer (the issue's choice) is the same :class:`MoELayer` without expert
@@ -31,12 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.collectives import ops
-from polyshard.ep import bench_experts
-from polyshard.ep.config import MoEConfig
-from polyshard.ep.layer import MoELayer
-from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
-from polyshard.mesh.benchmark import (
+from polyshard.bench import ep_experts
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -44,6 +40,10 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.collectives import ops
+from polyshard.ep.config import MoEConfig
+from polyshard.ep.layer import MoELayer
+from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
 from polyshard.mesh.init import DistributedContext
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_records(records, args.json)
         for r in records:
             if "all_to_all_fraction" not in r:
-                continue  # printed by bench_experts as it ran
+                continue  # printed by ep_experts as it ran
             print(
                 f"{r['case']}: ours {r['ours_tokens_per_s']:.0f} tok/s, peer {r['peer_tokens_per_s']:.0f} tok/s, "
                 f"all-to-all {100 * r['all_to_all_fraction']:.1f}% of our step",
@@ -166,16 +166,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: the one-process section alone
-        records = bench_experts.compare(iters=args.iters)
-        bench_experts.report(records)
+        records = ep_experts.compare(iters=args.iters)
+        ep_experts.report(records)
         write_records(records, args.json)
         return
 
     def measure(ctx: DistributedContext) -> list[Record]:
         records: list[Record] = []
         if ctx.rank == 0:  # one process: grouped experts vs a loop, our layer vs a torch-ops MoE
-            records += bench_experts.compare(iters=args.iters)
-            bench_experts.report(records)
+            records += ep_experts.compare(iters=args.iters)
+            ep_experts.report(records)
         dist.barrier()
         if ctx.world_size > 1:
             records += [_case(args, top_k) for top_k in (1, 2)]

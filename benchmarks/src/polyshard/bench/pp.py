@@ -29,9 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from polyshard.collectives import ops
-from polyshard.mesh import DistributedContext
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -39,6 +37,8 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.collectives import ops
+from polyshard.mesh import DistributedContext
 from polyshard.pp.actions import Schedule
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages

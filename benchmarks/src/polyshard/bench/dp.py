@@ -2,7 +2,7 @@
 and on 4 or more ranks (an even number) hybrid ZeRO-3 (shard groups of 2) vs FSDP2's HSDP on a 2-D DeviceMesh.
 
 Same model, batch, bucket size and world size; the two sides' training steps
-run interleaved (``polyshard.mesh.benchmark.time_interleaved``). Before
+run interleaved (``polyshard.bench.timing.time_interleaved``). Before
 timing, each pair trains a few steps from the same weights on the same data
 and the losses are compared. Memory: CPU has no per-case peak counter, so the
 records carry the bytes each rank *holds* after a step (parameters, gradients,
@@ -14,9 +14,9 @@ DDP + ``ZeroRedundancyOptimizer``'s for ZeRO-1, counted from distinct storages
 on both sides (:func:`polyshard.dp.bytes_held`, :func:`polyshard.dp.storage_bytes`).
 
     polyshard bench dp --nproc 2 --json out.json
-    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench
-    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench --memory
-    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.dp.bench     # adds the HSDP row
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.bench.dp
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.bench.dp --memory
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.dp     # adds the HSDP row
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
-from polyshard.mesh import DistributedContext, Mesh
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Column,
     Record,
     comparison_record,
@@ -40,6 +38,8 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
+from polyshard.mesh import DistributedContext, Mesh
 
 HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
