@@ -149,8 +149,9 @@ def compare(
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench cp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench cp", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], help="global sequence lengths")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -158,7 +159,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="non-causal attention")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     run_bench(
         lambda ctx: compare(
             args.seq_lens,

@@ -98,7 +98,7 @@ def bench_ddp(iters: int) -> Record:
     ours = step_fn(ours_model, ours_opt, ours_model.finish_grad_sync)
     peer = step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         f"DataParallel vs DDP dp={dist.get_world_size()}",
         ours_s,
@@ -119,7 +119,7 @@ def bench_zero1(iters: int) -> Record:
     peer_opt = ZeroRedundancyOptimizer(peer_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         f"ZeRO-1 vs DDP+ZeroRedundancyOptimizer dp={dist.get_world_size()}",
         ours_s,
@@ -143,7 +143,7 @@ def _against_fsdp2(case: str, ours_model: FullyShardedDataParallel, device_mesh:
     peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
     ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         case,
         ours_s,
@@ -266,12 +266,17 @@ def memory_records() -> list[Record]:
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench dp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench dp", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
     parser.add_argument("--memory", action="store_true", help="only the bytes held per rank (fp32 AdamW)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     def measure(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores

@@ -93,7 +93,7 @@ def grouped_vs_loop(*, experts: int, rows: int, hidden: int, ffn: int, iters: in
     def loop() -> torch.Tensor:
         return _fwd_bwd(lambda: loop_experts(module, x, counts), params, target)
 
-    ours_s, peer_s = time_interleaved(grouped, loop, iters=iters)
+    ours_s, peer_s = time_interleaved(grouped, loop, group=None, iters=iters)
     match = torch.allclose(grouped(), loop(), rtol=MATCH_RTOL, atol=MATCH_ATOL)
     kernel = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "padded bmm"
     return comparison_record(
@@ -117,7 +117,7 @@ def layer_vs_torch_ops(*, experts: int, tokens: int, hidden: int, ffn: int, top_
 
         return _fwd_bwd(run, params, target)
 
-    ours_s, peer_s = time_interleaved(lambda: step(layer), lambda: step(peer), iters=iters)
+    ours_s, peer_s = time_interleaved(lambda: step(layer), lambda: step(peer), group=None, iters=iters)
     match = torch.allclose(step(layer), step(peer), rtol=MATCH_RTOL, atol=MATCH_ATOL)
     return comparison_record(
         f"MoE layer E={experts} top{top_k} T={tokens} {hidden}x{ffn}: ours vs torch-ops grouped MoE",

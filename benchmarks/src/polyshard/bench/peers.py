@@ -321,14 +321,18 @@ def composed_case(
     extra: dict[str, Any] = {"group": "composed", "layout": layout, "ours_losses": ours_losses}
     if reason is not None or peer is None:
         # Ours alone, timed the same way (each call between barriers, slowest rank, median).
-        ours_s, _ = time_interleaved(run("ours", ours.step), lambda: None, iters=steps, warmup=warmup)
+        ours_s, _ = time_interleaved(
+            run("ours", ours.step), lambda: None, group=dist.group.WORLD, iters=steps, warmup=warmup
+        )
         record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
         return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
     rtol = COMPILED_LOSS_RTOL if compiled else LOSS_RTOL
     close = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(ours_losses, peer_losses))
     match = _same_everywhere(close, device)
-    ours_s, peer_s = time_interleaved(run("ours", ours.step), run("peer", peer.step), iters=steps, warmup=warmup)
+    ours_s, peer_s = time_interleaved(
+        run("ours", ours.step), run("peer", peer.step), group=dist.group.WORLD, iters=steps, warmup=warmup
+    )
     return comparison_record(
         case,
         ours_s,

@@ -256,25 +256,35 @@ def bench_prepare(
 
 
 def _bench_with_peer(package: str) -> Callable[..., None]:
-    """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
+    """A ``polyshard bench <package>`` command that runs ``polyshard.bench.<package>`` under torchrun.
 
-    The module's ``main(argv)`` accepts ``--json FILE`` and prints ours vs the PyTorch peer.
+    Flags it does not know go to the module's own parser (``--iters 2``, pp's ``--hidden 64``...),
+    checked here first so that a wrong one exits 2 before any process starts.
     """
 
     def command(
+        context: typer.Context,
         nproc: int = typer.Option(2, "--nproc", min=1, help="Number of local processes."),
         json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
     ) -> None:
-        args = ["--json", str(json_path.resolve())] if json_path is not None else []
-        raise typer.Exit(run_local(nproc, f"polyshard.{package}.bench", args))
+        import importlib
 
-    command.__doc__ = f"polyshard.{package} against PyTorch's own implementation: median step times and ratios."
+        args = list(context.args) + (["--json", str(json_path.resolve())] if json_path is not None else [])
+        importlib.import_module(f"polyshard.bench.{package}").parser().parse_args(args)  # exits 2 on a bad flag
+        raise typer.Exit(run_local(nproc, f"polyshard.bench.{package}", args))
+
+    command.__doc__ = (
+        f"polyshard.{package} against PyTorch's own implementation: median step times and ratios. "
+        f"Other flags go to the benchmark (python -m polyshard.bench.{package} --help lists them)."
+    )
     return command
 
 
-# Each parallelism package that ships a ``bench`` module gets a ``polyshard bench <name>`` command.
+# Each parallelism package has a benchmark module in polyshard.bench and a ``polyshard bench <name>`` command.
 for _package in BENCHMARKED_PACKAGES:
-    bench_app.command(_package)(_bench_with_peer(_package))
+    bench_app.command(_package, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        _bench_with_peer(_package)
+    )
 
 
 def main() -> None:
