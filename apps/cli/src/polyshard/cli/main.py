@@ -147,9 +147,15 @@ def bench_data(
 @bench_app.command("checkpoint")
 def bench_checkpoint(
     nproc: int = typer.Option(2, "--nproc", min=1, help="Data-parallel processes (ZeRO-1 over them)."),
+    hidden: int = typer.Option(768, "--hidden", min=8, help="The GPT's hidden size (GPT-2 small's by default)."),
+    layers: int = typer.Option(12, "--layers", min=1, help="Its blocks."),
+    heads: int = typer.Option(12, "--heads", min=1, help="Its attention heads (they divide --hidden)."),
 ) -> None:
     """How long training stops for a checkpoint of a ~100M-parameter GPT: blocking against async_save."""
-    raise typer.Exit(run_local(nproc, "polyshard.bench.save_stall", []))
+    if hidden % heads:
+        raise typer.BadParameter(f"{heads} heads do not divide hidden {hidden}", param_hint="--heads")
+    args = ["--hidden", str(hidden), "--layers", str(layers), "--heads", str(heads)]
+    raise typer.Exit(run_local(nproc, "polyshard.bench.save_stall", args))
 
 
 @bench_app.command("compile")
