@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # One row of the comparison table: case, ours (ms), peer (ms), ratio, match.
 ROW = r"\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+yes$"
+# bench peers adds the MiB each side holds per rank before the match column.
+PEERS_ROW = r"(\s+\d+\.\d+){5}\s+yes$"
 
 # command, its smallest flags, and patterns (multiline regexes) its output must hold
 CASES = {
@@ -68,12 +70,19 @@ CASES = {
         ["--nproc", "2", "--hidden", "32", "--layers", "1", "--heads", "2"],
         [r"^blocking save, 0M parameters on 2 ranks: median step", r"^async    save, 0M parameters on 2 ranks"],
     ),
-    "data": (["--sizes-mb", "0.05", "--ranks", "2", "--steps", "1"], [r"\| 0.05 MB? \| 2 \|"]),
+    "data": (["--sizes-mb", "0.05", "--ranks", "2", "--steps", "1"], [r"^\| 0.05 MB \| 2 \| \d+ MiB \|"]),
     "compile": (["--iters", "1", "--skip-demo"], [r"^\| block .*\| \d+\.\d+x \|"]),
-    "plan": (["--profile", "h100-nvlink-ib", "--rounds", "1", "--steps", "1"], [r"--layout auto on 4 processes picks"]),
+    "plan": (
+        ["--profile", "h100-nvlink-ib", "--rounds", "1", "--steps", "1"],
+        [rf"^\| {name} \(.*\) \| \d+\.\d+ \| \d+\.\d+ \|" for name in ("dp2", "tp2", "pp2 1f1b", "tp2 x pp2")]
+        + [r"^--layout auto \(4 processes\) picks .*: measured \d+\.\d+ s"],
+    ),
+    # The strategy groups are the tp/pp/dp/ep/cp commands above (and test_bench_peers.py runs one group
+    # through peers); the composed GPT rows are peers' own.
     "peers": (
-        ["--nproc", "2", "--steps", "1"],
-        [r"^DataParallel vs DDP dp=2 ", r"tp=2", r"1f1b", r"ep=2", r"cp=2"],
+        ["--nproc", "2", "--steps", "1", "--only", "composed"],
+        [rf"^GPT-tiny {lay} \(H=64 L=4 S=64 B=16\){PEERS_ROW}" for lay in ("dp2 ZeRO-3", "tp2", "pp2 1F1B m=4")]
+        + [r"^3 comparisons: ratio median \d+\.\d+, .*; 0 mismatched$"],
     ),
 }
 
