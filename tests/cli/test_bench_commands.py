@@ -23,12 +23,15 @@ ROW = r"\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+yes$"
 # bench peers adds the MiB each side holds per rank before the match column.
 PEERS_ROW = r"(\s+\d+\.\d+){5}\s+yes$"
 
+# bench pp's schedules against torch.distributed.pipelining's, with their virtual stages per rank
+SCHEDULES = (("gpipe", ""), ("1f1b", ""), ("interleaved", " v=2"), ("zb-v", " v=2"), ("dualpipev", " v=2"))
+
 # command, its smallest flags, and patterns (multiline regexes) its output must hold
 CASES = {
     "tp": (["--nproc", "2", "--iters", "1"], [rf"^mlp fwd\+bwd tp=2 .*{ROW}", rf"^block fwd\+bwd tp=2 .*{ROW}"]),
     "pp": (
         ["--nproc", "2", "--layers", "4", "--hidden", "32", "--batch", "4", "--microbatches", "4", "--iters", "1"],
-        [rf"^1f1b p=2 m=4\s.*{ROW}", rf"^gpipe p=2 m=4\s.*{ROW}"],
+        [rf"^{s} p=2 m=4{v}{ROW}" for s, v in SCHEDULES],
     ),
     "dp": (
         ["--nproc", "2", "--iters", "1"],
@@ -71,7 +74,13 @@ CASES = {
         [r"^blocking save, 0M parameters on 2 ranks: median step", r"^async    save, 0M parameters on 2 ranks"],
     ),
     "data": (["--sizes-mb", "0.05", "--ranks", "2", "--steps", "1"], [r"^\| 0.05 MB \| 2 \| \d+ MiB \|"]),
-    "compile": (["--iters", "1", "--skip-demo"], [r"^\| block .*\| \d+\.\d+x \|"]),
+    "compile": (
+        ["--iters", "1", "--skip-demo"],
+        [
+            r"^\| 2 Llama blocks fwd\+bwd .* \| \d+\.\d+x \| \d+ s \|$",
+            r"^\| the same, graph breaks at tp's 4 collective places \| .* \| \d+\.\d+x \| \d+ s \|$",
+        ],
+    ),
     "plan": (
         ["--profile", "h100-nvlink-ib", "--rounds", "1", "--steps", "1"],
         [rf"^\| {name} \(.*\) \| \d+\.\d+ \| \d+\.\d+ \|" for name in ("dp2", "tp2", "pp2 1f1b", "tp2 x pp2")]
