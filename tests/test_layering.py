@@ -1,5 +1,6 @@
 """Packages depend only downward: mesh <- collectives <- {tp, pp, dp, ep, cp} <- models <- trainer <- planner
-<- cli, and mesh <- checkpoint <- models, data <- trainer.
+<- cli, and mesh <- checkpoint <- models, data <- trainer. The benchmarks (polyshard-bench) sit beside the
+library: they may import every library package, only the cli imports them, and no library does.
 
 Reads every import in every package's source (and its pyproject dependencies)
 and fails when one points sideways or up.
@@ -29,12 +30,42 @@ ALLOWED = {
     "models": {"mesh", "collectives", "checkpoint", "tp", "ep", "cp"},
     "trainer": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models"},
     "planner": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models", "trainer"},
-    "cli": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models", "trainer", "planner"},
+    "bench": {
+        "mesh",
+        "data",
+        "collectives",
+        "checkpoint",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "cp",
+        "models",
+        "trainer",
+        "planner",
+    },
+    "cli": {
+        "mesh",
+        "data",
+        "collectives",
+        "checkpoint",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "cp",
+        "models",
+        "trainer",
+        "planner",
+        "bench",
+    },
 }
+APPS = {"bench", "cli"}  # beside or above the library; every other entry is a library distribution
 
 
 def _package_dirs():
     dirs = {p.name: p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists()}
+    dirs["bench"] = ROOT / "benchmarks"
     dirs["cli"] = ROOT / "apps" / "cli"
     return dirs
 
@@ -83,6 +114,22 @@ def test_declared_dependencies_point_only_downward():
         for path in (folder / "src").rglob("*.py"):
             used |= _imported_polyshard_packages(path) - {name}
         assert used <= ours, f"polyshard-{name} imports {used - ours} without declaring them in pyproject.toml"
+
+
+def test_no_library_imports_or_declares_the_benchmarks():
+    libraries = {name: folder for name, folder in _package_dirs().items() if name not in APPS}
+    assert {"mesh", "tp", "planner"} <= set(libraries) and not any("bench" in ALLOWED[n] for n in libraries)
+    found = []
+    for name, folder in libraries.items():
+        found += [
+            str(p.relative_to(ROOT))
+            for p in (folder / "src").rglob("*.py")
+            if "bench" in _imported_polyshard_packages(p)
+        ]
+        found += [f"{name}: {p.relative_to(ROOT)}" for p in (folder / "src").rglob("*bench*")]
+        deps = tomllib.loads((folder / "pyproject.toml").read_text())["project"].get("dependencies", [])
+        found += [f"polyshard-{name} depends on {d}" for d in deps if d.startswith("polyshard-bench")]
+    assert not found, "benchmarks belong in benchmarks/ (polyshard.bench), not in a library:\n" + "\n".join(found)
 
 
 def test_the_checker_catches_an_upward_import(tmp_path):

@@ -1,7 +1,7 @@
 """The benchmark on tiny sizes: records carry the agreed keys and both styles match SDPA."""
 
-from polyshard.cp.bench import COLUMNS, compare
-from polyshard.mesh.benchmark import format_table
+from polyshard.bench.cp import COLUMNS, compare
+from polyshard.bench.timing import format_table
 
 
 def _tiny():

@@ -3,9 +3,9 @@
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from polyshard.bench import tp as bench
 from polyshard.mesh import Mesh
 from polyshard.models.common import MLP, Block
-from polyshard.tp import bench
 
 
 def _cases():

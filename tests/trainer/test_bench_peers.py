@@ -7,8 +7,8 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from polyshard.bench import peers
 from polyshard.cli.main import app
-from polyshard.planner.benchmarks import peers
 
 
 def _composed(layout, grad_clip=1.0):

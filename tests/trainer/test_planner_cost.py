@@ -102,7 +102,7 @@ def test_quick_calibration_measures_every_table():
 
 
 def test_bench_report_ranks_and_counts():
-    from polyshard.planner.bench import LAYOUTS, Row, report, tiny_gpt
+    from polyshard.bench.plan import LAYOUTS, Row, report, tiny_gpt
 
     config = tiny_gpt()
     six = [

@@ -1,6 +1,6 @@
 """Selective activation checkpointing: what a block keeps is what the planner counts, and it changes no number.
 
-Bytes kept per block are measured by :func:`polyshard.planner.benchmarks.recompute.held_bytes` (autograd's
+Bytes kept per block are measured by :func:`polyshard.bench.recompute.held_bytes` (autograd's
 saved tensors plus what the forward leaves alive, where selective checkpointing's cached matmul outputs
 live; each storage once) and compared with :func:`polyshard.planner.activations.stage_bytes` for one block.
 Parity: a run with "selective" gives the losses and gradient norms of the same run without checkpointing.
@@ -10,11 +10,11 @@ Document masking, cp, ep and the split backward with selective are rows of tests
 import pytest
 import torch
 
+from polyshard.bench.recompute import _config as bench_config
+from polyshard.bench.recompute import block_bytes
 from polyshard.mesh import Mesh
 from polyshard.models.gpt import GPT
 from polyshard.planner.activations import activation_bytes
-from polyshard.planner.benchmarks.recompute import _config as bench_config
-from polyshard.planner.benchmarks.recompute import block_bytes
 from polyshard.planner.cost import estimate_step
 from polyshard.planner.dry_run import describe
 from polyshard.planner.profile import load_profile

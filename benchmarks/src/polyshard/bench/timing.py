@@ -4,10 +4,13 @@ Benchmarks are not tests: they run under torchrun (``polyshard bench ...``),
 time ours and the peer *interleaved* in one process (so a noisy machine
 slows both alike), and report medians and the ratio ours/peer::
 
-    ours_s, peer_s = time_interleaved(run_ours, run_peer, iters=10, warmup=2)
+    ours_s, peer_s = time_interleaved(run_ours, run_peer, group=dist.group.WORLD, iters=10, warmup=2)
     record = comparison_record("mlp tp=2", ours_s, peer_s, outputs_match=True)
 
-Each timing ends with a barrier and takes the slowest rank's time.
+``group`` names the processes that run the timed code together: each timing starts and ends with
+a barrier on it and takes its slowest rank's time. ``group=None`` times on this process alone and
+issues no collective, so a comparison that one rank runs by itself never leaves the others waiting
+in a barrier it will not reach (or, worse, pairs its barrier with their next collective).
 """
 
 from __future__ import annotations
@@ -27,27 +30,34 @@ Record = dict[str, Any]
 """One benchmark result, a JSON object: a case name, timings, and whatever the benchmark adds."""
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    if dist.is_initialized():
-        dist.barrier()
+def _timed(fn: Callable[[], object], group: dist.ProcessGroup | None) -> float:
+    if group is not None:
+        dist.barrier(group)
     start = time.perf_counter()
     fn()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
+    if group is not None:
+        dist.barrier(group)
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    if dist.is_initialized():
-        if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+    if group is not None:
+        if dist.get_backend(group) == "nccl":  # NCCL reduces CUDA tensors only
             elapsed = elapsed.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return float(elapsed)
 
 
 def time_interleaved(
-    ours: Callable[[], object], peer: Callable[[], object], *, iters: int = 10, warmup: int = 2
+    ours: Callable[[], object],
+    peer: Callable[[], object],
+    *,
+    group: dist.ProcessGroup | None,
+    iters: int = 10,
+    warmup: int = 2,
 ) -> tuple[float, float]:
-    """Median seconds per call of ``ours`` and ``peer``, run alternately."""
+    """Median seconds per call of ``ours`` and ``peer``, run alternately, each call the slowest time
+    over ``group`` (every rank of it must call this too), or this process's own with ``group=None``.
+    ``group`` has no default: every caller says who runs the code with it."""
     for _ in range(warmup):
         ours()
         peer()
@@ -57,7 +67,7 @@ def time_interleaved(
         # Alternate who goes first so neither always runs on a warmer cache.
         order = [(ours, ours_times), (peer, peer_times)]
         for fn, times in order if i % 2 == 0 else reversed(order):
-            times.append(_timed(fn))
+            times.append(_timed(fn, group))
     return statistics.median(ours_times), statistics.median(peer_times)
 
 

@@ -29,9 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from polyshard.collectives import ops
-from polyshard.mesh import DistributedContext
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -39,6 +37,8 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.collectives import ops
+from polyshard.mesh import DistributedContext
 from polyshard.pp.actions import Schedule
 from polyshard.pp.executor import PipelineExecutor, gather_timeline
 from polyshard.pp.partition import build_stages
@@ -103,7 +103,7 @@ def _case(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
         peer.step(*([x] if first else []), target=y if last else None, losses=losses)
         state["peer_loss"] = torch.stack(losses).mean() if losses else None
 
-    ours_s, peer_s = time_interleaved(run_ours, run_peer, iters=args.iters, warmup=2)
+    ours_s, peer_s = time_interleaved(run_ours, run_peer, group=dist.group.WORLD, iters=args.iters, warmup=2)
     match = _matches(state, ours, theirs, last)
     case = f"{name} p={p} m={args.microbatches}" + (f" v={virtual_stages}" if virtual_stages > 1 else "")
     theory = simulate(schedule).bubble_fraction
@@ -120,7 +120,7 @@ def _case(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
                 mod.zero_grad()
             state["late"] = late.step(x if first else None, y if last else None)
 
-        ab_ours_s, late_s = time_interleaved(run_ours, run_late, iters=args.iters, warmup=2)
+        ab_ours_s, late_s = time_interleaved(run_ours, run_late, group=dist.group.WORLD, iters=args.iters, warmup=2)
         late_timeline = _median_timeline(run_late, lambda: state["late"].timeline, schedule, late)
         extra |= {"late_s": late_s, "ab_ratio": ab_ours_s / late_s, "bubble_late": late_timeline.bubble_fraction}
     extra |= {"ours_held_bytes": held_bytes(ours.values()), "peer_held_bytes": held_bytes(theirs.values())}
@@ -184,8 +184,9 @@ def compare(
     return [_case(name, args, x, y) for name in schedules]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench pp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench pp", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -200,7 +201,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--ab-prefetch", action="store_true", help="also time ours with receives posted just before use (prefetch 0)"
     )
     parser.add_argument("--svg", default=None, help="folder for one measured timeline SVG per schedule")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     def measure(ctx: DistributedContext) -> list[Record]:
         g = torch.Generator().manual_seed(0)

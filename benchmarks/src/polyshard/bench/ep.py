@@ -1,9 +1,9 @@
 """Benchmark (not a test): the expert-parallel MoE layer against the same layer on one process.
 
     polyshard bench ep --nproc 2 --json ep.json
-    python -m polyshard.ep.bench              (one process: only :mod:`polyshard.ep.bench_experts`)
+    python -m polyshard.bench.ep              (one process: only :mod:`polyshard.bench.ep_experts`)
 
-On rank 0 it first runs :mod:`polyshard.ep.bench_experts` (grouped experts against a loop, the
+On rank 0 it first runs :mod:`polyshard.bench.ep_experts` (grouped experts against a loop, the
 layer against a torch-ops MoE), then, on two or more ranks, the expert-parallel cases below.
 
 The peer (the issue's choice) is the same :class:`MoELayer` without expert
@@ -24,19 +24,15 @@ import copy
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.collectives import ops
-from polyshard.ep import bench_experts
-from polyshard.ep.config import MoEConfig
-from polyshard.ep.layer import MoELayer
-from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
-from polyshard.mesh.benchmark import (
+from polyshard.bench import ep_experts
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -44,6 +40,10 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.collectives import ops
+from polyshard.ep.config import MoEConfig
+from polyshard.ep.layer import MoELayer
+from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
 from polyshard.mesh.init import DistributedContext
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
@@ -96,6 +96,7 @@ def _case(args: argparse.Namespace, top_k: int) -> Record:
     ours_s, peer_s = time_interleaved(
         lambda: _step(ours_layer, xs[rank], targets[rank], group),
         lambda: _step(peer_layer, union_x, union_target),
+        group=group,
         iters=args.iters,
         warmup=2,
     )
@@ -144,21 +145,51 @@ def _all_to_all_fraction(
     return float(result)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench ep`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench ep", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--ffn", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args(argv)
+    parser.add_argument("--tokens", type=_positive, default=1024, help="tokens per rank")
+    parser.add_argument("--hidden", type=_positive, default=128)
+    parser.add_argument("--ffn", type=_positive, default=256)
+    parser.add_argument("--experts", type=_positive, default=8)
+    parser.add_argument("--iters", type=_positive, default=10)
+    one = "the one-process section (rank 0 alone): "
+    parser.add_argument("--experts-rows", type=_at_least(2), default=4096, help=one + "rows (the layer gets half)")
+    parser.add_argument("--experts-hidden", type=_positive, default=256, help=one + "hidden size")
+    parser.add_argument("--experts-ffn", type=_positive, default=704, help=one + "each expert's inner size")
+    return parser
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value}: give at least {low}")
+        return value
+
+    return parse
+
+
+_positive = _at_least(1)
+
+
+def _one_process(args: argparse.Namespace) -> list[Record]:
+    records = ep_experts.compare(
+        iters=args.iters, rows=args.experts_rows, hidden=args.experts_hidden, ffn=args.experts_ffn
+    )
+    ep_experts.report(records)
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     def report(records: list[Record]) -> None:
         write_records(records, args.json)
         for r in records:
             if "all_to_all_fraction" not in r:
-                continue  # printed by bench_experts as it ran
+                continue  # printed by ep_experts as it ran
             print(
                 f"{r['case']}: ours {r['ours_tokens_per_s']:.0f} tok/s, peer {r['peer_tokens_per_s']:.0f} tok/s, "
                 f"all-to-all {100 * r['all_to_all_fraction']:.1f}% of our step",
@@ -166,16 +197,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
 
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: the one-process section alone
-        records = bench_experts.compare(iters=args.iters)
-        bench_experts.report(records)
+        records = _one_process(args)
         write_records(records, args.json)
         return
 
     def measure(ctx: DistributedContext) -> list[Record]:
         records: list[Record] = []
         if ctx.rank == 0:  # one process: grouped experts vs a loop, our layer vs a torch-ops MoE
-            records += bench_experts.compare(iters=args.iters)
-            bench_experts.report(records)
+            records += _one_process(args)  # timed with group=None: no collective the others would miss
         dist.barrier()
         if ctx.world_size > 1:
             records += [_case(args, top_k) for top_k in (1, 2)]

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.mesh import Mesh
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Record,
     comparison_record,
     held_bytes,
@@ -30,6 +29,7 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.mesh import Mesh
 from polyshard.models.common import MLP, Attention, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
@@ -89,7 +89,9 @@ def run_case(
     # Same maths with sums in a different order: float32 round-off only; 1e-4 (looser than the
     # tests' 1e-5) because the benchmark sums over H=256 and 4H=1024 terms instead of 16-64.
     match = torch.allclose(out_a, out_b, rtol=1e-4, atol=1e-5) and torch.allclose(gx_a, gx_b, rtol=1e-4, atol=1e-5)
-    ours_s, peer_s = time_interleaved(lambda: _step(ours, x, grad_out), lambda: _step(peer, x, grad_out), iters=iters)
+    ours_s, peer_s = time_interleaved(
+        lambda: _step(ours, x, grad_out), lambda: _step(peer, x, grad_out), group=dist.group.WORLD, iters=iters
+    )
     n = dist.get_world_size(tp_group)
     # No optimizer in this step: what each rank holds is its parameters and their gradients.
     return comparison_record(
@@ -114,11 +116,18 @@ def run_all(iters: int) -> list[Record]:
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench tp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(
+        prog="polyshard bench tp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     run_bench(lambda ctx: run_all(args.iters), lambda records: write_records(records, args.json))
 
 

@@ -1,7 +1,7 @@
 """Benchmark (not a test): activation memory per rank against sequence length, with and without
 context parallelism.
 
-    torchrun --nproc-per-node CP -m polyshard.planner.benchmarks.context_memory --seq-lens 1024 4096 16384
+    torchrun --nproc-per-node CP -m polyshard.bench.context_memory --seq-lens 1024 4096 16384
 
 Each process builds the same small Llama (``llama-tiny``'s width, 2 blocks, batch 1, float32), keeps
 its cp chunks of one sequence (all of it when CP is 1) and runs one forward. The activation memory is

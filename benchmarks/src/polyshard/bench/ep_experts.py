@@ -1,6 +1,6 @@
 """Benchmark (not a test), one process: how the experts run, against the alternatives.
 
-    python -m polyshard.ep.bench          (this section first, then expert parallelism under torchrun)
+    python -m polyshard.bench.ep          (this section first, then expert parallelism under torchrun)
 
 Two comparisons, each a forward + backward on the same rows and weights, timed alternately:
 
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.bench.timing import Record, comparison_record, time_interleaved
 from polyshard.ep.config import MoEConfig
 from polyshard.ep.experts import GroupedExperts
 from polyshard.ep.layer import MoELayer
 from polyshard.ep.router import load_balancing_loss
-from polyshard.mesh.benchmark import Record, comparison_record, time_interleaved
 
 # float32 both sides; the loop and the grouped kernel sum in the same order on CPU (bitwise in the
 # tests), the torch-ops MoE adds the k contributions of a token in another order: ulp-level.
@@ -93,7 +93,7 @@ def grouped_vs_loop(*, experts: int, rows: int, hidden: int, ffn: int, iters: in
     def loop() -> torch.Tensor:
         return _fwd_bwd(lambda: loop_experts(module, x, counts), params, target)
 
-    ours_s, peer_s = time_interleaved(grouped, loop, iters=iters)
+    ours_s, peer_s = time_interleaved(grouped, loop, group=None, iters=iters)
     match = torch.allclose(grouped(), loop(), rtol=MATCH_RTOL, atol=MATCH_ATOL)
     kernel = "torch._grouped_mm" if hasattr(torch, "_grouped_mm") else "padded bmm"
     return comparison_record(
@@ -117,7 +117,7 @@ def layer_vs_torch_ops(*, experts: int, tokens: int, hidden: int, ffn: int, top_
 
         return _fwd_bwd(run, params, target)
 
-    ours_s, peer_s = time_interleaved(lambda: step(layer), lambda: step(peer), iters=iters)
+    ours_s, peer_s = time_interleaved(lambda: step(layer), lambda: step(peer), group=None, iters=iters)
     match = torch.allclose(step(layer), step(peer), rtol=MATCH_RTOL, atol=MATCH_ATOL)
     return comparison_record(
         f"MoE layer E={experts} top{top_k} T={tokens} {hidden}x{ffn}: ours vs torch-ops grouped MoE",

@@ -30,11 +30,16 @@ from polyshard.trainer.loop.trainer import Trainer
 STEPS, SAVE_EVERY = 9, 4
 
 
-def measure(async_save: bool, folder: Path) -> tuple[float, list[float]]:
+def measure(async_save: bool, folder: Path, shape: argparse.Namespace) -> tuple[float, list[float]]:
     world = dist.get_world_size()
     config = from_dict(
         {
-            "model": {"hidden": 768, "num_layers": 12, "num_heads": 12, "context_length": 128},
+            "model": {
+                "hidden": shape.hidden,
+                "num_layers": shape.layers,
+                "num_heads": shape.heads,
+                "context_length": 128,
+            },
             "parallel": {"dp": world, "zero_stage": 1 if world > 1 else 0},
             "training": {"steps": STEPS, "global_batch_size": 2 * world, "eval_every": 0, "sample_tokens": 0},
             "checkpoint": {"every": SAVE_EVERY, "keep": 1, "async_save": async_save},
@@ -54,13 +59,22 @@ def measure(async_save: bool, folder: Path) -> tuple[float, list[float]]:
     return float(parameter_count(config.model)), times
 
 
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main`` (GPT-2-small's shape by default); ``polyshard bench checkpoint`` passes them."""
+    parser = argparse.ArgumentParser(prog="polyshard bench checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
+    shape = parser().parse_args(argv)
     init_distributed()
     for async_save in (False, True):
         shared = [tempfile.mkdtemp(prefix="polyshard-save-stall-") if dist.get_rank() == 0 else ""]
         dist.broadcast_object_list(shared, src=0)  # one run folder for every rank
-        params, times = measure(async_save, Path(shared[0]))
+        params, times = measure(async_save, Path(shared[0]), shape)
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(shared[0], ignore_errors=True)

@@ -1,7 +1,7 @@
 """Benchmark (not a test): ring and all-gather attention on a cp group against
 ``F.scaled_dot_product_attention`` on the full sequence on one process.
 
-    torchrun --nproc-per-node 2 -m polyshard.cp.bench --seq-lens 256 512 1024 [--json cp.json]
+    torchrun --nproc-per-node 2 -m polyshard.bench.cp --seq-lens 256 512 1024 [--json cp.json]
 
 Each timed call is one forward + backward. Ours: every rank of the group attends with its 2C local
 queries (``shard_sequence``) over the whole sequence, ring or all-gather. The peer: PyTorch's SDPA
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from polyshard.bench.timing import Column, Record, comparison_record, run_bench, write_records
 from polyshard.collectives import ops
 from polyshard.cp.attention import Style, context_parallel_attention
 from polyshard.cp.sharding import shard_sequence
-from polyshard.mesh.benchmark import Column, Record, comparison_record, run_bench, write_records
 
 # float32 throughout; sums over up to a few thousand keys taken in another order (per block and
 # merged, against SDPA's kernel): 1e-4 is looser than the tests' 1e-5, which sum over 24 keys.
@@ -149,8 +149,9 @@ def compare(
     ]
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench cp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench cp", description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], help="global sequence lengths")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
@@ -158,7 +159,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="non-causal attention")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     run_bench(
         lambda ctx: compare(
             args.seq_lens,

@@ -13,7 +13,7 @@ iterations of the slowest rank.
 
 Run it under torchrun (``polyshard bench comm --nproc 4`` does this)::
 
-    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.collectives.bench
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.collectives
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from polyshard.bench import timing as benchmark
 from polyshard.collectives import ops
 from polyshard.collectives.ledger import bus_factor
-from polyshard.mesh import benchmark
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 DEFAULT_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20)

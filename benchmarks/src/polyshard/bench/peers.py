@@ -3,13 +3,13 @@ mesh against the torch-native composition, in one run, one table.
 
     polyshard bench peers --nproc 2 --json peers.json
     polyshard bench peers --nproc 2 --only composed --compile   # both sides' blocks compiled
-    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.planner.benchmarks.peers --steps 10
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.peers --steps 10
 
-Strategy rows come from each package's own benchmark, called as a function (``polyshard.dp.bench``:
-DataParallel vs DDP, ZeRO-1 vs ZeroRedundancyOptimizer, ZeRO-3 vs FSDP2; ``polyshard.tp.bench``:
-polyshard.tp vs DTensor ``parallelize_module``; ``polyshard.pp.bench``: each schedule vs
-torch.distributed.pipelining's; ``polyshard.ep.bench``: the expert-parallel MoE layer vs the same
-layer on one process; ``polyshard.cp.bench``: ring attention vs one process's SDPA), on the world
+Strategy rows come from each package's own benchmark, called as a function (``polyshard.bench.dp``:
+DataParallel vs DDP, ZeRO-1 vs ZeroRedundancyOptimizer, ZeRO-3 vs FSDP2; ``polyshard.bench.tp``:
+polyshard.tp vs DTensor ``parallelize_module``; ``polyshard.bench.pp``: each schedule vs
+torch.distributed.pipelining's; ``polyshard.bench.ep``: the expert-parallel MoE layer vs the same
+layer on one process; ``polyshard.bench.cp``: ring attention vs one process's SDPA), on the world
 group, with their shapes, warm-up and interleaving.
 
 Composed rows train the trainer's GPT (the ``tiny`` preset unless ``--preset`` says otherwise) on a
@@ -57,10 +57,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.bench.timing import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
 from polyshard.collectives import ops
 from polyshard.dp import bytes_held
 from polyshard.mesh import DistributedContext, Mesh
-from polyshard.mesh.benchmark import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
 from polyshard.models import build_model, output_width, sequence_length, spec_of
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.engine.builder import build_engine
@@ -322,14 +322,18 @@ def composed_case(
     extra: dict[str, Any] = {"group": "composed", "layout": layout, "ours_losses": ours_losses}
     if reason is not None or peer is None:
         # Ours alone, timed the same way (each call between barriers, slowest rank, median).
-        ours_s, _ = time_interleaved(run("ours", ours.step), lambda: None, iters=steps, warmup=warmup)
+        ours_s, _ = time_interleaved(
+            run("ours", ours.step), lambda: None, group=dist.group.WORLD, iters=steps, warmup=warmup
+        )
         record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
         return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
     rtol = COMPILED_LOSS_RTOL if compiled else LOSS_RTOL
     close = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(ours_losses, peer_losses))
     match = _same_everywhere(close, device)
-    ours_s, peer_s = time_interleaved(run("ours", ours.step), run("peer", peer.step), iters=steps, warmup=warmup)
+    ours_s, peer_s = time_interleaved(
+        run("ours", ours.step), run("peer", peer.step), group=dist.group.WORLD, iters=steps, warmup=warmup
+    )
     return comparison_record(
         case,
         ours_s,
@@ -358,26 +362,26 @@ def strategy_rows(groups: Sequence[str], steps: int, device: torch.device | str 
         return [skipped_row(g, reason) for g in strategies]
     rows: list[Record] = []
     if "dp" in groups:
-        from polyshard.dp import bench as dp_bench
+        from polyshard.bench import dp as dp_bench
 
         rows += [r | {"group": "dp"} for r in dp_bench.run_all(steps)]
     if "tp" in groups:
-        from polyshard.tp import bench as tp_bench
+        from polyshard.bench import tp as tp_bench
 
         rows += [r | {"group": "tp"} for r in tp_bench.run_all(steps)]
     if "pp" in groups:
-        from polyshard.pp import bench as pp_bench
+        from polyshard.bench import pp as pp_bench
 
         # pp's shapes, with enough layers and microbatches for a V of 2n stages at n ranks (8+ ranks)
         layers, microbatches = max(8, 2 * n), max(8, 2 * n)
         records = pp_bench.compare(layers=layers, microbatches=microbatches, iters=steps)
         rows += [r | {"group": "pp"} for r in records]
     if "ep" in groups:
-        from polyshard.ep import bench as ep_bench
+        from polyshard.bench import ep as ep_bench
 
         rows += [r | {"group": "ep"} for r in ep_bench.compare(iters=steps)]
     if "cp" in groups:
-        from polyshard.cp import bench as cp_bench
+        from polyshard.bench import cp as cp_bench
 
         rows += [r | {"group": "cp"} for r in cp_bench.compare([256 * n], iters=steps)]
     return rows
@@ -416,7 +420,7 @@ COLUMNS: tuple[Column, ...] = (
 
 def format_report(records: Sequence[Record]) -> str:
     """The table, then a line per unavailable peer and a one-line summary."""
-    from polyshard.mesh.benchmark import format_table
+    from polyshard.bench.timing import format_table
 
     lines = [format_table(records, COLUMNS)]
     for r in records:

@@ -2,7 +2,7 @@
 and on 4 or more ranks (an even number) hybrid ZeRO-3 (shard groups of 2) vs FSDP2's HSDP on a 2-D DeviceMesh.
 
 Same model, batch, bucket size and world size; the two sides' training steps
-run interleaved (``polyshard.mesh.benchmark.time_interleaved``). Before
+run interleaved (``polyshard.bench.timing.time_interleaved``). Before
 timing, each pair trains a few steps from the same weights on the same data
 and the losses are compared. Memory: CPU has no per-case peak counter, so the
 records carry the bytes each rank *holds* after a step (parameters, gradients,
@@ -14,9 +14,9 @@ DDP + ``ZeroRedundancyOptimizer``'s for ZeRO-1, counted from distinct storages
 on both sides (:func:`polyshard.dp.bytes_held`, :func:`polyshard.dp.storage_bytes`).
 
     polyshard bench dp --nproc 2 --json out.json
-    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench
-    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.dp.bench --memory
-    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.dp.bench     # adds the HSDP row
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.bench.dp
+    python -m torch.distributed.run --nproc-per-node 2 -m polyshard.bench.dp --memory
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.dp     # adds the HSDP row
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
-from polyshard.mesh import DistributedContext, Mesh
-from polyshard.mesh.benchmark import (
+from polyshard.bench.timing import (
     Column,
     Record,
     comparison_record,
@@ -40,6 +38,8 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.dp import DataParallel, FullyShardedDataParallel, MemoryReport, ZeroOptimizer, bytes_held, storage_bytes
+from polyshard.mesh import DistributedContext, Mesh
 
 HIDDEN, DEPTH, BATCH_PER_RANK, LR = 512, 4, 32, 1e-3
 CHECK_STEPS = 3
@@ -98,7 +98,7 @@ def bench_ddp(iters: int) -> Record:
     ours = step_fn(ours_model, ours_opt, ours_model.finish_grad_sync)
     peer = step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         f"DataParallel vs DDP dp={dist.get_world_size()}",
         ours_s,
@@ -119,7 +119,7 @@ def bench_zero1(iters: int) -> Record:
     peer_opt = ZeroRedundancyOptimizer(peer_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         f"ZeRO-1 vs DDP+ZeroRedundancyOptimizer dp={dist.get_world_size()}",
         ours_s,
@@ -143,7 +143,7 @@ def _against_fsdp2(case: str, ours_model: FullyShardedDataParallel, device_mesh:
     peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR)
     ours, peer = step_fn(ours_model, ours_opt), step_fn(peer_model, peer_opt)
     match = losses_match(ours, peer)
-    ours_s, peer_s = time_interleaved(ours, peer, iters=iters, warmup=2)
+    ours_s, peer_s = time_interleaved(ours, peer, group=dist.group.WORLD, iters=iters, warmup=2)
     return comparison_record(
         case,
         ours_s,
@@ -266,12 +266,17 @@ def memory_records() -> list[Record]:
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    """The flags of ``main``; ``polyshard bench dp`` checks them before any process starts."""
+    parser = argparse.ArgumentParser(prog="polyshard bench dp", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
     parser.add_argument("--memory", action="store_true", help="only the bytes held per rank (fp32 AdamW)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     def measure(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
