@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner benchmarks apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test test-long demo lint format clean
+.PHONY: setup test test-long test-bench demo lint format clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ test: setup
 # Whole jobs that take minutes each (faults, hangs, elastic nodes, Hugging Face round trips); CI runs them too.
 test-long: setup
 	$(BIN)/python -m pytest -q -m long
+
+# Every `polyshard bench` command through the CLI at its smallest sizes (minutes: compile's cold cache,
+# the peers' jobs); CI runs them after test-long.
+test-bench: setup
+	$(BIN)/python -m pytest -q -m bench
 
 DEMO_CONFIG := apps/configs/gpt-shakespeare-3d.toml
 # The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample.

@@ -105,7 +105,7 @@ def run_bench(name: str, tmp_path: Path) -> str:
     return result.stdout
 
 
-@pytest.mark.long
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_bench_command_runs_to_the_end(name: str, tmp_path: Path):
