@@ -1,5 +1,6 @@
-"""The trainer's folders are layers: each imports only from its own layer or those below it, (read from the source, every import counted, also those inside functions). That no modules import each other round a circle is
-tests/test_layering.py's check, over every package.
+"""The trainer's folders are layers: each imports only from its own layer or those below it (read from
+the source, every import counted, also those inside functions). That no modules import each other round
+a circle is tests/test_layering.py's check, over every package.
 
     errors <- config <- data <- tasks <- engine <- checkpointing <- loop <- runtime
 """
