@@ -24,7 +24,7 @@ from polyshard.trainer.loop import train
 
 # The bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
 # checkpointing is left out: its norms and autocast's bf16 weight copies are saved in float32 / per weight,
-# which the planner's per-token count does not model (tests/trainer/test_planner_activations.py, 25%).
+# which the planner's per-token count does not model (tests/planner/test_activations.py, 25%).
 TOLERANCE = 0.10
 CASES = [
     (preset, precision, mode)

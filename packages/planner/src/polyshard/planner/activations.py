@@ -30,7 +30,7 @@ keeps the input and every matmul and attention-kernel output, and recomputes the
 The first layer keeps the token ids (int64); the head keeps its norm, its normed input and the loss's
 fp32 log-probabilities (vocabulary ÷ tp).
 
-``tests/trainer/test_planner_activations.py`` compares this with the peak of bytes saved for
+``tests/planner/test_activations.py`` compares this with the peak of bytes saved for
 backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter` on real engines;
 ``tests/trainer/test_selective_recompute.py`` one block's count in each checkpointing mode.
 """

@@ -17,7 +17,7 @@ Two accountings of the same thing:
   master *is* the local shard). Under ``training.optimizer = "muon"`` the blocks' matrices keep one
   float32 momentum buffer (K = 4, no step counter) instead of AdamW's two moments (K = 8); the rank
   that orthogonalises a matrix also holds it whole for a moment, one matrix at a time, which is
-  not counted here (it is not held at the step's end). ``tests/trainer/test_planner_memory.py`` checks it against
+  not counted here (it is not held at the step's end). ``tests/planner/test_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
 
 Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard

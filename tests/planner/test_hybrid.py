@@ -12,7 +12,7 @@ from polyshard.planner.memory import rank_model_states
 from polyshard.planner.search import Request, layouts
 from polyshard.trainer.config import from_dict
 
-from ._planner import flat_profile
+from ._machine import flat_profile
 
 
 def _config(**parallel):

@@ -12,7 +12,7 @@ from polyshard.pp import make_schedule, simulate
 from polyshard.trainer.config import ParallelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
 
-from ._planner import flat_profile
+from ._machine import flat_profile
 
 
 def _laid_out(config, **parallel):

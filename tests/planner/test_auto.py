@@ -17,7 +17,7 @@ from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.plan_check import Prediction
 
-from ._planner import flat_profile
+from ._machine import flat_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]

@@ -30,7 +30,7 @@ def _mib(text, what, rank):
 
 @pytest.mark.parametrize("stage", range(4))
 def test_dry_run_memory_is_the_planners(stage):
-    # The same numbers `polyshard plan` gives this layout (which tests/trainer/test_planner_memory.py holds
+    # The same numbers `polyshard plan` gives this layout (which tests/planner/test_memory.py holds
     # against the bytes real engines hold).
     config = from_dict({"parallel": {"dp": 4, "pp": 2, "zero_stage": stage, "microbatches": 4}})
     text = describe(config)
