@@ -14,7 +14,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
+from tests.trainer._short import SMALL_LLAMA, short_training
 
 STEPS = 6
 # Dense layouts differ from one process only in the order float32 sums are taken
@@ -28,8 +28,7 @@ DENSE_RTOL = 2e-5
 MOE_RTOL = 2e-4
 
 
-# Llama's architecture on the small GPT: RMSNorm, SwiGLU, rotary positions, no biases, 2 kv heads (GQA).
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llama=False, **parallel):

@@ -20,6 +20,7 @@ from polyshard.trainer.checkpointing.reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
+from tests.trainer._short import SMALL_LLAMA
 
 STEPS = 4
 SAVE_AT = 2
@@ -61,7 +62,7 @@ SOURCES = {
 }
 
 
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=False, sigmoid=False, **parallel):

@@ -21,6 +21,7 @@ from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
+from tests.trainer._short import SMALL_LLAMA
 
 # The bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
 # checkpointing is left out: its norms and autocast's bf16 weight copies are saved in float32 / per weight,
@@ -95,7 +96,7 @@ STEPS = 4
 # As in tests/trainer/test_e2e_parity.py: layouts differ from one process only in the order float32 sums
 # are taken, ~1e-7 relative per step compounded over a few AdamW steps; recomputation adds nothing.
 DENSE_RTOL = 2e-5
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, checkpointing, **parallel):
