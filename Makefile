@@ -7,10 +7,10 @@ TORCH ?= torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner apps/cli
+PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner benchmarks apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test test-long demo lint format clean
+.PHONY: setup test test-long test-bench demo lint format clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ test: setup
 test-long: setup
 	$(BIN)/python -m pytest -q -m long
 
+# Every `polyshard bench` command through the CLI at its smallest sizes (minutes: compile's cold cache,
+# the peers' jobs); CI runs them after test-long.
+test-bench: setup
+	$(BIN)/python -m pytest -q -m bench
+
 DEMO_CONFIG := apps/configs/gpt-shakespeare-3d.toml
 # The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample.
 # Then its last checkpoint is resharded to tp=4 x pp=2 and training continues there for 20 steps.
@@ -44,7 +49,7 @@ demo: setup
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \
 		--set training.steps=620 --set training.eval_every=20 --set training.sample_tokens=0
 
-TYPED := mesh collectives data checkpoint tp pp dp ep cp models trainer planner cli
+TYPED := mesh collectives data checkpoint tp pp dp ep cp models trainer planner bench cli
 
 lint: setup
 	$(BIN)/ruff check .

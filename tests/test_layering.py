@@ -1,5 +1,6 @@
 """Packages depend only downward: mesh <- collectives <- {tp, pp, dp, ep, cp} <- models <- trainer <- planner
-<- cli, and mesh <- checkpoint <- models, data <- trainer.
+<- cli, and mesh <- checkpoint <- models, data <- trainer. The benchmarks (polyshard-bench) sit beside the
+library: they may import every library package, only the cli imports them, and no library does.
 
 Reads every import in every package's source (and its pyproject dependencies)
 and fails when one points sideways or up.
@@ -29,12 +30,42 @@ ALLOWED = {
     "models": {"mesh", "collectives", "checkpoint", "tp", "ep", "cp"},
     "trainer": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models"},
     "planner": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models", "trainer"},
-    "cli": {"mesh", "data", "collectives", "checkpoint", "tp", "pp", "dp", "ep", "cp", "models", "trainer", "planner"},
+    "bench": {
+        "mesh",
+        "data",
+        "collectives",
+        "checkpoint",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "cp",
+        "models",
+        "trainer",
+        "planner",
+    },
+    "cli": {
+        "mesh",
+        "data",
+        "collectives",
+        "checkpoint",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "cp",
+        "models",
+        "trainer",
+        "planner",
+        "bench",
+    },
 }
+APPS = {"bench", "cli"}  # beside or above the library; every other entry is a library distribution
 
 
 def _package_dirs():
     dirs = {p.name: p for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists()}
+    dirs["bench"] = ROOT / "benchmarks"
     dirs["cli"] = ROOT / "apps" / "cli"
     return dirs
 
@@ -85,7 +116,92 @@ def test_declared_dependencies_point_only_downward():
         assert used <= ours, f"polyshard-{name} imports {used - ours} without declaring them in pyproject.toml"
 
 
+def test_no_library_imports_or_declares_the_benchmarks():
+    libraries = {name: folder for name, folder in _package_dirs().items() if name not in APPS}
+    assert {"mesh", "tp", "planner"} <= set(libraries) and not any("bench" in ALLOWED[n] for n in libraries)
+    found = []
+    for name, folder in libraries.items():
+        found += [
+            str(p.relative_to(ROOT))
+            for p in (folder / "src").rglob("*.py")
+            if "bench" in _imported_polyshard_packages(p)
+        ]
+        found += [f"{name}: {p.relative_to(ROOT)}" for p in (folder / "src").rglob("*bench*")]
+        deps = tomllib.loads((folder / "pyproject.toml").read_text())["project"].get("dependencies", [])
+        found += [f"polyshard-{name} depends on {d}" for d in deps if d.startswith("polyshard-bench")]
+    assert not found, "benchmarks belong in benchmarks/ (polyshard.bench), not in a library:\n" + "\n".join(found)
+
+
 def test_the_checker_catches_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from polyshard.tp import layers\nimport polyshard.trainer.config\n")
     assert _imported_polyshard_packages(bad) == {"tp", "trainer"}
+
+
+# -- no module circles, in any package ---------------------------------------------------------------
+
+
+def _module_imports(path: Path) -> set[str]:
+    """Every polyshard module or name ``path`` imports (also inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return {n for n in names if n.startswith("polyshard.")}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {}
+    for folder in _package_dirs().values():
+        for path in sorted((folder / "src").rglob("*.py")):
+            parts = path.relative_to(folder / "src").with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        # A package's __init__ re-exporting its own modules is not a circle: its modules import each
+        # other by their own names, never through the package (checked here by leaving that edge out).
+        targets = {t for t in _module_imports(path) if t in modules} - {name}
+        graph[name] = {t for t in targets if not name.startswith(t + ".") and not t.startswith(name + ".")}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_no_modules_import_each_other_round_a_circle():
+    assert _circles(_module_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

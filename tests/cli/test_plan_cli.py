@@ -9,7 +9,7 @@ from polyshard.cli.main import app
 from polyshard.planner.search import memory_of
 from polyshard.trainer.config import from_dict
 
-from ..trainer._planner import flat_profile
+from ..planner._machine import flat_profile
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from polyshard.collectives.bench import OPS, bus_factor, format_table, parse_size, run_benchmark
+from polyshard.bench.collectives import OPS, bus_factor, format_table, parse_size, run_benchmark
 
 
 def _bench():

@@ -3,8 +3,8 @@ ledger counts equal the formulas (Ulysses on 2 ranks; on 4 also the 2-D scheme o
 
 import pytest
 
-from polyshard.cp.bench import COLUMNS, compare
-from polyshard.mesh.benchmark import format_table
+from polyshard.bench.cp import COLUMNS, compare
+from polyshard.bench.timing import format_table
 
 
 def _tiny():

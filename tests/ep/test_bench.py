@@ -2,7 +2,7 @@
 
 import argparse
 
-from polyshard.ep.bench import _case
+from polyshard.bench.ep import _case
 
 
 def _small_case(top_k):
@@ -23,10 +23,10 @@ def test_bench_records(distributed):
 def test_one_process_section_compares_equal_outputs():
     # Small sizes (the dims stay multiples of 4 floats, so torch._grouped_mm applies): the grouped
     # experts equal the per-expert loop, and our layer equals the torch-ops MoE built on its tensors.
-    from polyshard.ep import bench_experts
+    from polyshard.bench import ep_experts
 
-    grouped = bench_experts.grouped_vs_loop(experts=4, rows=64, hidden=16, ffn=24, iters=1)
-    layer = bench_experts.layer_vs_torch_ops(experts=4, tokens=32, hidden=16, ffn=24, top_k=2, iters=1)
+    grouped = ep_experts.grouped_vs_loop(experts=4, rows=64, hidden=16, ffn=24, iters=1)
+    layer = ep_experts.layer_vs_torch_ops(experts=4, tokens=32, hidden=16, ffn=24, top_k=2, iters=1)
     for record in (grouped, layer):
         assert record["outputs_match"] is True, record["case"]
         assert record["ratio"] == record["ours_s"] / record["peer_s"] > 0
@@ -35,8 +35,8 @@ def test_one_process_section_compares_equal_outputs():
 def test_torch_ops_moe_equals_the_layer_with_gradients():
     import torch
 
+    from polyshard.bench.ep_experts import TorchOpsMoE
     from polyshard.ep import MoEConfig, MoELayer
-    from polyshard.ep.bench_experts import TorchOpsMoE
 
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(hidden=16, ffn_hidden=24, num_experts=4, top_k=2))

@@ -6,8 +6,8 @@ import json
 import torch
 from typer.testing import CliRunner
 
+from polyshard.bench import pp as bench
 from polyshard.cli.main import app
-from polyshard.pp import bench
 
 
 def test_schedule_command_prints_grid_and_writes_json_and_svg(tmp_path):

@@ -8,10 +8,14 @@ updates its weights: they all keep the same, finite values.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import MoESettings
+from polyshard.models.moe_gpt.config import MoEGPTConfig
 from polyshard.trainer.config import from_dict
 
 
@@ -30,7 +34,7 @@ def _config(corpus, **parallel):
 def _drift_one_replica(config, drifted_rank):
     import torch.distributed as dist
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import check_replicas
@@ -71,7 +75,7 @@ def _drift_one_bias(config, drifted_rank):
     import torch.distributed as dist
 
     from polyshard.ep import MoELayer
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import check_replicas
@@ -94,10 +98,8 @@ def test_a_router_bias_that_drifted_is_found_on_expert_parallel_ranks(distribute
     # ep3 alone has no dp replicas of the experts to compare, but the sigmoid router's bias is
     # replicated state on every rank of a stage: a rank whose bias drifted is named.
     config = _config(corpus, ep=3)
-    model = {"kind": "moe-gpt", "num_experts": 3, "top_k": 1, "router": "sigmoid", "router_bias_update_rate": 0.01}
-    config = config.__class__(
-        **{**config.__dict__, "model": config.model.__class__(**{**config.model.__dict__, **model})}
-    )
+    moe = MoESettings(num_experts=3, top_k=1, score="sigmoid", bias_update_rate=0.01)
+    config = dataclasses.replace(config, model=MoEGPTConfig(**{**config.model.__dict__, "kind": "moe-gpt", "moe": moe}))
     errors = distributed.run(3, _drift_one_bias, config, 1)
     assert all(e is not None and e == errors[0] for e in errors)
     assert "step 2" in errors[0] and "rank(s) [1] differ from the other replicas" in errors[0]
@@ -106,7 +108,7 @@ def test_a_router_bias_that_drifted_is_found_on_expert_parallel_ranks(distribute
 def _nan_on_one_rank(config):
     import torch.distributed as dist
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
     from polyshard.trainer.loop.integrity import weights_finite
 

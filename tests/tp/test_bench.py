@@ -3,8 +3,8 @@
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from polyshard.bench import tp as bench
 from polyshard.mesh import Mesh
-from polyshard.tp import bench
 from polyshard.models.common import MLP, Block
 
 

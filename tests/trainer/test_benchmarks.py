@@ -1,6 +1,6 @@
 """The whole-model benchmarks run (their figures are for the README, not asserted here)."""
 
-from polyshard.planner.benchmarks.context_memory import measure, saved_bytes
+from polyshard.bench.context_memory import measure, saved_bytes
 
 
 def test_saved_bytes_counts_each_storage_once():

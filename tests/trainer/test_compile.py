@@ -13,7 +13,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
+from tests.trainer._short import SMALL_LLAMA, short_training
 
 STEPS = 4
 # Inductor fuses elementwise work and reorders float32 sums inside a block (its kernels against eager's):
@@ -24,8 +24,7 @@ MOE_RTOL = 2e-4
 # A cold inductor cache on a busy 2-core machine: a few block graphs at up to a minute or two each.
 TIMEOUT_S = 600
 
-# Llama's block on the small GPT (RMSNorm, SwiGLU, rope, GQA): what the benchmark compiles.
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, kind="gpt", compiled=False, training=None, document_mask=False, **parallel):

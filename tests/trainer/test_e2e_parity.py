@@ -14,7 +14,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
+from tests.trainer._short import SMALL_LLAMA, short_training
 
 STEPS = 6
 # Dense layouts differ from one process only in the order float32 sums are taken
@@ -28,8 +28,7 @@ DENSE_RTOL = 2e-5
 MOE_RTOL = 2e-4
 
 
-# Llama's architecture on the small GPT: RMSNorm, SwiGLU, rotary positions, no biases, 2 kv heads (GQA).
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llama=False, **parallel):
@@ -41,8 +40,8 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llam
                 "num_layers": 2,
                 "num_heads": 4,
                 "context_length": 16,
-                "aux_loss_weight": aux_loss_weight,
                 "tie_embeddings": tie_embeddings,
+                **({"moe": {"aux_loss_coef": aux_loss_weight}} if kind == "moe-gpt" else {}),
                 **(LLAMA if llama else {}),
             },
             "parallel": parallel,
@@ -209,7 +208,7 @@ def test_bf16_gradient_norms_are_measured(distributed, corpus, reference, tmp_pa
 
 def _sequence_parallel_norms(config):
     from polyshard.tp import is_sequence_parallel
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -312,7 +311,8 @@ def test_moe_capacity_with_context_parallel_matches_the_layout_without_it(
     # capacity_factor 1.0 drops assignments; each cp rank applies the rule to its data rank's whole batch.
     def config(**axes):
         base = _config(corpus, "moe-gpt", **axes)
-        return dataclasses.replace(base, model=dataclasses.replace(base.model, capacity_factor=1.0))
+        moe = dataclasses.replace(base.model.moe, capacity_factor=1.0)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, moe=moe))
 
     expected = distributed.run(world // 2, _train, config(**without_cp), tmp_path / "no-cp")[0]
     results = distributed.run(world, _train, config(**parallel), tmp_path / "cp")
@@ -364,7 +364,7 @@ def test_resume_is_bitwise_identical(distributed, corpus, tmp_path, world, paral
 
 def _eval_twice(config, out):
 
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate, make_loaders, split_batch
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -404,8 +404,8 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
     import torch
     from safetensors.torch import load_file
 
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import export
-    from polyshard.trainer.models import build_model
 
     config = _config(corpus, kind, aux_loss_weight=0.0, **parallel)
     single = _config(corpus, kind, aux_loss_weight=0.0)
@@ -431,7 +431,7 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
 def _evaluate_in_order(config, tokens):
     from polyshard.data.examples import Arrays
     from polyshard.data.loader import ShardedLoader
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate_batches, split_batch
 
     mesh = Mesh(config.parallel.mesh_axes)
@@ -507,7 +507,7 @@ def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, 
 
 
 def _nan_on_one_rank(config):
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

@@ -23,8 +23,15 @@ from typer.testing import CliRunner
 
 from polyshard.checkpoint import Checkpoint, CheckpointError
 from polyshard.mesh import Mesh
+from polyshard.trainer.checkpointing.hugging_face import (
+    HFSource,
+    check_matches,
+    hf_config,
+    hf_state,
+    model_settings,
+    write_hf,
+)
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
@@ -91,8 +98,8 @@ QUICK = {(family, "one") for family in FAMILIES} | {("qwen2_moe", "ep2xtp2"), ("
     [pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long) for f, m in LAYOUTS],
 )
 def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
@@ -138,14 +145,13 @@ def test_each_rank_reads_only_its_experts(folders, corpus):
 def test_the_settings_are_the_folders(folders):
     mixtral, qwen3 = model_settings(folders["mixtral"]), model_settings(folders["qwen3"])
     qwen3_moe, qwen2_moe = model_settings(folders["qwen3_moe"]), model_settings(folders["qwen2_moe"])
-    assert (mixtral["kind"], mixtral["expert_hidden"], mixtral["router_renormalize"]) == ("moe-gpt", 24, True)
+    assert (mixtral["kind"], mixtral["moe.ffn_hidden"], mixtral["moe.renormalize"]) == ("moe-gpt", 24, True)
     assert mixtral["rope_theta"] == 1e6  # MixtralConfig's default base
     assert (qwen3["kind"], qwen3["head_dim"], qwen3["qk_norm"], qwen3["tie_embeddings"]) == ("gpt", 16, True, True)
-    assert (qwen3_moe["qk_norm"], qwen3_moe["router_renormalize"], qwen3_moe["num_experts"]) == (True, True, 4)
-    assert (qwen2_moe["shared_experts"], qwen2_moe["shared_expert_hidden"], qwen2_moe["shared_expert_gate"]) == (
-        1, 24, True,
-    )  # fmt: skip
-    assert (qwen2_moe["qkv_bias"], qwen2_moe["bias"], qwen2_moe["router_renormalize"]) == (True, False, False)
+    assert (qwen3_moe["qk_norm"], qwen3_moe["moe.renormalize"], qwen3_moe["moe.num_experts"]) == (True, True, 4)
+    shared = (qwen2_moe["moe.shared_experts"], qwen2_moe["moe.shared_ffn_hidden"], qwen2_moe["moe.shared_gate"])
+    assert shared == (1, 24, True)
+    assert (qwen2_moe["qkv_bias"], qwen2_moe["bias"], qwen2_moe["moe.renormalize"]) == (True, False, False)
     qwen2 = model_settings(folders["qwen2"])
     assert (qwen2["kind"], qwen2["qkv_bias"], qwen2["bias"], qwen2["qk_norm"]) == ("gpt", True, False, False)
 
@@ -169,8 +175,8 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     """Initialise from the folder, train a few steps, export: transformers loads the folder with no
     missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     folder = folders[family]
     config = _config(folder, corpus, **mesh)
@@ -239,18 +245,18 @@ def test_a_missing_expert_is_named_and_the_cli_exits_2(folders, corpus, tmp_path
 def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
     qwen2 = _config(folders["qwen2_moe"], corpus).model
     assert hf_config(qwen2)["architectures"] == ["Qwen2MoeForCausalLM"]
-    ungated = from_dict({"model": {**model_settings(folders["qwen2_moe"]), "shared_expert_gate": False}}).model
-    with pytest.raises(CheckpointError, match="Qwen2-MoE would need shared_expert_gate=True"):
+    ungated = from_dict({"model": {**model_settings(folders["qwen2_moe"]), "moe.shared_gate": False}}).model
+    with pytest.raises(CheckpointError, match="Qwen2-MoE would need moe.shared_gate=True"):
         hf_config(ungated)
     normed = from_dict({"model": {**model_settings(folders["mixtral"]), "qk_norm": True}}).model
     assert hf_config(normed)["architectures"] == ["Qwen3MoeForCausalLM"]  # q/k norms, no shared expert
     # Mixtral always renormalises: without it the same model is Qwen3-MoE's only with q/k norms.
-    raw = from_dict({"model": {**model_settings(folders["mixtral"]), "router_renormalize": False}}).model
-    with pytest.raises(CheckpointError, match="Mixtral would need router_renormalize=True; Qwen3-MoE would need qk_"):
+    raw = from_dict({"model": {**model_settings(folders["mixtral"]), "moe.renormalize": False}}).model
+    with pytest.raises(CheckpointError, match="Mixtral would need moe.renormalize=True; Qwen3-MoE would need qk_"):
         hf_config(raw)
     # The folder's settings are what a run must use, named as --set fixes.
-    other = from_dict({"model": {**model_settings(folders["qwen3_moe"]), "expert_hidden": 32}}).model
-    with pytest.raises(CheckpointError, match="--set model.expert_hidden=16"):
+    other = from_dict({"model": {**model_settings(folders["qwen3_moe"]), "moe.ffn_hidden": 32}}).model
+    with pytest.raises(CheckpointError, match="--set model.moe.ffn_hidden=16"):
         check_matches(folders["qwen3_moe"], other)
 
 
@@ -270,7 +276,7 @@ def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
 def test_the_presets_are_the_families(preset, architecture, parameters):
     """Each preset exports as its family; transformers builds the same number of parameters from the
     config.json polyshard writes (on the meta device for the large ones: nothing allocated)."""
-    from polyshard.trainer.models import parameter_count
+    from polyshard.models import parameter_count
 
     model = from_dict({"model": {"preset": preset}}).model
     hf = hf_config(model)
@@ -287,11 +293,11 @@ def test_a_sigmoid_or_grouped_router_is_not_exported_as_a_softmax_family():
     # Mixtral and Qwen-MoE route with softmax top-k over all experts: a model trained with DeepSeek's
     # biased sigmoid router or group-limited choice would load there and compute something else.
     from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.checkpointing.hugging_face import hf_config
     from polyshard.trainer.config import from_dict
-    from polyshard.trainer.models.hf import hf_config
 
     mixtral = {"kind": "moe-gpt", "preset": "mixtral-tiny"}
     assert hf_config(from_dict({"model": mixtral}).model)["model_type"] == "mixtral"
-    for routing in ({"router": "sigmoid"}, {"router_groups": 2, "router_group_topk": 2}):
-        with pytest.raises(CheckpointError, match="router"):
+    for routing in ({"moe": {"score": "sigmoid"}}, {"moe": {"groups": 2, "group_topk": 2}}):
+        with pytest.raises(CheckpointError, match="moe.score|moe.groups"):
             hf_config(from_dict({"model": {**mixtral, **routing}}).model)

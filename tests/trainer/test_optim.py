@@ -58,10 +58,10 @@ def test_every_schedule_equals_its_closed_form_at_every_step(kind, shape):
 @pytest.mark.parametrize(
     "training, message",
     [
-        ({"schedule": "step"}, "training.schedule='step'; choose one of"),
+        ({"lr_schedule": "step"}, "training.lr_schedule='step'; choose one of"),
         ({"decay_shape": "exp"}, "training.decay_shape='exp'; choose one of"),
         ({"decay_fraction": 0.0}, "decay_fraction=0.0 must be in \\(0, 1\\]"),
-        ({"schedule": "wsd", "steps": 10, "warmup_steps": 9, "decay_fraction": 0.2}, "overlaps the decay"),
+        ({"lr_schedule": "wsd", "steps": 10, "warmup_steps": 9, "decay_fraction": 0.2}, "overlaps the decay"),
     ],
 )
 def test_a_bad_schedule_is_named(training, message):

@@ -20,6 +20,7 @@ from polyshard.trainer.checkpointing.reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
+from tests.trainer._short import SMALL_LLAMA
 
 STEPS = 4
 SAVE_AT = 2
@@ -61,7 +62,7 @@ SOURCES = {
 }
 
 
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=False, sigmoid=False, **parallel):
@@ -339,7 +340,7 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
 
 def _parallel_loss(config, folder, tokens):
     from polyshard.trainer.checkpointing.reshard import load_into
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))
@@ -351,8 +352,8 @@ def _parallel_loss(config, folder, tokens):
 def test_exported_weights_give_the_parallel_models_outputs(distributed, trained, tmp_path, name):
     import torch.nn.functional as F
 
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import export
-    from polyshard.trainer.models import build_model
 
     config, _, _ = trained[name]
     folder = _checkpoint(trained, name, STEPS)
@@ -406,7 +407,7 @@ def test_reshard_command(trained, tmp_path):
 
 def _wsd(corpus, **training):
     config = _config(corpus, dp=2)
-    wsd = {"steps": 6, "schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
+    wsd = {"steps": 6, "lr_schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
     logging = dataclasses.replace(config.logging, every=1)
     return dataclasses.replace(
         config, training=dataclasses.replace(config.training, **wsd, **training), logging=logging

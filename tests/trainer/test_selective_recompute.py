@@ -1,6 +1,6 @@
 """Selective activation checkpointing: what a block keeps is what the planner counts, and it changes no number.
 
-Bytes kept per block are measured by :func:`polyshard.planner.benchmarks.recompute.held_bytes` (autograd's
+Bytes kept per block are measured by :func:`polyshard.bench.recompute.held_bytes` (autograd's
 saved tensors plus what the forward leaves alive, where selective checkpointing's cached matmul outputs
 live; each storage once) and compared with :func:`polyshard.planner.activations.stage_bytes` for one block.
 Parity: a run with "selective" gives the losses and gradient norms of the same run without checkpointing.
@@ -10,21 +10,22 @@ Document masking, cp, ep and the split backward with selective are rows of tests
 import pytest
 import torch
 
+from polyshard.bench.recompute import _config as bench_config
+from polyshard.bench.recompute import block_bytes
 from polyshard.mesh import Mesh
+from polyshard.models.gpt import GPT
 from polyshard.planner.activations import activation_bytes
-from polyshard.planner.benchmarks.recompute import _config as bench_config
-from polyshard.planner.benchmarks.recompute import block_bytes
 from polyshard.planner.cost import estimate_step
 from polyshard.planner.dry_run import describe
 from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from polyshard.trainer.models.gpt import GPT
+from tests.trainer._short import SMALL_LLAMA
 
 # The issue's bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
 # checkpointing is left out: its norms and autocast's bf16 weight copies are saved in float32 / per weight,
-# which the planner's per-token count does not model (tests/trainer/test_planner_activations.py, 25%).
+# which the planner's per-token count does not model (tests/planner/test_activations.py, 25%).
 TOLERANCE = 0.10
 CASES = [
     (preset, precision, mode)
@@ -95,7 +96,7 @@ STEPS = 4
 # As in tests/trainer/test_e2e_parity.py: layouts differ from one process only in the order float32 sums
 # are taken, ~1e-7 relative per step compounded over a few AdamW steps; recomputation adds nothing.
 DENSE_RTOL = 2e-5
-LLAMA = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2, "mlp_hidden": 88}
+LLAMA = SMALL_LLAMA
 
 
 def _config(corpus, checkpointing, **parallel):

@@ -94,7 +94,7 @@ def test_ulysses_training_matches_one_process(distributed, corpus, reference, tm
 
 
 def _initial(model):
-    from polyshard.trainer.models import build_model
+    from polyshard.models import build_model
 
     config = from_dict({"model": {"num_layers": 2, "context_length": 24, **MODELS[model]}})
     return build_model(config.model, seed=from_dict({}).training.seed)

@@ -42,7 +42,7 @@ def bench_comm(
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
 ) -> None:
     """Time each collective over a range of sizes: time, algbw and busbw (nccl-tests definitions)."""
-    from polyshard.collectives.bench import OPS, parse_size
+    from polyshard.bench.collectives import OPS, parse_size
 
     unknown = [o for o in ops.split(",") if o.strip() and o.strip() not in OPS]
     if unknown:
@@ -55,7 +55,7 @@ def bench_comm(
     args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters)]
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
-    raise typer.Exit(run_local(nproc, "polyshard.collectives.bench", args))
+    raise typer.Exit(run_local(nproc, "polyshard.bench.collectives", args))
 
 
 @bench_app.command("matmul")
@@ -102,7 +102,7 @@ def bench_cp_memory(
     if style not in ("ring", "allgather") or not sizes or min(sizes) < 1 or not lengths:
         raise typer.BadParameter("give cp sizes >= 1, sequence lengths, and --style ring or allgather")
     for cp in sizes:
-        code = run_local(cp, "polyshard.planner.benchmarks.context_memory", ["--seq-lens", *lengths, "--style", style])
+        code = run_local(cp, "polyshard.bench.context_memory", ["--seq-lens", *lengths, "--style", style])
         if code:
             raise typer.Exit(code)
 
@@ -116,7 +116,7 @@ def bench_recompute(
     vocab_size: int = typer.Option(256, "--vocab-size", min=2, help="Kept small so the blocks' time shows."),
 ) -> None:
     """Activation checkpointing none, selective and full: bytes one block keeps (measured and planned), step time."""
-    from polyshard.planner.benchmarks import recompute
+    from polyshard.bench import recompute
 
     if precision not in ("fp32", "bf16"):
         raise typer.BadParameter("choose fp32 or bf16", param_hint="--precision")
@@ -131,7 +131,7 @@ def bench_data(
     folder: Path | None = typer.Option(None, "--folder", help="Keep the corpora and runs here (default: temporary)."),
 ) -> None:
     """Memory and startup of a run's data against the corpus size: synthetic corpora prepared and trained on."""
-    from polyshard.planner.benchmarks import data_memory
+    from polyshard.bench import data_memory
 
     try:
         sized = [str(float(s)) for s in sizes.split(",") if s.strip()]
@@ -147,9 +147,15 @@ def bench_data(
 @bench_app.command("checkpoint")
 def bench_checkpoint(
     nproc: int = typer.Option(2, "--nproc", min=1, help="Data-parallel processes (ZeRO-1 over them)."),
+    hidden: int = typer.Option(768, "--hidden", min=8, help="The GPT's hidden size (GPT-2 small's by default)."),
+    layers: int = typer.Option(12, "--layers", min=1, help="Its blocks."),
+    heads: int = typer.Option(12, "--heads", min=1, help="Its attention heads (they divide --hidden)."),
 ) -> None:
     """How long training stops for a checkpoint of a ~100M-parameter GPT: blocking against async_save."""
-    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.save_stall", []))
+    if hidden % heads:
+        raise typer.BadParameter(f"{heads} heads do not divide hidden {hidden}", param_hint="--heads")
+    args = ["--hidden", str(hidden), "--layers", str(layers), "--heads", str(heads)]
+    raise typer.Exit(run_local(nproc, "polyshard.bench.save_stall", args))
 
 
 @bench_app.command("compile")
@@ -162,7 +168,7 @@ def bench_compile(
     skip_demo: bool = typer.Option(False, "--skip-demo", help="Time the blocks only."),
 ) -> None:
     """Compiled over eager (training.compile): one block's forward + backward, and the demo's tokens/s."""
-    from polyshard.planner.benchmarks import compile_speed
+    from polyshard.bench import compile_speed
 
     args = ["--iters", str(iters), "--config", str(config), "--steps", str(steps)]
     raise typer.Exit(compile_speed.main(args + (["--skip-demo"] if skip_demo else [])))
@@ -180,7 +186,7 @@ def bench_plan(
     """The layout planner's predicted step time against the measured one for six layouts of the tiny GPT."""
     import json
 
-    from polyshard.planner import bench
+    from polyshard.bench import plan as bench
     from polyshard.planner.profile import load_profile
     from polyshard.trainer import ConfigError
 
@@ -212,7 +218,7 @@ def bench_peers(
 ) -> None:
     """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
     parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
-    from polyshard.planner.benchmarks.peers import GROUPS, LAYOUTS, PRESETS
+    from polyshard.bench.peers import GROUPS, LAYOUTS, PRESETS
 
     if nproc not in LAYOUTS:
         raise typer.BadParameter(
@@ -234,7 +240,7 @@ def bench_peers(
     args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset] + (["--compile"] if compiled else [])
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
-    raise typer.Exit(run_local(nproc, "polyshard.planner.benchmarks.peers", args))
+    raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
 
 
 @bench_app.command("prepare")
@@ -244,7 +250,7 @@ def bench_prepare(
     vocab_size: int = typer.Option(8192, "--vocab-size", min=257, help="The BPE trained for the run."),
 ) -> None:
     """polyshard prepare's MB/s against nanoGPT's pattern (datasets map + np.memmap), same tokenizer and cores."""
-    from polyshard.planner.benchmarks.prepare_speed import report, run
+    from polyshard.bench.prepare_speed import report, run
 
     try:
         counts = [int(w) for w in workers.split(",") if w.strip()]
@@ -256,25 +262,35 @@ def bench_prepare(
 
 
 def _bench_with_peer(package: str) -> Callable[..., None]:
-    """A ``polyshard bench <package>`` command that runs ``polyshard.<package>.bench`` under torchrun.
+    """A ``polyshard bench <package>`` command that runs ``polyshard.bench.<package>`` under torchrun.
 
-    The module's ``main(argv)`` accepts ``--json FILE`` and prints ours vs the PyTorch peer.
+    Flags it does not know go to the module's own parser (``--iters 2``, pp's ``--hidden 64``...),
+    checked here first so that a wrong one exits 2 before any process starts.
     """
 
     def command(
+        context: typer.Context,
         nproc: int = typer.Option(2, "--nproc", min=1, help="Number of local processes."),
         json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
     ) -> None:
-        args = ["--json", str(json_path.resolve())] if json_path is not None else []
-        raise typer.Exit(run_local(nproc, f"polyshard.{package}.bench", args))
+        import importlib
 
-    command.__doc__ = f"polyshard.{package} against PyTorch's own implementation: median step times and ratios."
+        args = list(context.args) + (["--json", str(json_path.resolve())] if json_path is not None else [])
+        importlib.import_module(f"polyshard.bench.{package}").parser().parse_args(args)  # exits 2 on a bad flag
+        raise typer.Exit(run_local(nproc, f"polyshard.bench.{package}", args))
+
+    command.__doc__ = (
+        f"polyshard.{package} against PyTorch's own implementation: median step times and ratios. "
+        f"Other flags go to the benchmark (python -m polyshard.bench.{package} --help lists them)."
+    )
     return command
 
 
-# Each parallelism package that ships a ``bench`` module gets a ``polyshard bench <name>`` command.
+# Each parallelism package has a benchmark module in polyshard.bench and a ``polyshard bench <name>`` command.
 for _package in BENCHMARKED_PACKAGES:
-    bench_app.command(_package)(_bench_with_peer(_package))
+    bench_app.command(_package, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+        _bench_with_peer(_package)
+    )
 
 
 def main() -> None:

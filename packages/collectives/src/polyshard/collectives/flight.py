@@ -40,6 +40,13 @@ class Posted:
 RECENT: deque[Posted] = deque(maxlen=8)
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """Global ranks of ``group`` (the world when None)."""
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
 def note(op: str, group: dist.ProcessGroup | None, peer: int | None = None) -> None:
     RECENT.append(Posted(op, group, peer))
 
@@ -85,7 +92,6 @@ def _failing_call(err: BaseException) -> Posted | None:
 def describe_failure(err: BaseException, name_group: Callable[[dist.ProcessGroup | None], str] | None = None) -> str:
     """One paragraph: which call failed on which group (its name and ranks) and peer, from this rank's
     view, then the backend's own first line and this rank's last posted calls."""
-    from polyshard.collectives.ledger import group_ranks  # the ledger imports this module
 
     name_group = name_group or (lambda g: "world" if g is None or g is dist.group.WORLD else "group")
 

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from polyshard.collectives.flight import note
+from polyshard.collectives.flight import group_ranks, note
+
+__all__ = ["CommLedger", "LedgerEntry", "bus_factor", "group_ranks", "record", "ring_wire_bytes"]
 
 _ACTIVE: list[CommLedger] = []
 
@@ -38,13 +40,6 @@ class LedgerEntry:
     calls: int = 0
     bytes: int = 0
     wire_bytes: float = 0.0
-
-
-def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    """Global ranks of ``group`` (the world when None)."""
-    if group is None or group is dist.group.WORLD:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
 
 
 class CommLedger:

@@ -15,15 +15,15 @@ import math
 
 from polyshard.cp import split_context_group
 from polyshard.mesh import MeshLayout
+from polyshard.models import build_model, parameter_count, spec_of, tied_names
+from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
 from polyshard.trainer.engine.optim import schedule_of
-from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
-from polyshard.trainer.models import build_model, parameter_count, spec_of, tied_names
-from polyshard.trainer.models.moe import routing_summary
 
 
 def describe(config: Config) -> str:
@@ -104,8 +104,8 @@ def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str
     for c in range(columns):
         part = range(c * steps // columns, max((c + 1) * steps // columns, c * steps // columns + 1))
         means.append(sum(schedule(step) for step in part) / len(part))
-    title = f"learning rate ({train.schedule}"
-    if train.schedule == "wsd":
+    title = f"learning rate ({train.lr_schedule}"
+    if train.lr_schedule == "wsd":
         title += f", decay over the last {train.decay_steps} steps, {train.decay_shape}"
     lines = [f"{title}; {train.warmup_steps} warmup steps; peak {train.lr:g}, end {schedule(steps - 1):.3g}):"]
     for row in range(height, 0, -1):

@@ -17,7 +17,7 @@ Two accountings of the same thing:
   master *is* the local shard). Under ``training.optimizer = "muon"`` the blocks' matrices keep one
   float32 momentum buffer (K = 4, no step counter) instead of AdamW's two moments (K = 8); the rank
   that orthogonalises a matrix also holds it whole for a moment, one matrix at a time, which is
-  not counted here (it is not held at the step's end). ``tests/trainer/test_planner_memory.py`` checks it against
+  not counted here (it is not held at the step's end). ``tests/planner/test_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
 
 Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard
@@ -38,11 +38,11 @@ from torch import nn
 
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
+from polyshard.models import build_model, layer_of, spec_of, tied_names
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
-from polyshard.trainer.engine.parallelize import pipeline_bounds
-from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
+from polyshard.trainer.engine.layout import pipeline_bounds
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar

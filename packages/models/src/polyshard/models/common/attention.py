@@ -16,6 +16,7 @@ from torch import nn
 from polyshard.models.common.documents import Documents, document_mask
 from polyshard.models.common.rotary import RopeScaling, rotate
 
+
 class CoreAttention(nn.Module):
     """Attention's inner product: softmax(q k^T / sqrt(D)) v over (B, N, S, D) heads, causal or not, with
     grouped-query attention when k and v hold fewer heads. No parameters: a parallelism that splits the
@@ -106,5 +107,3 @@ class Attention(nn.Module):
             k = rotate(k, self.rope_theta, self.rope_scaling, positions)
         y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents.segments)
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
-
-

@@ -24,6 +24,7 @@ from polyshard.models.common.rotary import RopeScaling
 
 ACTIVATIONS = ("gelu", "swiglu")
 
+
 class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
 

@@ -32,7 +32,7 @@ from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
 from polyshard.trainer.config import MESH_AXES, Config, from_dict
 from polyshard.trainer.engine.constraints import validate
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 
 # -- offline -------------------------------------------------------------------------------------------
 

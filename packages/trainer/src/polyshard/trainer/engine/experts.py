@@ -37,7 +37,7 @@ from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
 from polyshard.ep import MoELayer
 from polyshard.mesh import TensorPlacement, get_placement
-from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.engine.runtime import Engine
 
 
 def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:

@@ -1,0 +1,480 @@
+"""Benchmark (not a test): every strategy against its PyTorch peer, and whole GPTs composed on a
+mesh against the torch-native composition, in one run, one table.
+
+    polyshard bench peers --nproc 2 --json peers.json
+    polyshard bench peers --nproc 2 --only composed --compile   # both sides' blocks compiled
+    python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.peers --steps 10
+
+Strategy rows come from each package's own benchmark, called as a function (``polyshard.bench.dp``:
+DataParallel vs DDP, ZeRO-1 vs ZeroRedundancyOptimizer, ZeRO-3 vs FSDP2; ``polyshard.bench.tp``:
+polyshard.tp vs DTensor ``parallelize_module``; ``polyshard.bench.pp``: each schedule vs
+torch.distributed.pipelining's; ``polyshard.bench.ep``: the expert-parallel MoE layer vs the same
+layer on one process; ``polyshard.bench.cp``: ring attention vs one process's SDPA), on the world
+group, with their shapes, warm-up and interleaving.
+
+Composed rows train the trainer's GPT (the ``tiny`` preset unless ``--preset`` says otherwise) on a
+layout (dp2, tp2, pp2 at 2 ranks; dp2 x tp2, tp2 x pp2, dp2 x pp2 at 4; dp2 x tp2 x pp2 at 8):
+
+* ours: :func:`polyshard.trainer.engine.builder.build_engine` and
+  :func:`polyshard.trainer.loop.train_step`, exactly as ``polyshard train`` steps
+  (ZeRO-3 on the dp axis, 1F1B on the pp axis, the global-norm clip, AdamW);
+* the peer: the torch-native composition torchtitan uses, on a ``DeviceMesh`` of the same shape and
+  rank order: ``parallelize_module`` (Colwise/Rowwise on q/k/v/o and the MLP, the embedding split
+  along the vocabulary, the head by columns) -> ``fully_shard`` per layer and per stage ->
+  ``PipelineStage`` + ``Schedule1F1B``, ``clip_grad_norm_``'s maths on DTensors (the pipeline's
+  partial norms summed over pp, as torchtitan does) and ``torch.optim.AdamW``.
+
+Both start from the same weights (each layer drawn from its own seeded generator, the full model one
+process would build), take the same batches (random tokens, each data rank its rows of a global
+batch), the same AdamW groups and settings, and the same clip. The first ``--check-steps`` steps of
+each are compared loss by loss; then both are timed interleaved (``time_interleaved``: warm-up, then
+alternating, each step between barriers, the slowest rank's time, the median). Bytes held per rank:
+parameters, gradients and optimizer state after a step (``polyshard.dp.bytes_held`` for ours, the
+local shards of the peer's DTensors). A peer that cannot be built or run here is reported as
+``peer unavailable: <the exception>`` beside ours.
+
+With ``--compile`` the composed rows compile both sides' transformer blocks, one compiled unit per
+block: ours with ``training.compile`` (Block.forward compiled, our collectives eager between graph
+pieces), the peer as torchtitan does (``module.compile(fullgraph=True)`` on each block after
+``parallelize_module`` and before ``fully_shard``, so DTensor's collectives are traced into the block's
+graph). The first ``--check-steps`` steps compile (both sides, untimed) and are compared loss by loss
+with the compiled tolerance. The strategy rows are each package's own eager benchmark either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from polyshard.bench.timing import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
+from polyshard.collectives import ops
+from polyshard.dp import bytes_held
+from polyshard.mesh import DistributedContext, Mesh
+from polyshard.models import build_model, output_width, sequence_length, spec_of
+from polyshard.trainer.config import Config, from_dict
+from polyshard.trainer.engine.builder import build_engine
+from polyshard.trainer.engine.layout import global_names, pipeline_bounds
+from polyshard.trainer.engine.optim import param_groups
+from polyshard.trainer.loop import train_step
+
+GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")
+PRESETS = ("tiny", "small")
+# The composed layouts measured at each world size.
+LAYOUTS: dict[int, list[dict[str, int]]] = {
+    2: [{"dp": 2}, {"tp": 2}, {"pp": 2}],
+    4: [{"dp": 2, "tp": 2}, {"tp": 2, "pp": 2}, {"dp": 2, "pp": 2}],
+    8: [{"dp": 2, "tp": 2, "pp": 2}],
+}
+GLOBAL_BATCH, MICROBATCHES, LR, CHECK_STEPS = 16, 4, 1e-3, 3
+# Both sides run float32 on the same batches; they differ in the order sums are taken (dp's
+# reduce-scatter, tp's split matmuls and all-reduces, the vocabulary-parallel loss against the
+# gathered logits), ~1e-7 relative per step, compounded through AdamW over a few steps: the
+# end-to-end parity tests' 2e-5 (tests/trainer/test_e2e_parity.py, same model family and widths).
+LOSS_RTOL = 2e-5
+# Compiled, each side's inductor fuses elementwise work and reorders float32 sums in its own kernels
+# (~1e-6 relative per op), on top of the above: the compiled parity tests' 1e-4 (tests/trainer/test_compile.py).
+COMPILED_LOSS_RTOL = 1e-4
+
+
+def layout_name(layout: dict[str, int]) -> str:
+    return " x ".join(f"{axis}{size}" for axis, size in layout.items())
+
+
+def composed_config(
+    layout: dict[str, int], preset: str = "tiny", grad_clip: float = 1.0, compiled: bool = False
+) -> Config:
+    """The trainer config both sides train: ``preset``'s GPT, ZeRO-3 on dp, 1F1B with 4 microbatches on pp,
+    the gradient norm clipped to ``grad_clip`` (the trainer's default 1.0), blocks compiled if ``compiled``."""
+    parallel: dict[str, Any] = dict(layout)
+    if layout.get("dp", 1) > 1:
+        parallel["zero_stage"] = 3  # the peer's fully_shard is ZeRO-3
+    if layout.get("pp", 1) > 1:
+        parallel |= {"schedule": "1f1b", "microbatches": MICROBATCHES}
+    training = {"global_batch_size": GLOBAL_BATCH, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
+    training["grad_clip"] = grad_clip
+    training["compile"] = compiled
+    return from_dict({"model": {"preset": preset}, "parallel": parallel, "training": training})
+
+
+def batches(config: Config, data_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` steps' batches: random tokens, this data rank's rows of each global batch."""
+    model, par = config.model, config.parallel
+    rows = GLOBAL_BATCH // par.data_ranks
+    out = []
+    for step in range(count):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, output_width(model), (GLOBAL_BATCH, sequence_length(model) + 1), generator=g)
+        mine = tokens[data_rank * rows : (data_rank + 1) * rows]
+        out.append((mine[:, :-1].contiguous(), mine[:, 1:].contiguous()))
+    return out
+
+
+class Ours:
+    """polyshard's engine, stepped as the training loop steps it."""
+
+    def __init__(self, config: Config, device: torch.device):
+        self.config = config
+        self.mesh = Mesh(config.parallel.mesh_axes)
+        self.engine = build_engine(config, self.mesh, device=device)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss, _ = train_step(self.engine, inputs, targets, self.config.training.lr)
+        return loss
+
+    def held(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
+        """Bytes held at the end of one more step, after the optimizer step and before the gradients
+        are dropped (where the peer is measured: its gradients live until the next step's zero_grad)."""
+        engine, held = self.engine, []
+
+        def measure() -> None:
+            pairs = zip(engine.stages, engine.optimizers)
+            held.append(sum(bytes_held(engine.wrappers[s], opt).total for s, opt in pairs))
+
+        train_step(engine, inputs, targets, self.config.training.lr, before_zero_grad=measure)
+        return held[0]
+
+
+class Peer:
+    """The torch-native composition: parallelize_module -> fully_shard -> PipelineStage + Schedule1F1B."""
+
+    def __init__(self, config: Config, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.config, par, self.device = config, config.parallel, device
+        axes = {axis: size for axis, size in (("pp", par.pp), ("dp", par.dp), ("tp", par.tp))}
+        # pp x dp x tp, tp fastest: the same ranks on each axis as polyshard's Mesh.
+        self.device_mesh = init_device_mesh(device.type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        self.pp_rank = self.device_mesh.get_local_rank("pp")
+        self.tp_rank = self.device_mesh.get_local_rank("tp")
+        full = build_model(config.model, seed=config.training.seed, device=device)
+        bounds = pipeline_bounds(config, {n: p.shape for n, p in full.named_parameters()})
+        layer_ids = bounds[self.pp_rank]
+        layers = cast(nn.ModuleList, full.layers)  # every model family keeps its pipeline layers in one list
+        self.stage = nn.Sequential(*(layers[i] for i in layer_ids))
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == par.pp - 1
+        if par.tp > 1:
+            self._tensor_parallel(layer_ids)
+        if config.training.compile:
+            self._compile_blocks(layer_ids)
+        if par.dp > 1:
+            self._fully_shard()
+        names = global_names(self.stage, layer_ids)
+        named = [(names[n], p) for n, p in self.stage.named_parameters()]
+        train = config.training
+        groups = param_groups(named, train.weight_decay, spec_of(config.model).decays)
+        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
+        self.schedule = None
+        if par.pp > 1:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+            stage = PipelineStage(self.stage, self.pp_rank, par.pp, device, group=self.device_mesh.get_group("pp"))
+            self.schedule = Schedule1F1B(stage, n_microbatches=par.microbatches, loss_fn=self.loss_fn)
+
+    def _tensor_parallel(self, layer_ids: range) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp_mesh = self.device_mesh["tp"]
+        last = self.config.model.num_layers + 1
+        for index, layer in zip(layer_ids, self.stage):
+            if index == 0:  # the token embedding split along the vocabulary (torchtitan's RowwiseParallel)
+                plan: dict[str, Any] = {"tok": RowwiseParallel(input_layouts=Replicate())}
+            elif index == last:  # the head by columns (vocabulary), logits gathered for the loss
+                plan = {"proj": ColwiseParallel(output_layouts=Replicate())}
+            else:
+                plan = {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"}
+                plan |= {"attn.o_proj": RowwiseParallel(), "mlp.fc_in": ColwiseParallel()}
+                plan |= {"mlp.fc_out": RowwiseParallel()}
+            parallelize_module(layer, tp_mesh, plan)
+
+    def _compile_blocks(self, layer_ids: range) -> None:
+        """torchtitan's per-block compile: each transformer block's ``__call__`` compiled whole
+        (``fullgraph``: DTensor's collectives traced into the graph), after tensor parallelism and before
+        fully_shard (whose hooks stay outside the compiled blocks)."""
+        last = self.config.model.num_layers + 1
+        for index, layer in zip(layer_ids, self.stage):
+            if index not in (0, last):  # the embedding and the head stay eager, as ours do
+                layer.compile(fullgraph=True)
+
+    def _fully_shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = self.device_mesh["dp"]
+        reshard = self.config.parallel.pp == 1  # torchtitan keeps parameters gathered across microbatches
+        for layer in self.stage:
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(self.stage, mesh=dp_mesh, reshard_after_forward=reshard)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is None:
+            loss: torch.Tensor | None = self.loss_fn(self.stage(inputs), targets)
+            assert loss is not None
+            loss.backward()
+        else:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.first else ()
+            self.schedule.step(*args, target=targets if self.last else None, losses=losses)
+            loss = torch.stack(losses).mean() if self.last else None  # Schedule1F1B scales grads by 1/m
+        self._clip(self.config.training.grad_clip)
+        self.optimizer.step()
+        # The loss of the global batch, the same on every rank: the last stage's tp rank 0 of each
+        # data rank holds its mean; sum those and divide by the data ranks.
+        holder = self.last and self.tp_rank == 0 and loss is not None
+        value = float(loss.detach()) if holder and loss is not None else 0.0
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        ops.all_reduce(total)
+        return float(total) / self.config.parallel.dp
+
+    def _clip(self, max_norm: float) -> None:
+        """torch.nn.utils.clip_grad_norm_'s maths on DTensor gradients: per-mesh norms (each a full
+        norm of its group), their squares summed, then over the pipeline ranks as torchtitan does."""
+        # DTensor refuses one foreach call over plain tensors and DTensors, or DTensors of two meshes
+        # (fully_shard's dp-only shards beside dp x tp ones): one group per mesh, plain tensors apart.
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in self.stage.parameters():
+            if p.grad is not None:
+                by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        square = torch.zeros((), dtype=torch.float32, device=self.device)
+        for params in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            square += full.float() ** 2
+        if self.config.parallel.pp > 1:
+            dist.all_reduce(square, group=self.device_mesh.get_group("pp"))
+        if max_norm > 0:
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, square.sqrt())  # scales each p.grad
+
+    def held(self) -> int:
+        return held_bytes([self.stage], [self.optimizer])
+
+
+def _same_everywhere(value: bool, device: torch.device) -> bool:
+    flag = torch.tensor([1.0 if value else 0.0], device=device)
+    ops.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def composed_case(
+    layout: dict[str, int],
+    steps: int,
+    *,
+    check_steps: int = CHECK_STEPS,
+    preset: str = "tiny",
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+    grad_clip: float = 1.0,
+    compiled: bool = False,
+) -> Record:
+    """Ours against the torch-native composition on ``layout`` (its product must be the world size)."""
+    device = torch.device(device)
+    config = composed_config(layout, preset, grad_clip, compiled)
+    m = config.model
+    case = (
+        f"GPT-{preset} {layout_name(layout)}"
+        + (" ZeRO-3" if layout.get("dp", 1) > 1 else "")
+        + (f" 1F1B m={MICROBATCHES}" if layout.get("pp", 1) > 1 else "")
+        + f" (H={m.hidden} L={m.num_layers} S={sequence_length(m)} B={GLOBAL_BATCH})"
+        + (" compiled" if compiled else "")
+    )
+    ours = Ours(config, device)
+    data_rank = ours.mesh.group_rank(config.parallel.batch_axes)
+    data = [(x.to(device), y.to(device)) for x, y in batches(config, data_rank, max(check_steps, 4))]
+    ours_losses = [ours.step(*data[i]) for i in range(check_steps)]
+    peer: Peer | None = None
+    peer_losses: list[float] = []
+    reason = None
+    try:
+        peer = Peer(config, device)
+        peer_losses = [peer.step(*data[i]) for i in range(check_steps)]
+    except Exception as err:  # the peer cannot run here: say why, keep ours
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".strip()
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, reason)
+    reason = next((r for r in reasons if r is not None), None)
+    counter = {"ours": check_steps, "peer": check_steps}
+
+    def run(side: str, fn: Callable[[torch.Tensor, torch.Tensor], float]) -> Callable[[], float]:
+        def call() -> float:
+            counter[side] += 1
+            return fn(*data[counter[side] % len(data)])
+
+        return call
+
+    extra: dict[str, Any] = {"group": "composed", "layout": layout, "ours_losses": ours_losses}
+    if reason is not None or peer is None:
+        # Ours alone, timed the same way (each call between barriers, slowest rank, median).
+        ours_s, _ = time_interleaved(
+            run("ours", ours.step), lambda: None, group=dist.group.WORLD, iters=steps, warmup=warmup
+        )
+        record = {"case": case, "ours_s": ours_s, "peer_s": None, "ratio": None, "outputs_match": None}
+        return record | extra | {"ours_held_bytes": ours.held(*data[0]), "peer_unavailable": reason}
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, peer_losses))
+    rtol = COMPILED_LOSS_RTOL if compiled else LOSS_RTOL
+    close = all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(ours_losses, peer_losses))
+    match = _same_everywhere(close, device)
+    ours_s, peer_s = time_interleaved(
+        run("ours", ours.step), run("peer", peer.step), group=dist.group.WORLD, iters=steps, warmup=warmup
+    )
+    return comparison_record(
+        case,
+        ours_s,
+        peer_s,
+        match,
+        **extra,
+        peer_losses=peer_losses,
+        loss_max_rel_diff=worst,
+        ours_held_bytes=ours.held(*data[0]),
+        peer_held_bytes=peer.held(),
+    )
+
+
+def skipped_row(group: str, reason: str) -> Record:
+    """A row saying a group was not measured, and why."""
+    row = {"case": f"{group} (package benchmark)", "ours_s": None, "peer_s": None, "ratio": None}
+    return row | {"outputs_match": None, "group": group, "peer_unavailable": reason}
+
+
+def strategy_rows(groups: Sequence[str], steps: int, device: torch.device | str = "cpu") -> list[Record]:
+    """Each package benchmark's records on the world group, tagged with their group."""
+    n = dist.get_world_size()
+    strategies = [g for g in groups if g != "composed"]
+    if torch.device(device).type != "cpu":
+        reason = f"not measured on {torch.device(device).type}: its package benchmark builds its models on the CPU"
+        return [skipped_row(g, reason) for g in strategies]
+    rows: list[Record] = []
+    if "dp" in groups:
+        from polyshard.bench import dp as dp_bench
+
+        rows += [r | {"group": "dp"} for r in dp_bench.run_all(steps)]
+    if "tp" in groups:
+        from polyshard.bench import tp as tp_bench
+
+        rows += [r | {"group": "tp"} for r in tp_bench.run_all(steps)]
+    if "pp" in groups:
+        from polyshard.bench import pp as pp_bench
+
+        # pp's shapes, with enough layers and microbatches for a V of 2n stages at n ranks (8+ ranks)
+        layers, microbatches = max(8, 2 * n), max(8, 2 * n)
+        records = pp_bench.compare(layers=layers, microbatches=microbatches, iters=steps)
+        rows += [r | {"group": "pp"} for r in records]
+    if "ep" in groups:
+        from polyshard.bench import ep as ep_bench
+
+        rows += [r | {"group": "ep"} for r in ep_bench.compare(iters=steps)]
+    if "cp" in groups:
+        from polyshard.bench import cp as cp_bench
+
+        rows += [r | {"group": "cp"} for r in cp_bench.compare([256 * n], iters=steps)]
+    return rows
+
+
+def measure(
+    groups: Sequence[str],
+    steps: int,
+    preset: str = "tiny",
+    device: torch.device | str = "cpu",
+    compiled: bool = False,
+) -> list[Record]:
+    """Every row for this world size (call on every rank; every rank returns the same records)."""
+    n = dist.get_world_size()
+    rows = strategy_rows(groups, steps, device)
+    if "composed" in groups:
+        layouts = LAYOUTS.get(n, [])
+        rows += [composed_case(lay, steps, preset=preset, device=device, compiled=compiled) for lay in layouts]
+    return [r | {"world_size": n} for r in rows]
+
+
+def _mib(value: int | None) -> str:
+    return "–" if value is None else f"{value / 2**20:.2f}"
+
+
+COLUMNS: tuple[Column, ...] = (
+    ("case", 62, lambda r: r["case"]),
+    ("ours (ms)", 11, lambda r: "–" if r["ours_s"] is None else f"{r['ours_s'] * 1e3:.2f}"),
+    ("peer (ms)", 11, lambda r: "–" if r["peer_s"] is None else f"{r['peer_s'] * 1e3:.2f}"),
+    ("ratio", 7, lambda r: "–" if r["ratio"] is None else f"{r['ratio']:.2f}"),
+    ("ours MiB", 10, lambda r: _mib(r.get("ours_held_bytes"))),
+    ("peer MiB", 10, lambda r: _mib(r.get("peer_held_bytes"))),
+    ("match", 7, lambda r: "n/a" if r["outputs_match"] is None else ("yes" if r["outputs_match"] else "NO")),
+)
+
+
+def format_report(records: Sequence[Record]) -> str:
+    """The table, then a line per unavailable peer and a one-line summary."""
+    from polyshard.bench.timing import format_table
+
+    lines = [format_table(records, COLUMNS)]
+    for r in records:
+        if r.get("peer_unavailable"):
+            what = "peer unavailable" if r["ours_s"] is not None else "skipped"
+            lines.append(f"{what} for {r['case']}: {r['peer_unavailable']}")
+    ratios = [r["ratio"] for r in records if r["ratio"] is not None]
+    above = [r["case"] for r in records if r["ratio"] is not None and r["ratio"] > 1.0]
+    mismatched = [r["case"] for r in records if r["outputs_match"] is False]
+    if ratios:
+        lines.append(
+            f"{len(ratios)} comparisons: ratio median {sorted(ratios)[len(ratios) // 2]:.2f}, "
+            f"{len(above)} above 1.0"
+            + (f" ({'; '.join(above)})" if above else "")
+            + f"; {len(mismatched)} mismatched"
+            + (f" ({'; '.join(mismatched)})" if mismatched else "")
+        )
+    return "\n".join(lines)
+
+
+def quiet_peer_warnings() -> None:
+    """Two notices the peer prints every step would bury the table: FSDP2's about modules returning
+    views (nothing here writes into them in place) and DTensor's that a norm over dp x tp takes two
+    all-reduces (the peer's cost, which its time includes)."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side (after 2 warm-up steps)")
+    parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated subset of " + ", ".join(GROUPS))
+    parser.add_argument("--preset", default="tiny", choices=PRESETS, help="the composed jobs' GPT")
+    parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
+    parser.add_argument("--compile", action="store_true", help="compile both sides' blocks in the composed rows")
+    args = parser.parse_args(argv)
+    groups = [g.strip() for g in args.only.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or args.steps < 1:
+        parser.error(f"--only takes {', '.join(GROUPS)} (got {unknown}); --steps >= 1")
+
+    def run(ctx: DistributedContext) -> list[Record]:
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        quiet_peer_warnings()
+        return measure(groups, args.steps, args.preset, ctx.device, compiled=args.compile)
+
+    def report(records: list[Record]) -> None:
+        print(format_report(records), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=2)
+
+    run_bench(run, report)
+
+
+if __name__ == "__main__":
+    main()

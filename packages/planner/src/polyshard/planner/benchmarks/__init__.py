@@ -1,1 +1,0 @@
-"""Benchmarks of whole-model behaviour (not tests): run under torchrun by ``polyshard bench``."""

@@ -1,0 +1,175 @@
+"""The runtime: this rank's share of the model laid out on the mesh, and everything that steps it (built
+by :func:`polyshard.trainer.engine.builder.build_engine`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.collectives import ops
+from polyshard.dp import (
+    DataParallelWrapper,
+    ZeroOptimizer,
+)
+from polyshard.mesh import Mesh, TensorPlacement
+from polyshard.models import layer_of, tied_names
+from polyshard.pp import PipelineExecutor, Timeline
+from polyshard.tp import (
+    is_sequence_parallel,
+)
+from polyshard.trainer.config import Config
+from polyshard.trainer.engine.context import local_tokens
+from polyshard.trainer.engine.documents import StageDocuments, documents_of
+from polyshard.trainer.engine.layout import global_names
+from polyshard.trainer.errors import TiedWeightError
+
+
+@dataclass
+class Engine:
+    """This rank's share of the model and everything that steps it."""
+
+    config: Config
+    mesh: Mesh
+    stages: dict[int, nn.Sequential]  # pipeline stage index -> the plain stage (nn.Sequential of layers)
+    layer_ids: dict[int, range]  # pipeline stage index -> its global layer indices
+    wrappers: dict[int, DataParallelWrapper]  # pipeline stage index -> its data-parallel wrapper
+    optimizers: list[torch.optim.Optimizer | ZeroOptimizer]
+    executor: PipelineExecutor
+    tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
+    timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
+    pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
+    # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
+    expert_load: dict[int, Any] = field(default_factory=dict)
+    _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
+
+    @property
+    def device(self) -> torch.device:
+        return next(p for stage in self.stages.values() for p in stage.parameters()).device
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.executor.schedule.num_stages - 1 in self.stages
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stages
+
+    def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch along the sequence: its cp chunks (all of it without cp)."""
+        return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
+
+    def forward_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None.
+        ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents)."""
+        result = self.executor.step(
+            inputs if self.holds_first_stage else None,
+            targets if self.holds_last_stage else None,
+            around_forward=self.around_forward(segments, self.executor.schedule.num_microbatches),
+        )
+        self.timeline = result.timeline
+        return result.loss
+
+    def around_forward(
+        self, segments: torch.Tensor | None, num_microbatches: int = 1
+    ) -> Callable[[int, int], contextlib.AbstractContextManager[None]] | None:
+        """What the executor enters around each stage forward to set that microbatch's documents (None
+        without document masking)."""
+        if segments is None:
+            return None
+        documents = documents_of(segments.to(self.device), self.local_tokens)
+        return StageDocuments(self.stages, documents, num_microbatches).around_forward
+
+    def finish_gradients(self) -> None:
+        for wrapper in self.wrappers.values():
+            wrapper.finish_grad_sync()
+        if self.config.parallel.tp > 1:
+            # Norms on a sequence shard (sequence parallelism) and q/k norms on this rank's heads see
+            # part of the work: sum their gradients over tp. Read the reduced gradient the optimizer
+            # steps (under bf16 it lives in the fp32 bucket and p.grad stays None).
+            grads = [
+                wrapper.grad_shard(p)
+                for wrapper in self.wrappers.values()
+                for _, p in wrapper.owned_params()
+                if is_sequence_parallel(p)
+            ]
+            ops.all_reduce_coalesced([g for g in grads if g is not None], self.mesh.group("tp"))
+        self._sum_tied_copies()
+
+    def tied_copies(self) -> dict[str, list[tuple[int, nn.Parameter]]]:
+        """Tied weight name -> (stage index, parameter) of every copy this rank holds. A tied pair
+        in one stage is one parameter; in two stages (first and last pipeline stage) each holds a copy."""
+        tied = set(tied_names(self.config.model).values())
+        out: dict[str, list[tuple[int, nn.Parameter]]] = {}
+        for index, stage in self.stages.items():
+            names = self.global_names(index)
+            for local, p in stage.named_parameters():
+                if names[local] in tied and p.requires_grad:  # a frozen tied weight needs no sync
+                    out.setdefault(names[local], []).append((index, p))
+        return out
+
+    def _sum_tied_copies(self) -> None:
+        """Megatron-LM's embedding-group all-reduce: every copy of a tied weight gets the sum of all
+        copies' gradients (already averaged over the data ranks), so the copies, stepped alike from
+        equal values, stay equal, and each equals the one tensor a single process would train."""
+        if self.executor.schedule.num_stages == 1:
+            return  # the tied pair is one parameter of the only stage
+        for name, copies in sorted(self.tied_copies().items()):
+            grads = [self.wrappers[index].grad_shard(p) for index, p in copies]
+            index, param = copies[0]
+            total = torch.zeros(self.wrappers[index].shard_spec(param).shard_shape, device=self.device)
+            for grad in (g for g in grads if g is not None):
+                total += grad.float()
+            # The count of copies without a gradient travels with the sum, so both ends raise together.
+            flat = torch.cat(
+                [total.reshape(-1), torch.tensor([float(sum(g is None for g in grads))], device=self.device)]
+            )
+            if self.tied_group is not None:
+                ops.all_reduce(flat, self.tied_group)
+            if flat[-1] > 0:
+                raise TiedWeightError(
+                    f"a copy of the tied weight {name!r} got no gradient this step (seen on rank {self.mesh.rank}); "
+                    "the embedding and the output head must both run in every training step"
+                )
+            for grad in cast(list[torch.Tensor], grads):  # every copy has one: the check above raised otherwise
+                grad.copy_(flat[:-1].view_as(grad))
+
+    def gradients(self) -> tuple[list[tuple[torch.Tensor, TensorPlacement]], list[torch.Tensor]]:
+        """After finish_gradients: (gradient, placement record) for every gradient this rank holds,
+        and apart from them the gradients of second copies of tied weights (the last stage's copy of
+        a tied embedding), which the global norm must not count twice but clipping must scale."""
+        pairs, copies = [], []
+        for index, wrapper in self.wrappers.items():
+            names = self.global_names(index)
+            for name, p in wrapper.owned_params():
+                # The reduced gradient the optimizer will read: the whole one at stage 0 (where ``p.grad``
+                # is a view of it, or None under bf16), this rank's rows under ZeRO.
+                grad = wrapper.grad_shard(p)
+                if grad is None:
+                    continue
+                if layer_of(names[name]) in self.layer_ids[index]:
+                    pairs.append((grad, wrapper.shard_placement(p, name)))
+                else:
+                    copies.append(grad)
+        return pairs, copies
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for wrapper in self.wrappers.values():
+            wrapper.zero_grad(set_to_none=True)
+
+    def global_names(self, stage_index: int) -> dict[str, str]:
+        """Chunk-local parameter name ('0.attn.q_proj.weight') -> model name ('layers.3.attn.q_proj.weight').
+        Worked out once per stage (a stage's modules do not change after it is built): every step reads it."""
+        if stage_index not in self._names:
+            stage, layers = self.stages[stage_index], self.layer_ids[stage_index]
+            self._names[stage_index] = global_names(stage, layers, tied_names(self.config.model))
+        return self._names[stage_index]
