@@ -79,10 +79,10 @@ def _kv_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
 def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim * _kv_copies(model, parallel)
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
-    attention = (2 * q + 2 * kv) * e + n * 4
+    attention = (2 * q + 2 * kv * _kv_copies(model, parallel)) * e + n * 4  # the core's k, v: repeated under Ulysses
     arch = _architecture(model)
     if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4
@@ -105,7 +105,7 @@ def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precis
 def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim * _kv_copies(model, parallel)
+    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
     arch = _architecture(model)
     up = 1 if arch is None or arch.activation == "gelu" else 2
