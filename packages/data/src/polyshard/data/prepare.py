@@ -16,6 +16,7 @@ that is not one is never deleted.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -43,7 +44,7 @@ from polyshard.data.format import (
 )
 from polyshard.data.progress import Progress
 from polyshard.data.shards import Resume, ShardWriter
-from polyshard.data.sources import START, Chunk, Cursor, Fields, open_source
+from polyshard.data.sources import DOCUMENT_LIMIT, START, Chunk, Cursor, Fields, open_source
 from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy
@@ -51,6 +52,7 @@ MAX_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in f
 MIN_CHUNK_BYTES = 1 << 20
 PROGRESS = "progress.json"
 TEMP_SUFFIX = ".prepare-tmp"
+OLD_SUFFIX = ".old"
 
 
 def prepare(
@@ -71,6 +73,7 @@ def prepare(
     chunk_bytes: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    max_document_bytes: int = DOCUMENT_LIMIT,
 ) -> Manifest:
     """Tokenize ``source`` into the prepared dataset ``out`` and return its manifest.
 
@@ -80,9 +83,10 @@ def prepare(
     the tokenizer has no end-of-text token. Document n is held out for ``val`` when
     ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
     that every worker gets several tasks) changes the speed and the memory held, never the output.
-    A :class:`DataError` names the file and the fix on bad input.
+    A document longer than ``max_document_bytes`` is refused, named, so memory stays bounded.
+    A :class:`DataError` names the file and the fix on bad input, a full disk or a folder that cannot be written.
     """
-    fields = Fields(kind, split_on, text_field, prompt_field, response_field)
+    fields = Fields(kind, split_on, text_field, prompt_field, response_field, max_document_bytes)
     workers = os.cpu_count() or 1 if workers is None else workers
     _check_numbers(val_fraction, workers, shard_tokens, 1 if chunk_bytes is None else chunk_bytes)
     spec, tok = _tokenizer(tokenizer)
@@ -99,32 +103,47 @@ def prepare(
         "format": [FORMAT, VERSION], "source": found.fingerprint(), "tokenizer": info.sha256, "fields": vars(fields),
         "separator": ends_with, "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
     }))  # fmt: skip
-    temp = out.with_name("." + out.name + TEMP_SUFFIX)
-    resumed = _resume(temp, fingerprint)
-    masked = kind == "pairs"
-    writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
-    cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
-    bar = Progress(found.total_bytes, progress)
+    temp = _temp(out)
     try:
-        for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
-            writer.add(encoded)
-            writer.flush()
-            _save_progress(temp, {"fingerprint": fingerprint, "cursor": list(end), **writer.state()})
-            bar.update(writer.documents, writer.tokens)
-    except DataError:
-        shutil.rmtree(temp, ignore_errors=True)  # the source must change before a run can succeed
-        raise
-    splits = writer.finish()
-    if "train" not in splits:
-        shutil.rmtree(temp, ignore_errors=True)
-        held = f"all {splits['val'].documents} documents were held out" if splits else "it holds no documents"
-        raise DataError(f"{source}: nothing to train on: {held}; give a non-empty source or a lower val_fraction")
-    manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
-    manifest.write(temp)
-    (temp / PROGRESS).unlink()
-    _publish(temp, out)
+        resumed = _resume(temp, fingerprint)
+        masked = kind == "pairs"
+        writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
+        cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
+        bar = Progress(found.total_bytes, progress)
+        try:
+            for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
+                writer.add(encoded)
+                writer.flush()
+                _save_progress(temp, {"fingerprint": fingerprint, "cursor": list(end), **writer.state()})
+                bar.update(writer.documents, writer.tokens)
+        except DataError:
+            shutil.rmtree(temp, ignore_errors=True)  # the source must change before a run can succeed
+            raise
+        splits = writer.finish()
+        if "train" not in splits:
+            shutil.rmtree(temp, ignore_errors=True)
+            held = f"all {splits['val'].documents} documents were held out" if splits else "it holds no documents"
+            raise DataError(f"{source}: nothing to train on: {held}; give a non-empty source or a lower val_fraction")
+        manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
+        manifest.write(temp)
+        (temp / PROGRESS).unlink()
+        _publish(temp, out)
+    except OSError as err:  # a full disk, a folder made read-only: the line says which and what to do
+        raise write_error(err, out) from err
     bar.done()
     return manifest
+
+
+def write_error(err: OSError, out: Path) -> DataError:
+    """A failed write as one line: the file, the reason, the fix."""
+    where = err.filename or out
+    if err.errno == errno.ENOSPC or err.errno == errno.EDQUOT:
+        fix = "free space (or choose a folder on another disk) and run again: it resumes where it stopped"
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "choose an output folder you can write, or fix its permissions"
+    else:
+        fix = "check the output folder and its disk"
+    return DataError(f"cannot write {where} ({err.strerror or err}); {fix}")
 
 
 def _check_numbers(val_fraction: float, workers: int, shard_tokens: int, chunk_bytes: int) -> None:
@@ -152,15 +171,32 @@ def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
 
 def _is_prepared(folder: Path) -> bool:
     try:
-        return bool(json.loads((folder / MANIFEST).read_text()).get("format") == FORMAT)
-    except (OSError, ValueError, AttributeError):
+        path = folder / MANIFEST
+        return not path.is_symlink() and bool(json.loads(path.read_text()).get("format") == FORMAT)
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
+
+
+def _temp(out: Path) -> Path:
+    return out.with_name("." + out.name + TEMP_SUFFIX)
+
+
+def _old(out: Path) -> Path:
+    """Where a replaced output waits while the new one moves in; restored by the next run if a kill
+    came between the two renames (:func:`recover`)."""
+    return out.with_name("." + out.name + OLD_SUFFIX)
 
 
 def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
     """Before any work: ``out`` can be written, and is neither the source, inside it, nor around it."""
     if not out.parent.is_dir():
         raise DataError(f"{out.parent} does not exist; create it, or choose another output folder")
+    for path in (out, _temp(out), _old(out)):
+        if path.is_symlink():  # writing or renaming there would act on whatever the link points to
+            raise DataError(f"{path} is a link; give a real folder as the output (links are not followed)")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise DataError(f"cannot write in {out.parent} (permission denied); choose an output folder you can write")
+    recover(out)
     if source is not None:
         here, there = out.resolve(), source.resolve()
         if here == there or here.is_relative_to(there) or there.is_relative_to(here):
@@ -181,7 +217,8 @@ def _ours(path: Path) -> bool:
     """A file a prepare writes into its temporary folder."""
     name = path.name
     ours = name in (PROGRESS, PROGRESS + ".tmp", MANIFEST, MANIFEST + ".tmp")
-    return path.is_file() and (ours or name.endswith((TOKENS, DOCS, MASK)) and bool(_BARE.match(name)))
+    real = path.is_file() and not path.is_symlink()  # a link was put there by someone else: never written through
+    return real and (ours or name.endswith((TOKENS, DOCS, MASK)) and bool(_BARE.match(name)))
 
 
 def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
@@ -200,7 +237,7 @@ def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
                 if path.name != PROGRESS and path.name.rsplit(".", 1)[0] not in keep:
                     path.unlink()  # a shard begun after the last progress record
             return state
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass  # no usable progress record: start over
     for path in temp.iterdir():
         path.unlink()
@@ -228,15 +265,36 @@ def _save_progress(temp: Path, state: dict[str, Any]) -> None:
 
 
 def _publish(temp: Path, out: Path) -> None:
-    """Rename the finished folder into place; a prepared dataset already there goes only after."""
+    """Rename the finished folder into place; a prepared dataset already there is moved aside first and
+    deleted only after. A kill between the renames leaves it whole under :func:`_old`, and the next
+    prepare into ``out`` moves it back (:func:`recover`)."""
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
-    old = out.with_name("." + out.name + ".old")
+    old = _old(out)
     if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
     temp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    _delete_old(old)
+
+
+def _delete_old(old: Path) -> None:
+    """The replaced output, its manifest first: a kill part way leaves a folder that is no longer a
+    prepared dataset, which :func:`recover` then deletes rather than restores."""
+    if old.is_dir():
+        (old / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(old)
+
+
+def recover(out: Path) -> None:
+    """Undo what a kill during :func:`_publish` left: the previous output moved aside and nothing in its
+    place is moved back; a replaced one whose deletion was cut short (no manifest, only shard files) goes."""
+    old = _old(out)
+    if not old.is_dir() or old.is_symlink():
+        return
+    if not out.exists() and _is_prepared(old):
+        old.rename(out)
+    elif out.exists() and all(_ours(p) for p in old.iterdir()):
+        _delete_old(old)
 
 
 # -- the workers ---------------------------------------------------------------------------------
@@ -251,7 +309,7 @@ def _encoded(chunks: Iterator[Chunk], settings: Settings, workers: int) -> Itera
         return
     # spawn: the workers start clean whatever the parent holds (threads, a used tokenizers pool).
     context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=start, initargs=(settings, True))
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=start, initargs=(settings, os.getpid()))
     pending: deque[tuple[Future[Encoded], Cursor]] = deque()
     try:
         for chunk in chunks:
