@@ -40,6 +40,9 @@ def train(
         "compile time, metrics.jsonl records compiles and recompiles.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
+    force: bool = typer.Option(
+        False, "--force", help="Launch even when the planner's memory estimate is larger than this machine's memory."
+    ),
     layout: str = typer.Option(
         "manual",
         "--layout",
@@ -77,6 +80,10 @@ def train(
         launch = prepare_launch(
             settings, out=out, nproc=nproc, nodes=nodes, resume=resume, init_from=init_from, prediction=prediction
         )
+        if not force:
+            from polyshard.planner.fits import check_fits
+
+            check_fits(launch.config, launch.nproc)
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
         kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
         typer.echo(f"{kind} error: {err}", err=True)

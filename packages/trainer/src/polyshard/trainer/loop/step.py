@@ -20,6 +20,7 @@ from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.parallelize import Engine
+from polyshard.trainer.errors import DataError
 from polyshard.trainer.models import spec_of
 from polyshard.trainer.models.loss import global_token_mean
 
@@ -31,8 +32,16 @@ def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def split_batch(config: Config, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader batch -> (inputs, targets), as the model's task cuts it."""
-    return spec_of(config.model).task.split_batch(_tensors(batch))
+    """A loader batch -> (inputs, targets), as the model's task cuts it. A token id the embedding has no
+    row for (a shard damaged after the launcher's check) is a :class:`DataError`, not an IndexError."""
+    tensors = _tensors(batch)
+    tokens = tensors.get("tokens")
+    if tokens is not None and tokens.numel() and int(tokens.max()) >= config.model.vocab_size:
+        raise DataError(
+            f"the data holds token id {int(tokens.max())}, past model.vocab_size={config.model.vocab_size}: a "
+            "shard was changed or prepared with another tokenizer; prepare the data again with data.tokenizer"
+        )
+    return spec_of(config.model).task.split_batch(tensors)
 
 
 def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:
