@@ -189,6 +189,11 @@ class ModelConfig:
         sizes = ("vocab_size", "context_length", "hidden", "num_layers", "num_heads", "mlp_ratio", "num_experts")
         for name in (*sizes, "top_k", "image_size", "patch_size", "channels", "num_classes"):
             _check_positive(f"model.{name}", getattr(self, name))
+        if self.num_experts > MAX_EXPERTS:  # per-expert names, routing tables: 1e9 exhausts memory before launch
+            raise ConfigError(
+                f"model.num_experts={self.num_experts} is past {MAX_EXPERTS:,}, far more than any MoE trains "
+                "(DeepSeek-V3 has 256); set the real count, e.g. --set model.num_experts=64"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(
                 f"model.capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or unset for dropless"
@@ -655,6 +660,7 @@ class DataConfig:
         return self.sources if self.sources is not None else [WeightedSource(self.source)]
 
 
+MAX_EXPERTS = 1 << 16  # model.num_experts at most: open MoEs route among 8 to a few hundred (Kimi K2: 384)
 MAX_WEIGHT = 1e12  # a mixture weight; relative, so token counts fit and no sum of weights overflows
 MAX_MUON_NS_STEPS = 100  # Newton-Schulz iterations of Muon; 5 suffice (Jordan et al.), far more is a typo
 
