@@ -16,9 +16,10 @@ from polyshard.planner.search import memory_of
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 
+ANYWHERE = float(4 << 40)  # bytes one rank could have on any machine: 4 TiB, a large host's whole memory
 FIXES = (
     "--set training.global_batch_size=..., --set parallel.zero_stage=3, "
-    "--set training.activation_checkpointing=full, a smaller model, or more processes"
+    "--set training.activation_checkpointing=full, or a smaller model"
 )
 
 
@@ -36,17 +37,24 @@ def machine_memory() -> tuple[float, str, bool]:
         return float("inf"), "host memory", True
 
 
-def check_fits(config: Config, nproc: int, memory: tuple[float, str, bool] | None = None) -> float:
+def check_fits(
+    config: Config, nproc: int, memory: tuple[float, str, bool] | None = None, anywhere: bool = False
+) -> float:
     """The estimate per rank; a :class:`ConfigError` with the estimate and the fix when the ``nproc`` ranks
-    of this node cannot hold it. ``memory``: :func:`machine_memory`'s answer (given by tests)."""
-    available, what, shared = memory if memory is not None else machine_memory()
+    of this node cannot hold it. ``memory``: :func:`machine_memory`'s answer (given by tests). With
+    ``anywhere``, the machine is the largest there is (:data:`ANYWHERE` per rank): a plan for a cluster
+    passes, a size no machine holds does not."""
+    available, what, shared = (ANYWHERE, "", False) if anywhere else memory if memory is not None else machine_memory()
     per_rank = memory_of(config).total
     need = per_rank * nproc if shared else per_rank
     if need > available:
+        than = f"this machine's {available / 2**30:,.1f} GiB of {what}"
+        if anywhere:
+            than = f"the {available / 2**30:,.0f} GiB one rank may have on any machine"
         ranks = f" x {nproc} ranks = {need / 2**30:,.1f} GiB" if shared and nproc > 1 else ""
         raise ConfigError(
             f"the job needs about {per_rank / 2**30:,.1f} GiB per rank{ranks} (the planner's estimate, as "
-            f"--dry-run prints it), more than this machine's {available / 2**30:,.1f} GiB of {what}; make it "
+            f"--dry-run prints it), more than {than}; make it "
             f"smaller ({FIXES}), or pass --force to launch anyway"
         )
     return per_rank
