@@ -160,7 +160,13 @@ def documents_of(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
     text = _decode(part.data, part.where, part.first)
     if part.form == "file":
         return [text] if text else []
-    return [block.rstrip("\r") for block in _BLOCK.findall(text)]
+    blocks = [block.rstrip("\r") for block in _BLOCK.findall(text)]
+    for block in blocks:
+        if len(block) > fields.max_document_bytes:  # characters: at least as many bytes
+            line = part.first + text.count("\n", 0, text.find(block))
+            raise too_long(f"{part.where}, the document starting at line {line}", fields.max_document_bytes,
+                           "put blank lines between its parts")  # fmt: skip
+    return blocks
 
 
 def _decode(data: bytes, where: str, first_line: int) -> str:
@@ -179,6 +185,8 @@ def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> lis
         if not raw.strip():
             continue
         at = f"{where}, line {number}"
+        if len(raw) > fields.max_document_bytes:  # the reader stops a longer one only when it spans reads
+            raise too_long(at, fields.max_document_bytes, "split it into several lines")
         record = _record(raw, at, fields)
         if fields.kind == "text":
             text = _field(record, fields.text_field, at, "--text-field", allow_empty=True)

@@ -197,6 +197,8 @@ def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise DataError(f"cannot write in {out.parent} (permission denied); choose an output folder you can write")
     recover(out)
+    if _old(out).exists():  # still there: not a prepare's, and a replaced output is moved there
+        raise DataError(f"{_old(out)} is in the way (a replaced output is moved there first); move it away")
     if source is not None:
         here, there = out.resolve(), source.resolve()
         if here == there or here.is_relative_to(there) or there.is_relative_to(here):
@@ -228,7 +230,8 @@ def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
         return None
     strays = [p for p in temp.iterdir() if not _ours(p)] if temp.is_dir() else [temp]
     if strays:
-        raise DataError(f"{temp} is not a prepare's temporary folder (it holds {strays[0].name}); move it away")
+        what = ("the link " if strays[0].is_symlink() else "") + strays[0].name  # a prepare never makes links
+        raise DataError(f"{temp} is not a prepare's temporary folder (it holds {what}); move it away")
     try:
         state: dict[str, Any] = json.loads((temp / PROGRESS).read_text())
         if state.get("fingerprint") == fingerprint:
