@@ -26,7 +26,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
@@ -67,6 +67,7 @@ def main() -> None:
     DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: tcp_store(  # type: ignore[method-assign,assignment]
         addr, port, is_master=True, multi_tenant=True
     )
+    SubprocessContext._close = _noting_user_errors(SubprocessContext._close)  # type: ignore[method-assign]
     if hasattr(signal, "SIGCONT"):
         SubprocessHandler.close = _wake_then_close(SubprocessHandler.close)  # type: ignore[method-assign]
     from torch.distributed.run import parse_args, run
@@ -84,6 +85,19 @@ def main() -> None:
         _run(run, parse_args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _noting_user_errors(close: Callable[..., None]) -> Callable[..., None]:
+    """torchrun stops the other workers (logging each) before it logs the failure that made it: note a
+    user error first, so that :func:`_not_a_user_error` drops those records too."""
+
+    def wrapped(self: SubprocessContext, *args: object, **kwargs: object) -> None:
+        failures = getattr(self, "_failures", {})
+        if any(f.exitcode == USER_ERROR for f in failures.values()):
+            _user_error_seen[0] = True
+        close(self, *args, **kwargs)
+
+    return wrapped
 
 
 def _not_a_user_error(record: logging.LogRecord) -> bool:
