@@ -30,6 +30,7 @@ import numpy as np
 from polyshard.data.examples import Concat, Documents, Examples, Windows
 from polyshard.data.format import MANIFEST, TOKENS, held_out, tokenizer_info
 from polyshard.data.prepared import Prepared, Split, open_prepared
+from polyshard.data.sources import check_within
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from polyshard.trainer.config import Config, DataConfig
 from polyshard.trainer.data.corpus import cache_root, shakespeare_files
@@ -50,6 +51,8 @@ def local_files(source: str, field: str = "data.source") -> list[Path] | None:
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
+        for file in files:  # hashed for the cache key before prepare reads them: nothing outside the folder
+            check_within(path, file, f"{field} folder")
         if not files:
             raise DataError(
                 f"{field}={source!r} is a folder with neither a {MANIFEST} (a prepared dataset) nor .txt files"
