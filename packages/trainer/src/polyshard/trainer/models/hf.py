@@ -69,7 +69,8 @@ from polyshard.checkpoint.hf import (
     write_hf_folder,
 )
 from polyshard.data.tokenizer import FileTokenizer
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, from_dict
+from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import build_model, spec_of
 from polyshard.trainer.models.gpt.gpt2 import GPT2
 from polyshard.trainer.models.gpt.llama import LLAMA_FAMILY
@@ -110,6 +111,10 @@ def check_matches(folder: str | Path, model: ModelConfig) -> Family:
     disagrees with (as the ``--set model.…`` values that would fix it) when they differ."""
     family, hf, where = _read_config(Path(folder))
     wanted = family.settings(hf, where)
+    try:  # a size no run can take (num_experts 1e9) is the file's fault, not a --set to suggest
+        from_dict({"model": wanted})
+    except ConfigError as err:
+        raise CheckpointError(f"{where}: {err}") from err
     wrong = {}
     for key, value in wanted.items():
         ours = setting(model, key)
