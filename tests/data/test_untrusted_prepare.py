@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from polyshard.data import output
 from polyshard.data import prepare as p
 from polyshard.data.errors import DataError
 from polyshard.data.format import MANIFEST, TOKENS, read_manifest
-from polyshard.data.prepare import PROGRESS, TEMP_SUFFIX, prepare
+from polyshard.data.output import PROGRESS, TEMP_SUFFIX
+from polyshard.data.prepare import prepare
 
 
 def _prepare(source: Path, out: Path, **options: object):
@@ -279,7 +281,7 @@ def test_a_kill_between_the_renames_loses_nothing(tmp_path, monkeypatch, corpus)
         _prepare(corpus, out, overwrite=True, seed=1)
     monkeypatch.setattr(Path, "rename", rename)
     assert not out.exists() and (tmp_path / ".out.old" / MANIFEST).is_file()  # restorable, whole
-    p.recover(out)  # what the next prepare into out does first
+    output.recover(out)  # what the next prepare into out does first
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before and not (tmp_path / ".out.old").exists()
 
 
@@ -323,7 +325,7 @@ def test_a_failed_write_is_one_line_and_the_run_can_resume(tmp_path, monkeypatch
 
 
 def test_an_output_parent_that_cannot_be_written_is_refused_before_work(tmp_path, monkeypatch, corpus):
-    monkeypatch.setattr(p.os, "access", lambda path, mode: False)  # as for a user without write permission
+    monkeypatch.setattr(output.os, "access", lambda path, mode: False)  # as for a user without write permission
     with pytest.raises(DataError, match="cannot write in .* choose an output folder you can write"):
         _prepare(corpus, tmp_path / "out")
 

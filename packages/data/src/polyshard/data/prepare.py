@@ -7,16 +7,16 @@ are in flight, and the results are written in source order as they complete
 depends only on the documents, never on ``workers`` or ``chunk_bytes``.
 
 Everything goes into a temporary folder beside ``out`` (``.<out>.prepare-tmp``), renamed into place
-when complete. After every chunk it records in ``progress.json`` how far it got: a run interrupted
-and started again with the same source (paths, sizes, times), tokenizer and options reads the source
-again (hashing it for the manifest) and tokenizes only what comes after; with anything changed it
-starts over. An existing prepared dataset at ``out`` is replaced only with ``overwrite=True``; a folder
+when complete (:mod:`polyshard.data.output`: the checks, the renames, and recovery from a kill).
+After every chunk it records in ``progress.json`` how far it got: a run interrupted and started
+again with the same source (paths, sizes, times), tokenizer and options reads the source again
+(hashing it for the manifest) and tokenizes only what comes after; with anything changed it starts
+over. An existing prepared dataset at ``out`` is replaced only with ``overwrite=True``; a folder
 that is not one is never deleted.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import multiprocessing
 import os
@@ -30,18 +30,14 @@ from typing import Any
 from polyshard.data.encode import Encoded, Encoder, Settings, encode, start
 from polyshard.data.errors import DataError
 from polyshard.data.format import (
-    _BARE,
-    DOCS,
     FORMAT,
-    MANIFEST,
-    MASK,
-    TOKENS,
     VERSION,
     Manifest,
     dtype_name,
     token_dtype,
     tokenizer_info,
 )
+from polyshard.data.output import PROGRESS, check_out, ours, publish, temp_of, write_error
 from polyshard.data.progress import Progress
 from polyshard.data.shards import Resume, ShardWriter
 from polyshard.data.sources import DOCUMENT_LIMIT, START, Chunk, Cursor, Fields, open_source
@@ -50,9 +46,6 @@ from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokeni
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy
 MAX_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in flight per worker
 MIN_CHUNK_BYTES = 1 << 20
-PROGRESS = "progress.json"
-TEMP_SUFFIX = ".prepare-tmp"
-OLD_SUFFIX = ".old"
 
 
 def prepare(
@@ -94,7 +87,7 @@ def prepare(
     if chunk_bytes is None:  # several tasks per worker, so none waits long for the last one
         chunk_bytes = min(max((found.total_bytes or 0) // (8 * workers), MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
     out = Path(out).expanduser()
-    _check_out(out, Path(source).expanduser() if found.files else None, overwrite)
+    check_out(out, Path(source).expanduser() if found.files else None, overwrite)
     dtype = token_dtype(tok.vocab_size)
     info = tokenizer_info(tok)
     ends_with = separator if tok.end_of_text is None and kind == "text" else None
@@ -103,7 +96,7 @@ def prepare(
         "format": [FORMAT, VERSION], "source": found.fingerprint(), "tokenizer": info.sha256, "fields": vars(fields),
         "separator": ends_with, "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
     }))  # fmt: skip
-    temp = _temp(out)
+    temp = temp_of(out)
     try:
         resumed = _resume(temp, fingerprint)
         masked = kind == "pairs"
@@ -127,23 +120,11 @@ def prepare(
         manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
         manifest.write(temp)
         (temp / PROGRESS).unlink()
-        _publish(temp, out)
+        publish(temp, out)
     except OSError as err:  # a full disk, a folder made read-only: the line says which and what to do
         raise write_error(err, out) from err
     bar.done()
     return manifest
-
-
-def write_error(err: OSError, out: Path) -> DataError:
-    """A failed write as one line: the file, the reason, the fix."""
-    where = err.filename or out
-    if err.errno == errno.ENOSPC or err.errno == errno.EDQUOT:
-        fix = "free space (or choose a folder on another disk) and run again: it resumes where it stopped"
-    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "choose an output folder you can write, or fix its permissions"
-    else:
-        fix = "check the output folder and its disk"
-    return DataError(f"cannot write {where} ({err.strerror or err}); {fix}")
 
 
 def _check_numbers(val_fraction: float, workers: int, shard_tokens: int, chunk_bytes: int) -> None:
@@ -166,69 +147,12 @@ def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
     raise DataError(f"tokenizer={tokenizer!r}: give 'bytes' or a tokenizer.json (workers load it by its path)")
 
 
-# -- the output folder -----------------------------------------------------------------------------
-
-
-def _is_prepared(folder: Path) -> bool:
-    try:
-        path = folder / MANIFEST
-        return not path.is_symlink() and bool(json.loads(path.read_text()).get("format") == FORMAT)
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return False
-
-
-def _temp(out: Path) -> Path:
-    return out.with_name("." + out.name + TEMP_SUFFIX)
-
-
-def _old(out: Path) -> Path:
-    """Where a replaced output waits while the new one moves in; restored by the next run if a kill
-    came between the two renames (:func:`recover`)."""
-    return out.with_name("." + out.name + OLD_SUFFIX)
-
-
-def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
-    """Before any work: ``out`` can be written, and is neither the source, inside it, nor around it."""
-    if not out.parent.is_dir():
-        raise DataError(f"{out.parent} does not exist; create it, or choose another output folder")
-    for path in (out, _temp(out), _old(out)):
-        if path.is_symlink():  # writing or renaming there would act on whatever the link points to
-            raise DataError(f"{path} is a link; give a real folder as the output (links are not followed)")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise DataError(f"cannot write in {out.parent} (permission denied); choose an output folder you can write")
-    recover(out)
-    if _old(out).exists():  # still there: not a prepare's, and a replaced output is moved there
-        raise DataError(f"{_old(out)} is in the way (a replaced output is moved there first); move it away")
-    if source is not None:
-        here, there = out.resolve(), source.resolve()
-        if here == there or here.is_relative_to(there) or there.is_relative_to(here):
-            raise DataError(
-                f"the output {out} is the source {source}, inside it or around it; "
-                "write the prepared dataset to a folder outside the source"
-            )
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out} exists and is not a folder; choose another output folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not _is_prepared(out):
-            raise DataError(f"{out} is a folder that is not a prepared dataset; choose another (it is never deleted)")
-        if not overwrite:
-            raise DataError(f"{out} is already a prepared dataset; pass --overwrite (overwrite=True) to replace it")
-
-
-def _ours(path: Path) -> bool:
-    """A file a prepare writes into its temporary folder."""
-    name = path.name
-    ours = name in (PROGRESS, PROGRESS + ".tmp", MANIFEST, MANIFEST + ".tmp")
-    real = path.is_file() and not path.is_symlink()  # a link was put there by someone else: never written through
-    return real and (ours or name.endswith((TOKENS, DOCS, MASK)) and bool(_BARE.match(name)))
-
-
 def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     """The progress of an interrupted run with the same fingerprint, or None (the folder then empty)."""
     if not temp.exists():
         temp.mkdir()
         return None
-    strays = [p for p in temp.iterdir() if not _ours(p)] if temp.is_dir() else [temp]
+    strays = [p for p in temp.iterdir() if not ours(p)] if temp.is_dir() else [temp]
     if strays:
         what = ("the link " if strays[0].is_symlink() else "") + strays[0].name  # a prepare never makes links
         raise DataError(f"{temp} is not a prepare's temporary folder (it holds {what}); move it away")
@@ -265,39 +189,6 @@ def _save_progress(temp: Path, state: dict[str, Any]) -> None:
     tmp = temp / (PROGRESS + ".tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(temp / PROGRESS)
-
-
-def _publish(temp: Path, out: Path) -> None:
-    """Rename the finished folder into place; a prepared dataset already there is moved aside first and
-    deleted only after. A kill between the renames leaves it whole under :func:`_old`, and the next
-    prepare into ``out`` moves it back (:func:`recover`)."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    old = _old(out)
-    if out.exists():
-        out.rename(old)
-    temp.rename(out)
-    _delete_old(old)
-
-
-def _delete_old(old: Path) -> None:
-    """The replaced output, its manifest first: a kill part way leaves a folder that is no longer a
-    prepared dataset, which :func:`recover` then deletes rather than restores."""
-    if old.is_dir():
-        (old / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(old)
-
-
-def recover(out: Path) -> None:
-    """Undo what a kill during :func:`_publish` left: the previous output moved aside and nothing in its
-    place is moved back; a replaced one whose deletion was cut short (no manifest, only shard files) goes."""
-    old = _old(out)
-    if not old.is_dir() or old.is_symlink():
-        return
-    if not out.exists() and _is_prepared(old):
-        old.rename(out)
-    elif out.exists() and all(_ours(p) for p in old.iterdir()):
-        _delete_old(old)
 
 
 # -- the workers ---------------------------------------------------------------------------------
