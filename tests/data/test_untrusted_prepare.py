@@ -311,7 +311,11 @@ def test_a_folder_named_like_the_old_one_that_is_not_ours_is_kept(tmp_path, corp
 
 @pytest.mark.parametrize(
     ("code", "fix"),
-    [(errno.ENOSPC, "free space"), (errno.EROFS, "choose an output folder you can write"), (errno.EIO, "check")],
+    [
+        (errno.ENOSPC, r"the disk is full\); free space"),
+        (errno.EROFS, r"refused\); choose an output folder you can write"),
+        (errno.EIO, r"refused\); check"),
+    ],
 )
 def test_a_failed_write_is_one_line_and_the_run_can_resume(tmp_path, monkeypatch, corpus, code, fix):
     from polyshard.data.shards import ShardWriter
@@ -320,7 +324,7 @@ def test_a_failed_write_is_one_line_and_the_run_can_resume(tmp_path, monkeypatch
         raise OSError(code, "refused", str(tmp_path / ".out.prepare-tmp" / "train-00000.tokens"))
 
     monkeypatch.setattr(ShardWriter, "add", fail)
-    with pytest.raises(DataError, match=rf"cannot write .*train-00000\.tokens \(refused\); {fix}"):
+    with pytest.raises(DataError, match=rf"cannot write .*train-00000\.tokens \({fix}"):
         _prepare(corpus, tmp_path / "out")
 
 
@@ -351,3 +355,16 @@ def test_deep_json_where_a_manifest_or_progress_belongs(tmp_path, monkeypatch, c
     temp = _interrupted(monkeypatch, corpus, tmp_path / "out", 1, chunk_bytes=300)
     (temp / PROGRESS).write_text(DEEP)  # an unreadable record: start over
     assert _prepare(corpus, tmp_path / "out", chunk_bytes=300).documents == 30
+
+
+def test_a_short_write_on_a_full_disk_says_so(tmp_path, monkeypatch, corpus):
+    """numpy's tofile reports a short write with no errno ("N requested and M written")."""
+    from polyshard.data.shards import ShardWriter
+
+    def short(self, encoded):
+        raise OSError("120060 requested and 51200 written")
+
+    monkeypatch.setattr(ShardWriter, "add", short)
+    monkeypatch.setattr(output, "_nearly_full", lambda folder: True)
+    with pytest.raises(DataError, match=r"cannot write .*out \(the disk is full\); free space .* it resumes"):
+        _prepare(corpus, tmp_path / "out")

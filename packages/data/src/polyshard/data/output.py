@@ -50,7 +50,7 @@ def check_out(out: Path, source: Path | None, overwrite: bool) -> None:
         if path.is_symlink():  # writing or renaming there would act on whatever the link points to
             raise DataError(f"{path} is a link; give a real folder as the output (links are not followed)")
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise DataError(f"cannot write in {out.parent} (permission denied); choose an output folder you can write")
+        raise DataError(f"cannot write in {out.parent} (read-only or not yours); choose an output folder you can write")
     recover(out)
     if _old(out).exists():  # still there: not a prepare's, and a replaced output is moved there
         raise DataError(f"{_old(out)} is in the way (a replaced output is moved there first); move it away")
@@ -111,13 +111,30 @@ def recover(out: Path) -> None:
         _delete_old(old)
 
 
-def write_error(err: OSError, out: Path) -> DataError:
-    """A failed write as one line: the file, the reason, the fix."""
+class WriteError(DataError):
+    """A write that failed: a full disk, a read-only or forbidden folder (the message says which)."""
+
+    def __init__(self, where: str | Path, reason: str, fix: str):
+        super().__init__(f"cannot write {where} ({reason}); {fix}")
+        self.where, self.reason = where, reason
+
+
+def write_error(err: OSError, out: Path) -> WriteError:
+    """A failed write as one line: the file, the reason, the fix. numpy's ``tofile`` reports a short write
+    with no errno, so a disk with (almost) nothing free counts as full too."""
     where = err.filename or out
-    if err.errno == errno.ENOSPC or err.errno == errno.EDQUOT:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT) or _nearly_full(out.parent):
+        reason = "the disk is full"
         fix = "free space (or choose a folder on another disk) and run again: it resumes where it stopped"
     elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "choose an output folder you can write, or fix its permissions"
+        reason, fix = err.strerror or str(err), "choose an output folder you can write, or fix its permissions"
     else:
-        fix = "check the output folder and its disk"
-    return DataError(f"cannot write {where} ({err.strerror or err}); {fix}")
+        reason, fix = err.strerror or str(err), "check the output folder and its disk"
+    return WriteError(where, reason, fix)
+
+
+def _nearly_full(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False

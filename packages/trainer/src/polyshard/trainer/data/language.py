@@ -29,6 +29,7 @@ import numpy as np
 
 from polyshard.data.examples import Concat, Documents, Examples, Windows
 from polyshard.data.format import MANIFEST, TOKENS, held_out, tokenizer_info
+from polyshard.data.output import WriteError
 from polyshard.data.prepared import Prepared, Split, open_prepared
 from polyshard.data.sources import check_within
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -100,10 +101,11 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False, fi
         return target
     try:
         return _prepare_into(target, source, files, data, kind, progress)
-    except OSError as err:  # the cache's disk is full or read-only
+    except (OSError, WriteError) as err:  # the cache's disk is full or read-only
+        where, reason = (err.where, err.reason) if isinstance(err, WriteError) else (err.filename, err.strerror)
         raise DataError(
-            f"preparing {field}={source!r} into the cache {target.parent}: cannot write {err.filename or target} "
-            f"({err.strerror or err}); free space there, or set POLYSHARD_CACHE to a writable folder with room"
+            f"preparing {field}={source!r} into the cache {target.parent}: cannot write {where or target} "
+            f"({reason or err}); free space there, or set POLYSHARD_CACHE to a writable folder with room"
         ) from err
 
 
