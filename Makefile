@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 VENV := .venv
 BIN := $(VENV)/bin
-PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/trainer packages/planner apps/cli
+PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
 .PHONY: setup test test-long demo lint format clean
@@ -44,7 +44,7 @@ demo: setup
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \
 		--set training.steps=620 --set training.eval_every=20 --set training.sample_tokens=0
 
-TYPED := mesh collectives data checkpoint tp pp dp ep cp trainer planner cli
+TYPED := mesh collectives data checkpoint tp pp dp ep cp models trainer planner cli
 
 lint: setup
 	$(BIN)/ruff check .

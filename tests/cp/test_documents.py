@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import polyshard.cp.ring
 from polyshard.cp import ContextParallelError, context_parallel_attention, shard_sequence, unshard_sequence
-from polyshard.tp.transformer import document_mask
+from polyshard.models.common import document_mask
 
 # As tests/cp/test_parity.py: float32 per-block softmaxes merged by log-sum-exp add the same terms in
 # another order than one softmax: a few float32 ulps of O(1) values, well under 1e-5.

@@ -70,7 +70,7 @@ CASES = [
     (DP, ["--set", "data.tokenizer=/nonexistent/tok.json"], {}, "data.tokenizer='/nonexistent/tok.json': no"),
     (DP, ["--set", "model.norm=batch"], {}, "model.norm='batch'; choose one of ['layer', 'rms']"),
     (DP, ["--set", "model.positions=rope", "--set", "model.hidden=60", "--set", "model.num_heads=4"], {}, "even"),
-    ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
+    ("moe-gpt-ep.toml", ["--set", "model.moe.capacity_factor=-1"], {}, "model.moe: capacity_factor=-1.0 must be > 0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),
     # data: {tmp} is the test's folder, where run_cases writes the files these name
@@ -88,7 +88,7 @@ CASES = [
     ),
     (DP, ["--set", "data.val_source={tmp}/nowhere.txt"], {}, "data.val_source='{tmp}/nowhere.txt': no such"),
     # sizes that cannot run (issue 33)
-    ("moe-gpt-ep.toml", ["--set", "model.num_experts=1000000000"], {}, "model.num_experts=1000000000 is past"),
+    ("moe-gpt-ep.toml", ["--set", "model.moe.num_experts=1000000000"], {}, "model.moe.num_experts=1000000000 is past"),
     (DP, ["--set", "training.muon_ns_steps=1000000000"], {}, "training.muon_ns_steps=1000000000 is past 100"),
     (DP, ["--set", "data.sources=[{{path='{tmp}/tiny', weight=1e308}}]"], {}, "weight=1e+308 is past 1e+12"),
     (DP, ["--set", "data.sources=[{{path='{tmp}/tiny'}}]", "--set", "data.source=x"], {}, "are both set"),

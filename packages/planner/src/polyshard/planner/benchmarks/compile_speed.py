@@ -2,7 +2,7 @@
 
     polyshard bench compile                      # one block's forward + backward, then the demo job
 
-1. **Blocks**: two :class:`polyshard.tp.transformer.Block` (Llama's: RMSNorm, SwiGLU, rope; hidden 256,
+1. **Blocks**: two :class:`polyshard.models.common.Block` (Llama's: RMSNorm, SwiGLU, rope; hidden 256,
    8 heads) on a batch of 8 x 128 tokens, forward + backward, in this process; eager, then each block
    compiled as the trainer compiles it (:func:`~polyshard.trainer.engine.compiling.compile_blocks`).
    Time per block, their ratio, and the first compiled call's time (compiling). Then the same blocks
@@ -53,7 +53,7 @@ class Row:
 
 
 def blocks(num_blocks: int = 2, hidden: int = 256, heads: int = 8) -> nn.Sequential:
-    from polyshard.tp.transformer import Block
+    from polyshard.models.common import Block
 
     torch.manual_seed(0)
     return nn.Sequential(
@@ -77,7 +77,7 @@ def compile_with_breaks(model: nn.Module) -> None:
     (an eager identity). Through its own function, not Block.forward: dynamo does not guard on module
     hooks, so blocks with and without these hooks must not share compiled code."""
     from polyshard.collectives import eager
-    from polyshard.tp.transformer import Attention, Block
+    from polyshard.models.common import Attention, Block
 
     identity = eager(_identity)
     for module in model.modules():

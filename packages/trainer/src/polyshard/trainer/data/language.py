@@ -33,6 +33,7 @@ from polyshard.data.output import WriteError
 from polyshard.data.prepared import Prepared, Split, open_prepared
 from polyshard.data.sources import check_within
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from polyshard.models import output_width, sequence_length
 from polyshard.trainer.config import Config, DataConfig
 from polyshard.trainer.data.corpus import cache_root, shakespeare_files
 from polyshard.trainer.errors import DataError
@@ -226,7 +227,7 @@ def _tail(count: int, fraction: float, where: str, what: str) -> int:
 def language_data(config: Config, *, progress: bool = False, check: bool = False) -> RunData:
     """The run's training sources (with weights) and validation examples; ``check`` also reads every
     padded example once (before launch: :func:`check_language_data`)."""
-    data, width = config.data, config.model.context_length + 1
+    data, width = config.data, sequence_length(config.model) + 1
     tokenizer = load_tokenizer(data.tokenizer)
     train, weights, names, held = [], [], [], []
     for number, entry in enumerate(data.mixture):
@@ -250,7 +251,7 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
 def check_language_data(config: Config) -> None:
     """Before any process starts: the tokenizer fits the model, every source is prepared (a progress bar
     while preparing), each split holds at least one global batch."""
-    tokenizer, vocab = load_tokenizer(config.data.tokenizer), config.model.vocab_size
+    tokenizer, vocab = load_tokenizer(config.data.tokenizer), output_width(config.model)
     if tokenizer.vocab_size > vocab and not isinstance(tokenizer, ByteTokenizer):
         raise DataError(
             f"data.tokenizer={config.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
@@ -268,8 +269,8 @@ def check_language_data(config: Config) -> None:
             f"{shard} holds token id {top}, past model.vocab_size={vocab} (and the tokenizer's "
             f"{tokenizer.vocab_size}): the folder is damaged or was prepared with another tokenizer; prepare it again"
         )
-    model, batch = config.model, config.training.global_batch_size
-    what = f"examples of model.context_length+1={model.context_length + 1} tokens"
+    batch = config.training.global_batch_size
+    what = f"examples of model.context_length+1={sequence_length(config.model) + 1} tokens"
     if len(data.train) == 1 and len(data.train[0]) < batch:  # a mixture draws one by one: any source serves
         raise DataError(
             f"data.source={data.names[0]!r} gives {len(data.train[0])} training {what}, fewer than one global batch "

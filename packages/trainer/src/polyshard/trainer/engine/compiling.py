@@ -1,6 +1,6 @@
 """``training.compile``: torch.compile on the trainer's models, one compiled unit per transformer block.
 
-Every :class:`~polyshard.tp.transformer.Block` gets its ``forward`` replaced by ``torch.compile`` of it
+Every :class:`~polyshard.models.common.Block` gets its ``forward`` replaced by ``torch.compile`` of it
 (as torchtitan compiles each block). Dynamo keys its cache by code object, and every block runs the same
 ``Block.forward``, so the first block compiles and the others reuse its graph: compile time does not
 grow with depth. Only the forward is compiled, never ``__call__``, so a block's own hooks (ZeRO-3's
@@ -31,7 +31,7 @@ import torch._functorch.config
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 
-from polyshard.tp.transformer import Block
+from polyshard.models.common import Block
 
 log = logging.getLogger("polyshard.trainer.compile")
 

@@ -2,7 +2,7 @@
 
 :mod:`polyshard.cp` does the attention; this module puts it in place on the layers a rank builds:
 
-* every :class:`~polyshard.tp.transformer.Attention` gets a :class:`ContextParallelCore` instead of
+* every :class:`~polyshard.models.common.Attention` gets a :class:`ContextParallelCore` instead of
   its ``CoreAttention`` (ring or all-gather attention over the cp group), and the global positions
   of this rank's tokens for its rotary embeddings;
 * the token embedding gets the same positions for its learned position table (GPT-2);
@@ -10,7 +10,7 @@
   (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
 
 Nothing else changes: blocks, norms and MLPs act on each token alone, the loss is a sum over
-tokens (divided by the global count, :mod:`polyshard.trainer.models.loss`), and the parameters are
+tokens (divided by the global count, :mod:`polyshard.trainer.tasks.loss`), and the parameters are
 replicated over cp, so their gradients average over dp x ep x cp like any replica's.
 """
 
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.cp import context_parallel_attention, position_ids, shard_sequence
-from polyshard.tp.transformer import Attention, CoreAttention
-from polyshard.trainer.models.gpt import Embedding
+from polyshard.models.common import Attention, CoreAttention
+from polyshard.models.gpt import Embedding
 
 
 class ContextParallelCore(nn.Module):

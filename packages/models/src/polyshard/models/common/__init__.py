@@ -1,0 +1,30 @@
+"""The building blocks every family shares: rotary positions, documents, attention, the MLPs and norms,
+the block, activation recompute and the initialisation rule."""
+
+from polyshard.models.common.attention import Attention, CoreAttention
+from polyshard.models.common.block import ACTIVATIONS, Block
+from polyshard.models.common.documents import Documents, document_mask, document_positions
+from polyshard.models.common.initialise import init_weights
+from polyshard.models.common.mlp import MLP, NORMS, SwiGLU, norm_layer
+from polyshard.models.common.recompute import checkpoint_mode, selective_contexts
+from polyshard.models.common.rotary import RopeScaling, rope_frequencies, rotate
+
+__all__ = [
+    "ACTIVATIONS",
+    "MLP",
+    "NORMS",
+    "Attention",
+    "Block",
+    "CoreAttention",
+    "Documents",
+    "RopeScaling",
+    "SwiGLU",
+    "checkpoint_mode",
+    "document_mask",
+    "document_positions",
+    "init_weights",
+    "norm_layer",
+    "rope_frequencies",
+    "rotate",
+    "selective_contexts",
+]

@@ -1,0 +1,109 @@
+"""Self-attention as plain PyTorch: the q/k/v/o projections (:class:`Attention`) around a parameter-free
+core (:class:`CoreAttention`), the one piece a parallelism that splits the sequence replaces.
+
+Shapes: B batch, S sequence, H hidden, D head dim, N query heads, K key/value heads. Attention reshapes
+with ``-1`` heads, so a tensor-parallel rank whose q/k/v projections hold N/tp and K/tp heads runs the
+same code unchanged. ``nn.Module.__call__`` returns Any in torch's stubs, hence the ignores on the
+forwards' returns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyshard.models.common.documents import Documents, document_mask
+from polyshard.models.common.rotary import RopeScaling, rotate
+
+
+class CoreAttention(nn.Module):
+    """Attention's inner product: softmax(q k^T / sqrt(D)) v over (B, N, S, D) heads, causal or not, with
+    grouped-query attention when k and v hold fewer heads. No parameters: a parallelism that splits the
+    sequence (context parallelism's ring attention) swaps this module and nothing else."""
+
+    def __init__(self, *, causal: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.causal, self.dropout = causal, dropout
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``segments`` (B, S): each token's document; attention then stays inside each document."""
+        if segments is None:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=self.causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+        # An explicit boolean mask: every query sees at least itself, so no row is fully masked. (On one
+        # document per row it equals is_causal=True bit for bit on CPU, tests/trainer/test_documents.py.)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=document_mask(segments, segments, self.causal),
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
+class Attention(nn.Module):
+    """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
+    rotary positions on q and k when ``rope_theta`` is given (Llama; ``rope_scaling`` for Llama 3.1's
+    long context); ``bias`` on the projections (GPT-2), or ``qkv_bias`` on q, k and v only (Qwen2).
+    ``head_dim`` (default hidden / num_heads) may differ from that (Qwen3: 128 whatever the width).
+    ``qk_norm``: an RMSNorm over each head's q and k, before rotary positions (Qwen3, OLMo 2's per-head
+    form); its weight has one entry per head dim, shared by every head, so tp replicates it."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        causal: bool = True,
+        dropout: float = 0.0,
+        bias: bool = True,
+        rope_theta: float | None = None,
+        rope_scaling: RopeScaling | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = head_dim or hidden // num_heads
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.core = CoreAttention(causal=causal, dropout=dropout)
+        self.positions: torch.Tensor | None = None  # rotary positions of the tokens; None: 0..S-1
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: the batch's documents (see :class:`Documents`): attention inside each, rotary
+        positions within each."""
+        # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
+        # dim alone, so an empty batch (B = 0) works too.
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # (B, S, N, D)
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # (B, S, K, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's D dims
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        if self.rope_theta is not None:
+            positions = self.positions if documents is None else documents.positions
+            q = rotate(q, self.rope_theta, self.rope_scaling, positions)
+            k = rotate(k, self.rope_theta, self.rope_scaling, positions)
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents.segments)
+        return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
