@@ -8,6 +8,7 @@ when online; the manifest records the name with no size or hash (the rows are no
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +16,7 @@ from typing import Any
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
-from polyshard.data.sources import _READ, _ROWS, Cursor, Fields, Part, Source, check_arrow_schema
+from polyshard.data.sources import _READ, _ROWS, Cursor, Fields, Part, Source, check_arrow_schema, check_within
 
 
 def _datasets(what: str) -> ModuleType:
@@ -32,6 +33,10 @@ class DiskDataset(Source):
 
     def __init__(self, label: str, path: Path, fields: Fields):
         datasets = _datasets(str(path))
+        for inner in path.rglob("*"):  # a link to arrow files elsewhere is refused before the library opens it
+            check_within(path, inner, "saved dataset folder")
+            if inner.name == "state.json":
+                _check_state(path, inner)
         try:
             dataset = datasets.load_from_disk(str(path))
         except Exception as err:  # the library raises many kinds for a damaged folder
@@ -42,6 +47,8 @@ class DiskDataset(Source):
             dataset = dataset["train"]
         check_arrow_schema(dataset.data.schema, fields, str(path))
         files = sorted(Path(f["filename"]) for f in dataset.cache_files)
+        for file in files:  # state.json may name files by any path: only those inside the folder are read
+            check_within(path, file, "saved dataset folder")
         super().__init__(label, files, fields)
         self.dataset = dataset.with_format("arrow")
 
@@ -54,6 +61,19 @@ class DiskDataset(Source):
             data = {c: table.column(c) for c in self.fields.columns}
             yield Part("arrow", self.label, begin, data), (0, begin + table.num_rows, 1)
         self._infos = [_hash_file(f, self.label) for f in self.files]
+
+
+def _check_state(folder: Path, state: Path) -> None:
+    """The arrow files a ``state.json`` names lie inside ``folder`` (it may name any relative path)."""
+    try:
+        raw = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise DataError(f"{state}: not a datasets state file ({err}); save the dataset again") from err
+    files = raw.get("_data_files") if isinstance(raw, dict) else None
+    for entry in files if isinstance(files, list) else []:
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if isinstance(name, str):
+            check_within(folder, state.parent / name, "saved dataset folder")
 
 
 def _hash_file(path: Path, label: str) -> SourceInfo:

@@ -32,6 +32,7 @@ from typing import IO, Any, cast
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
+from polyshard.data.zstd_frames import check_zstd_frames
 
 TEXT = (".txt",)
 JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -41,6 +42,9 @@ SPLIT_ON = ("file", "blank")
 _READ = 1 << 20  # bytes read from a file at a time
 _ROWS = 2048  # rows of an arrow source per batch
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+DOCUMENT_LIMIT = 16 << 20
+"""Bytes of one document (a text file read whole, a blank-line block, a JSON line, a row), at most: what
+one document costs in memory is bounded whatever the source holds. A longer one is refused, named."""
 
 Cursor = tuple[int, int, int]
 """(file index, offset, line): where reading resumes. The offset is in the file's (decompressed)
@@ -57,6 +61,7 @@ class Fields:
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    max_document_bytes: int = DOCUMENT_LIMIT
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -143,17 +148,30 @@ class Source:
         with _open_text(hashed, path) as stream:
             if skip is None:
                 return  # finished before the restart point; read only to hash it
+            limit = self.fields.max_document_bytes
             if path.name.endswith(TEXT) and self.fields.split_on == "file":
-                data = _read_or_fail(stream, -1, path)
+                data = _read_or_fail(stream, limit + 1, path)
+                if len(data) > limit:
+                    raise too_long(
+                        f"{path} (one document: the whole file)", limit, "split the file, or use --split-on blank"
+                    )
                 if data:
                     yield Part("file", name, 1, data), (index + 1, 0, 1)
                 return
             offset, line = skip
             _discard(stream, offset)
             form, cut = ("jsonl", _after_last_newline) if path.name.endswith(JSONL) else ("blank", _after_blank_line)
-            for data in _blocks(stream, chunk_bytes, cut, path):
-                yield Part(form, name, line, data), (index, offset + len(data), line + data.count(b"\n"))
-                offset, line = offset + len(data), line + data.count(b"\n")
+            try:
+                for data in _blocks(stream, chunk_bytes, cut, path, limit):
+                    yield Part(form, name, line, data), (index, offset + len(data), line + data.count(b"\n"))
+                    offset, line = offset + len(data), line + data.count(b"\n")
+            except _TooLong:
+                what, hint = (
+                    ("line", "split it into several lines")
+                    if form == "jsonl"
+                    else ("the document starting at line", "put blank lines between its parts")
+                )
+                raise too_long(f"{path}, {what} {line}", limit, hint) from None
 
 
 # -- finding and checking ----------------------------------------------------------------------------
@@ -174,6 +192,8 @@ def open_source(spec: str | Path, fields: Fields) -> Source:
             (p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES) and not _hidden(p, path)),
             key=lambda p: p.relative_to(path).as_posix(),
         )
+        for p in files:
+            check_within(path, p, "source folder")
         if not files:
             raise DataError(f"{path} holds no {', '.join(SUFFIXES)} files; give a folder of them, or one file")
     elif path.is_file():
@@ -192,7 +212,18 @@ def open_source(spec: str | Path, fields: Fields) -> Source:
     for p in files:
         if p.name.endswith(PARQUET):
             check_arrow_schema(_parquet_schema(p), fields, str(p))
+        if p.name.endswith(".zst"):
+            check_zstd_frames(p)
     return Source(label, files, fields)
+
+
+def check_within(folder: Path, path: Path, what: str) -> None:
+    """Read nothing outside the folder the user named: a link there to a file elsewhere is refused."""
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise DataError(
+            f"{path} leads to {target}, outside the {what} {folder}; copy the file into the folder, or name it directly"
+        )
 
 
 def _check_fields(fields: Fields) -> None:
@@ -200,6 +231,8 @@ def _check_fields(fields: Fields) -> None:
         raise DataError(f"kind={fields.kind!r}; choose 'text' or 'pairs'")
     if fields.split_on not in SPLIT_ON:
         raise DataError(f"split_on={fields.split_on!r}; choose one of {SPLIT_ON}")
+    if fields.max_document_bytes < 1:
+        raise DataError(f"max_document_bytes={fields.max_document_bytes}; give at least 1")
     if fields.kind == "pairs" and fields.prompt_field == fields.response_field:
         raise DataError(f"the prompt and response fields are both {fields.prompt_field!r}; name two fields")
 
@@ -286,9 +319,22 @@ def _discard(stream: IO[bytes], count: int) -> None:
         count -= got
 
 
-def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Path) -> Iterator[bytes]:
-    """The stream in blocks of about ``size`` bytes, each ending where ``cut`` says (or at the end)."""
+class _TooLong(Exception):
+    """No cut within the document limit: one document is longer than it."""
+
+
+def too_long(what: str, limit: int, hint: str) -> DataError:
+    return DataError(
+        f"{what} is longer than {limit / 2**20:g} MiB, the limit of one document; {hint}, or raise the limit "
+        "(--max-document-mb)"
+    )
+
+
+def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Path, limit: int) -> Iterator[bytes]:
+    """The stream in blocks of about ``size`` bytes, each ending where ``cut`` says (or at the end); more
+    than ``limit`` bytes with no cut is :class:`_TooLong`, so one document never fills memory."""
     pending: list[bytes] = []
+    held = 0
     while True:
         data = _read_or_fail(stream, size, path)
         if not data:
@@ -298,9 +344,12 @@ def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Pat
         at = cut(data)
         if at <= 0:
             pending.append(data)
+            held += len(data)
+            if held > limit:
+                raise _TooLong
             continue
         yield b"".join([*pending, data[:at]])
-        pending = [data[at:]]
+        pending, held = [data[at:]], len(data) - at
 
 
 def _read_or_fail(stream: IO[bytes], size: int, path: Path) -> bytes:

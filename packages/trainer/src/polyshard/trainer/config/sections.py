@@ -269,6 +269,11 @@ class TrainingConfig:
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
         _check_positive("training.muon_ns_steps", self.muon_ns_steps)
+        if self.muon_ns_steps > MAX_MUON_NS_STEPS:  # each step is three matmuls per matrix: 1e9 never ends
+            raise ConfigError(
+                f"training.muon_ns_steps={self.muon_ns_steps} is past {MAX_MUON_NS_STEPS}; Muon converges in 5 "
+                "(--set training.muon_ns_steps=5)"
+            )
         if not isinstance(self.muon_nesterov, bool):
             raise ConfigError(f"training.muon_nesterov={self.muon_nesterov!r} must be true or false")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -375,6 +380,10 @@ class DataConfig:
         return self.sources if self.sources is not None else [WeightedSource(self.source)]
 
 
+MAX_WEIGHT = 1e12  # a mixture weight; relative, so token counts fit and no sum of weights overflows
+MAX_MUON_NS_STEPS = 100  # Newton-Schulz iterations of Muon; 5 suffice (Jordan et al.), far more is a typo
+
+
 def _weighted_source(index: int, entry: Any) -> WeightedSource:
     where = f"data.sources[{index}]"
     if isinstance(entry, WeightedSource):
@@ -389,6 +398,11 @@ def _weighted_source(index: int, entry: Any) -> WeightedSource:
         raise ConfigError(f"{where}.path={path!r} must name a source (a prepared folder, a file or 'shakespeare')")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
         raise ConfigError(f"{where}.weight={weight!r} must be a positive number")
+    if weight > MAX_WEIGHT:  # their sum and the loader's (t + 1) * w shares must stay finite
+        raise ConfigError(
+            f"{where}.weight={weight!r} is past {MAX_WEIGHT:g}; weights are relative: scale them all down "
+            "(e.g. 0.7 and 0.3)"
+        )
     return WeightedSource(path, float(weight))
 
 
