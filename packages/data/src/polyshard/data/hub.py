@@ -16,7 +16,16 @@ from typing import Any
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
-from polyshard.data.sources import _READ, _ROWS, Cursor, Fields, Part, Source, check_arrow_schema, check_within
+from polyshard.data.sources import (
+    ARROW_ROWS,
+    READ_BYTES,
+    Cursor,
+    Fields,
+    Part,
+    Source,
+    check_arrow_schema,
+    check_within,
+)
 
 
 def _datasets(what: str) -> ModuleType:
@@ -55,8 +64,8 @@ class DiskDataset(Source):
     def _stream(self, start: Cursor, chunk_bytes: int, on_read: Callable[[int], None]) -> Iterator[tuple[Part, Cursor]]:
         rows = len(self.dataset)
         total = self.total_bytes or 0
-        for begin in range(start[1], rows, _ROWS):
-            table = self.dataset[begin : begin + _ROWS]
+        for begin in range(start[1], rows, ARROW_ROWS):
+            table = self.dataset[begin : begin + ARROW_ROWS]
             on_read(total * table.num_rows // max(rows, 1))
             data = {c: table.column(c) for c in self.fields.columns}
             yield Part("arrow", self.label, begin, data), (0, begin + table.num_rows, 1)
@@ -79,7 +88,7 @@ def _check_state(folder: Path, state: Path) -> None:
 def _hash_file(path: Path, label: str) -> SourceInfo:
     sha = hashlib.sha256()
     with open(path, "rb") as file:
-        while block := file.read(_READ):
+        while block := file.read(READ_BYTES):
             sha.update(block)
     return SourceInfo(f"{label}/{path.name}", path.stat().st_size, sha.hexdigest())
 
@@ -110,7 +119,7 @@ class HubDataset(Source):
         import pyarrow as pa
 
         row = start[1]
-        for batch in self.dataset.skip(row).iter(batch_size=_ROWS):
+        for batch in self.dataset.skip(row).iter(batch_size=ARROW_ROWS):
             data = {c: pa.array(batch[c], type=pa.large_string()) for c in self.fields.columns}
             count = len(data[self.fields.columns[0]])
             on_read(sum(int(a.nbytes) for a in data.values()))

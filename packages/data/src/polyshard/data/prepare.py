@@ -37,10 +37,11 @@ from polyshard.data.format import (
     token_dtype,
     tokenizer_info,
 )
+from polyshard.data.locate import open_source
 from polyshard.data.output import PROGRESS, check_out, ours, publish, temp_of, write_error
 from polyshard.data.progress import Progress
 from polyshard.data.shards import Resume, ShardWriter
-from polyshard.data.sources import DOCUMENT_LIMIT, START, Chunk, Cursor, Fields, open_source
+from polyshard.data.sources import DOCUMENT_LIMIT, START, Chunk, Cursor, Fields
 from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy

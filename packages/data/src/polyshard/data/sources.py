@@ -32,15 +32,14 @@ from typing import IO, Any, cast
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
-from polyshard.data.zstd_frames import check_zstd_frames
 
 TEXT = (".txt",)
 JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET = (".parquet",)
 SUFFIXES = TEXT + JSONL + PARQUET
 SPLIT_ON = ("file", "blank")
-_READ = 1 << 20  # bytes read from a file at a time
-_ROWS = 2048  # rows of an arrow source per batch
+READ_BYTES = 1 << 20  # bytes read from a file at a time
+ARROW_ROWS = 2048  # rows of an arrow source per batch
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 DOCUMENT_LIMIT = 16 << 20
 """Bytes of one document (a text file read whole, a blank-line block, a JSON line, a row), at most: what
@@ -174,47 +173,7 @@ class Source:
                 raise too_long(f"{path}, {what} {line}", limit, hint) from None
 
 
-# -- finding and checking ----------------------------------------------------------------------------
-
-
-def open_source(spec: str | Path, fields: Fields) -> Source:
-    """The source ``spec`` names, checked: it exists, holds usable files, and (for arrow sources) has the
-    needed columns as strings. A :class:`DataError` naming the file and the fix otherwise."""
-    _check_fields(fields)
-    path = Path(spec).expanduser()
-    label = str(spec)
-    if path.is_dir() and _is_saved_dataset(path):
-        from polyshard.data.hub import DiskDataset
-
-        return DiskDataset(label, path, fields)
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES) and not _hidden(p, path)),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        for p in files:
-            check_within(path, p, "source folder")
-        if not files:
-            raise DataError(f"{path} holds no {', '.join(SUFFIXES)} files; give a folder of them, or one file")
-    elif path.is_file():
-        if not path.name.endswith(SUFFIXES):
-            raise DataError(f"{path} is not a {', '.join(SUFFIXES)} file; give one of those (or a folder of them)")
-        files = [path]
-    elif _looks_like_a_path(str(spec), path):
-        raise DataError(f"{path}: no such file or folder; give a text, JSON lines or parquet file or a folder")
-    else:
-        from polyshard.data.hub import HubDataset
-
-        return HubDataset(label, fields)
-    if fields.kind == "pairs" and any(p.name.endswith(TEXT) for p in files):
-        text = next(p for p in files if p.name.endswith(TEXT))
-        raise DataError(f"{text}: fine-tuning pairs need .jsonl (or .parquet) files with prompt and response fields")
-    for p in files:
-        if p.name.endswith(PARQUET):
-            check_arrow_schema(_parquet_schema(p), fields, str(p))
-        if p.name.endswith(".zst"):
-            check_zstd_frames(p)
-    return Source(label, files, fields)
+# -- checking ---------------------------------------------------------------------------------------
 
 
 def check_within(folder: Path, path: Path, what: str) -> None:
@@ -224,32 +183,6 @@ def check_within(folder: Path, path: Path, what: str) -> None:
         raise DataError(
             f"{path} leads to {target}, outside the {what} {folder}; copy the file into the folder, or name it directly"
         )
-
-
-def _check_fields(fields: Fields) -> None:
-    if fields.kind not in ("text", "pairs"):
-        raise DataError(f"kind={fields.kind!r}; choose 'text' or 'pairs'")
-    if fields.split_on not in SPLIT_ON:
-        raise DataError(f"split_on={fields.split_on!r}; choose one of {SPLIT_ON}")
-    if fields.max_document_bytes < 1:
-        raise DataError(f"max_document_bytes={fields.max_document_bytes}; give at least 1")
-    if fields.kind == "pairs" and fields.prompt_field == fields.response_field:
-        raise DataError(f"the prompt and response fields are both {fields.prompt_field!r}; name two fields")
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def _looks_like_a_path(spec: str, path: Path) -> bool:
-    """A missing local path, rather than a dataset name such as ``roneneldan/TinyStories``."""
-    if spec.startswith((".", "/", "~")) or path.name.endswith(SUFFIXES) or spec.count("/") > 1:
-        return True
-    return "/" in spec and Path(spec.split("/")[0]).exists()
 
 
 def check_arrow_schema(schema: Any, fields: Fields, where: str) -> None:
@@ -292,14 +225,14 @@ class _Hashing(io.RawIOBase):
 
     def finish(self, name: str) -> SourceInfo:
         """Read what is left (trailing bytes a decompressor did not need) and close."""
-        while self.readinto(bytearray(_READ)):
+        while self.readinto(bytearray(READ_BYTES)):
             pass
         self.file.close()
         return SourceInfo(name, self.size, self.sha.hexdigest())
 
 
 def _open_text(hashed: _Hashing, path: Path) -> IO[bytes]:
-    raw = io.BufferedReader(hashed, _READ)
+    raw = io.BufferedReader(hashed, READ_BYTES)
     if path.name.endswith(".gz"):
         return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
     if path.name.endswith(".zst"):
@@ -313,7 +246,7 @@ def _open_text(hashed: _Hashing, path: Path) -> IO[bytes]:
 
 def _discard(stream: IO[bytes], count: int) -> None:
     while count > 0:
-        got = len(stream.read(min(count, _READ)))
+        got = len(stream.read(min(count, READ_BYTES)))
         if not got:
             return
         count -= got
@@ -373,7 +306,7 @@ def _after_blank_line(data: bytes) -> int:
     return last
 
 
-def _parquet_schema(path: Path) -> Any:
+def parquet_schema(path: Path) -> Any:
     pq = _pyarrow_parquet(path)
     try:
         return pq.read_schema(path)
@@ -403,7 +336,7 @@ def _parquet_parts(
         reader = pq.ParquetFile(path)
         total = reader.metadata.num_rows or 1
         row = 0
-        for batch in reader.iter_batches(batch_size=_ROWS, columns=list(columns)):
+        for batch in reader.iter_batches(batch_size=ARROW_ROWS, columns=list(columns)):
             begin, row = row, row + batch.num_rows
             report(path.stat().st_size * (row - begin) // total)
             if row <= first_row:
