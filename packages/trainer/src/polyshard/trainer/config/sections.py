@@ -135,6 +135,18 @@ class ModelConfig:
     """Biases on the q, k and v projections; None follows bias (Qwen2 has them, but none on o or the MLP)."""
     qk_norm: bool = False
     """An RMSNorm over each head's q and k, before rotary positions (Qwen3); its weight is per head dim."""
+    attention_core: str = "auto"
+    """The attention core: auto (plain causal SDPA when nothing is masked; with document masks, sliding windows
+    or sinks FlexAttention on CUDA, else blocksparse), sdpa, blocksparse (online softmax over key/value blocks,
+    skipping the hidden ones; any device) or flex (FlexAttention, CUDA). Context parallelism runs its own."""
+    sliding_window: int | None = None
+    """Sliding-window attention: each query sees the last this-many tokens, itself included (Mistral, gpt-oss,
+    Hugging Face's sliding_window); None: the whole causal context."""
+    layer_types: list[str] | None = None
+    """With sliding_window, each block's attention in order, "sliding_attention" or "full_attention" (Hugging
+    Face's layer_types; gpt-oss alternates them); None: every block slides."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every attention softmax's denominator, adding no value (gpt-oss)."""
     num_experts: int = 4
     """Experts per MoE layer (moe-gpt)."""
     top_k: int = 2
@@ -227,6 +239,24 @@ class ModelConfig:
             _check_positive("model.mlp_hidden", self.mlp_hidden)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        self._check_attention()
+
+    def _check_attention(self) -> None:
+        _check_choice("model.attention_core", self.attention_core, ("auto", "sdpa", "blocksparse", "flex"))
+        if self.sliding_window is not None:
+            _check_positive("model.sliding_window", self.sliding_window)
+        if (self.attention_sinks or self.sliding_window is not None) and self.dropout:
+            raise ConfigError("model.dropout runs only on plain causal attention: set it to 0 with windows or sinks")
+        if self.layer_types is None:
+            return
+        if self.sliding_window is None:
+            raise ConfigError("model.layer_types chooses which blocks slide: set model.sliding_window too, or drop it")
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.num_layers or any(kind not in kinds for kind in self.layer_types):
+            raise ConfigError(
+                f"model.layer_types={self.layer_types!r} must name each of the {self.num_layers} blocks "
+                f"(model.num_layers) as one of {kinds}"
+            )
 
     def _check_routing(self) -> None:
         for name in ("aux_loss_weight", "seq_aux_loss_weight", "router_z_loss_weight", "router_bias_update_rate"):
