@@ -55,6 +55,8 @@ def _fits(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "list[int]":
         return isinstance(value, list) and all(_fits(v, "int") for v in value)
+    if kind == "list[str]":
+        return isinstance(value, list) and all(_fits(v, "str") for v in value)
     if kind == "list[WeightedSource]":  # each entry is checked by DataConfig itself
         return isinstance(value, list)
     raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here

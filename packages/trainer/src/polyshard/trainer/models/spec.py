@@ -26,6 +26,7 @@ from polyshard.mesh import divisors
 from polyshard.tp import (
     ColumnParallel,
     HeadNorm,
+    HeadParameter,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -119,7 +120,10 @@ def attention_plan(block: str, model: ModelConfig, parallel: ParallelConfig) -> 
     """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
     ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
     sp = parallel.sequence_parallel
-    plan: dict[str, object] = {f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]}
+    entry: list[object] = [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]
+    if model.attention_sinks:  # one logit per query head (gpt-oss): split with the heads
+        entry.append(HeadParameter("sinks"))
+    plan: dict[str, object] = {f"{block}.attn": entry}
     if replicates_kv(model.kv_heads, parallel.tp):
         plan[f"{block}.attn.q_proj"] = ColumnParallel(input_entered=True)
         plan[f"{block}.attn.[kv]_proj"] = ReplicateKVHeads(model.kv_heads)
