@@ -134,3 +134,11 @@ def test_window_fields_are_checked():
         from_dict({"model": {"attention_core": "dense"}})
     with pytest.raises(ConfigError, match="model.dropout runs only on plain causal attention"):
         from_dict({"model": {"attention_sinks": True, "dropout": 0.1}})
+
+
+def test_dropout_with_document_masks_is_refused_before_launch():
+    from polyshard.trainer.engine.constraints import validate
+
+    config = from_dict({"model": {"dropout": 0.1}, "data": {"source": "x.txt", "document_mask": True}})
+    with pytest.raises(ConfigError, match="model.dropout=0.1 runs only on plain causal attention"):
+        validate(config)

@@ -40,6 +40,12 @@ ids travel with its K/V (a second, small int64 transfer in the same exchange); t
 ids of every block it saw, so the backward needs no extra transfer. A block whose queries and keys
 share no document is skipped in both passes; the others are masked (:mod:`polyshard.cp.blocks`).
 
+Sliding windows (``window``, causal only): a block whose keys all lie ``window`` or more tokens before
+its first query is skipped in both passes (:func:`~polyshard.cp.blocks.plan_blocks`); a block the window
+cuts into is masked by it. Sinks (``sinks``, one logit per query head): folded into the final (out, lse)
+once, after the last step, as a block with output 0; the backward's probabilities are recomputed from
+that lse, and each rank's sink gradient comes from its own query rows.
+
     backward  rank 0                              rank 1
     step 0    own blocks -> dQ, and dK/dV of      own blocks -> dQ, and dK/dV of
               (k0, k3) so far; send it -> 1       (k1, k2) so far; send it -> 0
