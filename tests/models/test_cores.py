@@ -148,3 +148,20 @@ def test_flex_core_matches_the_dense_reference(use_sinks):
     ours = _run(flex_core, inputs, use_sinks, **masks)
     for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, ref):
         torch.testing.assert_close(mine, theirs, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_bfloat16_inputs_and_an_empty_batch():
+    # bf16 in, bf16 out and gradients, computed in float32 inside: within bf16's rounding of the float32
+    # reference (8 mantissa bits, 2^-8 relative; 2e-2 leaves room for the inputs' own rounding).
+    lengths = [[3, 9, 10], [22]]
+    masks = dict(causal=True, window=6, segments=_segments(lengths))
+    inputs = _inputs(2, 22)
+    ref = _run(dense_attention, [t.bfloat16().float() for t in inputs], True, **masks)
+    ours = _run(block_sparse_attention, [t.bfloat16() for t in inputs], True, **masks)
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv", "dsinks"), ours, ref):
+        assert mine.dtype == torch.bfloat16, name
+        torch.testing.assert_close(mine.float(), theirs, rtol=2e-2, atol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+    # Evaluation's last part may hold no rows: nothing to attend, no error.
+    q, k, v, sinks, _ = _inputs(0, 22)
+    out = block_sparse_attention(q, k, v, segments=torch.zeros(0, 22, dtype=torch.int64), sinks=sinks, block=4)
+    assert out.shape == (0, 4, 22, 6)

@@ -142,3 +142,10 @@ def test_dropout_with_document_masks_is_refused_before_launch():
     config = from_dict({"model": {"dropout": 0.1}, "data": {"source": "x.txt", "document_mask": True}})
     with pytest.raises(ConfigError, match="model.dropout=0.1 runs only on plain causal attention"):
         validate(config)
+
+
+def test_the_vit_refuses_windows_and_sinks():
+    from polyshard.trainer.models import check_model
+
+    with pytest.raises(ConfigError, match="apply to the language models"):
+        check_model(from_dict({"model": {"kind": "vit", "attention_sinks": True}, "data": {"source": "digits"}}).model)

@@ -134,6 +134,11 @@ def sequence_length(model: ModelConfig) -> int:
 
 
 def check_model(model: ModelConfig) -> None:
+    if model.sliding_window is not None or model.attention_sinks:
+        raise ConfigError(
+            "model.sliding_window and model.attention_sinks apply to the language models (gpt, moe-gpt); the vit "
+            "attends to every patch: remove them"
+        )
     if model.image_size % model.patch_size:
         raise ConfigError(
             f"model.image_size={model.image_size} is not a multiple of model.patch_size={model.patch_size}; "
