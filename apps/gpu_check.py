@@ -38,12 +38,12 @@ import torch.distributed as dist  # noqa: E402
 
 from polyshard.data.prepare import prepare  # noqa: E402
 from polyshard.mesh import Mesh, init_distributed  # noqa: E402
+from polyshard.models import parameter_count  # noqa: E402
 from polyshard.trainer.config import Config, TrainingConfig, from_dict  # noqa: E402
 from polyshard.trainer.data.language import check_language_data  # noqa: E402
 from polyshard.trainer.loop import Trainer  # noqa: E402
 from polyshard.trainer.loop.hooks import Hook  # noqa: E402
 from polyshard.trainer.loop.metrics import model_flops_per_token  # noqa: E402
-from polyshard.trainer.models import parameter_count  # noqa: E402
 
 EXIT_NO_CUDA = 77  # "skipped", as automake's test drivers read it
 # Datasheet dense bf16 peaks (TFLOP/s), matched against torch.cuda.get_device_name(); SXM parts (an H100

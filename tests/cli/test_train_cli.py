@@ -31,6 +31,19 @@ def test_config_errors_stop_before_any_process(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was launched or written
 
 
+def test_a_field_the_family_does_not_have_is_named_with_the_family():
+    # Before: the ViT accepted a router, experts and a rotary base it never reads, and exited 0.
+    config = ROOT / "apps/configs/vit-digits-3d.toml"
+    overrides = ["--set", "model.router='sigmoid'", "--set", "model.num_experts=7", "--set", "model.rope_theta=5.0"]
+    result = subprocess.run(
+        POLYSHARD + ["train", str(config), "--dry-run", *overrides], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "config error: model.router is not a setting of model.kind='vit'" in result.stderr
+    assert "its settings are: kind, preset, hidden" in result.stderr and "image_size" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.long
 def test_profile_steps_past_the_run_stop_before_any_process(tmp_path):
     config = ROOT / "apps/configs/gpt-tiny-pp.toml"

@@ -69,7 +69,7 @@ CASES = [
     (DP, ["--set", "data.tokenizer=/nonexistent/tok.json"], {}, "data.tokenizer='/nonexistent/tok.json': no"),
     (DP, ["--set", "model.norm=batch"], {}, "model.norm='batch'; choose one of ['layer', 'rms']"),
     (DP, ["--set", "model.positions=rope", "--set", "model.hidden=60", "--set", "model.num_heads=4"], {}, "even"),
-    ("moe-gpt-ep.toml", ["--set", "model.capacity_factor=-1"], {}, "model.capacity_factor=-1"),
+    ("moe-gpt-ep.toml", ["--set", "model.moe.capacity_factor=-1"], {}, "model.moe: capacity_factor=-1.0 must be > 0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=0"], {}, "model.patch_size=0"),
     ("vit-digits-3d.toml", ["--set", "model.patch_size=5"], {}, "not a multiple of model.patch_size=5"),
     # data: {tmp} is the test's folder, where run_cases writes the files these name

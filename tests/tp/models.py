@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.mesh import get_placement
+from polyshard.models.common import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
 from polyshard.tp import (
     ColumnParallel,
     RowParallel,
@@ -20,7 +21,6 @@ from polyshard.tp import (
     VocabParallel,
     gather_full_tensor,
 )
-from polyshard.models.common import MLP, Attention, Block  # noqa: F401  (the tests import them from here)
 
 
 class GPT(nn.Module):

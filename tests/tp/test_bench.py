@@ -4,8 +4,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from polyshard.mesh import Mesh
-from polyshard.tp import bench
 from polyshard.models.common import MLP, Block
+from polyshard.tp import bench
 
 
 def _cases():

@@ -34,7 +34,7 @@ def test_composed_gpt_matches_the_torch_native_composition(distributed, layout):
     assert r["ours_s"] > 0 and r["peer_s"] > 0 and r["ratio"] == pytest.approx(r["ours_s"] / r["peer_s"])
     # Parameters, gradients and AdamW's two moments, float32: 16 bytes per parameter unsharded.
     config = peers.composed_config(layout)
-    from polyshard.trainer.models import parameter_count
+    from polyshard.models import parameter_count
 
     unsharded = 16 * parameter_count(config.model)
     for held in (r["ours_held_bytes"], r["peer_held_bytes"]):

@@ -48,20 +48,32 @@ def test_defaults_are_valid():
         ({"parallel": {"stage_layers": [2, 0]}}, "must be a list of layer counts >= 1"),
         ({"model": {"norm_eps": 0}}, "model.norm_eps=0.0 must be in \\(0, 1\\)"),
         ({"model": {"norm_eps": "1e-6"}}, "model.norm_eps='1e-6' must be a finite number"),
-        ({"model": {"preset": "llama-tiny", "rope_scale_factor": 0.5}}, "model.rope_scale_factor=0.5 must be >= 1"),
+        ({"model": {"preset": "llama-tiny", "rope_scale_factor": 0.5}}, "model.rope_scale_factor=0.5 must be a finite"),
         ({"model": {"rope_scale_factor": 8}}, "scales rotary positions, but model.positions='learned'"),
         ({"model": {"rope_low_freq_factor": 4, "rope_high_freq_factor": 1}}, "need 0 < low < high"),
-        ({"model": {"rope_original_context": 0}}, "model.rope_original_context=0 must be an integer >= 1"),
+        ({"model": {"rope_original_context": 0}}, "model.rope_original_context=0 must be >= 1"),
         ({"model": {"rope_original_context": 8192.0}}, "model.rope_original_context=8192.0 must be an integer"),
-        ({"model": {"router": "relu"}}, "model.router='relu'; choose one of \\['softmax', 'sigmoid'\\]"),
-        ({"model": {"router_bias_update_rate": 0.001}}, "balances a sigmoid router's selection bias, but model.router"),
-        ({"model": {"router_bias_update_rate": -0.1}}, "model.router_bias_update_rate=-0.1 must be >= 0"),
-        ({"model": {"router_scale": 0}}, "model.router_scale=0.0 must be > 0"),
-        ({"model": {"num_experts": 8, "router_groups": 3}}, "choose router_groups in \\[1, 2, 4, 8\\]"),
-        ({"model": {"num_experts": 8, "router_groups": 4, "router_group_topk": 5}}, "model.router_group_topk=5 must"),
-        ({"model": {"num_experts": 8, "top_k": 3, "router_groups": 4}}, "model.top_k=3 exceeds the 2 experts"),
-        ({"model": {"seq_aux_loss_weight": -1}}, "model.seq_aux_loss_weight=-1.0 must be >= 0"),
-        ({"model": {"router_z_loss_weight": -1}}, "model.router_z_loss_weight=-1.0 must be >= 0"),
+        # An MoE's settings are [model.moe]'s, checked once (polyshard.ep.MoEConfig's rules, named here).
+        ({"model": {"kind": "moe-gpt", "moe": {"score": "relu"}}}, "model.moe: score='relu' is unknown; choose one"),
+        ({"model": {"kind": "moe-gpt", "moe": {"bias_update_rate": 0.001}}}, "balances a sigmoid router's selection"),
+        ({"model": {"kind": "moe-gpt", "moe": {"bias_update_rate": -0.1}}}, "model.moe.bias_update_rate=-0.1 must be"),
+        ({"model": {"kind": "moe-gpt", "moe": {"scale": 0}}}, "model.moe: scale=0.0 must be > 0"),
+        ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "groups": 3}}}, "choose groups in \\[1, 2, 4, 8\\]"),
+        ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "groups": 4, "group_topk": 5}}}, "group_topk=5 must"),
+        ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 8, "top_k": 3, "groups": 4}}}, "top_k=3 exceeds the 2"),
+        (
+            {"model": {"kind": "moe-gpt", "moe": {"seq_aux_loss_coef": -1}}},
+            "must be >= 0, got .*seq_aux_loss_coef=-1.0",
+        ),
+        ({"model": {"kind": "moe-gpt", "moe": {"top_k": 1.5}}}, "model.moe.top_k=1.5 must be an integer"),
+        ({"model": {"kind": "moe-gpt", "moe": {"experts": 4}}}, "unknown key in \\[model.moe\\] 'experts'"),
+        # A family holds its own fields only: the ViT has no router, the GPT no image.
+        ({"model": {"kind": "vit", "num_experts": 7}}, "model.num_experts is not a setting of model.kind='vit'"),
+        ({"model": {"kind": "vit", "rope_theta": 5.0}}, "not a setting of model.kind='vit'.*image_size"),
+        ({"model": {"image_size": 8}}, "model.image_size is not a setting of model.kind='gpt'"),
+        ({"model": {"moe": {"top_k": 2}}}, "model.moe is not a setting of model.kind='gpt'"),
+        ({"model": {"router": "sigmoid"}}, "model.router is not a setting of model.kind='gpt'"),
+        ({"model": {"kind": "moe-gpt", "top_k": 2, "moe": {"top_k": 1}}}, "are one setting; keep model.moe.top_k"),
     ],
 )
 def test_bad_fields(raw, message):
@@ -116,7 +128,11 @@ def test_bad_fields(raw, message):
         ({"parallel": {"ep": 2}}, 2, "needs experts"),
         ({"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1}}, 2, "zero_stage=0 with sequence"),
         ({"model": {"kind": "moe-gpt"}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2, "moe-gpt"),
-        ({"model": {"kind": "moe-gpt", "num_experts": 6}, "parallel": {"ep": 4}}, 4, "choose ep in \\[1, 2, 3, 6\\]"),
+        (
+            {"model": {"kind": "moe-gpt", "moe": {"num_experts": 6}}, "parallel": {"ep": 4}},
+            4,
+            "choose ep in \\[1, 2, 3, 6\\]",
+        ),
         ({"parallel": {"dp": 2, "microbatches": 3}, "training": {"global_batch_size": 16}}, 2, "multiple of 6"),
         ({"parallel": {"pp": 2, "stage_layers": [3, 2]}}, 2, "layer counts that add up to 6"),
         ({"parallel": {"pp": 2, "stage_layers": [6]}}, 2, "must give 2 pipeline stages"),
@@ -160,8 +176,8 @@ def test_override_syntax_errors(tmp_path):
         ("training.beta1=1.5", r"training.beta1=1.5 must be in \[0, 1\)"),
         ("training.eval_batches=-1", r"training.eval_batches=-1 must be >= 0"),
         ("logging.every=0", r"logging.every=0 must be an integer >= 1"),
-        ("model.capacity_factor=-1", r"model.capacity_factor=-1.0 must be > 0"),
-        ("model.patch_size=0", r"model.patch_size=0 must be an integer >= 1"),
+        (("model.kind=moe-gpt", "model.moe.capacity_factor=-1"), r"capacity_factor=-1.0 must be > 0"),
+        (("model.kind=vit", "model.patch_size=0"), r"model.patch_size=0 must be an integer >= 1"),
         ("parallel.dp=2.0", r"parallel.dp=2.0 must be an integer"),
         ("parallel.stage_layers=[1,true]", r"parallel.stage_layers=\[1, True\] must be a list of integers"),
         ("model.tie_embeddings=maybe", r"model.tie_embeddings='maybe' must be true or false"),
@@ -172,7 +188,7 @@ def test_every_field_is_checked_for_type_and_range(override, message):
     # Before: "lr=fast" failed inside the workers with "'<=' not supported ...", nan/inf and a
     # negative weight decay trained to the end, and warmup_steps=1.5 was taken as is.
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, [override] if isinstance(override, str) else list(override))
 
 
 def test_overrides_parse_with_the_fields_type():

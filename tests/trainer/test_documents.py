@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from polyshard.cp import local_positions
 from polyshard.mesh import Mesh
+from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import build_model
 
 VOCAB, CONTEXT, ROWS = 64, 24, 4
 # Documents per row, in tokens of the row's CONTEXT + 1 (inputs are the first CONTEXT). Under cp=2 the
@@ -82,7 +82,7 @@ def _run(config, masked=True, documents=DOCUMENTS):
     (this rank's logits or None, [(placement, gradient)], where the rank sits, the evaluation loss)."""
     from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import batch_segments, evaluate, split_batch
-    from polyshard.trainer.models.loss import global_token_mean
+    from polyshard.trainer.tasks.loss import global_token_mean
 
     par = config.parallel
     mesh = Mesh(par.mesh_axes)

@@ -41,8 +41,8 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llam
                 "num_layers": 2,
                 "num_heads": 4,
                 "context_length": 16,
-                "aux_loss_weight": aux_loss_weight,
                 "tie_embeddings": tie_embeddings,
+                **({"moe": {"aux_loss_coef": aux_loss_weight}} if kind == "moe-gpt" else {}),
                 **(LLAMA if llama else {}),
             },
             "parallel": parallel,
@@ -297,7 +297,8 @@ def test_moe_capacity_with_context_parallel_matches_the_layout_without_it(
     # capacity_factor 1.0 drops assignments; each cp rank applies the rule to its data rank's whole batch.
     def config(**axes):
         base = _config(corpus, "moe-gpt", **axes)
-        return dataclasses.replace(base, model=dataclasses.replace(base.model, capacity_factor=1.0))
+        moe = dataclasses.replace(base.model.moe, capacity_factor=1.0)
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, moe=moe))
 
     expected = distributed.run(world // 2, _train, config(**without_cp), tmp_path / "no-cp")[0]
     results = distributed.run(world, _train, config(**parallel), tmp_path / "cp")
@@ -389,8 +390,8 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
     import torch
     from safetensors.torch import load_file
 
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import export
-    from polyshard.trainer.models import build_model
 
     config = _config(corpus, kind, aux_loss_weight=0.0, **parallel)
     single = _config(corpus, kind, aux_loss_weight=0.0)

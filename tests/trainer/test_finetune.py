@@ -3,7 +3,7 @@
 Data is generated here (no download). The parity runs train the small GPT on
 pairs whose responses have different lengths, so microbatches and data ranks
 hold different numbers of counted tokens: only the global token-mean rule
-(:mod:`polyshard.trainer.models.loss`) makes one process and every layout agree.
+(:mod:`polyshard.trainer.tasks.loss`) makes one process and every layout agree.
 """
 
 import json
@@ -22,7 +22,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data import check_language_data, language_data
 from polyshard.trainer.errors import DataError
-from polyshard.trainer.models.loss import IGNORE_INDEX, global_token_mean
+from polyshard.trainer.tasks.loss import IGNORE_INDEX, global_token_mean
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
@@ -236,7 +236,7 @@ def test_masked_tokens_add_nothing_to_the_loss_or_its_gradient(distributed, tp):
 
 def _global_mean_over_data_ranks():
     """2 data ranks x 2 microbatches of one row, holding 1, 5 | 3, 0 counted tokens."""
-    from polyshard.trainer.models.loss import TokenMeanLoss
+    from polyshard.trainer.tasks.loss import TokenMeanLoss
 
     group = Mesh({"dp": 2}).group("dp")
     g = torch.Generator().manual_seed(1)
@@ -295,8 +295,8 @@ def _train(config, out):
 def _first_step_by_hand(config):
     """The first global batch's (loss, gradient norm) from the unsharded model, under the global
     token mean and, for contrast, as the mean of two microbatches' own means."""
+    from polyshard.models import build_model
     from polyshard.trainer.loop import make_loaders, split_batch
-    from polyshard.trainer.models import build_model
 
     train_data, _ = make_loaders(config, Mesh(config.parallel.mesh_axes))
     inputs, targets = split_batch(config, train_data.next_batch())

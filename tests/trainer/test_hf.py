@@ -19,8 +19,8 @@ import torch
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
+from polyshard.trainer.checkpointing.hugging_face import HFSource, hf_state, model_settings, write_hf
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models.hf import HFSource, hf_state, model_settings, write_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,8 +115,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     tie, parallel = LAYOUTS[layout]
     gpt2 = folders[tie]
@@ -146,8 +146,8 @@ def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
     with no missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
     from polyshard.data.tokenizer import ByteTokenizer
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     settings = model_settings(gpt2)
     toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
@@ -351,8 +351,8 @@ def test_gpt2_trains_on_a_shorter_context_than_its_folder(gpt2, corpus, tmp_path
     """As nanoGPT crops GPT-2's 1,024 positions to train on 256: a model with context_length 8 takes
     the first 8 rows of a 16-position table; its logits on 8 tokens are transformers' (float32
     round-off, see the top of the file), and the export writes the table at the 8 positions trained."""
-    from polyshard.trainer.models import build_model
-    from polyshard.trainer.models.hf import export_note
+    from polyshard.models import build_model
+    from polyshard.trainer.checkpointing.hugging_face import export_note
 
     settings = {**model_settings(gpt2), "context_length": 8}
     config = from_dict({"model": settings, "data": {"source": corpus}})
@@ -391,8 +391,8 @@ def test_checkpoint_hf_every_writes_folders_transformers_loads(distributed, gpt2
     import dataclasses
 
     from polyshard.checkpoint import Checkpoint
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     base = _config(gpt2, corpus, dp=2)
     config = dataclasses.replace(

@@ -19,9 +19,16 @@ from safetensors.torch import load_file, save_file
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
+from polyshard.models.gpt.hf_llama import settings as llama_settings
+from polyshard.trainer.checkpointing.hugging_face import (
+    HFSource,
+    check_matches,
+    hf_config,
+    hf_state,
+    model_settings,
+    write_hf,
+)
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models.gpt.llama import settings as llama_settings
-from polyshard.trainer.models.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
 from tests.trainer.test_hf import _asdict, _tokens
 
 transformers = pytest.importorskip("transformers")
@@ -133,8 +140,8 @@ QUICK = {"one", "tp2", "tied-tp2xpp2", "pp3-uneven", "scaled-tp2"}
     "layout", [name if name in QUICK else pytest.param(name, marks=pytest.mark.long) for name in LAYOUTS]
 )
 def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     name, parallel = LAYOUTS[layout]
     folder = folders[name]
@@ -176,8 +183,8 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     """Initialise from the scaled Llama on tp2, train a few steps, export: transformers loads the folder
     with no missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     folder = folders["scaled"]
     config = _config(folder, corpus, tp=2)

@@ -23,8 +23,15 @@ from typer.testing import CliRunner
 
 from polyshard.checkpoint import Checkpoint, CheckpointError
 from polyshard.mesh import Mesh
+from polyshard.trainer.checkpointing.hugging_face import (
+    HFSource,
+    check_matches,
+    hf_config,
+    hf_state,
+    model_settings,
+    write_hf,
+)
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models.hf import HFSource, check_matches, hf_config, hf_state, model_settings, write_hf
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
@@ -91,8 +98,8 @@ QUICK = {(family, "one") for family in FAMILIES} | {("qwen2_moe", "ep2xtp2"), ("
     [pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long) for f, m in LAYOUTS],
 )
 def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
@@ -169,8 +176,8 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     """Initialise from the folder, train a few steps, export: transformers loads the folder with no
     missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate
-    from polyshard.trainer.models import build_model
 
     folder = folders[family]
     config = _config(folder, corpus, **mesh)
@@ -250,7 +257,7 @@ def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
         hf_config(raw)
     # The folder's settings are what a run must use, named as --set fixes.
     other = from_dict({"model": {**model_settings(folders["qwen3_moe"]), "expert_hidden": 32}}).model
-    with pytest.raises(CheckpointError, match="--set model.expert_hidden=16"):
+    with pytest.raises(CheckpointError, match="--set model.moe.ffn_hidden=16"):
         check_matches(folders["qwen3_moe"], other)
 
 
@@ -270,7 +277,7 @@ def test_a_model_is_exported_as_the_family_it_has(folders, corpus):
 def test_the_presets_are_the_families(preset, architecture, parameters):
     """Each preset exports as its family; transformers builds the same number of parameters from the
     config.json polyshard writes (on the meta device for the large ones: nothing allocated)."""
-    from polyshard.trainer.models import parameter_count
+    from polyshard.models import parameter_count
 
     model = from_dict({"model": {"preset": preset}}).model
     hf = hf_config(model)
@@ -287,8 +294,8 @@ def test_a_sigmoid_or_grouped_router_is_not_exported_as_a_softmax_family():
     # Mixtral and Qwen-MoE route with softmax top-k over all experts: a model trained with DeepSeek's
     # biased sigmoid router or group-limited choice would load there and compute something else.
     from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.checkpointing.hugging_face import hf_config
     from polyshard.trainer.config import from_dict
-    from polyshard.trainer.models.hf import hf_config
 
     mixtral = {"kind": "moe-gpt", "preset": "mixtral-tiny"}
     assert hf_config(from_dict({"model": mixtral}).model)["model_type"] == "mixtral"

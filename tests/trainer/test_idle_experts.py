@@ -93,7 +93,7 @@ def _run(config, chunks=None):
         inputs, targets = split_batch(config, train_data.next_batch())
         train_step(engine, inputs, targets, lr=1e-2)
         snapshots.append(_expert_weights(engine))
-    return mesh.coord("ep"), config.model.num_experts // config.parallel.ep, snapshots
+    return mesh.coord("ep"), config.model.moe.num_experts // config.parallel.ep, snapshots
 
 
 LAYOUTS = [

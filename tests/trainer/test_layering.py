@@ -2,7 +2,7 @@
 two modules import each other, directly or round a longer circle (read from the source, every import
 counted, also those inside functions).
 
-    errors <- config <- data <- models <- engine <- checkpointing <- loop <- runtime
+    errors <- config <- data <- tasks <- engine <- checkpointing <- loop <- runtime
 """
 
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "packages" / "trainer" / "src"
-LAYERS = ["errors", "config", "data", "models", "engine", "checkpointing", "loop", "runtime"]
+LAYERS = ["errors", "config", "data", "tasks", "engine", "checkpointing", "loop", "runtime"]
 
 
 def _modules() -> dict[str, Path]:
@@ -35,7 +35,7 @@ def _imports(path: Path) -> set[str]:
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    # "from polyshard.trainer.models import spec_of" names the package; "import ...models.gpt.gpt2" a module.
+    # "from polyshard.models import spec_of" names the package; "import ...models.gpt.gpt2" a module.
     return {name: {n for n in _imports(path) if n in modules} - {name} for name, path in modules.items()}
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from polyshard.models import build_model
 from polyshard.models.common import RopeScaling, rope_frequencies, rotate
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import build_model
 
 transformers = pytest.importorskip("transformers")
 ROUND_OFF = 1e-5

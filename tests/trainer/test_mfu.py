@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
+from polyshard.models import parameter_count
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.metrics import Progress, model_flops_per_token
 from polyshard.trainer.loop.mfu import CALIBRATION, calibrated_peak, datasheet_peak, measure_peak
-from polyshard.trainer.models import parameter_count
 
 STEPS = 3
 FIELDS = ("model_flops_per_token", "achieved_tflops_per_rank", "mfu", "peak_tflops", "peak_source")

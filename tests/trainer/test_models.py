@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from polyshard.models import GPT, ViT, build_model, sequence_length
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import GPT, ViT, build_model, sequence_length
 
 
 def _gpt2_by_hand(weights, tokens, num_heads):

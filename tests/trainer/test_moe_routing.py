@@ -275,7 +275,8 @@ def test_aux_loss_free_balancing_undoes_a_skewed_router(distributed, corpus):
     # then moves by steps small beside the spread of the affinities (~0.03 at this init), so the
     # load stays near the mean. DeepSeek-V3 uses 0.001 over far longer runs; the rule is the same.
     config = _config(corpus, "sigmoid")
-    model = dataclasses.replace(config.model, num_layers=1, seq_aux_loss_weight=0.0, router_bias_update_rate=0.002)
+    moe = dataclasses.replace(config.model.moe, seq_aux_loss_coef=0.0, bias_update_rate=0.002)
+    model = dataclasses.replace(config.model, num_layers=1, moe=moe)
     training = dataclasses.replace(config.training, global_batch_size=16)  # 256 tokens a step: less count noise
     config = dataclasses.replace(config, model=model, training=training)
     balanced = distributed.run(1, _balance_curve, config, 0.1)[0]
@@ -286,7 +287,8 @@ def test_aux_loss_free_balancing_undoes_a_skewed_router(distributed, corpus):
     assert first <= BALANCE_STEPS
     assert sum(balanced[-50:]) / 50 < 1.2  # and it stays balanced (a step's count of 256 tokens is noisy)
     # Without the update the same router stays skewed: the balance is the bias's doing, not training's.
-    frozen = dataclasses.replace(config, model=dataclasses.replace(config.model, router_bias_update_rate=0.0))
+    still = dataclasses.replace(config.model.moe, bias_update_rate=0.0)
+    frozen = dataclasses.replace(config, model=dataclasses.replace(config.model, moe=still))
     skewed = distributed.run(1, _balance_curve, frozen, 0.1, 50)[0]
     assert min(skewed) > 1.8
 

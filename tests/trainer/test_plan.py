@@ -2,12 +2,12 @@
 
 import pytest
 
+from polyshard.models import build_model, parameter_count
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.dry_run import describe
 from polyshard.planner.memory import rank_model_states
 from polyshard.planner.search import Request, meshes
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import build_model, parameter_count
 
 
 def test_parameter_count_matches_the_real_model():

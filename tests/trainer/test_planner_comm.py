@@ -15,7 +15,9 @@ from polyshard.trainer.loop import train_step
 def _wire_by_group(parallel):
     """(measured, estimated) wire bytes of one training step on this rank, by group of global ranks."""
     parallel = dict(parallel)
-    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt"), "capacity_factor": parallel.pop("capacity", None)}
+    model = {"preset": "tiny", "kind": parallel.pop("kind", "gpt")}
+    if "capacity" in parallel:  # an MoE's
+        model["moe"] = {"capacity_factor": parallel.pop("capacity")}
     config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)

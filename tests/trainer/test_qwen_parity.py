@@ -71,13 +71,13 @@ def test_qwen_layers_train_as_on_one_process(distributed, corpus, reference, tmp
 @pytest.mark.parametrize(
     "model, message",
     [
-        ({"shared_expert_gate": True}, "model.shared_expert_gate gates the shared experts: set model.shared_experts"),
+        ({"kind": "moe-gpt", "moe": {"shared_gate": True}}, "model.moe.shared_gate gates the shared experts: set"),
         ({"head_dim": 0}, "model.head_dim=0"),
-        ({"expert_hidden": 8}, "model.expert_hidden=8 shapes experts, which model.kind='gpt' has none of"),
-        ({"shared_experts": -1}, "model.shared_experts"),
-        ({"expert_hidden": 0}, "model.expert_hidden=0"),
+        ({"expert_hidden": 8}, "model.expert_hidden is not a setting of model.kind='gpt'"),
+        ({"kind": "moe-gpt", "moe": {"shared_experts": -1}}, "model.moe.shared_experts"),
+        ({"kind": "moe-gpt", "moe": {"ffn_hidden": 0}}, "model.moe.ffn_hidden=0"),
         ({"positions": "rope", "head_dim": 7}, r"the head dim \(model.head_dim, or hidden/num_heads\)=7 must be even"),
-        ({"kind": "moe-gpt", "shared_experts": 1, "shared_expert_hidden": 33, "tp": 2}, "does not divide the MLP w"),
+        ({"kind": "moe-gpt", "moe": {"shared_experts": 1, "shared_ffn_hidden": 33}, "tp": 2}, "does not divide the MLP"),
     ],
 )  # fmt: skip
 def test_the_new_settings_are_checked_naming_the_field(model, message):
@@ -93,7 +93,7 @@ def test_a_head_dim_of_its_own_needs_no_divisible_width():
     """Qwen3-4B's shape in small: 3 heads of 16 dims on a 40-wide stream (40 is no multiple of 3)."""
     import torch
 
-    from polyshard.trainer.models import build_model
+    from polyshard.models import build_model
 
     config = from_dict({"model": {**QWEN3, "hidden": 40, "num_heads": 3, "num_kv_heads": 1, "num_layers": 1}}).model
     model = build_model(config)

@@ -351,8 +351,8 @@ def _parallel_loss(config, folder, tokens):
 def test_exported_weights_give_the_parallel_models_outputs(distributed, trained, tmp_path, name):
     import torch.nn.functional as F
 
+    from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import export
-    from polyshard.trainer.models import build_model
 
     config, _, _ = trained[name]
     folder = _checkpoint(trained, name, STEPS)

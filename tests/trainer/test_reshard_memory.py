@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from polyshard.checkpoint import FORMAT_VERSION
 from polyshard.checkpoint.format import rank_file, sha256
+from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.models import build_model
 
 BLOCK = 1 << 20
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
+from polyshard.models.gpt import GPT
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.benchmarks.recompute import _config as bench_config
 from polyshard.planner.benchmarks.recompute import block_bytes
@@ -20,7 +21,6 @@ from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from polyshard.trainer.models.gpt import GPT
 
 # The bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
 # checkpointing is left out: its norms and autocast's bf16 weight copies are saved in float32 / per weight,

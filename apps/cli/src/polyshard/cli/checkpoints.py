@@ -69,7 +69,8 @@ def generate(
     import math
 
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
-    from polyshard.trainer import DataError, consolidate, load_tokenizer, sample_text, saved_config, spec_of
+    from polyshard.trainer import DataError, consolidate, load_tokenizer, sample_text, saved_config
+    from polyshard.trainer.tasks import task_of
 
     if not math.isfinite(temperature):
         raise typer.BadParameter("give a finite temperature", param_hint="--temperature")
@@ -78,7 +79,7 @@ def generate(
     try:
         source = open_checkpoint(ckpt, _report_skip)
         config = saved_config(source)
-        if not spec_of(config.model).task.generates_text:
+        if not task_of(config.model).generates_text:
             kind = config.model.kind
             raise CheckpointError(f"{source.folder} holds a {kind!r} model, which makes no text; generate needs a GPT")
         saved = source.asset(TOKENIZER)  # the run's own tokenizer, saved with its checkpoints

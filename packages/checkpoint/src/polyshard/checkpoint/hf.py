@@ -3,7 +3,7 @@
 A folder is ``config.json`` plus ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). This module knows no model
 family: the caller says where each of its tensors lives (:class:`TensorLocation`) and what
-``config.json`` holds. The trainer's model families (``polyshard.trainer.models.<family>.hf``) do.
+``config.json`` holds. The trainer's model families (``polyshard.models.<family>.hf``) do.
 Every file is untrusted input: the index may name only bare files inside the folder.
 """
 

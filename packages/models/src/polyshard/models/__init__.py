@@ -1,2 +1,42 @@
 """polyshard.models: the model families polyshard trains, as plain PyTorch modules with no parallelism
-inside. :mod:`.common` holds the blocks every family shares."""
+inside. :mod:`.common` holds the blocks every family shares; each family is a folder (:mod:`.gpt`,
+:mod:`.moe_gpt`, :mod:`.vit`) with its config, model, parallel plan, Hugging Face adapters and presets,
+declared by one :class:`ModelSpec` in :mod:`.registry`."""
+
+from polyshard.models.build import (
+    build_model,
+    check_model,
+    layer_generator,
+    output_width,
+    parameter_count,
+    sequence_length,
+    spec_of,
+    tied_names,
+)
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.gpt.model import GPT
+from polyshard.models.registry import SPECS, register
+from polyshard.models.spec import BuildOptions, ModelSpec, ParallelSizes, layer_of
+from polyshard.models.vit.model import ViT
+
+__all__ = [
+    "GPT",
+    "SPECS",
+    "BuildOptions",
+    "ConfigError",
+    "ModelConfig",
+    "ModelSpec",
+    "ParallelSizes",
+    "ViT",
+    "build_model",
+    "check_model",
+    "layer_generator",
+    "layer_of",
+    "output_width",
+    "parameter_count",
+    "register",
+    "sequence_length",
+    "spec_of",
+    "tied_names",
+]

@@ -37,18 +37,27 @@ backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter`
 
 from __future__ import annotations
 
+from polyshard.models import output_width, sequence_length, spec_of
+from polyshard.models.gpt.config import GPTConfig
+from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.memory import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
-from polyshard.trainer.models import sequence_length, spec_of
 
 
 def _element_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
+def _architecture(model: ModelConfig) -> GPTConfig | None:
+    """A decoder's architecture fields (norm, MLP, positions, q/k norms); None for the ViT, whose are
+    GPT-2's: LayerNorm, GELU, a learned position table."""
+    return model if isinstance(model, GPTConfig) else None
+
+
 def _norm(model: ModelConfig, e: int) -> float:
-    return (model.hidden + 2) * e if model.norm == "layer" else (2 * model.hidden + 1) * 4
+    arch = _architecture(model)
+    return (model.hidden + 2) * e if arch is None or arch.norm == "layer" else (2 * model.hidden + 1) * 4
 
 
 def micro_batch_size(config: Config) -> int:
@@ -63,13 +72,15 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
     attention = (2 * q + 2 * kv) * e + n * 4
-    if model.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
+    arch = _architecture(model)
+    if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4
     if spec_of(model).has_experts:  # routed copies in and out, the experts' SwiGLU, router scores
-        mlp = 2 * model.top_k * h * e + 4 * model.expert_width * e + model.num_experts * 4
-        mlp += 4 * model.shared_width * e  # the shared experts' SwiGLU, every token
+        moe = moe_config(model)
+        mlp = 2 * moe.moe.top_k * h * e + 4 * moe.expert_width * e + moe.moe.num_experts * 4
+        mlp += 4 * moe.shared_width * e  # the shared experts' SwiGLU, every token
     else:
-        mlp = (2 if model.activation == "gelu" else 4) * f * e
+        mlp = (2 if arch is None or arch.activation == "gelu" else 4) * f * e
     return (outside + (attention + mlp) / tp) / parallel.cp
 
 
@@ -85,10 +96,12 @@ def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, prec
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
     q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
-    up = 1 if model.activation == "gelu" else 2
+    arch = _architecture(model)
+    up = 1 if arch is None or arch.activation == "gelu" else 2
     if spec_of(model).has_experts:  # the router's logits and the experts' matmuls on their routed copies
-        rows = h * e + model.num_experts * e + model.top_k * (up * model.expert_width + h) * e
-        columns += up * model.shared_width * e  # the shared experts' gate and up, split by tp
+        moe = moe_config(model)
+        rows = h * e + moe.moe.num_experts * e + moe.moe.top_k * (up * moe.expert_width + h) * e
+        columns += up * moe.shared_width * e  # the shared experts' gate and up, split by tp
     else:
         columns += up * f * e
         rows = 2 * h * e  # o_proj's and the MLP's last matmul, each (tokens, h) before the reduction
@@ -98,7 +111,7 @@ def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, prec
 def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
     e = _element_bytes(precision)
     shard = parallel.tp if parallel.sequence_parallel else 1
-    vocab = model.vocab_size if spec_of(model).task.generates_text else model.num_classes
+    vocab = output_width(model)
     loss = vocab * 4 / parallel.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
     return (_norm(model, e) / shard + model.hidden * e + loss) / parallel.cp
 
@@ -120,7 +133,8 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
         per_block = _checkpointed_per_token(model, parallel, precision) * tokens
     else:
         per_block = block_bytes_per_token(model, parallel, precision) * tokens
-        if model.positions == "rope":
+        arch = _architecture(model)
+        if arch is not None and arch.positions == "rope":
             per_block += 16 * seq * model.attention_head_dim
     total = blocks * per_block
     if 0 in layers:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polyshard.models import output_width, sequence_length
 from polyshard.planner.auto import choose
 from polyshard.planner.calibrate import Sweep, measure_round, probe_saved_bytes, to_profile
 from polyshard.planner.cost import estimate_step
@@ -55,7 +56,8 @@ def _time_steps(config: Config, steps: int) -> float:
     engine = build_engine(config, mesh)
     generator = torch.Generator().manual_seed(mesh.group_rank(config.parallel.batch_axes))
     per_rank = config.training.global_batch_size // config.parallel.data_ranks
-    tokens = torch.randint(0, config.model.vocab_size, (per_rank, config.model.context_length + 1), generator=generator)
+    shape = (per_rank, sequence_length(config.model) + 1)
+    tokens = torch.randint(0, output_width(config.model), shape, generator=generator)
     times = []
     for i in range(steps + 1):
         dist.barrier()

@@ -116,12 +116,13 @@ def _elementwise(h: int, saved_per_token: float, matmul_tflops: float, budget_s:
 def probe_saved_bytes(widths: Sequence[int]) -> dict[int, float]:
     """Bytes per token the probe block saves for backward, as :mod:`activations` counts them (worked
     out here in the parent: the workers need not import the trainer)."""
+    from polyshard.models.gpt.config import GPTConfig
     from polyshard.planner.activations import block_bytes_per_token
-    from polyshard.trainer.config import ModelConfig, ParallelConfig
+    from polyshard.trainer.config import ParallelConfig
 
     one_process = ParallelConfig()
     return {
-        h: block_bytes_per_token(ModelConfig(hidden=h, num_heads=h // 16, context_length=64), one_process, "fp32")
+        h: block_bytes_per_token(GPTConfig(hidden=h, num_heads=h // 16, context_length=64), one_process, "fp32")
         for h in widths
     }
 

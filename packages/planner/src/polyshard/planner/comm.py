@@ -37,12 +37,13 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.models import output_width, sequence_length, spec_of, tied_names
+from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size
 from polyshard.planner.memory import holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import sequence_length, spec_of, tied_names
-from polyshard.trainer.models.tasks import LANGUAGE
+from polyshard.trainer.tasks import LANGUAGE, task_of
 
 
 @dataclass(frozen=True)
@@ -102,16 +103,17 @@ def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
     out: list[Traffic] = []
     blocks = sum(1 for i in layers if 0 < i < last)
     if par.ep > 1 and spec_of(model).has_experts:
-        routed = act * model.top_k
+        routed = act * moe_config(model).moe.top_k
         out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
     if par.cp > 1 and spec_of(model).has_experts:  # the aux losses' per-expert statistics, summed over cp
-        stats = 4 * (2 * model.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
+        moe = moe_config(model).moe
+        stats = 4 * (2 * moe.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
         recompute = blocks if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
         out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks, "forward"))
         out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks + recompute, "backward"))
-        if model.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
+        if moe.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
             tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
-            for nbytes in (8 * par.cp * tokens * model.top_k, 8 * sequence_length(model)):
+            for nbytes in (8 * par.cp * tokens * moe.top_k, 8 * sequence_length(model)):
                 out.append(Traffic("cp", "all_gather", par.cp, nbytes, blocks, "forward"))
                 out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
@@ -192,7 +194,7 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     par, model = config.parallel, config.model
     out = _gradient_traffic(config, pp_rank)
     if tied_names(model) and par.pp > 1 and pp_rank in (0, par.pp - 1):
-        vocab = model.vocab_size / par.tp
+        vocab = output_width(model) / par.tp
         out.append(Traffic("pp", "all_reduce", 2, 4 * vocab * model.hidden, 1, "step"))
     if par.sequence_parallel and par.tp > 1:  # norm weights on sequence shards: their grads sum over tp
         norms = sum(
@@ -205,15 +207,22 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     if spec_of(model).has_experts and expert_replicas > 1:  # idle experts: rows per local expert (int64)
         bounds, stages = stage_bounds(config), stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]
         blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers)
-        rows = 8 * blocks * model.num_experts // par.ep
+        rows = 8 * blocks * moe_config(model).moe.num_experts // par.ep
         out.append(Traffic("dp", "all_reduce", expert_replicas, rows, 1, "step"))
     out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
     if spec_of(model).has_experts and par.world_size > 1:  # every layer's load and bias (engine.balance), fp64
         pipeline_layers = model.num_layers + 2  # the embedding, the blocks, the head
         out.append(
-            Traffic("world", "all_reduce", par.world_size, 8 * pipeline_layers * (2 * model.num_experts + 2), 1, "step")
+            Traffic(
+                "world",
+                "all_reduce",
+                par.world_size,
+                8 * pipeline_layers * (2 * moe_config(model).moe.num_experts + 2),
+                1,
+                "step",
+            )
         )
-    if spec_of(model).task is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
+    if task_of(model) is LANGUAGE and par.replicas > 1:  # the global batch's target-token count (fp64)
         out.append(Traffic("dp", "all_reduce", par.replicas, 8, 1, "step"))
     return out
 

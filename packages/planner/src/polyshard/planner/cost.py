@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
+from polyshard.models import ModelConfig, layer_of, sequence_length, tied_names
+from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
 from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config, ParallelConfig
-from polyshard.trainer.models import layer_of, sequence_length, spec_of, tied_names
+from polyshard.trainer.tasks import task_of
 
 
 def layer_matmul_params(config: Config) -> list[float]:
@@ -39,12 +41,12 @@ def layer_matmul_params(config: Config) -> list[float]:
     shapes = dict(global_shapes(model))
     for alias, name in tied_names(model).items():
         shapes[alias] = shapes[name]
-    lookups = ("layers.0.tok.", "layers.0.pos.") if spec_of(model).task.generates_text else ()
+    lookups = ("layers.0.tok.", "layers.0.pos.") if task_of(model).generates_text else ()
     out = [0.0] * (model.num_layers + 2)
     for name, shape in shapes.items():
         if len(shape) < 2 or name.startswith(lookups):
             continue
-        share = model.top_k / model.num_experts if ".experts." in name else 1.0
+        share = _active_share(model) if ".experts." in name else 1.0
         out[layer_of(name)] += math.prod(shape) * share
     return out
 
@@ -187,3 +189,9 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
 def _stepped(held: Held, zero_stage: int) -> float:
     """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it)."""
     return ShardSpec(held.shape, held.shard_ranks).shard_numel if zero_stage >= 1 else math.prod(held.shape)
+
+
+def _active_share(model: ModelConfig) -> float:
+    """The share of a layer's routed experts each token runs: top_k / num_experts."""
+    moe = moe_config(model).moe
+    return moe.top_k / moe.num_experts

@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 
 from polyshard.mesh import MeshLayout
+from polyshard.models import build_model, parameter_count, spec_of, tied_names
+from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.memory import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
 from polyshard.trainer.engine.optim import schedule_of
 from polyshard.trainer.engine.parallelize import layer_costs, pipeline_bounds
-from polyshard.trainer.models import build_model, parameter_count, spec_of, tied_names
-from polyshard.trainer.models.moe import routing_summary
 
 
 def describe(config: Config) -> str:

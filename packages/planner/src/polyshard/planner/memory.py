@@ -38,11 +38,11 @@ from torch import nn
 
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
+from polyshard.models import build_model, layer_of, spec_of, tied_names
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.parallelize import pipeline_bounds
-from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar

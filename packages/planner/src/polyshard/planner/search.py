@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from polyshard.mesh import divisors
+from polyshard.models import sequence_length, spec_of
+from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
@@ -27,7 +29,6 @@ from polyshard.planner.profile import Profile
 from polyshard.trainer.config import CHECKPOINTING, V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import sequence_length, spec_of
 
 SCHEDULES = ("1f1b", "zb-h1", "gpipe", "interleaved", "zb-v", "dualpipev")
 MIN_CONTEXT_TOKENS = 4096
@@ -153,7 +154,7 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
     spec = spec_of(model)
     context = spec.context_parallel and model.dropout == 0
     for tp in divisors(n):
-        mlp = model.shared_width if spec.has_experts else model.mlp_width  # what tp splits of the MLP
+        mlp = moe_config(model).shared_width if spec.has_experts else model.mlp_width  # what tp splits of the MLP
         if tp > request.devices_per_node or model.num_heads % tp or mlp % tp:
             continue
         if model.kv_heads % tp and tp % model.kv_heads:
@@ -165,7 +166,7 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
             elif cp > 1 and (sequence_length(model) % (2 * cp) or sequence_length(model) // cp < MIN_CONTEXT_TOKENS):
                 continue
             for ep in divisors(n // (tp * cp)) if spec.has_experts else [1]:
-                if model.num_experts % ep:
+                if moe_config(model).moe.num_experts % ep:
                     continue
                 for pp in divisors(n // (tp * cp * ep)):
                     if pp <= min(model.num_layers + 2, MAX_PIPELINE):

@@ -30,9 +30,9 @@ from polyshard.mesh.benchmark import (
     time_interleaved,
     write_records,
 )
+from polyshard.models.common import MLP, Attention, Block
 from polyshard.tp.plan import parallelize
 from polyshard.tp.styles import ColumnParallel, RowParallel, ShardHeads, Style, TPEntry
-from polyshard.models.common import MLP, Attention, Block
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -34,20 +34,20 @@ _EXPORTS = {
     "train": "polyshard.trainer.loop",
     "Prediction": "polyshard.trainer.loop.plan_check",
     "sample_text": "polyshard.trainer.loop",
-    "build_model": "polyshard.trainer.models",
-    "spec_of": "polyshard.trainer.models",
+    "build_model": "polyshard.models",
+    "spec_of": "polyshard.models",
     "saved_config": "polyshard.trainer.checkpointing.export",
     "consolidate": "polyshard.trainer.checkpointing.export",
     "export": "polyshard.trainer.checkpointing.export",
     "reshard": "polyshard.trainer.checkpointing.reshard",
     "target_config": "polyshard.trainer.checkpointing.reshard",
-    "write_hf": "polyshard.trainer.models.hf",
-    "export_note": "polyshard.trainer.models.hf",
+    "write_hf": "polyshard.trainer.checkpointing.hugging_face",
+    "export_note": "polyshard.trainer.checkpointing.hugging_face",
     "load_tokenizer": "polyshard.data.tokenizer",
     "SCHEDULES": "polyshard.trainer.config",
     "PRESETS": "polyshard.trainer.config",
-    "sequence_length": "polyshard.trainer.models",
-    "model_settings": "polyshard.trainer.models.hf",
+    "sequence_length": "polyshard.models",
+    "model_settings": "polyshard.trainer.checkpointing.hugging_face",
     "train_bpe": "polyshard.data.tokenizer",
     "local_files": "polyshard.trainer.data.language",
     "die_with_parent": "polyshard.trainer.runtime.lifetime",
@@ -99,7 +99,9 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
     from polyshard.data.tokenizer import load_tokenizer, train_bpe
+    from polyshard.models import build_model, sequence_length, spec_of
     from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
+    from polyshard.trainer.checkpointing.hugging_face import export_note, model_settings, write_hf
     from polyshard.trainer.checkpointing.reshard import reshard, target_config
     from polyshard.trainer.config import MESH_AXES, PRESETS, SCHEDULES, Config, apply_overrides, from_dict, load_config
     from polyshard.trainer.data.language import local_files
@@ -107,7 +109,5 @@ if TYPE_CHECKING:
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train
     from polyshard.trainer.loop.plan_check import Prediction
-    from polyshard.trainer.models import build_model, sequence_length, spec_of
-    from polyshard.trainer.models.hf import export_note, model_settings, write_hf
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings
     from polyshard.trainer.runtime.lifetime import die_with_parent

@@ -1,12 +1,10 @@
-"""Typed errors of polyshard.trainer (DataError is polyshard.data's, one class for both)."""
+"""Typed errors of polyshard.trainer (DataError is polyshard.data's and ConfigError polyshard.models',
+one class for each)."""
 
 from polyshard.data.errors import DataError
+from polyshard.models.errors import ConfigError
 
 __all__ = ["ConfigError", "DataError", "NonFiniteError", "ReplicaMismatchError", "TiedWeightError"]
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; the message names the field and says what would work."""
 
 
 class TiedWeightError(RuntimeError):

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+
 class Documents(NamedTuple):
     """The documents of a packed batch: ``segments`` (B, S) int64, each token's document index within its
     row (0, 1, 2, ...; non-decreasing, a new document starts where it increases), and ``positions`` (B, S),
@@ -37,5 +38,3 @@ def document_mask(query_segments: torch.Tensor, key_segments: torch.Tensor, caus
     if causal:
         visible &= torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
     return visible.unsqueeze(1)
-
-

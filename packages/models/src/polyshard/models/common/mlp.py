@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 class MLP(nn.Module):
     """fc_out(gelu(fc_in(x))) with GPT-2's tanh GELU; ``mlp_hidden`` defaults to 4 x hidden."""
 
@@ -41,4 +42,3 @@ def norm_layer(kind: str, hidden: int, eps: float = 1e-5) -> nn.Module:
     if kind not in NORMS:
         raise ValueError(f"norm {kind!r}: choose one of {NORMS}")
     return nn.LayerNorm(hidden, eps=eps) if kind == "layer" else nn.RMSNorm(hidden, eps=eps)
-

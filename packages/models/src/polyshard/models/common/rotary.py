@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1's rotary frequency scaling (Hugging Face's ``rope_type = "llama3"``), which stretches
@@ -24,15 +25,16 @@ class RopeScaling:
     original_context: int = 8192
 
     def __post_init__(self) -> None:
+        # Named as a config's [model] fields (rope_scale_factor, ...), which give these numbers.
         if not (math.isfinite(self.factor) and self.factor >= 1.0):
-            raise ValueError(f"rope scaling factor={self.factor} must be a finite number >= 1 (1: no scaling)")
+            raise ValueError(f"rope_scale_factor={self.factor} must be a finite number >= 1 (1: no scaling)")
         if not (0.0 < self.low_freq_factor < self.high_freq_factor and math.isfinite(self.high_freq_factor)):
             raise ValueError(
-                f"rope scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
-                f"({self.high_freq_factor}); Llama 3 uses 1 and 4"
+                f"rope_low_freq_factor={self.low_freq_factor} and rope_high_freq_factor={self.high_freq_factor} "
+                f"need 0 < low < high (Llama 3 uses 1 and 4)"
             )
         if self.original_context < 1:
-            raise ValueError(f"rope scaling original_context={self.original_context} must be >= 1 (Llama 3: 8192)")
+            raise ValueError(f"rope_original_context={self.original_context} must be >= 1 (Llama 3: 8192)")
 
 
 def rope_frequencies(
@@ -53,7 +55,6 @@ def rope_frequencies(
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     between = (wavelength >= short_wavelength) & (wavelength <= long_wavelength)
     return torch.where(between, smoothed, scaled)
-
 
 
 def rotate(
@@ -77,5 +78,3 @@ def rotate(
     x32 = x.float()
     half = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
     return (x32 * cos + half * sin).to(x.dtype)
-
-

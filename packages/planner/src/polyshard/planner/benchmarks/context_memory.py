@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import Mesh, init_distributed
+from polyshard.models import build_model, output_width
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
-from polyshard.trainer.models import build_model
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:
@@ -48,7 +48,7 @@ def measure(seq_len: int, style: str, layers: int = 2) -> dict[str, object]:
     group = Mesh({"cp": cp}).group("cp") if cp > 1 else None
     if group is not None:
         apply_context_parallel(model, group, style, seq_len, "cpu")
-    tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, output_width(model_cfg), (1, seq_len), generator=torch.Generator().manual_seed(0))
     mine = local_tokens(tokens, group)
     nbytes = saved_bytes(lambda: model(mine))
     return {"seq_len": seq_len, "cp": cp, "style": style if cp > 1 else "sdpa", "tokens_per_rank": mine.shape[1],

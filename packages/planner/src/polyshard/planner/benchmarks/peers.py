@@ -61,11 +61,11 @@ from polyshard.collectives import ops
 from polyshard.dp import bytes_held
 from polyshard.mesh import DistributedContext, Mesh
 from polyshard.mesh.benchmark import Column, Record, comparison_record, held_bytes, run_bench, time_interleaved
+from polyshard.models import build_model, output_width, sequence_length, spec_of
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.engine.parallelize import build_engine, global_names, pipeline_bounds
 from polyshard.trainer.loop import train_step
-from polyshard.trainer.models import build_model, spec_of
 
 GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")
 PRESETS = ("tiny", "small")
@@ -113,7 +113,7 @@ def batches(config: Config, data_rank: int, count: int) -> list[tuple[torch.Tens
     out = []
     for step in range(count):
         g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.context_length + 1), generator=g)
+        tokens = torch.randint(0, output_width(model), (GLOBAL_BATCH, sequence_length(model) + 1), generator=g)
         mine = tokens[data_rank * rows : (data_rank + 1) * rows]
         out.append((mine[:, :-1].contiguous(), mine[:, 1:].contiguous()))
     return out
@@ -289,7 +289,7 @@ def composed_case(
         f"GPT-{preset} {layout_name(layout)}"
         + (" ZeRO-3" if layout.get("dp", 1) > 1 else "")
         + (f" 1F1B m={MICROBATCHES}" if layout.get("pp", 1) > 1 else "")
-        + f" (H={m.hidden} L={m.num_layers} S={m.context_length} B={GLOBAL_BATCH})"
+        + f" (H={m.hidden} L={m.num_layers} S={sequence_length(m)} B={GLOBAL_BATCH})"
         + (" compiled" if compiled else "")
     )
     ours = Ours(config, device)

@@ -26,9 +26,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from polyshard.models import build_model, output_width, sequence_length
 from polyshard.planner.activations import stage_bytes
 from polyshard.trainer.config import Config, from_dict
-from polyshard.trainer.models import build_model, sequence_length
 
 MODES: tuple[bool | str, ...] = (False, "selective", "full")
 
@@ -116,7 +116,7 @@ def step_ms(configs: list[Config], repeats: int = 5) -> list[tuple[float, float]
         models.append(build_model(config.model, checkpoint_activations=config.training.activation_checkpointing))
     first = configs[0]
     batch, seq = first.training.global_batch_size, sequence_length(first.model)
-    tokens = torch.randint(0, first.model.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, output_width(first.model), (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     bf16 = first.training.precision == "bf16"
     times: list[list[tuple[float, float]]] = [[] for _ in configs]
     for repeat in range(repeats + 1):  # the first round is a warm-up

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from polyshard.mesh import Mesh, init_distributed
+from polyshard.models import parameter_count
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop.trainer import Trainer
-from polyshard.trainer.models import parameter_count
 
 STEPS, SAVE_EVERY = 9, 4
 

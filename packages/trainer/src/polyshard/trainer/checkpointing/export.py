@@ -10,9 +10,9 @@ import torch
 from polyshard.checkpoint import Checkpoint, CheckpointError
 from polyshard.checkpoint import consolidate as consolidate_weights
 from polyshard.checkpoint import export as export_weights
+from polyshard.models import tied_names
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import tied_names
 
 # Settings older checkpoints record that no longer exist: the launcher now resolves the layout
 # (`--layout auto`) and hands the planner's prediction to the run in a file of its own.
@@ -29,7 +29,7 @@ def saved_config(source: Checkpoint) -> Config:
         for section, values in source.settings.items()
     }
     try:
-        return from_dict(settings)
+        return from_dict(settings, saved=True)
     except ConfigError as err:
         raise CheckpointError(f"{source.folder}/index.json: the saved config is not valid: {err}") from err
 

@@ -28,12 +28,12 @@ from polyshard.checkpoint import MASTER, Planned, model_key, optim_key
 from polyshard.dp import ShardSpec, shard_record
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
+from polyshard.models import build_model, layer_of, spec_of, tied_names
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.trainer.checkpointing.state import buffer_record, persistent_buffers
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.parallelize import keeps_masters, pipeline_bounds, tp_plan
-from polyshard.trainer.models import build_model, layer_of, spec_of, tied_names
 
 
 def model_buffers(config: Config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

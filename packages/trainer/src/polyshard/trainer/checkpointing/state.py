@@ -21,8 +21,8 @@ from torch import nn
 from polyshard.checkpoint import MASTER, RNG, CheckpointError, LocalTensor, model_key, optim_key
 from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
+from polyshard.models import layer_of
 from polyshard.trainer.engine.parallelize import Engine
-from polyshard.trainer.models import layer_of
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

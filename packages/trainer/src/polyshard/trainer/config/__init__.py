@@ -11,13 +11,14 @@ pipeline stages, ...) are checked by
 :func:`polyshard.trainer.engine.constraints.validate` before any process starts.
 """
 
+from polyshard.models.config import ModelConfig
+from polyshard.models.gpt.presets import LLAMA
+from polyshard.models.settings import presets
 from polyshard.trainer.config.parse import apply_overrides, auto_dp, check_type, from_dict, load_config, read_toml
 from polyshard.trainer.config.sections import (
     CHECKPOINTING,
-    LLAMA,
     MESH_AXES,
     PRECISIONS,
-    PRESETS,
     SCHEDULES,
     SECTIONS,
     V_SCHEDULES,
@@ -25,10 +26,12 @@ from polyshard.trainer.config.sections import (
     Config,
     DataConfig,
     LoggingConfig,
-    ModelConfig,
     ParallelConfig,
     TrainingConfig,
 )
+
+PRESETS = {name: values for name, (_, values) in presets().items()}
+"""Every family's presets by name (``model.preset``)."""
 
 __all__ = [
     "LLAMA",

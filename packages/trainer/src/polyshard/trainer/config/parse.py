@@ -7,7 +7,6 @@ included), and an override parses with its field's type.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,68 +14,28 @@ from typing import Any
 
 import tomllib
 
-from polyshard.trainer.config.sections import PRESETS, SECTIONS, Config, _check_positive
+from polyshard.models.errors import check_positive as _check_positive
+from polyshard.models.settings import Note, check_value, declared_type, field_type, model_config, unknown
+from polyshard.trainer.config.sections import SECTIONS, Config
 from polyshard.trainer.errors import ConfigError
 
-
-def _unknown(kind: str, key: str, known: Sequence[str]) -> ConfigError:
-    near = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else f"; known: {sorted(known)}"
-    return ConfigError(f"unknown {kind} {key!r}{hint}")
-
-
 # -- types ---------------------------------------------------------------------
-_TYPE_WORDS = {
-    "int": "an integer",
-    "float": "a finite number",
-    "bool": "true or false",
-    "str": "a string",
-    "list[int]": "a list of integers",
-    "list[WeightedSource]": "a list of tables",
-}
 
 
-def _field_type(section: str, key: str) -> str | None:
-    """The declared type of ``section.key`` as written ('int', 'float | None', 'list[int] | None')."""
+def _field_type(section: str, key: str, raw: Mapping[str, Any] | None = None) -> str | None:
+    """The declared type of ``section.key`` as written ('int', 'float | None', 'list[int] | None'); a
+    ``[model]`` key's in the family ``raw``'s model table names (``key`` may be dotted: ``moe.top_k``)."""
+    if section == "model":
+        return field_type(raw.get("model", {}) if raw is not None else {}, key)
     cls = SECTIONS.get(section)
-    fields = {f.name: f.type for f in dataclasses.fields(cls)} if cls else {}
-    annotation = fields.get(key)
-    return annotation if isinstance(annotation, str) or annotation is None else annotation.__name__
-
-
-def _fits(value: Any, kind: str) -> bool:
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "list[int]":
-        return isinstance(value, list) and all(_fits(v, "int") for v in value)
-    if kind == "list[str]":
-        return isinstance(value, list) and all(_fits(v, "str") for v in value)
-    if kind == "list[WeightedSource]":  # each entry is checked by DataConfig itself
-        return isinstance(value, list)
-    raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here
+    return declared_type(cls, key) if cls is not None and key in {f.name for f in dataclasses.fields(cls)} else None
 
 
 def check_type(section: str, key: str, value: Any) -> Any:
     """``value`` as ``section.key``'s declared type (an int where a float is declared becomes a float);
     a :class:`ConfigError` naming the field and the expected type otherwise. NaN and infinities are
     never valid numbers."""
-    declared = _field_type(section, key)
-    if declared is None:
-        return value
-    kinds = [k.strip() for k in declared.split("|")]
-    if value is None and "None" in kinds:
-        return None
-    for kind in (k for k in kinds if k != "None"):
-        if _fits(value, kind):
-            return float(value) if kind == "float" else value
-    wanted = " or ".join(_TYPE_WORDS.get(k, "unset") for k in kinds)
-    raise ConfigError(f"{section}.{key}={value!r} must be {wanted}")
+    return check_value(f"{section}.{key}", _field_type(section, key), value)
 
 
 # -- parsing -------------------------------------------------------------------
@@ -102,10 +61,16 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.lr=3e-4")
         path, value = item.split("=", 1)
-        if path.count(".") != 1:
-            raise ConfigError(f"override {path!r} must name section.key, e.g. training.lr")
-        section, key = path.split(".")
-        out.setdefault(section, {})[key] = _parse_value(value.strip(), _field_type(section, key))
+        if path.count(".") != 1 and not (path.startswith("model.") and path.count(".") == 2):
+            raise ConfigError(f"override {path!r} must name section.key, e.g. training.lr (or model.moe.key)")
+        section, key = path.split(".", 1)
+        parsed = _parse_value(value.strip(), _field_type(section, key, out))
+        if "." in key:  # model.moe.top_k: a key of the model's nested table
+            table, key = key.split(".")
+            nested = out.setdefault(section, {}).get(table, {})
+            out[section][table] = {**nested, key: parsed} if isinstance(nested, Mapping) else {key: parsed}
+        else:
+            out.setdefault(section, {})[key] = parsed
     return out
 
 
@@ -125,29 +90,33 @@ def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
     return world_size // rest
 
 
-def from_dict(raw: Mapping[str, Any], world_size: int | None = None) -> Config:
+def from_dict(
+    raw: Mapping[str, Any], world_size: int | None = None, *, saved: bool = False, note: Note | None = None
+) -> Config:
     """Build a :class:`Config`; unknown sections or keys are errors with a suggestion. ``world_size``
-    (the processes present) resolves ``parallel.dp = "auto"``."""
-    sections = {}
+    (the processes present) resolves ``parallel.dp = "auto"``. ``saved``: a config an earlier run wrote
+    (0.2's every-field ``[model]`` read); ``note`` receives one line per old spelling read."""
+    sections: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in SECTIONS and not isinstance(values, Mapping):
             homes = [name for name, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]
             where = f"; put it under [{homes[0]}]" if homes else ""
             raise ConfigError(f"{section} = {values!r} stands outside any [section]{where}")
         if section not in SECTIONS:
-            raise _unknown("config section", section, list(SECTIONS))
+            raise unknown("config section", section, list(SECTIONS))
         if not isinstance(values, Mapping):
             raise ConfigError(f"[{section}] must be a table of key = value pairs, not {values!r}")
+        if section == "model":  # the family's own fields, read by polyshard.models
+            sections[section] = model_config(values, saved=saved, note=note)
+            continue
         cls = SECTIONS[section]
         known = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in known:
-                raise _unknown(f"key in [{section}]", key, known)
+                raise unknown(f"key in [{section}]", key, known)
         if section == "parallel" and values.get("dp") == "auto":
             values = {**values, "dp": auto_dp(values, world_size)}
         values = {key: check_type(section, key, value) for key, value in values.items()}
-        if section == "model" and values.get("preset") in PRESETS:
-            values = {**PRESETS[values["preset"]], **values}  # explicit keys override the preset
         try:
             sections[section] = cls(**values)
         except TypeError as err:  # pragma: no cover - fields are checked above

@@ -31,6 +31,7 @@ from polyshard.data.examples import Concat, Documents, Examples, Windows
 from polyshard.data.format import MANIFEST, held_out, tokenizer_info
 from polyshard.data.prepared import Prepared, Split, open_prepared
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from polyshard.models import output_width, sequence_length
 from polyshard.trainer.config import Config, DataConfig
 from polyshard.trainer.data.corpus import cache_root, shakespeare_files
 from polyshard.trainer.errors import DataError
@@ -201,7 +202,7 @@ def _tail(count: int, fraction: float, where: str, what: str) -> int:
 def language_data(config: Config, *, progress: bool = False, check: bool = False) -> RunData:
     """The run's training sources (with weights) and validation examples; ``check`` also reads every
     padded example once (before launch: :func:`check_language_data`)."""
-    data, width = config.data, config.model.context_length + 1
+    data, width = config.data, sequence_length(config.model) + 1
     tokenizer = load_tokenizer(data.tokenizer)
     train, weights, names, held = [], [], [], []
     for number, entry in enumerate(data.mixture):
@@ -225,7 +226,7 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
 def check_language_data(config: Config) -> None:
     """Before any process starts: the tokenizer fits the model, every source is prepared (a progress bar
     while preparing), each split holds at least one global batch."""
-    tokenizer, vocab = load_tokenizer(config.data.tokenizer), config.model.vocab_size
+    tokenizer, vocab = load_tokenizer(config.data.tokenizer), output_width(config.model)
     if tokenizer.vocab_size > vocab and not isinstance(tokenizer, ByteTokenizer):
         raise DataError(
             f"data.tokenizer={config.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
@@ -239,8 +240,8 @@ def check_language_data(config: Config) -> None:
                 f"data.source={config.data.source!r} holds byte {top}, past model.vocab_size={vocab}; "
                 f"use vocab_size >= {top + 1} ({tokenizer.vocab_size} fits any text)"
             )
-    model, batch = config.model, config.training.global_batch_size
-    what = f"examples of model.context_length+1={model.context_length + 1} tokens"
+    batch = config.training.global_batch_size
+    what = f"examples of model.context_length+1={sequence_length(config.model) + 1} tokens"
     if len(data.train) == 1 and len(data.train[0]) < batch:  # a mixture draws one by one: any source serves
         raise DataError(
             f"data.source={data.names[0]!r} gives {len(data.train[0])} training {what}, fewer than one global batch "

@@ -25,6 +25,7 @@ import torch
 
 from polyshard.collectives import ops
 from polyshard.ep import MoELayer, Router
+from polyshard.models.moe_gpt.config import moe_config
 from polyshard.trainer.engine.parallelize import Engine
 from polyshard.trainer.errors import ConfigError
 
@@ -74,8 +75,8 @@ def balance_experts(engine: Engine, stepped: bool) -> dict[int, LayerLoad]:
     """After the optimizer step (one all-reduce over the world; every rank of an MoE model calls it):
     the step's load of every MoE layer, by global pipeline layer; with ``stepped`` (the step was taken)
     each sigmoid router's bias moves toward balance by ``model.router_bias_update_rate``."""
-    model = engine.config.model
-    experts, rate = model.num_experts, model.router_bias_update_rate
+    moe = moe_config(engine.config.model).moe
+    experts, rate = moe.num_experts, moe.bias_update_rate
     layers = moe_layers(engine)
     counts = {i: layer.take_load() for i, layer in layers.items()}  # always taken: a skipped step resets them
     sums = torch.zeros(engine.pipeline_layers, 2 * experts + 2, dtype=torch.float64)
@@ -96,7 +97,7 @@ def balance_experts(engine: Engine, stepped: bool) -> dict[int, LayerLoad]:
         if row[experts + 1] == 0:  # no tokens routed: no MoE layer there
             continue
         bias_range = None
-        if model.router == "sigmoid":
+        if moe.score == "sigmoid":
             bias = Router.updated_bias(row[experts + 2 :].float(), row[:experts], rate if stepped else 0.0)
             bias_range = (float(bias.min()), float(bias.max()))
         loads = tuple(int(n) for n in row[:experts].tolist())

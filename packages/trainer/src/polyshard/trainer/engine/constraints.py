@@ -15,11 +15,12 @@ from torch._dynamo.eval_frame import is_dynamo_supported
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
+from polyshard.models import check_model, sequence_length, spec_of
+from polyshard.models.hf_families import family_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.models import check_model, sequence_length, spec_of
-from polyshard.trainer.models.hf import family_of
+from polyshard.trainer.tasks import task_of
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -40,8 +41,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_documents(config)
     _check_compile(config)
     spec = spec_of(model)
-    spec.check(config)  # the family's own constraints
-    spec.task.check_config(config)
+    spec.check(config.model, config.parallel)  # the family's own constraints
+    task_of(config.model).check_config(config)
     data_ranks = par.data_ranks
     per_step = data_ranks * par.microbatches
     if train.global_batch_size % per_step:
@@ -148,7 +149,7 @@ def _check_context(config: Config) -> None:
 
 def _check_documents(config: Config) -> None:
     """Document masking needs a causal language model: its rows are packed documents of tokens."""
-    task = spec_of(config.model).task
+    task = task_of(config.model)
     if config.data.document_mask and task.input_segments is None:
         raise ConfigError(
             f"data.document_mask = true applies to language models, whose rows pack documents of tokens; "

@@ -10,7 +10,7 @@
   (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
 
 Nothing else changes: blocks, norms and MLPs act on each token alone, the loss is a sum over
-tokens (divided by the global count, :mod:`polyshard.trainer.models.loss`), and the parameters are
+tokens (divided by the global count, :mod:`polyshard.trainer.tasks.loss`), and the parameters are
 replicated over cp, so their gradients average over dp x ep x cp like any replica's.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from polyshard.cp import context_parallel_attention, position_ids, shard_sequence
 from polyshard.models.common import Attention, CoreAttention
-from polyshard.trainer.models.gpt import Embedding
+from polyshard.models.gpt import Embedding
 
 
 class ContextParallelCore(nn.Module):

@@ -1,7 +1,7 @@
 """Document masking on this rank's stages: each microbatch's documents reach every attention call.
 
 With ``data.document_mask`` a loader batch carries ``segments`` beside its tokens: each token's document
-index within its row (:mod:`polyshard.trainer.models.tasks` cuts the inputs' part). Every rank builds
+index within its row (:mod:`polyshard.trainer.tasks` cuts the inputs' part). Every rank builds
 its own loader batch, so every pipeline stage has the documents of every microbatch without receiving
 them: nothing new travels between stages. Around each forward of stage s on microbatch k the pipeline
 executor enters :meth:`StageDocuments.around_forward`, which sets microbatch k's :class:`Documents` on
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from polyshard.models.common import Block, Documents, document_positions
-from polyshard.trainer.models.gpt import Embedding
+from polyshard.models.gpt import Embedding
 
 
 def documents_of(segments: torch.Tensor, local: Callable[[torch.Tensor], torch.Tensor]) -> Documents:

@@ -13,8 +13,8 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
+from polyshard.models.spec import decays as default_decays
 from polyshard.trainer.config import TrainingConfig
-from polyshard.trainer.models.spec import decays as default_decays
 
 
 def param_groups(
@@ -26,7 +26,7 @@ def param_groups(
 
     ``named``: (model name, parameter) pairs. Model names, not stage-local ones, decide: a
     pipeline's copy of a tied embedding is named as the embedding, and is not decayed either.
-    ``decays`` defaults to the usual rule, :func:`polyshard.trainer.models.spec.decays`.
+    ``decays`` defaults to the usual rule, :func:`polyshard.models.spec.decays`.
     """
     decays = decays or default_decays
     decay: list[nn.Parameter] = []

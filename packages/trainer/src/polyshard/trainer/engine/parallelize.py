@@ -59,6 +59,7 @@ from polyshard.dp import (
 )
 from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
+from polyshard.models import build_model, layer_of, sequence_length, spec_of, tied_names
 from polyshard.pp import PipelineExecutor, Schedule, Timeline, balanced_partition, make_schedule
 from polyshard.tp import (
     is_sequence_parallel,
@@ -73,8 +74,7 @@ from polyshard.trainer.engine.context import apply_context_parallel, local_token
 from polyshard.trainer.engine.documents import StageDocuments, documents_of
 from polyshard.trainer.engine.optim import muon_groups, param_groups
 from polyshard.trainer.errors import TiedWeightError
-from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
-from polyshard.trainer.models.tasks import LossFn
+from polyshard.trainer.tasks import LossFn, task_of
 
 
 def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict[str, Any]:
@@ -103,7 +103,7 @@ def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list
 
 def loss_function(config: Config, mesh: Mesh) -> LossFn:
     """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp)."""
-    return spec_of(config.model).task.loss(config, mesh.group("tp") if config.parallel.tp > 1 else None)
+    return task_of(config.model).loss(config, mesh.group("tp") if config.parallel.tp > 1 else None)
 
 
 @dataclass
@@ -253,7 +253,7 @@ class Engine:
 
 def global_names(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str] | None = None) -> dict[str, str]:
     """Chunk-local names -> model names; a copy of a tied weight takes the weight's own name
-    (``aliases``: alias -> name, see :func:`polyshard.trainer.models.tied_names`)."""
+    (``aliases``: alias -> name, see :func:`polyshard.models.tied_names`)."""
     aliases = aliases or {}
     out = {}
     for name, _ in stage.named_parameters():
@@ -389,7 +389,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     """Build this rank's pipeline layers and apply TP -> EP -> PP -> DP/ZeRO to them.
 
     Only this rank's layers are materialised; each is seeded by its global
-    index (see :mod:`polyshard.trainer.models`), so every layout starts from the
+    index (see :mod:`polyshard.models`), so every layout starts from the
     numbers one process would build.
     """
     par = config.parallel

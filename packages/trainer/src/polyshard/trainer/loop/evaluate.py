@@ -8,8 +8,8 @@ import torch
 
 from polyshard.collectives import ops
 from polyshard.trainer.engine.parallelize import Engine
-from polyshard.trainer.models import spec_of
-from polyshard.trainer.models.loss import IGNORE_INDEX
+from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks.loss import IGNORE_INDEX
 
 
 def evaluate(
@@ -45,7 +45,7 @@ def evaluate_batches(
     totals = totals.to(engine.device)
     ops.all_reduce(totals)
     loss, correct, count = totals.tolist()
-    return loss / count, (correct / count if spec_of(engine.config.model).task.reports_accuracy else None)
+    return loss / count, (correct / count if task_of(engine.config.model).reports_accuracy else None)
 
 
 def _evaluate(
@@ -55,7 +55,7 @@ def _evaluate(
     pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
     stages, whose collectives its peers need, but scores nothing). Under cp each rank scores its chunks."""
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)
-    n, accuracy = int((targets != IGNORE_INDEX).sum()), spec_of(engine.config.model).task.reports_accuracy
+    n, accuracy = int((targets != IGNORE_INDEX).sum()), task_of(engine.config.model).reports_accuracy
 
     def score(output: torch.Tensor) -> torch.Tensor:
         totals = torch.zeros(3, dtype=torch.float64)

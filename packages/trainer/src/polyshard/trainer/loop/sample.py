@@ -7,8 +7,8 @@ from typing import cast
 import torch
 
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
+from polyshard.models import GPT, build_model
 from polyshard.trainer.config import Config
-from polyshard.trainer.models import GPT, build_model
 
 
 def sample_text(

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from polyshard.collectives import ops
+from polyshard.models import spec_of
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.parallelize import Engine
-from polyshard.trainer.models import spec_of
-from polyshard.trainer.models.loss import global_token_mean
+from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks.loss import global_token_mean
 
 Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
 
@@ -32,12 +33,12 @@ def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
 
 def split_batch(config: Config, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """A loader batch -> (inputs, targets), as the model's task cuts it."""
-    return spec_of(config.model).task.split_batch(_tensors(batch))
+    return task_of(config.model).split_batch(_tensors(batch))
 
 
 def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:
     """The inputs' document ids (B, S) with ``data.document_mask``, else None."""
-    cut = spec_of(config.model).task.input_segments
+    cut = task_of(config.model).input_segments
     return cut(_tensors(batch)) if config.data.document_mask and cut is not None else None
 
 
@@ -59,7 +60,7 @@ def train_step(
 ) -> tuple[float, float]:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
     gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
-    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.models.loss);
+    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.tasks.loss);
     the gradient norm before clipping), the same on every rank.
 
     Both numbers come out of one all-reduce, so every rank sees the same ones: when either is NaN or

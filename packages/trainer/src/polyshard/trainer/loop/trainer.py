@@ -28,7 +28,10 @@ from polyshard.data.examples import Examples
 from polyshard.data.loader import ShardedLoader
 from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
+from polyshard.models import parameter_count, sequence_length
+from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.export import consolidate
+from polyshard.trainer.checkpointing.hugging_face import write_hf
 from polyshard.trainer.checkpointing.reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
@@ -54,8 +57,7 @@ from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
-from polyshard.trainer.models import hf, parameter_count, sequence_length, spec_of
-from polyshard.trainer.models.hf import write_hf
+from polyshard.trainer.tasks import task_of
 
 T = TypeVar("T")
 
@@ -104,7 +106,7 @@ def _first_then_rest(fn: Callable[[], T]) -> T:
 
 def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
     par, train = config.parallel, config.training
-    data = _first_then_rest(lambda: spec_of(config.model).task.splits(config))
+    data = _first_then_rest(lambda: task_of(config.model).splits(config))
     data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
     batch = train.global_batch_size // data_ranks
     weights = data.weights if len(data.train) > 1 else None
@@ -352,7 +354,7 @@ class Trainer:
         train = self.config.training
         if train.compile:
             self.result.compiled = compiling.summary()
-        generates = spec_of(self.config.model).task.generates_text
+        generates = task_of(self.config.model).generates_text
         if self.end == train.steps and generates and train.sample_tokens and self.rank0:
             # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
             # unsharded weights from it with the same placement-driven code `polyshard export` uses.

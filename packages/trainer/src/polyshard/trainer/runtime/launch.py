@@ -13,21 +13,23 @@ again from the processes present.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, read_index
+from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
 from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
-from polyshard.trainer.models import spec_of
-from polyshard.trainer.models.hf import PREFIX, HFSource
+from polyshard.trainer.tasks import task_of
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
 
@@ -111,8 +113,15 @@ def prepare_launch(
         nproc = from_dict(settings).parallel.world_size // low
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give at least one process per node")
-    # Every size an elastic job may take must be a valid mesh.
-    sizes = {count: from_dict(settings, world_size=nproc * count) for count in range(low, high + 1)}
+    # Every size an elastic job may take must be a valid mesh. An old spelling is read with one note.
+    spellings: list[str] = []
+    sizes = {
+        count: from_dict(settings, world_size=nproc * count, note=spellings.append) for count in range(low, high + 1)
+    }
+    for line in dict.fromkeys(spellings):
+        print(line, file=sys.stderr)
+    if spellings:  # the run folder and its workers hold the new spelling
+        settings["model"] = dataclasses.asdict(sizes[low].model)
     if low != high and sizes[low].parallel.dp == sizes[high].parallel.dp:
         raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
     for count, parsed in sizes.items():
@@ -123,7 +132,7 @@ def prepare_launch(
         HFSource(hf_folder, config)
     if latest is not None:
         _check_same_optimizer(config, latest)
-    spec_of(config.model).task.check_data(config)
+    task_of(config.model).check_data(config)
     faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     if hf_folder is not None:
         init_from = f"{PREFIX}{hf_folder.resolve()}"
@@ -157,4 +166,4 @@ def read_resolved(path: str | Path, world_size: int | None = None) -> Config:
         ) from err
     if not isinstance(settings, dict):
         raise ConfigError(f"{path}: the run's resolved config is not a table; launch with `polyshard train`")
-    return from_dict(settings, world_size)
+    return from_dict(settings, world_size, saved=True)  # a run folder 0.2 wrote too

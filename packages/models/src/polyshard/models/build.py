@@ -1,0 +1,98 @@
+"""Models as plain PyTorch; each exposes ``model.layers``, its ordered pipeline layers.
+
+Layer ``i`` draws its initial weights from its own generator, seeded from
+``(seed, i)``. A pipeline stage can therefore build just its own layers (the
+rest stay on the meta device: shapes, no memory) and get the same numbers as a
+full build on one process.
+"""
+
+from collections.abc import Collection
+from typing import cast
+
+import torch
+from torch import nn
+
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.registry import SPECS
+from polyshard.models.spec import BuildOptions, ModelSpec, layer_of
+
+
+def spec_of(config: ModelConfig) -> ModelSpec:
+    """The spec of ``config``'s family; an unknown ``model.kind`` is a :class:`ConfigError` naming the kinds."""
+    spec = SPECS.get(config.kind)
+    if spec is None:
+        raise ConfigError(f"model.kind={config.kind!r}; choose one of {list(SPECS)}")
+    return spec
+
+
+def check_model(config: ModelConfig) -> None:
+    """The family's constraints between ``[model]`` fields (a :class:`ConfigError` naming them)."""
+    spec_of(config).check_model(config)
+
+
+def output_width(config: ModelConfig) -> int:
+    """Outputs per position: the vocabulary of a language model, the classes of a classifier."""
+    return spec_of(config).output_width(config)
+
+
+def sequence_length(config: ModelConfig) -> int:
+    """Positions per example the transformer sees (patches + class token for the ViT)."""
+    return spec_of(config).sequence_length(config)
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    layers: Collection[int] | None = None,
+    device: torch.device | str = "cpu",
+    checkpoint_activations: bool | str = False,
+    aux_loss_scale: float = 1.0,
+) -> nn.Module:
+    """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
+
+    ``checkpoint_activations``: blocks recompute their insides in backward ("full" or "selective").
+    ``aux_loss_scale``: the gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates
+    several).
+    """
+    spec = spec_of(config)
+    spec.check_model(config)  # a model is built only from settings its family accepts
+    with torch.device("meta"):
+        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
+    ties = spec.tied(config)
+    # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
+    wanted = set(range(len(cast(nn.ModuleList, model.layers))) if layers is None else layers)
+    for alias, name in ties.items():  # an alias is drawn from its weight's layer's generator
+        if layer_of(alias) in wanted:
+            wanted.add(layer_of(name))
+    for i in sorted(wanted):
+        layer = cast(nn.ModuleList, model.layers)[i].to_empty(device=device)
+        with torch.no_grad():
+            spec.init(layer, config.num_layers, layer_generator(seed, i, device))
+    for alias, name in ties.items():  # to_empty gave each its own tensor: tie them again
+        module, _, attr = alias.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(name))
+    return model
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The model's parameters, counted on the meta device (nothing is allocated); a tied weight once."""
+    model = build_model(config, layers=())
+    return sum(p.numel() for p in model.parameters())
+
+
+def tied_names(config: ModelConfig) -> dict[str, str]:
+    """Parameter names that are another parameter of the same model (tied weights): alias -> name.
+
+    With ``tie_embeddings`` the output head's weight is the token embedding
+    (GPT-2, Llama-3.2): ``{"layers.<last>.proj.weight": "layers.0.tok.weight"}``.
+    One process holds one tensor under the name; a pipeline whose first and last
+    stages differ holds a copy on each, kept equal by summing their gradients.
+    """
+    return spec_of(config).tied(config)
+
+
+def layer_generator(seed: int, layer: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator layer ``layer``'s initial weights come from."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + layer)

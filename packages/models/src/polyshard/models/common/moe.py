@@ -1,0 +1,108 @@
+"""A mixture-of-experts layer's settings, ``[model.moe]`` in a config: the names and checks are
+:class:`polyshard.ep.MoEConfig`'s (one name, one check), plus what the model around the layer adds
+(shared experts, the selection bias's balancing rate). The widths default from the model's."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from polyshard.ep import MoEConfig, MoEConfigError
+from polyshard.models.errors import ConfigError, check_at_least, check_positive
+
+# 0.2's flat [model] spellings -> [model.moe] keys (read with a note; run folders and checkpoints hold them).
+LEGACY_NAMES = {
+    "num_experts": "num_experts",
+    "top_k": "top_k",
+    "expert_hidden": "ffn_hidden",
+    "capacity_factor": "capacity_factor",
+    "aux_loss_weight": "aux_loss_coef",
+    "router_z_loss_weight": "z_loss_coef",
+    "seq_aux_loss_weight": "seq_aux_loss_coef",
+    "router_renormalize": "renormalize",
+    "router": "score",
+    "router_groups": "groups",
+    "router_group_topk": "group_topk",
+    "router_scale": "scale",
+    "router_bias_update_rate": "bias_update_rate",
+    "shared_experts": "shared_experts",
+    "shared_expert_hidden": "shared_ffn_hidden",
+    "shared_expert_gate": "shared_gate",
+}
+# Fields polyshard.ep.MoEConfig has beside these settings: the model gives them.
+_FROM_MODEL = ("hidden", "ffn_hidden", "activation")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoESettings:
+    num_experts: int = 4
+    """Routed experts per MoE layer (E)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    ffn_hidden: int | None = None
+    """Width of each routed expert's MLP; None means the model's MLP width / top_k, about a dense MLP's
+    active FLOPs (Hugging Face's moe_intermediate_size; Mixtral's intermediate_size)."""
+    renormalize: bool = True
+    """Rescale each token's top-k router weights to sum to 1 (Mixtral; Hugging Face's norm_topk_prob);
+    false keeps their softmax values (Qwen2-MoE)."""
+    score: str = "softmax"
+    """Router scores: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3: the chosen experts' affinities
+    normalised, with a per-expert bias that only selects, see bias_update_rate)."""
+    groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts split into this many equal groups; 1 is off."""
+    group_topk: int = 1
+    """With groups > 1: each token chooses among the experts of its best this-many groups (topk_group)."""
+    scale: float = 1.0
+    """Factor on the chosen experts' weights (DeepSeek-V3's routed_scaling_factor, 2.5 there)."""
+    capacity_factor: float | None = None
+    """None for dropless routing; otherwise tokens beyond capacity are dropped."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch/GShard load-balancing loss, on each data rank's tokens."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss (ST-MoE): mean squared logsumexp of the router logits."""
+    seq_aux_loss_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, per sequence (DeepSeek-V3 uses 0.0001)."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (score = sigmoid; DeepSeek-V3 uses 0.001): after every optimizer step
+    each expert's selection bias moves by this toward balance, from the step's load over all tokens; 0 keeps
+    the bias as it is."""
+    shared_experts: int = 0
+    """Shared experts: a dense SwiGLU MLP of width shared_experts x shared_ffn_hidden that every token
+    passes through beside its routed experts (Qwen2-MoE: 1, DeepSeek-V3: 1); 0 for none."""
+    shared_ffn_hidden: int | None = None
+    """Width of one shared expert; None means the routed experts' width."""
+    shared_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x . w), w one learned vector (Qwen2-MoE)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k"):
+            check_positive(f"model.moe.{name}", getattr(self, name))
+        for name in ("ffn_hidden", "shared_ffn_hidden"):
+            if getattr(self, name) is not None:
+                check_positive(f"model.moe.{name}", getattr(self, name))
+        check_at_least("model.moe.shared_experts", self.shared_experts, 0)
+        check_at_least("model.moe.bias_update_rate", self.bias_update_rate, 0.0)
+        if self.shared_gate and not self.shared_experts:
+            raise ConfigError("model.moe.shared_gate gates the shared experts: set model.moe.shared_experts >= 1")
+        if self.bias_update_rate > 0 and self.score != "sigmoid":
+            raise ConfigError(
+                f"model.moe.bias_update_rate={self.bias_update_rate} balances a sigmoid router's selection bias, "
+                f"but model.moe.score={self.score!r}; set score='sigmoid' or bias_update_rate=0"
+            )
+        self.layer(hidden=1, ffn_hidden=1)  # the routing rules: polyshard.ep.MoEConfig's checks, named here
+
+    def layer(self, *, hidden: int, ffn_hidden: int) -> MoEConfig:
+        """The MoE layer these settings make in a model of width ``hidden`` with experts ``ffn_hidden`` wide."""
+        routing = {f.name: getattr(self, f.name) for f in dataclasses.fields(MoEConfig) if f.name not in _FROM_MODEL}
+        try:
+            return MoEConfig(hidden=hidden, ffn_hidden=ffn_hidden, **routing)
+        except MoEConfigError as err:
+            raise ConfigError(f"model.moe: {err}") from err
+
+    def expert_width(self, mlp_width: int) -> int:
+        """Width of each routed expert: ffn_hidden, or the dense MLP's width / top_k when unset."""
+        return self.ffn_hidden or max(1, mlp_width // self.top_k)
+
+    def shared_width(self, mlp_width: int) -> int:
+        """Width of the shared experts' one MLP: shared_experts x one's width; 0 without them."""
+        return self.shared_experts * (self.shared_ffn_hidden or self.expert_width(mlp_width))

@@ -1,0 +1,163 @@
+"""The GPT family's settings (``[model] kind = "gpt"``): GPT-2's and Llama's architectures (Qwen2's and
+Qwen3's too) on one decoder-only transformer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyshard.mesh import divisors
+from polyshard.models.common import RopeScaling
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError, check_choice, check_positive
+
+
+@dataclass(kw_only=True, frozen=True)
+class GPTConfig(ModelConfig):
+    vocab_size: int = 256
+    """Tokens in the vocabulary; 256 for the byte-level tokenizer."""
+    context_length: int = 64
+    """Tokens per sequence — the packing length."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means num_heads."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output head."""
+    norm: str = "layer"
+    """layer (LayerNorm, GPT-2) or rms (RMSNorm, Llama)."""
+    activation: str = "gelu"
+    """The MLP: gelu (GPT-2's tanh GELU) or swiglu (Llama's gated SiLU, three matrices)."""
+    positions: str = "learned"
+    """learned (a position table, GPT-2) or rope (rotary embeddings on q and k, Llama)."""
+    bias: bool = True
+    """Biases in the attention and MLP projections (GPT-2 has them, Llama not)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (positions = rope); Llama 3 uses 500000."""
+    rope_scale_factor: float = 1.0
+    """Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): frequencies with wavelengths
+    above rope_original_context / rope_low_freq_factor are divided by this; 1 means no scaling (Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """With rope scaling: wavelengths above rope_original_context / this are scaled fully."""
+    rope_high_freq_factor: float = 4.0
+    """With rope scaling: wavelengths below rope_original_context / this are kept; those between are blended."""
+    rope_original_context: int = 8192
+    """With rope scaling: the context length the model was first trained on (Llama 3: 8192)."""
+    mlp_hidden: int | None = None
+    """MLP width; None means mlp_ratio x hidden (Llama's intermediate_size)."""
+    head_dim: int | None = None
+    """Dims of each attention head; None means hidden / num_heads (Qwen3 uses 128 at every width)."""
+    qkv_bias: bool | None = None
+    """Biases on the q, k and v projections; None follows bias (Qwen2 has them, but none on o or the MLP)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's q and k, before rotary positions (Qwen3); its weight is per head dim."""
+    attention_core: str = "auto"
+    """The attention core: auto (plain causal SDPA when nothing is masked; with document masks, sliding windows
+    or sinks FlexAttention on CUDA, else blocksparse), sdpa, blocksparse (online softmax over key/value blocks,
+    skipping the hidden ones; any device) or flex (FlexAttention, CUDA). Context parallelism runs its own."""
+    sliding_window: int | None = None
+    """Sliding-window attention: each query sees the last this-many tokens, itself included (Mistral, gpt-oss,
+    Hugging Face's sliding_window); None: the whole causal context."""
+    layer_types: list[str] | None = None
+    """With sliding_window, each block's attention in order, "sliding_attention" or "full_attention" (Hugging
+    Face's layer_types; gpt-oss alternates them); None: every block slides."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every attention softmax's denominator, adding no value (gpt-oss)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("vocab_size", "context_length"):
+            check_positive(f"model.{name}", getattr(self, name))
+        for name in ("head_dim", "mlp_hidden"):
+            if getattr(self, name) is not None:
+                check_positive(f"model.{name}", getattr(self, name))
+        if self.head_dim is None and self.hidden % self.num_heads:
+            raise ConfigError(
+                f"model.hidden={self.hidden} is not a multiple of model.num_heads={self.num_heads}; "
+                f"choose num_heads in {divisors(self.hidden)}"
+            )
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}; "
+                f"choose one of {divisors(self.num_heads)}"
+            )
+        check_choice("model.norm", self.norm, ("layer", "rms"))
+        check_choice("model.activation", self.activation, ("gelu", "swiglu"))
+        check_choice("model.positions", self.positions, ("learned", "rope"))
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
+        self._check_rope_scaling()
+        self._check_attention()
+        if self.positions == "rope" and self.attention_head_dim % 2:
+            raise ConfigError(
+                f"model.positions='rope' rotates pairs of dims: the head dim (model.head_dim, or hidden/num_heads)="
+                f"{self.attention_head_dim} must be even"
+            )
+
+    def _check_attention(self) -> None:
+        check_choice("model.attention_core", self.attention_core, ("auto", "sdpa", "blocksparse", "flex"))
+        if self.sliding_window is not None:
+            check_positive("model.sliding_window", self.sliding_window)
+        if (self.attention_sinks or self.sliding_window is not None) and self.dropout:
+            raise ConfigError("model.dropout runs only on plain causal attention: set it to 0 with windows or sinks")
+        if self.layer_types is None:
+            return
+        if self.sliding_window is None:
+            raise ConfigError("model.layer_types chooses which blocks slide: set model.sliding_window too, or drop it")
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.num_layers or any(kind not in kinds for kind in self.layer_types):
+            raise ConfigError(
+                f"model.layer_types={self.layer_types!r} must name each of the {self.num_layers} blocks "
+                f"(model.num_layers) as one of {kinds}"
+            )
+
+    def _check_rope_scaling(self) -> None:
+        """One check of the scaling's numbers: :class:`RopeScaling`'s, named as ``[model]`` fields."""
+        try:
+            RopeScaling(
+                factor=self.rope_scale_factor,
+                low_freq_factor=self.rope_low_freq_factor,
+                high_freq_factor=self.rope_high_freq_factor,
+                original_context=self.rope_original_context,
+            )
+        except ValueError as err:
+            raise ConfigError(f"model.{err}") from err
+        if self.rope_scale_factor != 1.0 and self.positions != "rope":
+            raise ConfigError(
+                f"model.rope_scale_factor={self.rope_scale_factor} scales rotary positions, but model.positions="
+                f"{self.positions!r}; set positions='rope' or rope_scale_factor=1"
+            )
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None:
+        """Llama 3.1's rotary frequency scaling as set; None when the factor is 1 (none)."""
+        if self.rope_scale_factor == 1.0:
+            return None
+        return RopeScaling(
+            factor=self.rope_scale_factor,
+            low_freq_factor=self.rope_low_freq_factor,
+            high_freq_factor=self.rope_high_freq_factor,
+            original_context=self.rope_original_context,
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.hidden
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Dims per attention head: head_dim, or hidden / num_heads when unset."""
+        return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def qkv_biased(self) -> bool:
+        """Whether q, k and v have biases: qkv_bias, or bias when unset."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    """``model`` as the GPT's settings (the spec's functions are declared over every family's)."""
+    if not isinstance(model, GPTConfig):
+        raise ConfigError(f"model.kind={model.kind!r} is not a GPT; this needs model.kind='gpt' or 'moe-gpt'")
+    return model

@@ -1,0 +1,264 @@
+"""A decoder-only GPT as plain PyTorch, exposing its ordered layers for pipelining.
+
+``model.layers`` is ``[Embedding, Block x num_layers, LMHead]``; each maps one
+tensor to the next (tokens (B, S) -> (B, S, H) -> ... -> logits (B, S, V)),
+so a pipeline can cut the list anywhere. ``forward`` simply runs them in
+order; the loss is computed outside the model.
+
+GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``positions="rope"``,
+``bias=False`` and grouped-query attention (the ``llama-*`` presets); Qwen3 adds ``qk_norm`` and its own
+``head_dim``. :data:`SPEC` declares the
+family to the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
+from polyshard.models.config import ModelConfig
+from polyshard.models.gpt.config import GPTConfig, gpt_config
+from polyshard.models.gpt.hf_gpt2 import GPT2
+from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
+from polyshard.models.gpt.hf_qwen2 import QWEN2
+from polyshard.models.gpt.hf_qwen3 import QWEN3
+from polyshard.models.gpt.presets import PRESETS
+from polyshard.models.spec import (
+    BuildOptions,
+    ModelSpec,
+    ParallelSizes,
+    attention_plan,
+    check_mlp_split,
+    mlp_plan,
+    sequence_plan,
+    split_sequence,
+)
+from polyshard.tp import SequenceParallel, VocabParallel
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus a learned position table unless positions are rotary: (B, S) int -> (B, S, H)."""
+
+    def __init__(self, vocab_size: int, context_length: int, hidden: int, dropout: float = 0.0, learned: bool = True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, hidden)
+        self.pos = nn.Embedding(context_length, hidden) if learned else None
+        self.drop = nn.Dropout(dropout)
+        self.positions: torch.Tensor | None = None  # the tokens' positions; None: 0..S-1 (see polyshard.cp)
+        # The batch's documents around a forward (document masking): positions restart at each document.
+        self.documents: Documents | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens)
+        if self.pos is not None:
+            positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
+            if self.documents is not None:
+                positions = self.documents.positions  # (B, S): each token's position within its document
+            x = x + self.pos(positions.to(tokens.device))
+        return self.drop(x)  # type: ignore[no-any-return]  # nn.Module.__call__ returns Any in torch's stubs
+
+
+class LMHead(nn.Module):
+    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
+
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5):
+        super().__init__()
+        self.norm = norm_layer(norm, hidden, norm_eps)
+        self.proj = nn.Linear(hidden, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))  # type: ignore[no-any-return]
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        context_length: int,
+        hidden: int,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        mlp_ratio: int = 4,
+        tie_embeddings: bool = False,
+        dropout: float = 0.0,
+        checkpoint_activations: bool | str = False,
+        norm: str = "layer",
+        activation: str = "gelu",
+        positions: str = "learned",
+        bias: bool = True,
+        rope_theta: float = 10000.0,
+        rope_scaling: RopeScaling | None = None,
+        mlp_hidden: int | None = None,
+        norm_eps: float = 1e-5,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        qk_norm: bool = False,
+        attention_core: str = "auto",
+        sliding_window: int | None = None,
+        layer_types: Sequence[str] | None = None,
+        sinks: bool = False,
+    ):
+        super().__init__()
+        self.context_length = context_length
+        kv_heads = num_kv_heads or num_heads
+        block: dict[str, Any] = {
+            "dropout": dropout,
+            "checkpoint_activations": checkpoint_activations,
+            "norm": norm,
+            "activation": activation,
+            "bias": bias,
+            "rope_theta": rope_theta if positions == "rope" else None,
+            "rope_scaling": rope_scaling if positions == "rope" else None,
+            "mlp_hidden": mlp_hidden,
+            "norm_eps": norm_eps,
+            "head_dim": head_dim,
+            "qkv_bias": qkv_bias,
+            "qk_norm": qk_norm,
+            "attention_core": attention_core,
+            "sinks": sinks,
+        }
+        # Each block's sliding window: every block's with no layer_types, else the "sliding_attention" ones'.
+        windows = [
+            sliding_window if layer_types is None or layer_types[i] == "sliding_attention" else None
+            for i in range(num_layers)
+        ]
+        blocks = [
+            Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, window=window, **block) for window in windows
+        ]
+        embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
+        self.layers = nn.ModuleList([embedding, *blocks])
+        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
+        if tie_embeddings:
+            # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
+            self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
+        ``top_k`` > 0 samples among the k likeliest tokens only."""
+        tokens = prompt
+        for _ in range(new_tokens):
+            logits = self(tokens[:, -self.context_length :])[:, -1, :] / max(temperature, 1e-5)
+            if 0 < top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits.float(), dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return tokens
+
+
+# -- the family's spec ----------------------------------------------------------------------------------
+
+
+def build(config: ModelConfig, options: BuildOptions) -> GPT:
+    config = gpt_config(config)
+    return GPT(
+        vocab_size=config.vocab_size,
+        context_length=config.context_length,
+        hidden=config.hidden,
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        mlp_ratio=config.mlp_ratio,
+        tie_embeddings=config.tie_embeddings,
+        dropout=config.dropout,
+        checkpoint_activations=options.checkpoint_activations,
+        norm=config.norm,
+        activation=config.activation,
+        positions=config.positions,
+        bias=config.bias,
+        rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling,
+        mlp_hidden=config.mlp_width,
+        norm_eps=config.norm_eps,
+        head_dim=config.head_dim,
+        qkv_bias=config.qkv_bias,
+        qk_norm=config.qk_norm,
+        attention_core=config.attention_core,
+        sliding_window=config.sliding_window,
+        layer_types=config.layer_types,
+        sinks=config.attention_sinks,
+    )
+
+
+def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
+    """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
+    model = gpt_config(model)
+    last, sp = model.num_layers + 1, parallel.sequence_parallel
+    plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
+    plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
+    if sp:
+        plan[f"layers.{last}.norm"] = SequenceParallel()
+    return plan
+
+
+def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
+    """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
+    model = gpt_config(model)
+    plan: dict[str, object] = {}
+    sp = parallel.sequence_parallel
+    for i in range(1, model.num_layers + 1):
+        block = f"layers.{i}"
+        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks) | mlp_plan(
+            block, sp, model.activation
+        )
+        plan |= sequence_plan(block, sp)
+    return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
+
+
+def tied(model: ModelConfig) -> dict[str, str]:
+    """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2)."""
+    if not gpt_config(model).tie_embeddings:
+        return {}
+    return {f"layers.{model.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
+
+
+def check(model: ModelConfig, parallel: ParallelSizes) -> None:
+    check_mlp_split(model.mlp_width, parallel.tp)
+
+
+def sequence_length(model: ModelConfig) -> int:
+    """Tokens per row: the context length."""
+    return gpt_config(model).context_length
+
+
+def vocab_size(model: ModelConfig) -> int:
+    """Logits per position: the vocabulary."""
+    return gpt_config(model).vocab_size
+
+
+SPEC = ModelSpec(
+    kind="gpt",
+    sequence_length=sequence_length,
+    output_width=vocab_size,
+    config=GPTConfig,
+    presets=PRESETS,
+    task="language",
+    build=build,
+    tp_plan=tp_plan,
+    tied=tied,
+    check=check,
+    context_parallel=True,
+    # polyshard.trainer.checkpointing.hugging_face's name tables; the architecture fields pick one
+    hf_families=(GPT2, LLAMA_FAMILY, QWEN2, QWEN3),
+)

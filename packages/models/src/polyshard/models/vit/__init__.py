@@ -1,0 +1,1 @@
+"""The vision transformer (ViT) image classifier (:mod:`.model`)."""

@@ -1,0 +1,151 @@
+"""What a model learns to do: its data, how a batch splits into inputs and targets, and its loss.
+
+A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist:
+
+* :data:`LANGUAGE`: next-token prediction on tokenized text, or on prompt/response pairs for
+  fine-tuning (a ``.jsonl`` source). A row of ``context_length + 1`` tokens gives the inputs (all
+  but the last) and the targets (all but the first; a fine-tuning row takes them from its
+  ``labels``, IGNORE_INDEX on prompt and padding). The loss is cross-entropy over the vocabulary,
+  vocabulary-parallel under tp, averaged over the counted tokens of the global batch
+  (:mod:`polyshard.trainer.tasks.loss`).
+* :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
+  evaluation also reports accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from polyshard.models import ModelConfig, output_width, spec_of
+from polyshard.tp import vocab_parallel_cross_entropy
+from polyshard.trainer.config import Config
+from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
+from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    splits: Callable[[Config], RunData]
+    """The training sources and validation examples, read on every rank (rank 0 first: it may write caches)."""
+    check_config: Callable[[Config], None]
+    """Checks of the data settings against the task (no file is read): part of ``validate``."""
+    check_data: Callable[[Config], None]
+    """Checks of the data itself before any process starts (a missing file, too few examples)."""
+    split_batch: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+    """A loader batch -> (inputs, targets)."""
+    loss: Callable[[Config, dist.ProcessGroup | None], LossFn]
+    """The last stage's loss on (outputs, targets); the tp group when tp > 1."""
+    reports_accuracy: bool = False
+    """Evaluation also counts outputs whose argmax is the target."""
+    generates_text: bool = False
+    """A model of this task samples text (the end-of-run sample, ``polyshard generate``)."""
+    input_segments: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    """A loader batch -> its inputs' document ids (document masking); None: the task has no documents."""
+
+
+def _text_splits(config: Config) -> RunData:
+    return language_data(config)
+
+
+def _text_settings(config: Config) -> None:
+    if config.data.source == "digits":
+        raise ConfigError(
+            f"data.source='digits' is an image dataset and model.kind={config.model.kind!r} reads text; "
+            "it needs model.kind='vit', or give a text source"
+        )
+
+
+def _check_text(config: Config) -> None:
+    check_language_data(config)
+
+
+def _next_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens shifted by one; fine-tuning rows take their targets from ``labels``."""
+    tokens = batch["tokens"]
+    return tokens[:, :-1].contiguous(), batch.get("labels", tokens)[:, 1:].contiguous()
+
+
+def _input_segments(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The inputs' document ids: the batch's ``segments`` cut as the inputs are (all but the last). The
+    last token of a document (its end-of-text) still has the next document's first token as its target,
+    as in Megatron-LM and torchtitan: only attention and positions stop at document boundaries."""
+    if "segments" not in batch:
+        raise ConfigError(
+            f"data.document_mask = true needs each batch's document ids (a 'segments' column) but the batch "
+            f"holds only {sorted(batch)}; use a data source that marks documents, or set data.document_mask = false"
+        )
+    return batch["segments"][:, :-1].contiguous()
+
+
+def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+    """Cross-entropy of (B, S, V) logits against (B, S) token ids, summed over the targets that are not
+    IGNORE_INDEX and divided by the global batch's count of them: vocabulary-parallel under tp."""
+    if tp_group is not None:
+        vocab = output_width(config.model)
+        return TokenMeanLoss(
+            lambda logits, targets: vocab_parallel_cross_entropy(
+                logits.float(), targets, tp_group, vocab_size=vocab, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        )
+    return TokenMeanLoss(
+        lambda logits, targets: F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    )
+
+
+def _image_splits(config: Config) -> RunData:
+    return digits_splits(config.data.val_fraction, seed=config.training.seed)
+
+
+def _image_settings(config: Config) -> None:
+    if config.data.source != "digits":
+        raise ConfigError(
+            f"model.kind={config.model.kind!r} trains on images; set data.source='digits' (got {config.data.source!r})"
+        )
+
+
+def _labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch["image"], batch["label"]
+
+
+def _class_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+    """Cross-entropy of (B, classes) logits; the classifier head is replicated over tp."""
+    return lambda logits, labels: F.cross_entropy(logits.float(), labels)
+
+
+def _no_check(config: Config) -> None:
+    """The built-in digits need no reading ahead."""
+
+
+LANGUAGE = Task(
+    "language",
+    _text_splits,
+    _text_settings,
+    _check_text,
+    _next_tokens,
+    _token_loss,
+    generates_text=True,
+    input_segments=_input_segments,
+)
+IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)
+
+TASKS: dict[str, Task] = {task.name: task for task in (LANGUAGE, IMAGES)}
+"""Every task by the name a family's spec gives (``ModelSpec.task``)."""
+
+
+def task_of(model: ModelConfig) -> Task:
+    """What ``model``'s family learns: its data, batches and loss."""
+    name = spec_of(model).task
+    if name not in TASKS:
+        raise ConfigError(f"model.kind={model.kind!r} names task {name!r}; the trainer knows {list(TASKS)}")
+    return TASKS[name]
