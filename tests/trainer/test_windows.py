@@ -1,6 +1,6 @@
 """Sliding windows (alternating with full attention, as gpt-oss's layer_types) and per-head attention sinks,
 with document masks, trained on tp2, tp2 + sequence parallelism, cp 2 and an uneven cp 3 (ring and
-all-gather) against one process on the same batches: every loss and gradient norm of a few AdamW steps
+all-gather), pp2 and dp2 with ZeRO-3 against one process on the same batches: every loss and gradient norm of a few AdamW steps
 with weight decay, every gradient of the first step, and every parameter after the last."""
 
 import pytest
@@ -54,6 +54,8 @@ def _batch(step):
 def _train(config):
     """STEPS training steps on this rank: (losses and gradient norms, [(placement, first step's gradient)],
     [(placement, parameter after the last step)], where the rank sits)."""
+    from polyshard.mesh import get_placement
+    from polyshard.trainer.checkpointing.state import _model_tensors
     from polyshard.trainer.engine.parallelize import build_engine
     from polyshard.trainer.loop import batch_segments, split_batch, train_step
 
@@ -72,10 +74,11 @@ def _train(config):
         inputs, targets = split_batch(config, batch)
         segments = batch_segments(config, batch)
         numbers += train_step(engine, inputs, targets, LR, keep_first_gradients, segments)
+    # Each stage's parameters as a checkpoint reads them (ZeRO-3: this rank's rows), with their records.
     params = [
-        (wrapper.shard_placement(p, name), p.detach().clone())
-        for wrapper in engine.wrappers.values()
-        for name, p in wrapper.owned_params()
+        (get_placement(tensor), tensor.detach().clone())
+        for index in engine.stages
+        for tensor in _model_tensors(engine, index).values()
     ]
     return numbers, first, params, mesh.coords()
 
@@ -105,6 +108,9 @@ LAYOUTS = [
     pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
     pytest.param(3, {"cp": 3}, id="cp3-ring"),
     pytest.param(3, {"cp": 3, "cp_style": "allgather"}, id="cp3-allgather"),
+    # the sliding block and the full one on different stages; sinks sharded by ZeRO-3 like any parameter
+    pytest.param(2, {"pp": 2, "microbatches": 2}, id="pp2"),
+    pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
 ]
 
 
