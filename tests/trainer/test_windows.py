@@ -1,7 +1,8 @@
 """Sliding windows (alternating with full attention, as gpt-oss's layer_types) and per-head attention sinks,
 with document masks, trained on tp2, tp2 + sequence parallelism, cp 2 and an uneven cp 3 (ring and
-all-gather), pp2 and dp2 with ZeRO-3 against one process on the same batches: every loss and gradient norm of a few AdamW steps
-with weight decay, every gradient of the first step, and every parameter after the last."""
+all-gather), pp2 and dp2 with ZeRO-3 against one process on the same batches: every loss and gradient
+norm of a few AdamW steps with weight decay, every gradient of the first step, and every parameter after
+the last."""
 
 import pytest
 import torch
