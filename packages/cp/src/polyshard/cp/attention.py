@@ -46,6 +46,18 @@ def check_segments(q: torch.Tensor, segments: torch.Tensor) -> None:
         )
 
 
+def check_window_and_sinks(q: torch.Tensor, causal: bool, window: int | None, sinks: torch.Tensor | None) -> None:
+    """A window needs causal attention and at least the query itself; sinks are one number per query head."""
+    if window is not None and (not causal or window < 1):
+        raise ContextParallelError(
+            f"window={window}: a sliding window needs causal attention and at least 1 token (the query itself)"
+        )
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ContextParallelError(
+            f"sinks must hold one logit per query head, shape ({q.shape[1]},); got {tuple(sinks.shape)}"
+        )
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) -> None:
     """Raise :class:`ContextParallelError` for inputs this rank can tell are wrong. (Every rank must
     also hold the same shapes; checking that would cost a collective per call, so it is not done.)"""
@@ -94,6 +106,8 @@ def context_parallel_attention(
     style: Style = "ring",
     scale: float | None = None,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by ``group`` (None: the world).
 
@@ -105,14 +119,18 @@ def context_parallel_attention(
     Gradients flow to q, k and v (each rank gets those of its own chunks). ``segments`` (B, S) int:
     the local tokens' documents (non-decreasing along each full row), sharded like q; a query then
     sees only keys of its own document (and, causal, not after it), and fully masked blocks are skipped.
+    ``window`` (causal only): each query sees only its last ``window`` tokens, itself included (Mistral's,
+    gpt-oss's and Hugging Face's ``sliding_window``); blocks wholly outside it are skipped. ``sinks`` (N,):
+    a learned logit per query head in every softmax denominator, adding no value (gpt-oss).
     """
     check_inputs(q, k, v, style)
     if segments is not None:
         check_segments(q, segments)
+    check_window_and_sinks(q, causal, window, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if style == "ring":
-        return ring_attention(q, k, v, group, causal, scale, segments)
-    return allgather_attention(q, k, v, group, causal, scale, segments)
+        return ring_attention(q, k, v, group, causal, scale, segments, window, sinks)
+    return allgather_attention(q, k, v, group, causal, scale, segments, window, sinks)
 
 
 class ContextParallelAttention(nn.Module):
@@ -143,6 +161,8 @@ class ContextParallelAttention(nn.Module):
         enable_gqa: bool = False,
         *,
         segments: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise ContextParallelError(
@@ -155,7 +175,16 @@ class ContextParallelAttention(nn.Module):
                 "parallelism; set the attention dropout to 0"
             )
         return context_parallel_attention(
-            query, key, value, self.group, causal=is_causal, style=self.style, scale=scale, segments=segments
+            query,
+            key,
+            value,
+            self.group,
+            causal=is_causal,
+            style=self.style,
+            scale=scale,
+            segments=segments,
+            window=window,
+            sinks=sinks,
         )
 
     def extra_repr(self) -> str:

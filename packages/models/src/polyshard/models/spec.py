@@ -32,6 +32,7 @@ from polyshard.models.hf_adapter import Family
 from polyshard.tp import (
     ColumnParallel,
     HeadNorm,
+    HeadParameter,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -148,12 +149,15 @@ def layer_of(name: str) -> int:
 
 
 def attention_plan(
-    block: str, model: ModelConfig, parallel: ParallelSizes, *, qk_norm: bool = False
+    block: str, model: ModelConfig, parallel: ParallelSizes, *, qk_norm: bool = False, sinks: bool = False
 ) -> dict[str, object]:
     """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
     ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
     sp = parallel.sequence_parallel
-    plan: dict[str, object] = {f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]}
+    entry: list[object] = [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]
+    if sinks:  # one logit per query head (gpt-oss): split with the heads
+        entry.append(HeadParameter("sinks"))
+    plan: dict[str, object] = {f"{block}.attn": entry}
     if replicates_kv(model.kv_heads, parallel.tp):
         plan[f"{block}.attn.q_proj"] = ColumnParallel(input_entered=True)
         plan[f"{block}.attn.[kv]_proj"] = ReplicateKVHeads(model.kv_heads)

@@ -16,6 +16,7 @@ from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequenc
 from polyshard.tp.styles import (
     ColumnParallel,
     HeadNorm,
+    HeadParameter,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -31,6 +32,7 @@ __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "HeadNorm",
+    "HeadParameter",
     "PlanError",
     "ReplicateKVHeads",
     "ReplicatedKVLinear",

@@ -13,6 +13,7 @@ family to the trainer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -98,6 +99,10 @@ class GPT(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
+        attention_core: str = "auto",
+        sliding_window: int | None = None,
+        layer_types: Sequence[str] | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.context_length = context_length
@@ -115,8 +120,17 @@ class GPT(nn.Module):
             "head_dim": head_dim,
             "qkv_bias": qkv_bias,
             "qk_norm": qk_norm,
+            "attention_core": attention_core,
+            "sinks": sinks,
         }
-        blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
+        # Each block's sliding window: every block's with no layer_types, else the "sliding_attention" ones'.
+        windows = [
+            sliding_window if layer_types is None or layer_types[i] == "sliding_attention" else None
+            for i in range(num_layers)
+        ]
+        blocks = [
+            Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, window=window, **block) for window in windows
+        ]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
         self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
@@ -180,6 +194,10 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         head_dim=config.head_dim,
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
+        attention_core=config.attention_core,
+        sliding_window=config.sliding_window,
+        layer_types=config.layer_types,
+        sinks=config.attention_sinks,
     )
 
 
@@ -201,7 +219,9 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
         block = f"layers.{i}"
-        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm) | mlp_plan(block, sp, model.activation)
+        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks) | mlp_plan(
+            block, sp, model.activation
+        )
         plan |= sequence_plan(block, sp)
     return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
 

@@ -156,6 +156,12 @@ def _check_documents(config: Config) -> None:
             f"model.kind={config.model.kind!r} trains on {task.name} (no documents to mask); "
             "set data.document_mask = false"
         )
+    if config.data.document_mask and config.model.dropout:
+        # The masked cores (block-sparse, FlexAttention) have no attention-probability dropout.
+        raise ConfigError(
+            f"model.dropout={config.model.dropout} runs only on plain causal attention, not with "
+            "data.document_mask = true; set model.dropout = 0 or turn document masking off"
+        )
 
 
 def _check_experts(config: Config) -> None:

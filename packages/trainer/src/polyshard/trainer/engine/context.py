@@ -28,14 +28,20 @@ from polyshard.models.gpt import Embedding
 class ContextParallelCore(nn.Module):
     """``CoreAttention`` for q, k, v holding this rank's chunks of the sequence (B, N, 2C, D)."""
 
-    def __init__(self, group: dist.ProcessGroup, *, causal: bool, style: str):
+    def __init__(self, group: dist.ProcessGroup, *, causal: bool, style: str, window: int | None = None):
         super().__init__()
-        self.group, self.causal, self.style = group, causal, style
+        self.group, self.causal, self.style, self.window = group, causal, style, window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``segments`` (B, 2C): this rank's chunks of the rows' document ids (document masking)."""
+        """``segments`` (B, 2C): this rank's chunks of the rows' document ids (document masking);
+        ``sinks`` (N,): the attention's sink logits for this rank's heads."""
         return context_parallel_attention(
             q,
             k,
@@ -44,10 +50,12 @@ class ContextParallelCore(nn.Module):
             causal=self.causal,
             style=self.style,  # type: ignore[arg-type]
             segments=segments,
+            window=self.window,
+            sinks=sinks,
         )
 
     def extra_repr(self) -> str:
-        return f"style={self.style}, causal={self.causal}, cp={dist.get_world_size(self.group)}"
+        return f"style={self.style}, causal={self.causal}, window={self.window}, cp={dist.get_world_size(self.group)}"
 
 
 def apply_context_parallel(
@@ -60,7 +68,9 @@ def apply_context_parallel(
             core = module.core
             assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
             # polyshard.tp types core as the CoreAttention it builds; this module takes (q, k, v) alike.
-            module.core = ContextParallelCore(group, causal=core.causal, style=style)  # type: ignore[assignment]
+            module.core = ContextParallelCore(  # type: ignore[assignment]
+                group, causal=core.causal, style=style, window=core.window
+            )
             module.positions = positions
         elif isinstance(module, Embedding):
             module.positions = positions
