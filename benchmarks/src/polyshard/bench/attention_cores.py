@@ -1,7 +1,7 @@
 """Peak memory and time of one attention layer, forward and backward, with document masks: the dense
 boolean mask (the old path), the block-sparse core, and plain causal SDPA without documents (the floor).
 
-    python benchmarks/attention_cores.py --lengths 4096 16384 32768
+    python -m polyshard.bench.attention_cores --lengths 4096 16384 32768
 
 Each (variant, length) runs in a fresh process, so its peak is its own: on CPU the growth of the
 process's peak resident memory over what it held just before the layer ran (inputs and weights made),
@@ -35,7 +35,7 @@ def _segments(length: int, document: int, seed: int):  # type: ignore[no-untyped
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    sizes = []
+    sizes: list[int] = []
     while sum(sizes) < length:
         sizes.append(int(torch.randint(1, 2 * document + 1, (1,), generator=g)))
     sizes[-1] -= sum(sizes) - length
@@ -65,7 +65,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
             mask = document_mask(segments, segments, True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
-        layer.core.forward = dense  # type: ignore[method-assign]
+        layer.core.forward = dense  # type: ignore[method-assign,assignment]
     plan = plan_blocks(length, BLOCK, causal=True, segments=segments.cpu())
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -111,7 +111,8 @@ def main() -> None:
     for length in args.lengths:
         floor = None
         for variant in args.variants:
-            command = [sys.executable, __file__, "--one", variant, str(length), *_options(args)]
+            command = [sys.executable, "-m", "polyshard.bench.attention_cores", "--one", variant, str(length)]
+            command += _options(args)
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=True)
                 row = json.loads(done.stdout.strip().splitlines()[-1])
