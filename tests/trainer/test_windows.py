@@ -57,7 +57,7 @@ def _train(config):
     [(placement, parameter after the last step)], where the rank sits)."""
     from polyshard.mesh import get_placement
     from polyshard.trainer.checkpointing.state import _model_tensors
-    from polyshard.trainer.engine.parallelize import build_engine
+    from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, split_batch, train_step
 
     par = config.parallel
