@@ -78,6 +78,9 @@ CHECKPOINTING = (False, "selective", "full")  # training.activation_checkpointin
 SCHEDULE_KINDS = ("cosine", "linear", "constant", "wsd")  # the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 OPTIMIZERS = ("adamw", "muon")
+INIT_RULES = ("gpt2", "depth")
+ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's kernels
+DECAYED_PARAMS = ("matrices", "all")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -181,6 +184,11 @@ class ModelConfig:
     """Input channels (vit)."""
     num_classes: int = 10
     """Output classes (vit)."""
+    init: str | None = None
+    """The initial weights: 'gpt2' (N(0, 0.02), output projections / sqrt(2 x layers)) or 'depth'
+    (torchtitan's and Megatron's for Llama: embedding N(0, 1), each block's output projections
+    0.02 / sqrt(2 x its depth), the head hidden^-0.5; truncated normals). None: 'depth' for RMSNorm
+    (Llama-like) models, 'gpt2' for LayerNorm ones."""
 
     def __post_init__(self) -> None:
         # model.kind and each family's own constraints are the family's to check (models.check_model).
@@ -213,6 +221,8 @@ class ModelConfig:
         _check_choice("model.norm", self.norm, ("layer", "rms"))
         _check_choice("model.activation", self.activation, ("gelu", "swiglu"))
         _check_choice("model.positions", self.positions, ("learned", "rope"))
+        if self.init is not None:
+            _check_choice("model.init", self.init, INIT_RULES)
         if not self.rope_theta > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
         self._check_rope_scaling()
@@ -274,6 +284,11 @@ class ModelConfig:
                 f"model.rope_scale_factor={self.rope_scale_factor} scales rotary positions, but model.positions="
                 f"{self.positions!r}; set positions='rope' or rope_scale_factor=1"
             )
+
+    @property
+    def init_rule(self) -> str:
+        """The initialisation rule: ``init``, or by the architecture when unset (see ``init``)."""
+        return self.init or ("depth" if self.norm == "rms" else "gpt2")
 
     @property
     def kv_heads(self) -> int:
@@ -495,7 +510,13 @@ class TrainingConfig:
     decay_shape: str = "linear"
     """schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
     weight_decay: float = 0.1
-    """AdamW weight decay (matrices only; not norms, biases or embeddings)."""
+    """AdamW weight decay, on the parameters `weight_decay_params` names."""
+    weight_decay_params: str = "matrices"
+    """Which parameters decay: 'matrices' (GPT-2, nanoGPT: not norms, biases or embeddings) or 'all'
+    (torchtitan)."""
+    adamw_impl: str = "auto"
+    """AdamW's kernel (torch.optim.AdamW): 'auto' (torch's choice: foreach), 'foreach' (one kernel per op over
+    all tensors), 'fused' (one kernel for the whole step; CPU and CUDA) or 'for-loop' (tensor by tensor)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95
@@ -526,6 +547,10 @@ class TrainingConfig:
     stop_at: int = 0
     """End the run after this step with a checkpoint (0: after `steps`). The learning-rate schedule still
     spans `steps`, so a run resumed from there continues exactly as an uninterrupted one (preemption windows)."""
+    loss_chunks: int = 0
+    """Language models: compute the head's projection and the cross-entropy this many chunks of tokens at a
+    time, each chunk's logits recomputed in the backward, so the full (tokens x vocabulary) logits never
+    exist; 0 or 1: all at once."""
     consistency_every: int = 100
     """Every N steps (and before each checkpoint) check that data-parallel replicas hold bitwise equal
     parameters: one all-gather of a checksum per rank; a replica that drifted stops the run (0 disables)."""
@@ -541,6 +566,10 @@ class TrainingConfig:
         _check_choice("training.schedule", self.schedule, SCHEDULE_KINDS)
         _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
         _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("training.adamw_impl", self.adamw_impl, ADAMW_IMPLS)
+        _check_choice("training.weight_decay_params", self.weight_decay_params, DECAYED_PARAMS)
+        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
+            raise ConfigError(f"training.loss_chunks={self.loss_chunks!r} must be an integer >= 0 (0 or 1: off)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
         _check_positive("training.muon_ns_steps", self.muon_ns_steps)
@@ -599,7 +628,8 @@ class WeightedSource:
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "shakespeare"
-    """'shakespeare' (built in), 'digits' (built in, for the ViT), a prepared dataset folder (`polyshard prepare`),
+    """'shakespeare' (built in), 'digits' (built in, for the ViT), 'synthetic' (seeded rows of the model's
+    vocabulary, no file: benchmarks and planning, as Megatron's mock data), a prepared dataset folder (`polyshard prepare`),
     a local text file or folder, a dataset name, or a .jsonl file of prompt/response pairs for fine-tuning: one
     JSON object per line, and only response tokens count in the loss. Anything but a prepared folder is prepared
     on first use into the cache (keyed by its content and the tokenizer) and read from there."""
