@@ -187,8 +187,8 @@ class ModelConfig:
     init: str | None = None
     """The initial weights: 'gpt2' (N(0, 0.02), output projections / sqrt(2 x layers)) or 'depth'
     (torchtitan's and Megatron's for Llama: embedding N(0, 1), each block's output projections
-    0.02 / sqrt(2 x its depth), the head hidden^-0.5; truncated normals). None: 'depth' for RMSNorm
-    (Llama-like) models, 'gpt2' for LayerNorm ones."""
+    0.02 / sqrt(2 x its depth), the head hidden^-0.5; truncated normals; language models only). None:
+    'depth' for RMSNorm (Llama-like) language models, 'gpt2' for the others."""
 
     def __post_init__(self) -> None:
         # model.kind and each family's own constraints are the family's to check (models.check_model).
@@ -288,7 +288,7 @@ class ModelConfig:
     @property
     def init_rule(self) -> str:
         """The initialisation rule: ``init``, or by the architecture when unset (see ``init``)."""
-        return self.init or ("depth" if self.norm == "rms" else "gpt2")
+        return self.init or ("depth" if self.norm == "rms" and self.kind != "vit" else "gpt2")
 
     @property
     def kv_heads(self) -> int:
