@@ -12,6 +12,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from polyshard.models.common.initialise import LayerPlace, init_depth_scaled
 from polyshard.trainer.config import ModelConfig
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.models import gpt, moe, vit
@@ -68,8 +69,13 @@ def build_model(
             wanted.add(layer_of(name))
     for i in sorted(wanted):
         layer = cast(nn.ModuleList, model.layers)[i].to_empty(device=device)
+        generator = layer_generator(seed, i, device)
         with torch.no_grad():
-            spec.init(layer, config.num_layers, layer_generator(seed, i, device))
+            if config.init_rule == "depth":
+                place = LayerPlace(i, config.num_layers, config.hidden, tied=config.tie_embeddings)
+                init_depth_scaled(layer, place, generator)
+            else:
+                spec.init(layer, config.num_layers, generator)
     for alias, name in ties.items():  # to_empty gave each its own tensor: tie them again
         module, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(module), attr, model.get_parameter(name))

@@ -134,6 +134,8 @@ def sequence_length(model: ModelConfig) -> int:
 
 
 def check_model(model: ModelConfig) -> None:
+    if model.init == "depth":
+        raise ConfigError("model.init='depth' places a language model's embedding, blocks and head; a vit uses 'gpt2'")
     if model.image_size % model.patch_size:
         raise ConfigError(
             f"model.image_size={model.image_size} is not a multiple of model.patch_size={model.patch_size}; "
