@@ -71,7 +71,7 @@ from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel, local_tokens
 from polyshard.trainer.engine.documents import StageDocuments, documents_of
-from polyshard.trainer.engine.optim import muon_groups, param_groups
+from polyshard.trainer.engine.optim import adamw_kernel, decay_rule, muon_groups, param_groups
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.models import build_model, layer_of, sequence_length, spec_of, tied_names
 from polyshard.trainer.models.tasks import LossFn
@@ -343,22 +343,24 @@ def _optimizer(
 ) -> torch.optim.Optimizer | ZeroOptimizer:
     train, spec = config.training, spec_of(config.model)
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
+    decays, kernel = decay_rule(train, spec.decays), adamw_kernel(train)
     inner: torch.optim.Optimizer
     if train.optimizer == "muon":
         # Muon reads each stepped tensor's placement record (ZeRO's masters carry theirs) and gathers a
         # split matrix over the mesh axes the record names: see polyshard.dp.muon.
         inner = Muon(
-            muon_groups(named, train.weight_decay, spec.decays, spec.orthogonalised),
+            muon_groups(named, train.weight_decay, decays, spec.orthogonalised),
             mesh=mesh,
             lr=train.lr,
             momentum=train.muon_momentum,
             nesterov=train.muon_nesterov,
             ns_steps=train.muon_ns_steps,
             betas=(train.beta1, train.beta2),
+            **kernel,
         )
     else:
-        groups = param_groups(named, train.weight_decay, spec.decays)
-        inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
+        groups = param_groups(named, train.weight_decay, decays)
+        inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), **kernel)
     if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)
