@@ -629,10 +629,11 @@ class WeightedSource:
 class DataConfig:
     source: str = "shakespeare"
     """'shakespeare' (built in), 'digits' (built in, for the ViT), 'synthetic' (seeded rows of the model's
-    vocabulary, no file: benchmarks and planning, as Megatron's mock data), a prepared dataset folder (`polyshard prepare`),
-    a local text file or folder, a dataset name, or a .jsonl file of prompt/response pairs for fine-tuning: one
-    JSON object per line, and only response tokens count in the loss. Anything but a prepared folder is prepared
-    on first use into the cache (keyed by its content and the tokenizer) and read from there."""
+    vocabulary, no file: benchmarks and planning, as Megatron's mock data), a prepared dataset folder
+    (`polyshard prepare`), a local text file or folder, a dataset name, or a .jsonl file of prompt/response
+    pairs for fine-tuning: one JSON object per line, and only response tokens count in the loss. Anything but
+    a prepared folder is prepared on first use into the cache (keyed by its content and the tokenizer) and read
+    from there."""
     sources: list[WeightedSource] | None = None
     """A mixture instead of `source`: [[data.sources]] entries with `path` and `weight`; each global batch draws
     from each in proportion to its weight, the same on every layout."""
