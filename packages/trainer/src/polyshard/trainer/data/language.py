@@ -207,7 +207,8 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
     data, width = config.data, config.model.context_length + 1
     tokenizer = load_tokenizer(data.tokenizer)
     train: list[Examples] = []
-    weights, names, held = [], [], []
+    held: list[Examples] = []
+    weights, names = [], []
     for number, entry in enumerate(data.mixture):
         field = "data.source" if data.sources is None else f"data.sources[{number}].path"
         if entry.path == SYNTHETIC:
