@@ -50,17 +50,19 @@ def build_model(
     device: torch.device | str = "cpu",
     checkpoint_activations: bool | str = False,
     aux_loss_scale: float = 1.0,
+    head_logits: bool = True,
 ) -> nn.Module:
     """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
 
     ``checkpoint_activations``: blocks recompute their insides in backward ("full" or "selective").
     ``aux_loss_scale``: the gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates
-    several).
+    several). ``head_logits``: False has a language model's head return its normed hidden states, for a
+    loss that projects them itself (``training.loss_chunks``).
     """
     spec = spec_of(config)
     spec.check_model(config)  # a model is built only from settings its family accepts
     with torch.device("meta"):
-        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
+        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale, head_logits))
     ties = spec.tied(config)
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
     wanted = set(range(len(cast(nn.ModuleList, model.layers))) if layers is None else layers)
