@@ -102,7 +102,12 @@ def _tensor_parallel(chunks, sequence_parallel):
 
 @pytest.mark.parametrize(
     "world, chunks, sequence_parallel",
-    [(2, 3, False), (3, 4, False), (2, 2, True), (3, 3, True)],  # 3 ranks: 11 ids padded to 12
+    [
+        (2, 3, False),
+        (3, 4, False),
+        (2, 2, True),
+        pytest.param(3, 3, True, marks=pytest.mark.long),
+    ],  # 3: 11 ids padded to 12
 )
 def test_tensor_parallel_matches_the_full_logits(distributed, world, chunks, sequence_parallel):
     for r in distributed.run(world, _tensor_parallel, chunks, sequence_parallel):

@@ -105,7 +105,9 @@ def test_the_settings_change_the_numbers_they_should_and_no_other(references):
 LAYOUTS = [
     pytest.param(2, {"dp": 2, "zero_stage": 1}, ("fused", "all"), id="dp2-zero1-fused-all"),
     pytest.param(2, {"tp": 2}, ("for-loop", "all"), id="tp2-forloop-all"),
-    pytest.param(3, {"dp": 3, "zero_stage": 2}, ("foreach", "matrices"), id="dp3-zero2-foreach"),
+    pytest.param(
+        3, {"dp": 3, "zero_stage": 2}, ("foreach", "matrices"), id="dp3-zero2-foreach", marks=pytest.mark.long
+    ),
 ]
 
 

@@ -59,7 +59,14 @@ LAYOUTS = [
     pytest.param(2, {"tp": 2}, False, id="tp2"),
     pytest.param(2, {"tp": 2, "sequence_parallel": True}, True, id="tp2-sp-tied"),
     pytest.param(2, {"pp": 2, "microbatches": 2}, False, id="pp2"),
-    pytest.param(3, {"pp": 3, "microbatches": 2, "stage_layers": [2, 1, 1], "zero_stage": 1}, True, id="pp3-tied"),
+    # three uneven stages, the tied head's copy on the last: make test-long (the suite's time)
+    pytest.param(
+        3,
+        {"pp": 3, "microbatches": 2, "stage_layers": [2, 1, 1], "zero_stage": 1},
+        True,
+        id="pp3-tied",
+        marks=pytest.mark.long,
+    ),
 ]
 
 
