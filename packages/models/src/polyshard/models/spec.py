@@ -68,6 +68,9 @@ class BuildOptions:
     """Blocks recompute their insides in backward: "full" (or True), "selective", or False."""
     aux_loss_scale: float = 1.0
     """The gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several)."""
+    head_logits: bool = True
+    """A language model's head projects to the vocabulary; False: it returns its normed hidden states
+    and the loss projects them, chunk by chunk (``training.loss_chunks``)."""
 
 
 def _no_ties(model: ModelConfig) -> dict[str, str]:

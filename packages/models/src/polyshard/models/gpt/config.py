@@ -10,6 +10,8 @@ from polyshard.models.common import RopeScaling
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError, check_choice, check_positive
 
+INIT_RULES = ("gpt2", "depth")
+
 
 @dataclass(kw_only=True, frozen=True)
 class GPTConfig(ModelConfig):
@@ -48,6 +50,11 @@ class GPTConfig(ModelConfig):
     """Biases on the q, k and v projections; None follows bias (Qwen2 has them, but none on o or the MLP)."""
     qk_norm: bool = False
     """An RMSNorm over each head's q and k, before rotary positions (Qwen3); its weight is per head dim."""
+    init: str | None = None
+    """The initial weights: 'gpt2' (N(0, 0.02), output projections / sqrt(2 x layers)) or 'depth'
+    (torchtitan's and Megatron's for Llama: embedding N(0, 1), each block's output projections
+    0.02 / sqrt(2 x its depth), the head hidden^-0.5; truncated normals). None: 'depth' for RMSNorm
+    (Llama-like) models, 'gpt2' for the others."""
     attention_core: str = "auto"
     """The attention core: auto (plain causal SDPA when nothing is masked; with document masks, sliding windows
     or sinks FlexAttention on CUDA, else blocksparse), sdpa, blocksparse (online softmax over key/value blocks,
@@ -81,6 +88,8 @@ class GPTConfig(ModelConfig):
         check_choice("model.norm", self.norm, ("layer", "rms"))
         check_choice("model.activation", self.activation, ("gelu", "swiglu"))
         check_choice("model.positions", self.positions, ("learned", "rope"))
+        if self.init is not None:
+            check_choice("model.init", self.init, INIT_RULES)
         if not self.rope_theta > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
         self._check_rope_scaling()
@@ -136,6 +145,11 @@ class GPTConfig(ModelConfig):
             high_freq_factor=self.rope_high_freq_factor,
             original_context=self.rope_original_context,
         )
+
+    @property
+    def init_rule(self) -> str:
+        """``init``, or by the architecture when unset (see ``init``)."""
+        return self.init or ("depth" if self.norm == "rms" else "gpt2")
 
     @property
     def kv_heads(self) -> int:

@@ -14,7 +14,7 @@ family to the trainer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,15 +63,21 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
+    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V).
 
-    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5):
+    ``logits=False``: the norm only, (B, S, H) -> (B, S, H); the loss multiplies by ``proj.weight`` itself,
+    a chunk of tokens at a time (``training.loss_chunks``), so the (B, S, V) logits never exist whole.
+    """
+
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5, logits: bool = True):
         super().__init__()
         self.norm = norm_layer(norm, hidden, norm_eps)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
+        self.logits = logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))  # type: ignore[no-any-return]
+        x = self.norm(x)
+        return self.proj(x) if self.logits else x
 
 
 class GPT(nn.Module):
@@ -103,6 +109,7 @@ class GPT(nn.Module):
         sliding_window: int | None = None,
         layer_types: Sequence[str] | None = None,
         sinks: bool = False,
+        head_logits: bool = True,
     ):
         super().__init__()
         self.context_length = context_length
@@ -133,7 +140,7 @@ class GPT(nn.Module):
         ]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
-        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
+        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps, logits=head_logits))
         if tie_embeddings:
             # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
             self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
@@ -156,9 +163,10 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
         ``top_k`` > 0 samples among the k likeliest tokens only."""
-        tokens = prompt
+        tokens, head = prompt, cast(LMHead, self.layers[-1])
         for _ in range(new_tokens):
-            logits = self(tokens[:, -self.context_length :])[:, -1, :] / max(temperature, 1e-5)
+            last = self(tokens[:, -self.context_length :])[:, -1, :]
+            logits = (last if head.logits else head.proj(last)) / max(temperature, 1e-5)
             if 0 < top_k < logits.shape[-1]:
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -198,6 +206,7 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         sliding_window=config.sliding_window,
         layer_types=config.layer_types,
         sinks=config.attention_sinks,
+        head_logits=options.head_logits,
     )
 
 

@@ -2,7 +2,8 @@
 
 ``data.source`` (or each of ``data.sources``) is either a prepared folder (``polyshard prepare``) or
 anything ``prepare`` reads: ``"shakespeare"``, a ``.txt`` file or folder (one document per file), a
-``.jsonl`` of prompt/response pairs, a dataset name. Such a source is prepared on first use into the
+``.jsonl`` of prompt/response pairs, a dataset name; or ``"synthetic"``, seeded rows of the model's
+vocabulary that read no file at all (:mod:`polyshard.data.synthetic`). Such a source is prepared on first use into the
 cache, ``<cache>/prepared/<key>``, where the key hashes the source's bytes, the tokenizer and the
 options, so a changed file or tokenizer is prepared afresh and an unchanged one never again. The
 launcher prepares before any worker starts (with a progress bar); a worker started another way
@@ -32,12 +33,14 @@ from polyshard.data.format import MANIFEST, TOKENS, held_out, tokenizer_info
 from polyshard.data.output import WriteError
 from polyshard.data.prepared import Prepared, Split, open_prepared
 from polyshard.data.sources import check_within
+from polyshard.data.synthetic import TRAIN_STREAM, VAL_STREAM, SyntheticTokens
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from polyshard.models import output_width, sequence_length
 from polyshard.trainer.config import Config, DataConfig
 from polyshard.trainer.data.corpus import cache_root, shakespeare_files
 from polyshard.trainer.errors import DataError
 
+SYNTHETIC = "synthetic"  # data.source: Megatron's mock data, seeded rows and no file (polyshard.data.synthetic)
 SPLIT_SEED = 0  # which documents a source prepared on the fly holds out; a prepared folder records its own
 PAIRS_SUFFIX = ".jsonl"
 
@@ -229,9 +232,17 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
     padded example once (before launch: :func:`check_language_data`)."""
     data, width = config.data, sequence_length(config.model) + 1
     tokenizer = load_tokenizer(data.tokenizer)
-    train, weights, names, held = [], [], [], []
+    train: list[Examples] = []
+    held: list[Examples] = []
+    weights, names = [], []
     for number, entry in enumerate(data.mixture):
         field = "data.source" if data.sources is None else f"data.sources[{number}].path"
+        if entry.path == SYNTHETIC:
+            train.append(synthetic_rows(config, TRAIN_STREAM))
+            weights.append(entry.weight)
+            names.append(entry.path)
+            held.append(synthetic_rows(config, VAL_STREAM))
+            continue
         prepared = open_prepared(prepared_folder(entry.path, data, progress=progress, field=field), tokenizer)
         where = f"{field}={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
         examples, val = _examples(prepared, data, width, where, check)
@@ -240,12 +251,29 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
         names.append(entry.path)
         if val is not None:
             held.append(val)
-    if data.val_source is not None:
+    if data.val_source == SYNTHETIC:
+        held = [synthetic_rows(config, VAL_STREAM)]
+    elif data.val_source is not None:
         field = "data.val_source"
         prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress, field=field), tokenizer)
         examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}", check)
         held = [examples]
     return RunData(train, weights, names, held[0] if len(held) == 1 else Concat(held))
+
+
+def synthetic_rows(config: Config, stream: int) -> SyntheticTokens:
+    """``data.source = "synthetic"``: seeded uniform rows over the model's vocabulary, as many as the run
+    reads — one per example of every step (training) or of one evaluation (validation) — so no row repeats."""
+    model, train = config.model, config.training
+    batches = train.steps if stream == TRAIN_STREAM else max(train.eval_batches, 1)
+    return SyntheticTokens(
+        output_width(model),
+        sequence_length(model) + 1,
+        batches * train.global_batch_size,
+        seed=train.seed,
+        stream=stream,
+        segments=config.data.document_mask,
+    )
 
 
 def check_language_data(config: Config) -> None:
