@@ -16,7 +16,8 @@ import pytest
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import DOCS, MANIFEST, MASK, TOKENS, held_out, read_manifest
-from polyshard.data.prepare import PROGRESS, TEMP_SUFFIX, prepare
+from polyshard.data.output import PROGRESS, TEMP_SUFFIX
+from polyshard.data.prepare import prepare
 from polyshard.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, train_bpe
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +87,17 @@ CASES = [
         "data.sources[0].weight=0 must be a positive",
     ),
     (DP, ["--set", "data.val_source={tmp}/nowhere.txt"], {}, "data.val_source='{tmp}/nowhere.txt': no such"),
+    # sizes that cannot run (issue 33)
+    ("moe-gpt-ep.toml", ["--set", "model.moe.num_experts=1000000000"], {}, "model.moe.num_experts=1000000000 is past"),
+    (DP, ["--set", "training.muon_ns_steps=1000000000"], {}, "training.muon_ns_steps=1000000000 is past 100"),
+    (DP, ["--set", "data.sources=[{{path='{tmp}/tiny', weight=1e308}}]"], {}, "weight=1e+308 is past 1e+12"),
+    (DP, ["--set", "data.sources=[{{path='{tmp}/tiny'}}]", "--set", "data.source=x"], {}, "are both set"),
+    (DP, ["--set", "model.hidden=65536", "--set", "model.num_layers=64"], {}, "or pass --force to launch"),
+    (DP, ["--set", "model.hidden=1048576", "--dry-run"], {}, "GiB one rank may have on any machine"),
+    # prepared folders damaged or pointing outside themselves (issue 33)
+    (DP, ["--set", "data.source={tmp}/backwards"], {}, "train-00000.docs: document offset 1 is -5"),
+    (DP, ["--set", "data.source={tmp}/linked"], {}, "train-00000.tokens is a link to"),
+    (DP, ["--set", "data.source={tmp}/wide"], {}, "train-00000.tokens holds token id 999, past model.vocab_size"),
     ("top-level.toml", [], {}, "lr = 0.1 stands outside any [section]"),
     ("broken.toml", [], {}, "not valid TOML"),
 ]
@@ -125,6 +137,14 @@ def _bad_data(tmp_path: Path) -> None:
     (tmp_path / "version" / MANIFEST).write_text(json.dumps({**manifest, "version": 9}))
     (tmp_path / "short" / "train-00000.tokens").write_bytes(b"\0" * 10)
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": \n')
+    for name in ("backwards", "linked", "wide"):
+        write_folder(tmp_path / name, {"train": [[[65] * 2000, [66] * 2000]]})
+    np.asarray([0, -5], "<i8").tofile(tmp_path / "backwards" / "train-00000.docs")
+    (tmp_path / "linked" / "train-00000.tokens").rename(tmp_path / "outside.tokens")
+    (tmp_path / "linked" / "train-00000.tokens").symlink_to(tmp_path / "outside.tokens")
+    wide = np.full(4000, 65, "<u2")
+    wide[3000] = 999
+    wide.tofile(tmp_path / "wide" / "train-00000.tokens")
 
 
 def _check(results, tmp) -> None:

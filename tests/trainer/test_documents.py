@@ -202,16 +202,25 @@ def _masked_and_plain(config):
         *SELECTIVE,
     ],
 )
-def test_one_document_per_row_is_bitwise_the_plain_causal_run(distributed, world, parallel, llama):
-    # The same maths in the same order: SDPA's boolean-mask path equals its is_causal path on CPU, the
-    # positions within one document are 0..S-1, and cp computes the same blocks with an all-False mask.
+def test_one_document_per_row_matches_the_plain_causal_run(distributed, world, parallel, llama):
+    # Under cp the same maths in the same order: cp computes the same blocks with an all-False mask, and
+    # the positions within one document are 0..S-1, so bit for bit. Without cp the masked run takes the
+    # block-sparse core and the plain one SDPA: the same softmax summed in another order, float32 ulps
+    # of O(1) values, well under TOL (1e-5). Ulysses runs the model's own cores on whole sequences: as without cp.
+    exact = "cp" in parallel and parallel.get("cp_style") != "ulysses"
     for masked, plain in distributed.run(world, _masked_and_plain, _config(llama, **parallel)):
         (masked_logits, masked_grads, *_), (plain_logits, plain_grads, *_) = masked, plain
         assert (masked_logits is None) == (plain_logits is None)
-        assert masked_logits is None or torch.equal(masked_logits, plain_logits)
         assert len(masked_grads) == len(plain_grads) > 0
-        for (placement, grad), (_, plain_grad) in zip(masked_grads, plain_grads):
-            assert torch.equal(grad, plain_grad), placement.name
+        pairs = [(masked_logits, plain_logits, "logits")] if masked_logits is not None else []
+        pairs += [
+            (grad, plain_grad, placement.name) for (placement, grad), (_, plain_grad) in zip(masked_grads, plain_grads)
+        ]
+        for mine, theirs, name in pairs:
+            if exact:
+                assert torch.equal(mine, theirs), name
+            else:
+                torch.testing.assert_close(mine, theirs, rtol=TOL, atol=TOL, msg=name)
 
 
 def test_validate_refuses_document_masking_without_documents():

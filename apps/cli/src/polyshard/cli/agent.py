@@ -18,12 +18,15 @@ Run as ``python -m polyshard.cli.agent <torchrun options> -m module args``.
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
@@ -64,17 +67,63 @@ def main() -> None:
     DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: tcp_store(  # type: ignore[method-assign,assignment]
         addr, port, is_master=True, multi_tenant=True
     )
+    SubprocessContext._close = _noting_user_errors(SubprocessContext._close)  # type: ignore[method-assign]
     if hasattr(signal, "SIGCONT"):
         SubprocessHandler.close = _wake_then_close(SubprocessHandler.close)  # type: ignore[method-assign]
     from torch.distributed.run import parse_args, run
 
+    # torchrun keeps its log folders (torchelastic_*) in the temp folder and never deletes them; the agent
+    # alone gets a private temp folder, deleted when it ends (the workers keep the usual one: caches).
+    scratch = tempfile.mkdtemp(prefix="polyshard-agent-")
+    tempfile.tempdir = scratch
+    # The failure of a worker that reported a user error (exit 2) is that worker's one line: torchrun's
+    # own error record and our summary would repeat it.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
+            logger.addFilter(_not_a_user_error)
     try:
-        run(parse_args(sys.argv[1:]))  # type: ignore[no-untyped-call]  # torchrun's own entry, untyped
+        _run(run, parse_args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _noting_user_errors(close: Callable[..., None]) -> Callable[..., None]:
+    """torchrun stops the other workers (logging each) before it logs the failure that made it: note a
+    user error first, so that :func:`_not_a_user_error` drops those records too."""
+
+    def wrapped(self: SubprocessContext, *args: object, **kwargs: object) -> None:
+        failures = getattr(self, "_failures", {})
+        if any(f.exitcode == USER_ERROR for f in failures.values()):
+            _user_error_seen[0] = True
+        close(self, *args, **kwargs)
+
+    return wrapped
+
+
+def _not_a_user_error(record: logging.LogRecord) -> bool:
+    """False for torchrun's records of a worker that exited with :data:`USER_ERROR` (its own line said why)
+    and of the stopping of the other workers that follows."""
+    text = record.getMessage()
+    if f"(exitcode: {USER_ERROR})" in text:
+        _user_error_seen[0] = True
+        return False
+    return not (_user_error_seen[0] and "closing signal" in text)
+
+
+USER_ERROR = 2  # a worker's exit code for a mistake it reported in one line (polyshard.trainer.runtime.worker)
+_user_error_seen = [False]
+
+
+def _run(run: Callable[..., None], parse_args: Callable[..., object]) -> None:
+    try:
+        run(parse_args(sys.argv[1:]))
     except SignalException as stop:  # torchrun stopped its workers before raising this
         print(f"torchrun agent: {stop}; its workers are stopped", file=sys.stderr)
         raise SystemExit(128 + int(stop.sigval)) from None
     except ChildFailedError as failed:  # the workers printed their own errors; summarise, keep the code
         rank, first = failed.get_first_failure()
+        if first.exitcode == USER_ERROR:  # the worker printed the one line that says what to fix
+            raise SystemExit(USER_ERROR) from None
         others = sorted(set(failed.failures) - {rank})
         more = f" (then {len(others)} more: ranks {others})" if others else ""
         print(f"torchrun agent: rank {rank} failed first, exit code {first.exitcode}{more}", file=sys.stderr)

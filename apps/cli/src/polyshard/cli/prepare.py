@@ -24,6 +24,9 @@ def prepare_command(
     workers: int | None = typer.Option(None, "--workers", help="Tokenizing processes (default: every core)."),
     shard_tokens: int = typer.Option(1 << 28, "--shard-tokens", help="Tokens per shard file, at most (whole docs)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a prepared dataset already at OUT."),
+    max_document_mb: int = typer.Option(
+        16, "--max-document-mb", help="A longer document (file, block, line or row) is refused: memory stays bounded."
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
 ) -> None:
     """Tokenize SOURCE into OUT: token shards, document offsets and a manifest, written in parallel and
@@ -37,6 +40,7 @@ def prepare_command(
             source, out, tokenizer, kind=kind, split_on=split_on, text_field=text_field, prompt_field=prompt_field,
             response_field=response_field, separator=separator, val_fraction=val_fraction, seed=seed,
             workers=workers, shard_tokens=shard_tokens, overwrite=overwrite, progress=not quiet,
+            max_document_bytes=max_document_mb << 20,
         )  # fmt: skip
     except DataError as err:
         typer.echo(f"data error: {err}", err=True)

@@ -40,6 +40,9 @@ def train(
         "compile time, metrics.jsonl records compiles and recompiles.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
+    force: bool = typer.Option(
+        False, "--force", help="Launch even when the planner's memory estimate is larger than this machine's memory."
+    ),
     layout: str = typer.Option(
         "manual",
         "--layout",
@@ -77,6 +80,7 @@ def train(
         launch = prepare_launch(
             settings, out=out, nproc=nproc, nodes=nodes, resume=resume, init_from=init_from, prediction=prediction
         )
+        too_big = None if force else _memory_refusal(launch.config, launch.nproc, dry_run)
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
         kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
         typer.echo(f"{kind} error: {err}", err=True)
@@ -87,12 +91,32 @@ def train(
         from polyshard.planner.dry_run import describe
 
         typer.echo(describe(launch.config))
+        if too_big is not None:  # a plan for a larger machine is what --dry-run is for: said, not refused
+            typer.echo(f"note: not on this machine: {too_big}")
         return
     launch.write()  # the resolved config (and the planner's prediction) every worker reads
     raise typer.Exit(run_local(launch.nproc, WORKER, launch.worker_args(), torchrun))
 
 
 WORKER = "polyshard.trainer.runtime.worker"
+
+
+def _memory_refusal(config: Any, nproc: int, dry_run: bool) -> str | None:
+    """The planner's estimate against this machine's memory: a launch that cannot fit is refused (a
+    ConfigError naming the estimate and the fix); a dry run is refused only past any machine's memory, and
+    otherwise gets the reason back, to print under its plan."""
+    from polyshard.planner.fits import check_fits
+    from polyshard.trainer import ConfigError
+
+    if dry_run:
+        check_fits(config, nproc, anywhere=True)  # a plan may be for a larger machine, not for no machine
+    try:
+        check_fits(config, nproc)
+    except ConfigError as err:
+        if not dry_run:
+            raise
+        return str(err)
+    return None
 
 
 def _planned(

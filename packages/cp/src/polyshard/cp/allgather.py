@@ -15,6 +15,10 @@ too (int64, B x S), a query chunk attends only to keys from the start of its fir
 token (the keys before it, in earlier documents of every row, are never touched), and the rest is
 masked to the query's own document. Every query sees itself, so no softmax row is empty.
 
+Sliding windows: a query chunk's keys start no earlier than ``window - 1`` tokens before its first
+query (the slice is all that is touched), and the window masks the rest. Sinks: one more logit per head
+in each softmax, differentiated by autograd like the rest.
+
 Backward: plain autograd through the float32 maths; the all-gather's backward is a float32
 reduce-scatter, which sums every rank's gradient for a key/value chunk onto the rank that owns it.
 
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.cp.blocks import grouped_kv, grouped_query, ungrouped
+from polyshard.cp.blocks import grouped_kv, grouped_query, ungrouped, window_hidden
 from polyshard.cp.sharding import rank_chunks, to_sequence_order
 
 
@@ -59,13 +63,24 @@ def _gather_float32(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) 
 
 
 def _dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, hidden: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    hidden: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention in float32, differentiable by autograd; ``hidden`` (Q, T) marks masked keys."""
+    """Softmax attention in float32, differentiable by autograd; ``hidden`` (Q, T) marks masked keys;
+    ``sinks`` (N,): one more logit per head in each row's softmax, whose column is then dropped."""
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
     if hidden is not None:
         scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
+    b, kv_heads, g, rows, _ = scores.shape
+    sink = sinks.float().reshape(1, kv_heads, g, 1, 1).expand(b, kv_heads, g, rows, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ v
 
 
 def _first_key(query_segments: torch.Tensor, all_segments: torch.Tensor) -> int:
@@ -85,30 +100,39 @@ def allgather_attention(
     causal: bool,
     scale: float,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E)
     values of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E).
-    ``segments`` (B, S): the local tokens' documents, sharded alike; attention then stays inside each."""
+    ``segments`` (B, S): the local tokens' documents, sharded alike; attention then stays inside each.
+    ``window`` (causal): each query sees its last ``window`` tokens, so a chunk's keys start no earlier
+    than ``window - 1`` before its first query; ``sinks`` (N,): per-head sink logits (gpt-oss)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     keys = grouped_kv(to_sequence_order(_gather_float32(k, 2, group), 2, cp))  # (B, K, 1, 2C cp, D)
     values = grouped_kv(to_sequence_order(_gather_float32(v, 2, group), 2, cp))
     queries = grouped_query(q.float(), k.shape[1])  # (B, K, G, 2C, D)
     every = None if segments is None else to_sequence_order(ops.all_gather(segments, 1, group), 1, cp)  # (B, S)
     if not causal and every is None:
-        return ungrouped(_dense(queries, keys, values, scale, None)).to(q.dtype)
+        return ungrouped(_dense(queries, keys, values, scale, None, sinks)).to(q.dtype)
     chunk = q.shape[2] // 2
     outs = []
     for half, i in enumerate(rank_chunks(rank, cp)):
         local = slice(half * chunk, (half + 1) * chunk)
         visible = (i + 1) * chunk if causal else keys.shape[-2]  # causal: keys of chunks 0..i
         first = 0 if every is None or segments is None else _first_key(segments[:, local], every)
+        if window is not None:  # the keys before the window of the chunk's first query: never touched
+            first = max(first, i * chunk - window + 1)
         query_pos = torch.arange(i * chunk, (i + 1) * chunk, device=q.device).unsqueeze(-1)
-        hidden = torch.arange(first, visible, device=q.device) > query_pos  # (C, visible - first): later keys
+        key_pos = torch.arange(first, visible, device=q.device)
+        hidden = key_pos > query_pos  # (C, visible - first): later keys
         if not causal:
             hidden.zero_()
+        if window is not None:
+            hidden |= window_hidden(query_pos.squeeze(-1), key_pos, window)
         if every is not None and segments is not None:  # (B, 1, 1, C, visible - first): another document
             other = segments[:, local].unsqueeze(-1) != every[:, first:visible].unsqueeze(-2)
             hidden = (hidden | other)[:, None, None]
         cols = slice(first, visible)
-        outs.append(_dense(queries[..., local, :], keys[..., cols, :], values[..., cols, :], scale, hidden))
+        outs.append(_dense(queries[..., local, :], keys[..., cols, :], values[..., cols, :], scale, hidden, sinks))
     return ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)

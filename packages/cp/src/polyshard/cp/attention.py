@@ -51,6 +51,18 @@ def check_segments(q: torch.Tensor, segments: torch.Tensor) -> None:
         )
 
 
+def check_window_and_sinks(q: torch.Tensor, causal: bool, window: int | None, sinks: torch.Tensor | None) -> None:
+    """A window needs causal attention and at least the query itself; sinks are one number per query head."""
+    if window is not None and (not causal or window < 1):
+        raise ContextParallelError(
+            f"window={window}: a sliding window needs causal attention and at least 1 token (the query itself)"
+        )
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ContextParallelError(
+            f"sinks must hold one logit per query head, shape ({q.shape[1]},); got {tuple(sinks.shape)}"
+        )
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, style: str) -> None:
     """Raise :class:`ContextParallelError` for inputs this rank can tell are wrong. (Every rank must
     also hold the same shapes; checking that would cost a collective per call, so it is not done.)"""
@@ -99,6 +111,8 @@ def context_parallel_attention(
     style: Style = "ring",
     scale: float | None = None,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     ring_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence held by ``group`` (None: the world).
@@ -114,16 +128,26 @@ def context_parallel_attention(
     Gradients flow to q, k and v (each rank gets those of its own chunks). ``segments`` (B, S) int:
     the local tokens' documents (non-decreasing along each full row), sharded like q; a query then
     sees only keys of its own document (and, causal, not after it), and fully masked blocks are skipped.
+    ``window`` (causal only): each query sees only its last ``window`` tokens, itself included (Mistral's,
+    gpt-oss's and Hugging Face's ``sliding_window``); blocks wholly outside it are skipped. ``sinks`` (N,):
+    a learned logit per query head in every softmax denominator, adding no value (gpt-oss).
     """
     check_inputs(q, k, v, style)
     if segments is not None:
         check_segments(q, segments)
+    check_window_and_sinks(q, causal, window, sinks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if style == "ring":
-        return ring_attention(q, k, v, group, causal, scale, segments)
+        return ring_attention(q, k, v, group, causal, scale, segments, window, sinks)
     if style == "allgather":
-        return allgather_attention(q, k, v, group, causal, scale, segments)
+        return allgather_attention(q, k, v, group, causal, scale, segments, window, sinks)
     if style == "ulysses":
+        if window is not None or sinks is not None:
+            raise ContextParallelError(
+                "style='ulysses' here runs plain SDPA, which has no window or sinks: call "
+                "polyshard.cp.ulysses_attention with a core that has them (the trainer passes the model's own), "
+                "or use style 'ring', 'allgather' or 'ulysses+ring'"
+            )
         return ulysses_attention(q, k, v, group, sdpa_core(causal=causal, scale=scale), segments)
     if ring_group is None:
         raise ContextParallelError(
@@ -131,10 +155,12 @@ def context_parallel_attention(
             "(polyshard.cp.ulysses_ring_groups makes it and group)"
         )
 
-    def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, every: torch.Tensor | None) -> torch.Tensor:
-        return ring_attention(q, k, v, ring_group, causal, scale, every)
+    def ring(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, every: torch.Tensor | None, heads_sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        return ring_attention(q, k, v, ring_group, causal, scale, every, window, heads_sinks)
 
-    return ulysses_attention(q, k, v, group, ring, segments)
+    return ulysses_attention(q, k, v, group, ring, segments, sinks)
 
 
 class ContextParallelAttention(nn.Module):
@@ -171,6 +197,8 @@ class ContextParallelAttention(nn.Module):
         enable_gqa: bool = False,
         *,
         segments: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise ContextParallelError(
@@ -191,6 +219,8 @@ class ContextParallelAttention(nn.Module):
             style=self.style,
             scale=scale,
             segments=segments,
+            window=window,
+            sinks=sinks,
             ring_group=self.ring_group,
         )
 

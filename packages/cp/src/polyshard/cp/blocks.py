@@ -39,30 +39,35 @@ from polyshard.cp.sharding import rank_chunks
 
 class Block(NamedTuple):
     """One block to compute: query rows and key rows (local slices) and whether it is diagonal
-    (query chunk = key chunk, so key j is visible to query i only when j <= i)."""
+    (query chunk = key chunk, so key j is visible to query i only when j <= i). ``offset``: the global
+    position of the block's first query minus that of its first key (a sliding window needs it)."""
 
     rows: slice
     cols: slice
     diagonal: bool
+    offset: int = 0
 
 
-def plan_blocks(query_rank: int, kv_rank: int, cp: int, chunk: int, causal: bool) -> list[Block]:
+def plan_blocks(
+    query_rank: int, kv_rank: int, cp: int, chunk: int, causal: bool, window: int | None = None
+) -> list[Block]:
     """The blocks ``query_rank`` computes against the keys ``kv_rank`` holds, both laid out by
     :func:`polyshard.cp.sharding.shard_sequence` with chunks of ``chunk`` tokens.
 
     Causal: for query chunk i and key chunk j, i > j is a full block, i == j a diagonal block, and
     i < j is entirely masked and left out (no work, not a masked matmul). Non-causal: one block of
-    all local queries against all of ``kv_rank``'s keys.
+    all local queries against all of ``kv_rank``'s keys. ``window`` (causal only): a block whose keys
+    all lie ``window`` or more tokens before its first query is left out too.
     """
     if not causal:
         return [Block(slice(None), slice(None), False)]
     blocks = []
     for q_half, i in enumerate(rank_chunks(query_rank, cp)):
         for k_half, j in enumerate(rank_chunks(kv_rank, cp)):
-            if i >= j:
+            if i >= j and not sees_nothing(i * chunk, (j + 1) * chunk - 1, window):
                 rows = slice(q_half * chunk, (q_half + 1) * chunk)
                 cols = slice(k_half * chunk, (k_half + 1) * chunk)
-                blocks.append(Block(rows, cols, i == j))
+                blocks.append(Block(rows, cols, i == j, (i - j) * chunk))
     return blocks
 
 
@@ -76,6 +81,62 @@ def document_hidden(query_segments: torch.Tensor, key_segments: torch.Tensor, di
     if bool(hidden.all()):
         return None
     return hidden[:, None, None]
+
+
+def window_hidden(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(Q, T) bool: keys at least ``window`` positions before the query, which a sliding window of
+    ``window`` tokens (the query itself and the ``window - 1`` before it, as Mistral, gpt-oss and
+    Hugging Face's ``sliding_window`` define it) hides."""
+    return query_positions.unsqueeze(-1) - key_positions.unsqueeze(-2) >= window
+
+
+def sees_nothing(query_first: int, key_last: int, window: int | None) -> bool:
+    """Whether a window hides a whole block: its last key lies ``window`` or more before its first query."""
+    return window is not None and query_first - key_last >= window
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold per-head attention sinks (gpt-oss) into a finished (out, lse) in place: each head's learned
+    logit joins every softmax denominator and adds no value, i.e. a merge with a block whose lse is the
+    sink and whose output is 0. ``sinks`` (N,) float32, N = K * G; out (B, K, G, Q, E), lse (B, K, G, Q)."""
+    sink = sinks.reshape(lse.shape[1], lse.shape[2], 1)  # (K, G, 1): broadcast over B and Q
+    merged = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks, (N,) float32, from the final lse (sinks included) and delta = rowsum(dO * O):
+    a sink's probability p = exp(sink - lse) scales every output by 1 - p, so d out / d sink = -p out and
+    the gradient is -sum over rows of p * delta (B and Q summed; only this process's query rows)."""
+    sink = sinks.reshape(lse.shape[1], lse.shape[2], 1)
+    return -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).reshape(-1)
+
+
+def hidden_keys(
+    block: Block,
+    window: int | None,
+    query_segments: torch.Tensor | None,
+    key_segments: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[bool, torch.Tensor | None]:
+    """(whether to compute ``block``, its mask): None when only the causal diagonal (``block.diagonal``)
+    masks it, else the keys hidden from each query, (Q, T) or with documents (B, 1, 1, Q, T), causal
+    triangle included. ``query_segments`` (B, Q) and ``key_segments`` (B, T): the block's documents."""
+    hidden = None
+    rows = block.rows.stop - block.rows.start if block.rows.stop is not None else None
+    if window is not None and rows is not None and block.offset + rows - 1 >= window:  # the window cuts in
+        position = torch.arange(rows, device=device)
+        hidden = window_hidden(position + block.offset, position, window)
+        if block.diagonal:
+            hidden |= torch.ones_like(hidden).triu(1)
+    if query_segments is None or key_segments is None:
+        return True, hidden
+    documents = document_hidden(query_segments, key_segments, block.diagonal)
+    if documents is None:
+        return False, None
+    hidden = documents if hidden is None else documents | hidden
+    return not bool(hidden.all()), hidden
 
 
 def _scores(

@@ -40,6 +40,12 @@ ids travel with its K/V (a second, small int64 transfer in the same exchange); t
 ids of every block it saw, so the backward needs no extra transfer. A block whose queries and keys
 share no document is skipped in both passes; the others are masked (:mod:`polyshard.cp.blocks`).
 
+Sliding windows (``window``, causal only): a block whose keys all lie ``window`` or more tokens before
+its first query is skipped in both passes (:func:`~polyshard.cp.blocks.plan_blocks`); a block the window
+cuts into is masked by it. Sinks (``sinks``, one logit per query head): folded into the final (out, lse)
+once, after the last step, as a block with output 0; the backward's probabilities are recomputed from
+that lse, and each rank's sink gradient comes from its own query rows.
+
     backward  rank 0                              rank 1
     step 0    own blocks -> dQ, and dK/dV of      own blocks -> dQ, and dK/dV of
               (k0, k3) so far; send it -> 1       (k1, k2) so far; send it -> 0
@@ -58,13 +64,16 @@ import torch.distributed as dist
 from polyshard.collectives import PendingExchange, post_exchange
 from polyshard.collectives.ledger import group_ranks
 from polyshard.cp.blocks import (
+    Block,
+    add_sinks,
     block_backward,
     block_forward,
-    document_hidden,
     grouped_kv,
     grouped_query,
+    hidden_keys,
     merge_into,
     plan_blocks,
+    sink_gradient,
     ungrouped,
 )
 
@@ -98,16 +107,6 @@ class _Ring:
         return post_exchange(sends=sends, recvs=recvs, group=self.group), buffers
 
 
-def _hidden(
-    segments: torch.Tensor | None, key_segments: torch.Tensor | None, rows: slice, cols: slice, diagonal: bool
-) -> tuple[bool, torch.Tensor | None]:
-    """(whether to compute the block, its document mask): without documents always, unmasked."""
-    if segments is None or key_segments is None:
-        return True, None
-    hidden = document_hidden(segments[:, rows], key_segments[:, cols], diagonal)
-    return hidden is not None, hidden
-
-
 class RingAttention(torch.autograd.Function):
     """forward: attention of the local queries over every rank's keys, K/V passed round the ring /
     backward: recompute per block from the saved lse, dK/dV passed round the ring back to their owners.
@@ -125,6 +124,8 @@ class RingAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
         segments: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ring = _Ring(group)
         chunk = q.shape[2] // 2
@@ -138,8 +139,9 @@ class RingAttention(torch.autograd.Function):
             k_block, v_block = (grouped_kv(t.float()) for t in _unpack(travelling[0], k.shape, v.shape))
             key_segments = travelling[1] if segments is not None else None
             seen += travelling[1:]
-            for rows, cols, diagonal in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal):
-                compute, hidden = _hidden(segments, key_segments, rows, cols, diagonal)
+            for block in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal, window):
+                rows, cols, diagonal = block.rows, block.cols, block.diagonal
+                compute, hidden = _hidden(block, window, segments, key_segments, q.device)
                 if not compute:
                     continue
                 q_rows, k_cols, v_cols = q32[..., rows, :], k_block[..., cols, :], v_block[..., cols, :]
@@ -148,16 +150,18 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 pending.wait()
             travelling = incoming
+        if sinks is not None:  # each head's sink joins every row's denominator once, after all blocks
+            add_sinks(out, lse, sinks.float())
         # The float32 output, not the returned one: with bf16 inputs, rowsum(dO * O) in the backward
         # would otherwise start from a rounded O. For float32 inputs they are the same tensor.
-        ctx.save_for_backward(q, k, v, out, lse, *([torch.stack(seen)] if seen else []))
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *([torch.stack(seen)] if seen else []))
+        ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
         return ungrouped(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, *seen = ctx.saved_tensors
-        ring, causal, scale = _Ring(ctx.group), ctx.causal, ctx.scale
+        q, k, v, out, lse, sinks, *seen = ctx.saved_tensors
+        ring, causal, scale, window = _Ring(ctx.group), ctx.causal, ctx.scale, ctx.window
         segments = seen[0][0] if seen else None  # (B, S): step 0's keys are this rank's own tokens
         chunk, kv_heads = q.shape[2] // 2, k.shape[1]
         q32 = grouped_query(q.float(), kv_heads)
@@ -173,8 +177,9 @@ class RingAttention(torch.autograd.Function):
             dk = torch.zeros_like(k_block)  # (B, K, 1, S, D): this block's dK, this rank's part
             dv = torch.zeros_like(v_block)
             key_segments = seen[0][step] if seen else None
-            for rows, cols, diagonal in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal):
-                compute, hidden = _hidden(segments, key_segments, rows, cols, diagonal)
+            for block in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal, window):
+                rows, cols, diagonal = block.rows, block.cols, block.diagonal
+                compute, hidden = _hidden(block, window, segments, key_segments, q.device)
                 if not compute:  # skipped in the forward too
                     continue
                 dq_b, dk_b, dv_b = block_backward(
@@ -204,7 +209,10 @@ class RingAttention(torch.autograd.Function):
             dkv_pending.wait()
             dkv = dkv_incoming
         dk_own, dv_own = _unpack(dkv, k.shape, v.shape)
-        return ungrouped(dq).to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, None
+        # The sinks' gradient from this rank's query rows; the trainer sums it over cp like any replica's.
+        dsinks = None if sinks is None else sink_gradient(sinks.float(), lse, delta).to(sinks.dtype)
+        dq_out = ungrouped(dq).to(q.dtype)
+        return dq_out, dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, None, None, dsinks
 
 
 def ring_attention(
@@ -215,8 +223,24 @@ def ring_attention(
     causal: bool,
     scale: float,
     segments: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ring attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E) values
     of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E). ``segments``
-    (B, S): the local tokens' documents, sharded alike; attention then stays inside each document."""
-    return RingAttention.apply(q, k, v, group, causal, scale, segments)  # type: ignore[no-untyped-call,no-any-return]
+    (B, S): the local tokens' documents, sharded alike; attention then stays inside each document.
+    ``window``: each query sees its last ``window`` tokens only; ``sinks`` (N,): per-head sink logits."""
+    return RingAttention.apply(q, k, v, group, causal, scale, segments, window, sinks)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _hidden(
+    block: Block,
+    window: int | None,
+    segments: torch.Tensor | None,
+    key_segments: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[bool, torch.Tensor | None]:
+    """(whether to compute the block, its mask) from this rank's and the block's document ids."""
+    query_rows = None if segments is None else segments[:, block.rows]
+    key_cols = None if key_segments is None else key_segments[:, block.cols]
+    return hidden_keys(block, window, query_rows, key_cols, device)

@@ -43,9 +43,9 @@ from polyshard.cp.errors import ContextParallelError
 from polyshard.cp.sharding import to_rank_order, to_sequence_order
 from polyshard.mesh import divisors
 
-Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], torch.Tensor]
 """An attention core on whole sequences in order: (q (B, n, T, D), k (B, k, T, D), v (B, k, T, E),
-segments (B, T) or None) -> (B, n, T, E), causal or not as the caller built it."""
+segments (B, T) or None, sinks (n,) or None) -> (B, n, T, E), causal or windowed as the caller built it."""
 
 
 def kv_copies(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
@@ -95,20 +95,24 @@ def ulysses_attention(
     group: dist.ProcessGroup | None,
     core: Core,
     segments: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E) values of a
     sequence sharded over ``group`` by :func:`~polyshard.cp.sharding.shard_sequence`: ``core`` runs on
     this rank's N/u heads of the whole sequence, in order; returns (B, N, S, E) in the local layout.
     ``segments`` (B, S): the local tokens' documents, sharded alike; they are gathered for the core.
-    ``core`` may itself be context parallel over another group (the 2-D scheme: see the module docstring)."""
+    ``core`` may itself be context parallel over another group (the 2-D scheme: see the module docstring).
+    ``sinks`` (N,): the heads' sink logits; the core gets those of this rank's N/u heads."""
     u = dist.get_world_size(group)
     if u == 1:
-        return core(q, k, v, segments)
+        return core(q, k, v, segments, sinks)
     copies = kv_copies(q.shape[1], k.shape[1], u)
     if copies > 1:  # fewer kv heads than ranks: kv head h becomes copies u/K h .. u/K (h+1) - 1
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
     every = None if segments is None else to_sequence_order(ops.all_gather(segments, 1, group), 1, u)  # (B, uS)
-    out = core(sequence_to_heads(q, group), sequence_to_heads(k, group), sequence_to_heads(v, group), every)
+    if sinks is not None:  # this rank's query heads: [i N/u, (i+1) N/u)
+        sinks = sinks.chunk(u)[dist.get_rank(group)]
+    out = core(sequence_to_heads(q, group), sequence_to_heads(k, group), sequence_to_heads(v, group), every, sinks)
     return heads_to_sequence(out, group)
 
 
@@ -117,7 +121,11 @@ def sdpa_core(*, causal: bool, scale: float | None = None) -> Core:
     ``segments`` an explicit mask keeps each query inside its document (dense (B, 1, T, T) booleans:
     models bring their own, lighter core)."""
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        if sinks is not None:
+            raise ContextParallelError("sdpa_core has no sinks; pass a core that has them to ulysses_attention")
         gqa = q.shape[1] != k.shape[1]
         if segments is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)

@@ -12,6 +12,7 @@ import sys
 from polyshard.data.errors import DataError
 from polyshard.data.format import Manifest
 from polyshard.data.prepare import DEFAULT_SHARD_TOKENS, prepare
+from polyshard.data.sources import DOCUMENT_LIMIT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: every core)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     p.add_argument("--overwrite", action="store_true", help="replace a prepared dataset already at OUT")
+    p.add_argument("--max-document-mb", type=int, default=DOCUMENT_LIMIT >> 20, help="a longer document is refused")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
             separator=args.separator, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
             shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=not args.quiet,
+            max_document_bytes=args.max_document_mb << 20,
         )  # fmt: skip
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)

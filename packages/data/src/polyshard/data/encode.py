@@ -18,17 +18,23 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
 
 from polyshard.data.errors import DataError
-from polyshard.data.sources import Chunk, Fields, Part
+from polyshard.data.lifetime import end_with_parent
+from polyshard.data.sources import Chunk, Fields, Part, too_long
 from polyshard.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 # A document in "blank" mode: a run of lines holding something other than whitespace.
 _BLOCK = re.compile(r"[^\n]*\S[^\n]*(?:\n[^\n]*\S[^\n]*)*")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+PIECE = 1 << 16
+_PIECES_AT_ONCE = 16  # pieces of one long document tokenized in one batch: about a million characters
+"""Characters a tokenizer.json sees at once: a longer document is tokenized in pieces cut before a
+space or a newline where there is one, so a tokenizer's memory stays bounded by the piece (BPE on one
+50 MB line took 8.7 GB). Byte-level BPE starts a word at its space, so such a cut keeps the tokens."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,7 @@ class Encoder:
             return Encoded(np.frombuffer(b"".join(raw), np.uint8).astype(self.dtype), lengths, None)
         ids = self._encode(texts)
         lengths = np.fromiter((len(i) + len(self.end) for i in ids), np.int64, len(ids))
-        flat = chain.from_iterable(x for i in ids for x in (i, self.end))
-        return Encoded(self._array(flat, int(lengths.sum())), lengths, None)
+        return Encoded(self._array([x for i in ids for x in (i, self.end)], int(lengths.sum())), lengths, None)
 
     def _pairs(self, pairs: list[tuple[str, str]]) -> Encoded:
         prompts = self._encode([p for p, _ in pairs])
@@ -87,21 +92,40 @@ class Encoder:
         sides = np.fromiter(
             (n for p, r in zip(prompts, responses) for n in (len(p), len(r) + len(self.end))), np.int64, 2 * len(pairs)
         )
-        flat = chain.from_iterable(x for p, r in zip(prompts, responses) for x in (p, r, self.end))
-        tokens = self._array(flat, int(sides.sum()))
+        tokens = self._array([x for p, r in zip(prompts, responses) for x in (p, r, self.end)], int(sides.sum()))
         mask = np.repeat(np.tile(np.array([0, 1], np.uint8), len(pairs)), sides)
         return Encoded(tokens, sides.reshape(-1, 2).sum(axis=1), mask)
 
     def _encode(self, texts: list[str]) -> list[Any]:
         """Each text's ids (a list, or for bytes the UTF-8 bytes: iterating them gives the ids)."""
         if isinstance(self.tokenizer, FileTokenizer):
-            return [e.ids for e in self.tokenizer.inner.encode_batch_fast(texts)]
+            inner = self.tokenizer.inner
+            short = [t for t in texts if len(t) <= PIECE]
+            ids = iter([e.ids for e in inner.encode_batch_fast(short)] if short else [])
+            return [next(ids) if len(t) <= PIECE else self._long(t) for t in texts]
         if isinstance(self.tokenizer, ByteTokenizer):
             return [t.encode("utf-8") for t in texts]
         return [self.tokenizer.encode(t) for t in texts]
 
-    def _array(self, ids: Any, count: int) -> np.ndarray:
-        tokens = np.fromiter(ids, np.uint32, count)
+    def _long(self, text: str) -> np.ndarray:
+        """A document past :data:`PIECE` characters: its pieces tokenized a few at a time, each piece's ids
+        kept as 4 bytes apiece (a Python list of them costs ten times that)."""
+        assert isinstance(self.tokenizer, FileTokenizer)
+        cut, out = pieces(text), []
+        for first in range(0, len(cut), _PIECES_AT_ONCE):
+            batch = self.tokenizer.inner.encode_batch_fast(cut[first : first + _PIECES_AT_ONCE])
+            out += [np.asarray(e.ids, np.uint32) for e in batch]
+        return np.concatenate(out)
+
+    def _array(self, parts: list[Any], count: int) -> np.ndarray:
+        """The id sequences ``parts`` (lists, arrays, or bytes for the byte tokenizer) end to end."""
+        tokens = np.empty(count, np.uint32)
+        at = 0
+        for part in parts:
+            if isinstance(part, bytes):
+                part = np.frombuffer(part, np.uint8)
+            tokens[at : at + len(part)] = part
+            at += len(part)
         top = int(tokens.max(initial=0))
         if top >= self.tokenizer.vocab_size:
             raise DataError(
@@ -109,6 +133,20 @@ class Encoder:
                 "the tokenizer file is inconsistent: train or download it again"
             )
         return tokens.astype(self.dtype)
+
+
+def pieces(text: str) -> list[str]:
+    """``text`` in pieces of at most :data:`PIECE` characters, each cut before a space or newline when the
+    piece's second half has one."""
+    out, start = [], 0
+    while len(text) - start > PIECE:
+        end = start + PIECE
+        cut = max(text.rfind(" ", start + PIECE // 2, end), text.rfind("\n", start + PIECE // 2, end))
+        cut = cut if cut > start else end
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
 
 
 def documents_of(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
@@ -122,7 +160,13 @@ def documents_of(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
     text = _decode(part.data, part.where, part.first)
     if part.form == "file":
         return [text] if text else []
-    return [block.rstrip("\r") for block in _BLOCK.findall(text)]
+    blocks = [block.rstrip("\r") for block in _BLOCK.findall(text)]
+    for block in blocks:
+        if len(block) > fields.max_document_bytes:  # characters: at least as many bytes
+            line = part.first + text.count("\n", 0, text.find(block))
+            raise too_long(f"{part.where}, the document starting at line {line}", fields.max_document_bytes,
+                           "put blank lines between its parts")  # fmt: skip
+    return blocks
 
 
 def _decode(data: bytes, where: str, first_line: int) -> str:
@@ -141,6 +185,8 @@ def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> lis
         if not raw.strip():
             continue
         at = f"{where}, line {number}"
+        if len(raw) > fields.max_document_bytes:  # the reader stops a longer one only when it spans reads
+            raise too_long(at, fields.max_document_bytes, "split it into several lines")
         record = _record(raw, at, fields)
         if fields.kind == "text":
             text = _field(record, fields.text_field, at, "--text-field", allow_empty=True)
@@ -157,6 +203,8 @@ def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> lis
 def _record(raw: bytes, where: str, fields: Fields) -> dict[str, Any]:
     try:
         record = json.loads(raw.decode("utf-8"))
+    except RecursionError as err:
+        raise DataError(f"{where}: JSON nested too deeply; each line must be one flat JSON object") from err
     except UnicodeDecodeError as err:
         raise DataError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start}); save the file as UTF-8") from err
     except json.JSONDecodeError as err:
@@ -179,6 +227,12 @@ def _field(record: dict[str, Any], name: str, where: str, flag: str, allow_empty
     value = record[name]
     if not isinstance(value, str):
         raise DataError(f"{where}: {name!r} is a JSON {type(value).__name__}, not a string")
+    surrogate = None if value.isascii() else _SURROGATE.search(value)  # isascii: O(1), no scan of plain text
+    if surrogate:  # a "\ud800" escape: valid JSON, but not Unicode text (UTF-8 cannot encode it)
+        raise DataError(
+            f"{where}: {name!r} holds the lone surrogate \\u{ord(surrogate.group()):04x} at character "
+            f"{surrogate.start()}, which is not Unicode text; fix or drop that escape"
+        )
     if not value and not allow_empty:
         raise DataError(
             f"{where}: {name!r} is empty; every example needs a prompt and a response to learn from "
@@ -190,6 +244,10 @@ def _field(record: dict[str, Any], name: str, where: str, flag: str, allow_empty
 def _rows(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
     assert isinstance(part.data, dict)
     columns = [part.data[c].to_pylist() for c in fields.columns]
+    for name, column in zip(fields.columns, columns):
+        for row, value in enumerate(column, start=part.first):
+            if value is not None and len(value) > fields.max_document_bytes:  # characters: at least as many bytes
+                raise too_long(f"{part.where}, row {row}, {name!r}", fields.max_document_bytes, "split it into rows")
     if fields.kind == "text":
         return [t for t in columns[0] if t]  # a null or empty text is an empty document: skipped
     documents: list[str | tuple[str, str]] = []
@@ -209,12 +267,12 @@ def _rows(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
 _encoder: Encoder | None = None
 
 
-def start(settings: Settings, parallel: bool) -> None:
-    """A worker's initializer: load the tokenizer once. With several worker processes each one encodes
-    on its own core, so the tokenizers library's own thread pool is turned off there."""
+def start(settings: Settings, parent: int) -> None:
+    """A worker's initializer: end with the ``parent`` process, and load the tokenizer once. Each worker
+    encodes on its own core, so the tokenizers library's own thread pool is turned off there."""
     global _encoder
-    if parallel:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    end_with_parent(parent)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _encoder = Encoder(settings)
 
 

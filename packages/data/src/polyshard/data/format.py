@@ -93,6 +93,8 @@ class ShardInfo:
     """The bare file stem: ``<name>.tokens``, ``<name>.docs``, ``<name>.mask``."""
     tokens: int
     documents: int
+    max_token: int | None = None
+    """The largest token id in the shard (None in folders written before it was recorded)."""
 
 
 @dataclass(frozen=True)
@@ -173,25 +175,47 @@ def read_manifest(folder: Path) -> Manifest:
     again = f"prepare it again with `polyshard prepare SOURCE {folder}`"
     if not path.is_file():
         raise DataError(f"{folder} is not a prepared dataset: no {MANIFEST}; {again}")
+    check_inside(folder, path)
     if path.stat().st_size > _MANIFEST_LIMIT:
         raise DataError(f"{path} is {path.stat().st_size} bytes, far larger than a manifest; {again}")
-    try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(f"{path} is not JSON ({err}); {again}") from err
+    raw = read_json(path, f"; {again}")
     manifest = _parse(raw, path, again)
     for info in manifest.splits.values():
         for shard in info.shards:
-            _check_size(folder / (shard.name + TOKENS), shard.tokens * manifest.np_dtype.itemsize, again)
-            _check_size(folder / (shard.name + DOCS), shard.documents * DOCS_DTYPE.itemsize, again)
+            _check_size(folder, shard.name + TOKENS, shard.tokens * manifest.np_dtype.itemsize, again)
+            _check_size(folder, shard.name + DOCS, shard.documents * DOCS_DTYPE.itemsize, again)
             if manifest.kind == "pairs":
-                _check_size(folder / (shard.name + MASK), shard.tokens * MASK_DTYPE.itemsize, again)
+                _check_size(folder, shard.name + MASK, shard.tokens * MASK_DTYPE.itemsize, again)
     return manifest
 
 
-def _check_size(path: Path, expected: int, again: str) -> None:
+def read_json(path: Path, fix: str) -> Any:
+    """``path`` parsed as JSON; a :class:`DataError` (``fix`` appended) for bytes that are not JSON,
+    not UTF-8, or nested too deeply for the parser (a RecursionError otherwise)."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path} is not JSON ({err}){fix}") from err
+    except RecursionError as err:
+        raise DataError(f"{path} is JSON nested too deeply to be a manifest{fix}") from err
+
+
+def check_inside(folder: Path, path: Path) -> None:
+    """A file of a prepared folder is read only where it lies inside the folder: a link to a file
+    elsewhere is refused (nothing outside the folder the user named is read)."""
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise DataError(
+            f"{path} is a link to {target}, outside the prepared folder {folder}; copy the file into the folder "
+            "(or prepare the dataset again)"
+        )
+
+
+def _check_size(folder: Path, name: str, expected: int, again: str) -> None:
+    path = folder / name
     if not path.is_file():
         raise DataError(f"{path} is missing; the manifest names it; {again}")
+    check_inside(folder, path)
     size = path.stat().st_size
     if size != expected:
         raise DataError(f"{path} holds {size} bytes, the manifest says {expected}; {again}")
@@ -262,7 +286,12 @@ def _parse(raw: Any, path: Path, again: str) -> Manifest:
             if not _BARE.match(name) or name in names:
                 raise bad(f"shard name {name!r} is not a bare file name (letters, digits, '_', '.', '-') or repeats")
             names.add(name)
-            info = ShardInfo(name, count(shard, "tokens", where), count(shard, "documents", where))
+            top = shard.get("max_token")
+            if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top):
+                raise bad(f"shard {name!r}: max_token is {top!r}, not a token id")
+            if top is not None and top >= tokenizer.vocab_size:
+                raise bad(f"shard {name!r} holds token {top}, past the tokenizer's {tokenizer.vocab_size}")
+            info = ShardInfo(name, count(shard, "tokens", where), count(shard, "documents", where), top)
             if info.tokens and not info.documents or info.documents > info.tokens:
                 raise bad(f"shard {name!r} holds {info.tokens} tokens in {info.documents} documents")
             shards.append(info)

@@ -8,6 +8,7 @@ when online; the manifest records the name with no size or hash (the rows are no
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +16,16 @@ from typing import Any
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import SourceInfo
-from polyshard.data.sources import _READ, _ROWS, Cursor, Fields, Part, Source, check_arrow_schema
+from polyshard.data.sources import (
+    ARROW_ROWS,
+    READ_BYTES,
+    Cursor,
+    Fields,
+    Part,
+    Source,
+    check_arrow_schema,
+    check_within,
+)
 
 
 def _datasets(what: str) -> ModuleType:
@@ -32,6 +42,10 @@ class DiskDataset(Source):
 
     def __init__(self, label: str, path: Path, fields: Fields):
         datasets = _datasets(str(path))
+        for inner in path.rglob("*"):  # a link to arrow files elsewhere is refused before the library opens it
+            check_within(path, inner, "saved dataset folder")
+            if inner.name == "state.json":
+                _check_state(path, inner)
         try:
             dataset = datasets.load_from_disk(str(path))
         except Exception as err:  # the library raises many kinds for a damaged folder
@@ -42,24 +56,39 @@ class DiskDataset(Source):
             dataset = dataset["train"]
         check_arrow_schema(dataset.data.schema, fields, str(path))
         files = sorted(Path(f["filename"]) for f in dataset.cache_files)
+        for file in files:  # state.json may name files by any path: only those inside the folder are read
+            check_within(path, file, "saved dataset folder")
         super().__init__(label, files, fields)
         self.dataset = dataset.with_format("arrow")
 
     def _stream(self, start: Cursor, chunk_bytes: int, on_read: Callable[[int], None]) -> Iterator[tuple[Part, Cursor]]:
         rows = len(self.dataset)
         total = self.total_bytes or 0
-        for begin in range(start[1], rows, _ROWS):
-            table = self.dataset[begin : begin + _ROWS]
+        for begin in range(start[1], rows, ARROW_ROWS):
+            table = self.dataset[begin : begin + ARROW_ROWS]
             on_read(total * table.num_rows // max(rows, 1))
             data = {c: table.column(c) for c in self.fields.columns}
             yield Part("arrow", self.label, begin, data), (0, begin + table.num_rows, 1)
         self._infos = [_hash_file(f, self.label) for f in self.files]
 
 
+def _check_state(folder: Path, state: Path) -> None:
+    """The arrow files a ``state.json`` names lie inside ``folder`` (it may name any relative path)."""
+    try:
+        raw = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        raise DataError(f"{state}: not a datasets state file ({err}); save the dataset again") from err
+    files = raw.get("_data_files") if isinstance(raw, dict) else None
+    for entry in files if isinstance(files, list) else []:
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if isinstance(name, str):
+            check_within(folder, state.parent / name, "saved dataset folder")
+
+
 def _hash_file(path: Path, label: str) -> SourceInfo:
     sha = hashlib.sha256()
     with open(path, "rb") as file:
-        while block := file.read(_READ):
+        while block := file.read(READ_BYTES):
             sha.update(block)
     return SourceInfo(f"{label}/{path.name}", path.stat().st_size, sha.hexdigest())
 
@@ -90,7 +119,7 @@ class HubDataset(Source):
         import pyarrow as pa
 
         row = start[1]
-        for batch in self.dataset.skip(row).iter(batch_size=_ROWS):
+        for batch in self.dataset.skip(row).iter(batch_size=ARROW_ROWS):
             data = {c: pa.array(batch[c], type=pa.large_string()) for c in self.fields.columns}
             count = len(data[self.fields.columns[0]])
             on_read(sum(int(a.nbytes) for a in data.values()))

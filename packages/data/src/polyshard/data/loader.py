@@ -50,8 +50,10 @@ class ShardedLoader:
         names: Sequence[str] | None = None,
     ):
         self.sources = list(sources) if isinstance(sources, Sequence) else [sources]
-        self.weights = np.asarray(weights if weights is not None else [1.0] * len(self.sources), dtype=np.float64)
-        self.weights = self.weights / self.weights.sum()
+        raw = np.asarray(weights if weights is not None else [1.0] * len(self.sources), dtype=np.float64)
+        if len(raw) != len(self.sources) or not (np.isfinite(raw).all() and (raw > 0).all()):
+            raise DataError(f"mixture weights {raw.tolist()}: give one positive finite weight per source")
+        self.weights = raw / raw.max() / (raw / raw.max()).sum()  # divided by the largest first: no sum overflows
         self.names = list(names) if names is not None else [str(i) for i in range(len(self.sources))]
         self.global_batch = batch_size * world_size
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle

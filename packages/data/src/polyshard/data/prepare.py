@@ -7,10 +7,11 @@ are in flight, and the results are written in source order as they complete
 depends only on the documents, never on ``workers`` or ``chunk_bytes``.
 
 Everything goes into a temporary folder beside ``out`` (``.<out>.prepare-tmp``), renamed into place
-when complete. After every chunk it records in ``progress.json`` how far it got: a run interrupted
-and started again with the same source (paths, sizes, times), tokenizer and options reads the source
-again (hashing it for the manifest) and tokenizes only what comes after; with anything changed it
-starts over. An existing prepared dataset at ``out`` is replaced only with ``overwrite=True``; a folder
+when complete (:mod:`polyshard.data.output`: the checks, the renames, and recovery from a kill).
+After every chunk it records in ``progress.json`` how far it got: a run interrupted and started
+again with the same source (paths, sizes, times), tokenizer and options reads the source again
+(hashing it for the manifest) and tokenizes only what comes after; with anything changed it starts
+over. An existing prepared dataset at ``out`` is replaced only with ``overwrite=True``; a folder
 that is not one is never deleted.
 """
 
@@ -29,28 +30,23 @@ from typing import Any
 from polyshard.data.encode import Encoded, Encoder, Settings, encode, start
 from polyshard.data.errors import DataError
 from polyshard.data.format import (
-    _BARE,
-    DOCS,
     FORMAT,
-    MANIFEST,
-    MASK,
-    TOKENS,
     VERSION,
     Manifest,
     dtype_name,
     token_dtype,
     tokenizer_info,
 )
+from polyshard.data.locate import open_source
+from polyshard.data.output import PROGRESS, check_out, ours, publish, temp_of, write_error
 from polyshard.data.progress import Progress
 from polyshard.data.shards import Resume, ShardWriter
-from polyshard.data.sources import START, Chunk, Cursor, Fields, open_source
+from polyshard.data.sources import DOCUMENT_LIMIT, START, Chunk, Cursor, Fields
 from polyshard.data.tokenizer import BYTES, ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 tokens per file: few files, each easy to copy
 MAX_CHUNK_BYTES = 8 << 20  # source bytes per task: large batches, a few MB in flight per worker
 MIN_CHUNK_BYTES = 1 << 20
-PROGRESS = "progress.json"
-TEMP_SUFFIX = ".prepare-tmp"
 
 
 def prepare(
@@ -71,6 +67,7 @@ def prepare(
     chunk_bytes: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    max_document_bytes: int = DOCUMENT_LIMIT,
 ) -> Manifest:
     """Tokenize ``source`` into the prepared dataset ``out`` and return its manifest.
 
@@ -80,9 +77,10 @@ def prepare(
     the tokenizer has no end-of-text token. Document n is held out for ``val`` when
     ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
     that every worker gets several tasks) changes the speed and the memory held, never the output.
-    A :class:`DataError` names the file and the fix on bad input.
+    A document longer than ``max_document_bytes`` is refused, named, so memory stays bounded.
+    A :class:`DataError` names the file and the fix on bad input, a full disk or a folder that cannot be written.
     """
-    fields = Fields(kind, split_on, text_field, prompt_field, response_field)
+    fields = Fields(kind, split_on, text_field, prompt_field, response_field, max_document_bytes)
     workers = os.cpu_count() or 1 if workers is None else workers
     _check_numbers(val_fraction, workers, shard_tokens, 1 if chunk_bytes is None else chunk_bytes)
     spec, tok = _tokenizer(tokenizer)
@@ -90,7 +88,7 @@ def prepare(
     if chunk_bytes is None:  # several tasks per worker, so none waits long for the last one
         chunk_bytes = min(max((found.total_bytes or 0) // (8 * workers), MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
     out = Path(out).expanduser()
-    _check_out(out, Path(source).expanduser() if found.files else None, overwrite)
+    check_out(out, Path(source).expanduser() if found.files else None, overwrite)
     dtype = token_dtype(tok.vocab_size)
     info = tokenizer_info(tok)
     ends_with = separator if tok.end_of_text is None and kind == "text" else None
@@ -99,30 +97,33 @@ def prepare(
         "format": [FORMAT, VERSION], "source": found.fingerprint(), "tokenizer": info.sha256, "fields": vars(fields),
         "separator": ends_with, "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
     }))  # fmt: skip
-    temp = out.with_name("." + out.name + TEMP_SUFFIX)
-    resumed = _resume(temp, fingerprint)
-    masked = kind == "pairs"
-    writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
-    cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
-    bar = Progress(found.total_bytes, progress)
+    temp = temp_of(out)
     try:
-        for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
-            writer.add(encoded)
-            writer.flush()
-            _save_progress(temp, {"fingerprint": fingerprint, "cursor": list(end), **writer.state()})
-            bar.update(writer.documents, writer.tokens)
-    except DataError:
-        shutil.rmtree(temp, ignore_errors=True)  # the source must change before a run can succeed
-        raise
-    splits = writer.finish()
-    if "train" not in splits:
-        shutil.rmtree(temp, ignore_errors=True)
-        held = f"all {splits['val'].documents} documents were held out" if splits else "it holds no documents"
-        raise DataError(f"{source}: nothing to train on: {held}; give a non-empty source or a lower val_fraction")
-    manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
-    manifest.write(temp)
-    (temp / PROGRESS).unlink()
-    _publish(temp, out)
+        resumed = _resume(temp, fingerprint)
+        masked = kind == "pairs"
+        writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
+        cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
+        bar = Progress(found.total_bytes, progress)
+        try:
+            for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
+                writer.add(encoded)
+                writer.flush()
+                _save_progress(temp, {"fingerprint": fingerprint, "cursor": list(end), **writer.state()})
+                bar.update(writer.documents, writer.tokens)
+        except DataError:
+            shutil.rmtree(temp, ignore_errors=True)  # the source must change before a run can succeed
+            raise
+        splits = writer.finish()
+        if "train" not in splits:
+            shutil.rmtree(temp, ignore_errors=True)
+            held = f"all {splits['val'].documents} documents were held out" if splits else "it holds no documents"
+            raise DataError(f"{source}: nothing to train on: {held}; give a non-empty source or a lower val_fraction")
+        manifest = Manifest(kind, dtype_name(dtype), info, ends_with, found.infos(), val_fraction, seed, splits)
+        manifest.write(temp)
+        (temp / PROGRESS).unlink()
+        publish(temp, out)
+    except OSError as err:  # a full disk, a folder made read-only: the line says which and what to do
+        raise write_error(err, out) from err
     bar.done()
     return manifest
 
@@ -147,51 +148,15 @@ def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
     raise DataError(f"tokenizer={tokenizer!r}: give 'bytes' or a tokenizer.json (workers load it by its path)")
 
 
-# -- the output folder -----------------------------------------------------------------------------
-
-
-def _is_prepared(folder: Path) -> bool:
-    try:
-        return bool(json.loads((folder / MANIFEST).read_text()).get("format") == FORMAT)
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
-    """Before any work: ``out`` can be written, and is neither the source, inside it, nor around it."""
-    if not out.parent.is_dir():
-        raise DataError(f"{out.parent} does not exist; create it, or choose another output folder")
-    if source is not None:
-        here, there = out.resolve(), source.resolve()
-        if here == there or here.is_relative_to(there) or there.is_relative_to(here):
-            raise DataError(
-                f"the output {out} is the source {source}, inside it or around it; "
-                "write the prepared dataset to a folder outside the source"
-            )
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out} exists and is not a folder; choose another output folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not _is_prepared(out):
-            raise DataError(f"{out} is a folder that is not a prepared dataset; choose another (it is never deleted)")
-        if not overwrite:
-            raise DataError(f"{out} is already a prepared dataset; pass --overwrite (overwrite=True) to replace it")
-
-
-def _ours(path: Path) -> bool:
-    """A file a prepare writes into its temporary folder."""
-    name = path.name
-    ours = name in (PROGRESS, PROGRESS + ".tmp", MANIFEST, MANIFEST + ".tmp")
-    return path.is_file() and (ours or name.endswith((TOKENS, DOCS, MASK)) and bool(_BARE.match(name)))
-
-
 def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     """The progress of an interrupted run with the same fingerprint, or None (the folder then empty)."""
     if not temp.exists():
         temp.mkdir()
         return None
-    strays = [p for p in temp.iterdir() if not _ours(p)] if temp.is_dir() else [temp]
+    strays = [p for p in temp.iterdir() if not ours(p)] if temp.is_dir() else [temp]
     if strays:
-        raise DataError(f"{temp} is not a prepare's temporary folder (it holds {strays[0].name}); move it away")
+        what = ("the link " if strays[0].is_symlink() else "") + strays[0].name  # a prepare never makes links
+        raise DataError(f"{temp} is not a prepare's temporary folder (it holds {what}); move it away")
     try:
         state: dict[str, Any] = json.loads((temp / PROGRESS).read_text())
         if state.get("fingerprint") == fingerprint:
@@ -200,7 +165,7 @@ def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
                 if path.name != PROGRESS and path.name.rsplit(".", 1)[0] not in keep:
                     path.unlink()  # a shard begun after the last progress record
             return state
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass  # no usable progress record: start over
     for path in temp.iterdir():
         path.unlink()
@@ -227,18 +192,6 @@ def _save_progress(temp: Path, state: dict[str, Any]) -> None:
     tmp.replace(temp / PROGRESS)
 
 
-def _publish(temp: Path, out: Path) -> None:
-    """Rename the finished folder into place; a prepared dataset already there goes only after."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    old = out.with_name("." + out.name + ".old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-    temp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 # -- the workers ---------------------------------------------------------------------------------
 
 
@@ -251,7 +204,7 @@ def _encoded(chunks: Iterator[Chunk], settings: Settings, workers: int) -> Itera
         return
     # spawn: the workers start clean whatever the parent holds (threads, a used tokenizers pool).
     context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=start, initargs=(settings, True))
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=start, initargs=(settings, os.getpid()))
     pending: deque[tuple[Future[Encoded], Cursor]] = deque()
     try:
         for chunk in chunks:

@@ -186,9 +186,34 @@ def open_prepared(folder: str | Path, tokenizer: Tokenizer | None = None) -> Pre
     manifest = read_manifest(path)
     if tokenizer is not None:
         _check_tokenizer(path, manifest, tokenizer)
+    for info in manifest.splits.values():
+        for shard in info.shards:
+            check_offsets(path / (shard.name + DOCS), shard)
     splits: dict[str, Any] = {k: Split(path, manifest, v.shards) for k, v in manifest.splits.items()}
     val = splits.get("val")
     return Prepared(path, manifest, splits["train"], val if val is not None and val.tokens else None)
+
+
+_OFFSETS_BLOCK = 1 << 22  # offsets read at a time: 32 MB
+
+
+def check_offsets(path: Path, shard: ShardInfo) -> None:
+    """Every document offset of ``shard`` is inside it and none runs backwards (the first is 0): a damaged
+    or edited ``.docs`` file would otherwise cut rows at wrong places and train on them silently."""
+    previous = 0
+    for lo in range(0, shard.documents, _OFFSETS_BLOCK):
+        count = min(_OFFSETS_BLOCK, shard.documents - lo)
+        block = np.fromfile(path, DOCS_DTYPE, count, offset=lo * DOCS_DTYPE.itemsize)
+        steps = np.diff(block, prepend=previous)
+        bad = np.flatnonzero((steps < 0) | (block >= shard.tokens) | (block < 0))
+        if lo == 0 and block[0] != 0 or len(bad):
+            at = lo + (int(bad[0]) if len(bad) else 0)
+            raise DataError(
+                f"{path}: document offset {at} is {int(block[at - lo])}, not in order inside the shard's "
+                f"{shard.tokens} tokens (offsets start at 0 and never run backwards); the folder is damaged: "
+                "prepare it again"
+            )
+        previous = int(block[-1])
 
 
 def _check_tokenizer(folder: Path, manifest: Manifest, tokenizer: Tokenizer) -> None:

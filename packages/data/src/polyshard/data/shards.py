@@ -12,6 +12,7 @@ a writer built from it truncates the open shard's files to those counts and appe
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,7 +51,11 @@ class SplitWriter:
             path = self.folder / (shard.name + suffix)
             if size and (not path.is_file() or path.stat().st_size < size):
                 raise Resume(f"{path} is shorter than the progress file says")
-            file = open(path, "ab" if size else "wb")  # noqa: SIM115 (closed by _close)
+            if path.is_symlink():  # a link put there since: appending would write wherever it points
+                raise Resume(f"{path} is a link")
+            # O_NOFOLLOW: a link made between the check and the open is refused, never written through
+            flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if size else os.O_TRUNC)
+            file = os.fdopen(os.open(path, flags, 0o644), "ab" if size else "wb")
             file.truncate(size)
             self.files.append(file)
 
@@ -91,7 +96,9 @@ class SplitWriter:
             assert mask is not None
             mask[begin:end].tofile(self.files[2])
         shard = self.current
-        self.current = ShardInfo(shard.name, shard.tokens + end - begin, shard.documents + last - first)
+        top = int(tokens[begin:end].max(initial=0))  # recorded, so a run checks its vocab_size before launch
+        top = top if shard.max_token is None or not shard.tokens else max(top, shard.max_token)
+        self.current = ShardInfo(shard.name, shard.tokens + end - begin, shard.documents + last - first, top)
 
     def flush(self) -> None:
         for file in self.files:
@@ -100,8 +107,8 @@ class SplitWriter:
     def state(self) -> dict[str, Any]:
         shard = self.current
         return {
-            "closed": [[s.name, s.tokens, s.documents] for s in self.closed],
-            "open": None if shard is None else [shard.name, shard.tokens, shard.documents],
+            "closed": [[s.name, s.tokens, s.documents, s.max_token] for s in self.closed],
+            "open": None if shard is None else [shard.name, shard.tokens, shard.documents, shard.max_token],
         }
 
     def finish(self) -> SplitInfo:

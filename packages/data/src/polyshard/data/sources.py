@@ -38,9 +38,12 @@ JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET = (".parquet",)
 SUFFIXES = TEXT + JSONL + PARQUET
 SPLIT_ON = ("file", "blank")
-_READ = 1 << 20  # bytes read from a file at a time
-_ROWS = 2048  # rows of an arrow source per batch
+READ_BYTES = 1 << 20  # bytes read from a file at a time
+ARROW_ROWS = 2048  # rows of an arrow source per batch
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+DOCUMENT_LIMIT = 16 << 20
+"""Bytes of one document (a text file read whole, a blank-line block, a JSON line, a row), at most: what
+one document costs in memory is bounded whatever the source holds. A longer one is refused, named."""
 
 Cursor = tuple[int, int, int]
 """(file index, offset, line): where reading resumes. The offset is in the file's (decompressed)
@@ -57,6 +60,7 @@ class Fields:
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    max_document_bytes: int = DOCUMENT_LIMIT
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -143,80 +147,42 @@ class Source:
         with _open_text(hashed, path) as stream:
             if skip is None:
                 return  # finished before the restart point; read only to hash it
+            limit = self.fields.max_document_bytes
             if path.name.endswith(TEXT) and self.fields.split_on == "file":
-                data = _read_or_fail(stream, -1, path)
+                data = _read_or_fail(stream, limit + 1, path)
+                if len(data) > limit:
+                    raise too_long(
+                        f"{path} (one document: the whole file)", limit, "split the file, or use --split-on blank"
+                    )
                 if data:
                     yield Part("file", name, 1, data), (index + 1, 0, 1)
                 return
             offset, line = skip
             _discard(stream, offset)
             form, cut = ("jsonl", _after_last_newline) if path.name.endswith(JSONL) else ("blank", _after_blank_line)
-            for data in _blocks(stream, chunk_bytes, cut, path):
-                yield Part(form, name, line, data), (index, offset + len(data), line + data.count(b"\n"))
-                offset, line = offset + len(data), line + data.count(b"\n")
+            try:
+                for data in _blocks(stream, chunk_bytes, cut, path, limit):
+                    yield Part(form, name, line, data), (index, offset + len(data), line + data.count(b"\n"))
+                    offset, line = offset + len(data), line + data.count(b"\n")
+            except _TooLong:
+                what, hint = (
+                    ("line", "split it into several lines")
+                    if form == "jsonl"
+                    else ("the document starting at line", "put blank lines between its parts")
+                )
+                raise too_long(f"{path}, {what} {line}", limit, hint) from None
 
 
-# -- finding and checking ----------------------------------------------------------------------------
+# -- checking ---------------------------------------------------------------------------------------
 
 
-def open_source(spec: str | Path, fields: Fields) -> Source:
-    """The source ``spec`` names, checked: it exists, holds usable files, and (for arrow sources) has the
-    needed columns as strings. A :class:`DataError` naming the file and the fix otherwise."""
-    _check_fields(fields)
-    path = Path(spec).expanduser()
-    label = str(spec)
-    if path.is_dir() and _is_saved_dataset(path):
-        from polyshard.data.hub import DiskDataset
-
-        return DiskDataset(label, path, fields)
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.name.endswith(SUFFIXES) and not _hidden(p, path)),
-            key=lambda p: p.relative_to(path).as_posix(),
+def check_within(folder: Path, path: Path, what: str) -> None:
+    """Read nothing outside the folder the user named: a link there to a file elsewhere is refused."""
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise DataError(
+            f"{path} leads to {target}, outside the {what} {folder}; copy the file into the folder, or name it directly"
         )
-        if not files:
-            raise DataError(f"{path} holds no {', '.join(SUFFIXES)} files; give a folder of them, or one file")
-    elif path.is_file():
-        if not path.name.endswith(SUFFIXES):
-            raise DataError(f"{path} is not a {', '.join(SUFFIXES)} file; give one of those (or a folder of them)")
-        files = [path]
-    elif _looks_like_a_path(str(spec), path):
-        raise DataError(f"{path}: no such file or folder; give a text, JSON lines or parquet file or a folder")
-    else:
-        from polyshard.data.hub import HubDataset
-
-        return HubDataset(label, fields)
-    if fields.kind == "pairs" and any(p.name.endswith(TEXT) for p in files):
-        text = next(p for p in files if p.name.endswith(TEXT))
-        raise DataError(f"{text}: fine-tuning pairs need .jsonl (or .parquet) files with prompt and response fields")
-    for p in files:
-        if p.name.endswith(PARQUET):
-            check_arrow_schema(_parquet_schema(p), fields, str(p))
-    return Source(label, files, fields)
-
-
-def _check_fields(fields: Fields) -> None:
-    if fields.kind not in ("text", "pairs"):
-        raise DataError(f"kind={fields.kind!r}; choose 'text' or 'pairs'")
-    if fields.split_on not in SPLIT_ON:
-        raise DataError(f"split_on={fields.split_on!r}; choose one of {SPLIT_ON}")
-    if fields.kind == "pairs" and fields.prompt_field == fields.response_field:
-        raise DataError(f"the prompt and response fields are both {fields.prompt_field!r}; name two fields")
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def _looks_like_a_path(spec: str, path: Path) -> bool:
-    """A missing local path, rather than a dataset name such as ``roneneldan/TinyStories``."""
-    if spec.startswith((".", "/", "~")) or path.name.endswith(SUFFIXES) or spec.count("/") > 1:
-        return True
-    return "/" in spec and Path(spec.split("/")[0]).exists()
 
 
 def check_arrow_schema(schema: Any, fields: Fields, where: str) -> None:
@@ -259,14 +225,14 @@ class _Hashing(io.RawIOBase):
 
     def finish(self, name: str) -> SourceInfo:
         """Read what is left (trailing bytes a decompressor did not need) and close."""
-        while self.readinto(bytearray(_READ)):
+        while self.readinto(bytearray(READ_BYTES)):
             pass
         self.file.close()
         return SourceInfo(name, self.size, self.sha.hexdigest())
 
 
 def _open_text(hashed: _Hashing, path: Path) -> IO[bytes]:
-    raw = io.BufferedReader(hashed, _READ)
+    raw = io.BufferedReader(hashed, READ_BYTES)
     if path.name.endswith(".gz"):
         return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
     if path.name.endswith(".zst"):
@@ -280,15 +246,28 @@ def _open_text(hashed: _Hashing, path: Path) -> IO[bytes]:
 
 def _discard(stream: IO[bytes], count: int) -> None:
     while count > 0:
-        got = len(stream.read(min(count, _READ)))
+        got = len(stream.read(min(count, READ_BYTES)))
         if not got:
             return
         count -= got
 
 
-def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Path) -> Iterator[bytes]:
-    """The stream in blocks of about ``size`` bytes, each ending where ``cut`` says (or at the end)."""
+class _TooLong(Exception):
+    """No cut within the document limit: one document is longer than it."""
+
+
+def too_long(what: str, limit: int, hint: str) -> DataError:
+    return DataError(
+        f"{what} is longer than {limit / 2**20:g} MiB, the limit of one document; {hint}, or raise the limit "
+        "(--max-document-mb)"
+    )
+
+
+def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Path, limit: int) -> Iterator[bytes]:
+    """The stream in blocks of about ``size`` bytes, each ending where ``cut`` says (or at the end); more
+    than ``limit`` bytes with no cut is :class:`_TooLong`, so one document never fills memory."""
     pending: list[bytes] = []
+    held = 0
     while True:
         data = _read_or_fail(stream, size, path)
         if not data:
@@ -298,9 +277,12 @@ def _blocks(stream: IO[bytes], size: int, cut: Callable[[bytes], int], path: Pat
         at = cut(data)
         if at <= 0:
             pending.append(data)
+            held += len(data)
+            if held > limit:
+                raise _TooLong
             continue
         yield b"".join([*pending, data[:at]])
-        pending = [data[at:]]
+        pending, held = [data[at:]], len(data) - at
 
 
 def _read_or_fail(stream: IO[bytes], size: int, path: Path) -> bytes:
@@ -324,7 +306,7 @@ def _after_blank_line(data: bytes) -> int:
     return last
 
 
-def _parquet_schema(path: Path) -> Any:
+def parquet_schema(path: Path) -> Any:
     pq = _pyarrow_parquet(path)
     try:
         return pq.read_schema(path)
@@ -354,7 +336,7 @@ def _parquet_parts(
         reader = pq.ParquetFile(path)
         total = reader.metadata.num_rows or 1
         row = 0
-        for batch in reader.iter_batches(batch_size=_ROWS, columns=list(columns)):
+        for batch in reader.iter_batches(batch_size=ARROW_ROWS, columns=list(columns)):
             begin, row = row, row + batch.num_rows
             report(path.stat().st_size * (row - begin) // total)
             if row <= first_row:

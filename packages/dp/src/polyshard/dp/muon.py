@@ -81,6 +81,8 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ):
         defaults = {
             "lr": lr,
@@ -91,6 +93,8 @@ class Muon(torch.optim.Optimizer):
             "betas": betas,
             "eps": eps,
             "muon": False,
+            "foreach": foreach,  # the AdamW groups' kernel, as torch.optim.AdamW's arguments choose it
+            "fused": fused,
         }
         super().__init__(list(params), defaults)
         self.mesh = mesh
@@ -195,8 +199,8 @@ def _orthogonalise_tiled(
 
 
 def _adamw_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """torch's AdamW step on ``group``: the same state (``step`` on the CPU, ``exp_avg``, ``exp_avg_sq``)
-    and the same kernel choice as ``torch.optim.AdamW`` with its defaults, so the non-matrix parameters
+    """torch's AdamW step on ``group``: the same state (``step``, ``exp_avg``, ``exp_avg_sq``) and the same
+    kernel choice as ``torch.optim.AdamW`` given the group's ``foreach`` / ``fused``, so the non-matrix parameters
     train exactly as under ``training.optimizer = "adamw"``."""
     params, grads, avgs, squares, steps = [], [], [], [], []
     for p in group["params"]:
@@ -204,7 +208,9 @@ def _adamw_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None
             continue
         state = optimizer.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            # The fused kernel reads the step where the parameter is (torch.optim.AdamW puts it there too).
+            on = p.device if group.get("fused") else None
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=on)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         params.append(p)
@@ -228,4 +234,6 @@ def _adamw_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=False,
+            foreach=group.get("foreach"),
+            fused=group.get("fused"),
         )

@@ -12,6 +12,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from polyshard.models.common.initialise import LayerPlace, init_depth_scaled
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.registry import SPECS
@@ -49,17 +50,19 @@ def build_model(
     device: torch.device | str = "cpu",
     checkpoint_activations: bool | str = False,
     aux_loss_scale: float = 1.0,
+    head_logits: bool = True,
 ) -> nn.Module:
     """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
 
     ``checkpoint_activations``: blocks recompute their insides in backward ("full" or "selective").
     ``aux_loss_scale``: the gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates
-    several).
+    several). ``head_logits``: False has a language model's head return its normed hidden states, for a
+    loss that projects them itself (``training.loss_chunks``).
     """
     spec = spec_of(config)
     spec.check_model(config)  # a model is built only from settings its family accepts
     with torch.device("meta"):
-        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale))
+        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale, head_logits))
     ties = spec.tied(config)
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
     wanted = set(range(len(cast(nn.ModuleList, model.layers))) if layers is None else layers)
@@ -68,8 +71,13 @@ def build_model(
             wanted.add(layer_of(name))
     for i in sorted(wanted):
         layer = cast(nn.ModuleList, model.layers)[i].to_empty(device=device)
+        generator = layer_generator(seed, i, device)
         with torch.no_grad():
-            spec.init(layer, config.num_layers, layer_generator(seed, i, device))
+            if config.init_rule == "depth":
+                place = LayerPlace(i, config.num_layers, config.hidden, tied=bool(ties))
+                init_depth_scaled(layer, place, generator)
+            else:
+                spec.init(layer, config.num_layers, generator)
     for alias, name in ties.items():  # to_empty gave each its own tensor: tie them again
         module, _, attr = alias.rpartition(".")
         setattr(model.get_submodule(module), attr, model.get_parameter(name))

@@ -47,6 +47,12 @@ class ModelConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @property
+    def init_rule(self) -> str:
+        """The initialisation rule (:mod:`polyshard.models.common.initialise`): GPT-2's unless the family's
+        config chooses another."""
+        return "gpt2"
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads of each attention layer (all of them unless a family groups queries)."""
         return self.num_heads

@@ -59,6 +59,11 @@ _EFFECTIVE = {
 }
 
 
+# Every Hugging Face family polyshard writes attends to the whole causal context without sinks: a model
+# with sliding windows or sinks has no file of those families, so export refuses it by naming these.
+FULL_ATTENTION: dict[str, object] = {"sliding_window": None, "attention_sinks": False}
+
+
 def setting(model: ModelConfig, key: str) -> object:
     """``model``'s effective value of a ``[model]`` setting: unset kv heads are all heads, an unset MLP
     width is mlp_ratio x hidden, an unset head dim hidden / heads, unset q/k/v biases follow bias, an

@@ -40,6 +40,7 @@ _TYPE_WORDS = {
     "bool": "true or false",
     "str": "a string",
     "list[int]": "a list of integers",
+    "list[str]": "a list of strings",
     "list[WeightedSource]": "a list of tables",
 }
 
@@ -55,6 +56,8 @@ def _fits(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "list[int]":
         return isinstance(value, list) and all(_fits(v, "int") for v in value)
+    if kind == "list[str]":
+        return isinstance(value, list) and all(_fits(v, "str") for v in value)
     if kind == "list[WeightedSource]":  # each entry is checked by DataConfig itself
         return isinstance(value, list)
     raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here

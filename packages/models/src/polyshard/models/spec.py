@@ -32,6 +32,7 @@ from polyshard.models.hf_adapter import Family
 from polyshard.tp import (
     ColumnParallel,
     HeadNorm,
+    HeadParameter,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -67,6 +68,9 @@ class BuildOptions:
     """Blocks recompute their insides in backward: "full" (or True), "selective", or False."""
     aux_loss_scale: float = 1.0
     """The gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates several)."""
+    head_logits: bool = True
+    """A language model's head projects to the vocabulary; False: it returns its normed hidden states
+    and the loss projects them, chunk by chunk (``training.loss_chunks``)."""
 
 
 def _no_ties(model: ModelConfig) -> dict[str, str]:
@@ -148,12 +152,15 @@ def layer_of(name: str) -> int:
 
 
 def attention_plan(
-    block: str, model: ModelConfig, parallel: ParallelSizes, *, qk_norm: bool = False
+    block: str, model: ModelConfig, parallel: ParallelSizes, *, qk_norm: bool = False, sinks: bool = False
 ) -> dict[str, object]:
     """Megatron-LM's attention: heads split over tp (q/k/v by columns, the output by rows); with more tp
     ranks than kv heads, each kv head computed on tp / kv_heads ranks (see polyshard.tp.heads)."""
     sp = parallel.sequence_parallel
-    plan: dict[str, object] = {f"{block}.attn": [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]}
+    entry: list[object] = [TPEntry(sequence_parallel=sp), ShardHeads(replicate_kv=True)]
+    if sinks:  # one logit per query head (gpt-oss): split with the heads
+        entry.append(HeadParameter("sinks"))
+    plan: dict[str, object] = {f"{block}.attn": entry}
     if replicates_kv(model.kv_heads, parallel.tp):
         plan[f"{block}.attn.q_proj"] = ColumnParallel(input_entered=True)
         plan[f"{block}.attn.[kv]_proj"] = ReplicateKVHeads(model.kv_heads)

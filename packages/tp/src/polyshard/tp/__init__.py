@@ -1,12 +1,14 @@
 """polyshard.tp: tensor and sequence parallelism on torch.distributed.
 
 Layers: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`,
-:class:`VocabParallelEmbedding`, and :func:`vocab_parallel_cross_entropy`.
+:class:`VocabParallelEmbedding`, :func:`vocab_parallel_cross_entropy`, and the head with its loss in
+chunks of tokens, :func:`chunked_linear_cross_entropy`.
 Models: :func:`parallelize` with a plan of styles, :func:`gather_full_state`
 to rebuild the unsharded weights, :func:`sync_sequence_parallel_grads` after
 backward when sequence parallelism is on.
 """
 
+from polyshard.tp.chunked_loss import chunked_linear_cross_entropy, head_input
 from polyshard.tp.errors import PlanError, TPError, TPShapeError
 from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv, valid_tp_sizes
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
@@ -16,6 +18,7 @@ from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequenc
 from polyshard.tp.styles import (
     ColumnParallel,
     HeadNorm,
+    HeadParameter,
     ReplicateKVHeads,
     RowParallel,
     SequenceParallel,
@@ -31,6 +34,7 @@ __all__ = [
     "ColumnParallel",
     "ColumnParallelLinear",
     "HeadNorm",
+    "HeadParameter",
     "PlanError",
     "ReplicateKVHeads",
     "ReplicatedKVLinear",
@@ -43,11 +47,13 @@ __all__ = [
     "TPEntry",
     "TPError",
     "TPShapeError",
+    "chunked_linear_cross_entropy",
     "VocabParallel",
     "VocabParallelEmbedding",
     "enter_region",
     "gather_full_state",
     "gather_full_tensor",
+    "head_input",
     "heads_per_rank",
     "is_sequence_parallel",
     "leave_region",

@@ -117,8 +117,11 @@ def planned_placement(plan: Plan, name: str, shape: tuple[int, ...], tp: int, ax
     module, _, param = name.rpartition(".")
     for pattern, styles in plan.items():
         for style in _styles(styles):
-            if style.replaces and fnmatch.fnmatchcase(module, pattern):
-                placement, padded = style.param_placement(param, tuple(shape), tp)
+            if not fnmatch.fnmatchcase(module, pattern):
+                continue
+            placement, padded = style.param_placement(param, tuple(shape), tp)
+            # A converting style lays out all its module's parameters; another only those it splits.
+            if style.replaces or placement != Replicate():
                 return TensorPlacement(name, tuple(shape), ((axis, placement),), padded_shape=padded)
     return TensorPlacement(name, tuple(shape), ((axis, Replicate()),))
 

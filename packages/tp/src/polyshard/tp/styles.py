@@ -20,7 +20,14 @@ from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.overlap import check_options
 from polyshard.tp.regions import enter_region, split_sequence
-from polyshard.tp.shard import check_divides, mark_sequence_parallel, padded_size, record_replicate, tp_size
+from polyshard.tp.shard import (
+    check_divides,
+    mark_sequence_parallel,
+    padded_size,
+    record_replicate,
+    record_shard,
+    tp_size,
+)
 from polyshard.tp.vocab import VocabParallelEmbedding
 
 ParamLayout = tuple[Placement, tuple[int, ...] | None]
@@ -304,4 +311,31 @@ class ShardHeads(Style):
     def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
         for attr in self._present(module):  # a kv head count below tp: one (replicated) kv head per rank
             setattr(module, attr, max(1, getattr(module, attr) // tp_size(tp_group)))
+        return module
+
+
+@dataclass(frozen=True)
+class HeadParameter(Style):
+    """A parameter of an attention module with one entry per query head along dim 0 (gpt-oss's
+    ``sinks``, (N,)), split with the heads: with :class:`ShardHeads` and column-parallel q, tp rank r
+    runs query heads [r N/tp, (r + 1) N/tp), so it keeps those entries. Each rank's gradient is then
+    whole for its heads: no collective."""
+
+    name: str = "sinks"
+
+    def check(self, module: nn.Module, name: str, tp: int) -> None:
+        param = getattr(module, self.name, None)
+        if not isinstance(param, nn.Parameter):
+            raise PlanError(f"{self} expects {name!r} to hold a parameter {self.name!r}; it has none")
+        check_divides(param.shape[0], tp, f"{name}.{self.name} (one entry per query head)")
+
+    def param_placement(self, param: str, shape: tuple[int, ...], tp: int) -> ParamLayout:
+        return (Shard(0), None) if param == self.name else (Replicate(), None)
+
+    def apply(self, module: nn.Module, name: str, tp_group: dist.ProcessGroup | None, axis: str) -> nn.Module:
+        full = getattr(module, self.name)
+        piece = full.detach().chunk(tp_size(tp_group))[dist.get_rank(tp_group)].clone()
+        local = nn.Parameter(piece, requires_grad=full.requires_grad)
+        setattr(module, self.name, local)
+        record_shard(local, f"{name}.{self.name}", tuple(full.shape), 0, axis)
         return module

@@ -30,7 +30,8 @@ class Block(nn.Module):
 
     GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
     ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is every norm's epsilon (q/k norm's
-    too); ``head_dim``, ``qkv_bias`` and ``qk_norm`` are :class:`Attention`'s (Qwen2, Qwen3).
+    too); ``head_dim``, ``qkv_bias`` and ``qk_norm`` are :class:`Attention`'s (Qwen2, Qwen3), and so are
+    ``window`` (a sliding-window layer), ``sinks`` (gpt-oss) and ``attention_core`` (its ``core``).
     With ``checkpoint_activations`` ``"full"`` (or True) only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation. ``"selective"`` also keeps the
@@ -61,6 +62,9 @@ class Block(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
+        window: int | None = None,
+        sinks: bool = False,
+        attention_core: str = "auto",
     ):
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -80,6 +84,9 @@ class Block(nn.Module):
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             norm_eps=norm_eps,
+            window=window,
+            sinks=sinks,
+            core=attention_core,
         )
         self.norm2 = norm_layer(norm, hidden, norm_eps)
         width = mlp_hidden or mlp_ratio * hidden

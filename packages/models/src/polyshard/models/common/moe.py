@@ -29,6 +29,7 @@ LEGACY_NAMES = {
     "shared_expert_hidden": "shared_ffn_hidden",
     "shared_expert_gate": "shared_gate",
 }
+MAX_EXPERTS = 1 << 16  # model.moe.num_experts at most: open MoEs route among 8 to a few hundred (Kimi K2: 384)
 # Fields polyshard.ep.MoEConfig has beside these settings: the model gives them.
 _FROM_MODEL = ("hidden", "ffn_hidden", "activation")
 
@@ -77,6 +78,11 @@ class MoESettings:
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
             check_positive(f"model.moe.{name}", getattr(self, name))
+        if self.num_experts > MAX_EXPERTS:  # per-expert names, routing tables: 1e9 exhausts memory before launch
+            raise ConfigError(
+                f"model.moe.num_experts={self.num_experts} is past {MAX_EXPERTS:,}, far more than any MoE trains "
+                "(DeepSeek-V3 has 256); set the real count, e.g. --set model.moe.num_experts=64"
+            )
         for name in ("ffn_hidden", "shared_ffn_hidden"):
             if getattr(self, name) is not None:
                 check_positive(f"model.moe.{name}", getattr(self, name))

@@ -10,6 +10,8 @@ from polyshard.models.common import RopeScaling
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError, check_choice, check_positive
 
+INIT_RULES = ("gpt2", "depth")
+
 
 @dataclass(kw_only=True, frozen=True)
 class GPTConfig(ModelConfig):
@@ -48,6 +50,23 @@ class GPTConfig(ModelConfig):
     """Biases on the q, k and v projections; None follows bias (Qwen2 has them, but none on o or the MLP)."""
     qk_norm: bool = False
     """An RMSNorm over each head's q and k, before rotary positions (Qwen3); its weight is per head dim."""
+    init: str | None = None
+    """The initial weights: 'gpt2' (N(0, 0.02), output projections / sqrt(2 x layers)) or 'depth'
+    (torchtitan's and Megatron's for Llama: embedding N(0, 1), each block's output projections
+    0.02 / sqrt(2 x its depth), the head hidden^-0.5; truncated normals). None: 'depth' for RMSNorm
+    (Llama-like) models, 'gpt2' for the others."""
+    attention_core: str = "auto"
+    """The attention core: auto (plain causal SDPA when nothing is masked; with document masks, sliding windows
+    or sinks FlexAttention on CUDA, else blocksparse), sdpa, blocksparse (online softmax over key/value blocks,
+    skipping the hidden ones; any device) or flex (FlexAttention, CUDA). Context parallelism runs its own."""
+    sliding_window: int | None = None
+    """Sliding-window attention: each query sees the last this-many tokens, itself included (Mistral, gpt-oss,
+    Hugging Face's sliding_window); None: the whole causal context."""
+    layer_types: list[str] | None = None
+    """With sliding_window, each block's attention in order, "sliding_attention" or "full_attention" (Hugging
+    Face's layer_types; gpt-oss alternates them); None: every block slides."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every attention softmax's denominator, adding no value (gpt-oss)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,13 +88,33 @@ class GPTConfig(ModelConfig):
         check_choice("model.norm", self.norm, ("layer", "rms"))
         check_choice("model.activation", self.activation, ("gelu", "swiglu"))
         check_choice("model.positions", self.positions, ("learned", "rope"))
+        if self.init is not None:
+            check_choice("model.init", self.init, INIT_RULES)
         if not self.rope_theta > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
         self._check_rope_scaling()
+        self._check_attention()
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ConfigError(
                 f"model.positions='rope' rotates pairs of dims: the head dim (model.head_dim, or hidden/num_heads)="
                 f"{self.attention_head_dim} must be even"
+            )
+
+    def _check_attention(self) -> None:
+        check_choice("model.attention_core", self.attention_core, ("auto", "sdpa", "blocksparse", "flex"))
+        if self.sliding_window is not None:
+            check_positive("model.sliding_window", self.sliding_window)
+        if (self.attention_sinks or self.sliding_window is not None) and self.dropout:
+            raise ConfigError("model.dropout runs only on plain causal attention: set it to 0 with windows or sinks")
+        if self.layer_types is None:
+            return
+        if self.sliding_window is None:
+            raise ConfigError("model.layer_types chooses which blocks slide: set model.sliding_window too, or drop it")
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.num_layers or any(kind not in kinds for kind in self.layer_types):
+            raise ConfigError(
+                f"model.layer_types={self.layer_types!r} must name each of the {self.num_layers} blocks "
+                f"(model.num_layers) as one of {kinds}"
             )
 
     def _check_rope_scaling(self) -> None:
@@ -106,6 +145,11 @@ class GPTConfig(ModelConfig):
             high_freq_factor=self.rope_high_freq_factor,
             original_context=self.rope_original_context,
         )
+
+    @property
+    def init_rule(self) -> str:
+        """``init``, or by the architecture when unset (see ``init``)."""
+        return self.init or ("depth" if self.norm == "rms" else "gpt2")
 
     @property
     def kv_heads(self) -> int:

@@ -9,12 +9,20 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.config import GPTConfig
-from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.models.hf_adapter import (
+    FULL_ATTENTION,
+    Family,
+    read_bool,
+    read_int,
+    read_number,
+    require,
+    shape_differences,
+)
 
 # The settings that make polyshard's GPT GPT-2's architecture.
 SHAPE: dict[str, object] = {
     "kind": "gpt", "norm": "layer", "activation": "gelu", "positions": "learned", "bias": True, "qkv_bias": True,
-    "qk_norm": False,
+    "qk_norm": False, **FULL_ATTENTION,
 }  # fmt: skip
 
 

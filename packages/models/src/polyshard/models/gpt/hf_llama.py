@@ -11,10 +11,18 @@ from typing import Any
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.presets import LLAMA
-from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, require, shape_differences
+from polyshard.models.hf_adapter import (
+    FULL_ATTENTION,
+    Family,
+    read_bool,
+    read_int,
+    read_number,
+    require,
+    shape_differences,
+)
 
 # The settings that make polyshard's GPT Llama's architecture.
-SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": False}
+SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": False, **FULL_ATTENTION}
 # What a rotary-parameters object may hold (transformers 4's rope_scaling, 5's rope_parameters).
 _ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",

@@ -18,9 +18,9 @@ from polyshard.models.gpt.hf_llama import (
 )
 from polyshard.models.gpt.hf_qwen3 import check_full_attention
 from polyshard.models.gpt.presets import LLAMA
-from polyshard.models.hf_adapter import read_int
+from polyshard.models.hf_adapter import FULL_ATTENTION, read_int
 
-SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False}
+SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": True, "qk_norm": False, **FULL_ATTENTION}
 
 
 def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:

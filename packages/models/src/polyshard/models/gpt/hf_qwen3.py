@@ -18,9 +18,9 @@ from polyshard.models.gpt.hf_llama import (
     dense_mlp,
 )
 from polyshard.models.gpt.presets import LLAMA
-from polyshard.models.hf_adapter import read_bool, read_int, require
+from polyshard.models.hf_adapter import FULL_ATTENTION, read_bool, read_int, require
 
-SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": True}
+SHAPE: dict[str, object] = {"kind": "gpt", **LLAMA, "qkv_bias": False, "qk_norm": True, **FULL_ATTENTION}
 QWEN3_HEAD_DIM = 128  # Qwen3Config's default head_dim, used when config.json has none
 
 

@@ -13,7 +13,8 @@ family to the trainer.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -62,15 +63,21 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V)."""
+    """Final norm and projection to the vocabulary: (B, S, H) -> (B, S, V).
 
-    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5):
+    ``logits=False``: the norm only, (B, S, H) -> (B, S, H); the loss multiplies by ``proj.weight`` itself,
+    a chunk of tokens at a time (``training.loss_chunks``), so the (B, S, V) logits never exist whole.
+    """
+
+    def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5, logits: bool = True):
         super().__init__()
         self.norm = norm_layer(norm, hidden, norm_eps)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
+        self.logits = logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))  # type: ignore[no-any-return]
+        x = self.norm(x)
+        return self.proj(x) if self.logits else x
 
 
 class GPT(nn.Module):
@@ -98,6 +105,11 @@ class GPT(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
+        attention_core: str = "auto",
+        sliding_window: int | None = None,
+        layer_types: Sequence[str] | None = None,
+        sinks: bool = False,
+        head_logits: bool = True,
     ):
         super().__init__()
         self.context_length = context_length
@@ -115,11 +127,20 @@ class GPT(nn.Module):
             "head_dim": head_dim,
             "qkv_bias": qkv_bias,
             "qk_norm": qk_norm,
+            "attention_core": attention_core,
+            "sinks": sinks,
         }
-        blocks = [Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, **block) for _ in range(num_layers)]
+        # Each block's sliding window: every block's with no layer_types, else the "sliding_attention" ones'.
+        windows = [
+            sliding_window if layer_types is None or layer_types[i] == "sliding_attention" else None
+            for i in range(num_layers)
+        ]
+        blocks = [
+            Block(hidden, num_heads, kv_heads, mlp_ratio, causal=True, window=window, **block) for window in windows
+        ]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
-        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps))
+        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps, logits=head_logits))
         if tie_embeddings:
             # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
             self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
@@ -142,9 +163,10 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
         ``top_k`` > 0 samples among the k likeliest tokens only."""
-        tokens = prompt
+        tokens, head = prompt, cast(LMHead, self.layers[-1])
         for _ in range(new_tokens):
-            logits = self(tokens[:, -self.context_length :])[:, -1, :] / max(temperature, 1e-5)
+            last = self(tokens[:, -self.context_length :])[:, -1, :]
+            logits = (last if head.logits else head.proj(last)) / max(temperature, 1e-5)
             if 0 < top_k < logits.shape[-1]:
                 kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -180,6 +202,11 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         head_dim=config.head_dim,
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
+        attention_core=config.attention_core,
+        sliding_window=config.sliding_window,
+        layer_types=config.layer_types,
+        sinks=config.attention_sinks,
+        head_logits=options.head_logits,
     )
 
 
@@ -201,7 +228,9 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
         block = f"layers.{i}"
-        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm) | mlp_plan(block, sp, model.activation)
+        plan |= attention_plan(block, model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks) | mlp_plan(
+            block, sp, model.activation
+        )
         plan |= sequence_plan(block, sp)
     return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
 

@@ -31,12 +31,12 @@ from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.hf_llama import decoder_config, decoder_family, decoder_locations, decoder_settings
 from polyshard.models.gpt.hf_qwen3 import check_all_sparse, check_full_attention
 from polyshard.models.gpt.presets import LLAMA
-from polyshard.models.hf_adapter import read_bool, read_int, read_number, require
+from polyshard.models.hf_adapter import FULL_ATTENTION, read_bool, read_int, read_number, require
 from polyshard.models.moe_gpt.config import MoEGPTConfig
 
 # Softmax top-k over every expert: what these families compute (a sigmoid router with a selection bias,
 # DeepSeek's, or group-limited routing would need other files and are refused on export).
-_BASE = {"kind": "moe-gpt", **LLAMA, "moe.score": "softmax", "moe.groups": 1, "moe.scale": 1.0}
+_BASE = {"kind": "moe-gpt", **LLAMA, "moe.score": "softmax", "moe.groups": 1, "moe.scale": 1.0, **FULL_ATTENTION}
 MIXTRAL_SHAPE: dict[str, object] = {
     **_BASE, "qkv_bias": False, "qk_norm": False, "moe.shared_experts": 0, "moe.renormalize": True,
 }  # fmt: skip

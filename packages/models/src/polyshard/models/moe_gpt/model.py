@@ -125,7 +125,7 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     model = moe_config(model)
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
-        plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm)
+        plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
         if model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)

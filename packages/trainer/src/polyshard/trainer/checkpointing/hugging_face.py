@@ -72,7 +72,8 @@ from polyshard.data.tokenizer import FileTokenizer
 from polyshard.models import build_model
 from polyshard.models.hf_adapter import Family, setting
 from polyshard.models.hf_families import family_of, hf_families
-from polyshard.trainer.config import Config, ModelConfig
+from polyshard.trainer.config import Config, ModelConfig, from_dict
+from polyshard.trainer.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILE",
@@ -101,6 +102,10 @@ def check_matches(folder: str | Path, model: ModelConfig) -> Family:
     disagrees with (as the ``--set model.…`` values that would fix it) when they differ."""
     family, hf, where = _read_config(Path(folder))
     wanted = family.settings(hf, where)
+    try:  # a size no run can take (num_experts 1e9) is the file's fault, not a --set to suggest
+        from_dict({"model": wanted})
+    except ConfigError as err:
+        raise CheckpointError(f"{where}: {err}") from err
     wrong = {}
     for key, value in wanted.items():
         ours = setting(model, key)

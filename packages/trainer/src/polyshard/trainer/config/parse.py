@@ -131,6 +131,11 @@ def from_dict(
         for key in values:
             if key not in known:
                 raise unknown(f"key in [{section}]", key, known)
+        if section == "data" and values.get("sources") is not None and "source" in values:
+            raise ConfigError(
+                "data.source and data.sources are both set; a run reads one source or a mixture: "
+                "drop data.source, or drop [[data.sources]]"
+            )
         if section == "parallel" and values.get("dp") == "auto":
             values = {**values, "dp": auto_dp(values, world_size)}
         values = {key: check_type(section, key, value) for key, value in values.items()}

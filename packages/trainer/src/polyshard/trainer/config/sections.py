@@ -27,6 +27,8 @@ RECOMPUTE = (False, "selective", "full")  # training.activation_checkpointing, l
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # training.lr_schedule: the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 OPTIMIZERS = ("adamw", "muon")
+ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's kernels
+DECAYED_PARAMS = ("matrices", "all")
 
 
 CP_STYLES = ("ring", "allgather", "ulysses", "ulysses+ring")
@@ -248,7 +250,13 @@ class TrainingConfig:
     decay_shape: str = "linear"
     """lr_schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
     weight_decay: float = 0.1
-    """AdamW weight decay (matrices only; not norms, biases or embeddings)."""
+    """AdamW weight decay, on the parameters `weight_decay_params` names."""
+    weight_decay_params: str = "matrices"
+    """Which parameters decay: 'matrices' (GPT-2, nanoGPT: not norms, biases or embeddings) or 'all'
+    (torchtitan)."""
+    adamw_impl: str = "auto"
+    """AdamW's kernel (torch.optim.AdamW): 'auto' (torch's choice: foreach), 'foreach' (one kernel per op over
+    all tensors), 'fused' (one kernel for the whole step; CPU and CUDA) or 'for-loop' (tensor by tensor)."""
     beta1: float = 0.9
     """AdamW first-moment decay."""
     beta2: float = 0.95
@@ -279,6 +287,10 @@ class TrainingConfig:
     stop_at: int = 0
     """End the run after this step with a checkpoint (0: after `steps`). The learning-rate schedule still
     spans `steps`, so a run resumed from there continues exactly as an uninterrupted one (preemption windows)."""
+    loss_chunks: int = 0
+    """Language models: compute the head's projection and the cross-entropy this many chunks of tokens at a
+    time, each chunk's logits recomputed in the backward, so the full (tokens x vocabulary) logits never
+    exist; 0 or 1: all at once."""
     consistency_every: int = 100
     """Every N steps (and before each checkpoint) check that data-parallel replicas hold bitwise equal
     parameters: one all-gather of a checksum per rank; a replica that drifted stops the run (0 disables)."""
@@ -294,9 +306,18 @@ class TrainingConfig:
         _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
         _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("training.adamw_impl", self.adamw_impl, ADAMW_IMPLS)
+        _check_choice("training.weight_decay_params", self.weight_decay_params, DECAYED_PARAMS)
+        if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
+            raise ConfigError(f"training.loss_chunks={self.loss_chunks!r} must be an integer >= 0 (0 or 1: off)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
         _check_positive("training.muon_ns_steps", self.muon_ns_steps)
+        if self.muon_ns_steps > MAX_MUON_NS_STEPS:  # each step is three matmuls per matrix: 1e9 never ends
+            raise ConfigError(
+                f"training.muon_ns_steps={self.muon_ns_steps} is past {MAX_MUON_NS_STEPS}; Muon converges in 5 "
+                "(--set training.muon_ns_steps=5)"
+            )
         if not isinstance(self.muon_nesterov, bool):
             raise ConfigError(f"training.muon_nesterov={self.muon_nesterov!r} must be true or false")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -352,10 +373,12 @@ class WeightedSource:
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     source: str = "shakespeare"
-    """'shakespeare' (built in), 'digits' (built in, for the ViT), a prepared dataset folder (`polyshard prepare`),
-    a local text file or folder, a dataset name, or a .jsonl file of prompt/response pairs for fine-tuning: one
-    JSON object per line, and only response tokens count in the loss. Anything but a prepared folder is prepared
-    on first use into the cache (keyed by its content and the tokenizer) and read from there."""
+    """'shakespeare' (built in), 'digits' (built in, for the ViT), 'synthetic' (seeded rows of the model's
+    vocabulary, no file: benchmarks and planning, as Megatron's mock data), a prepared dataset folder
+    (`polyshard prepare`), a local text file or folder, a dataset name, or a .jsonl file of prompt/response
+    pairs for fine-tuning: one JSON object per line, and only response tokens count in the loss. Anything but
+    a prepared folder is prepared on first use into the cache (keyed by its content and the tokenizer) and read
+    from there."""
     sources: list[WeightedSource] | None = None
     """A mixture instead of `source`: [[data.sources]] entries with `path` and `weight`; each global batch draws
     from each in proportion to its weight, the same on every layout."""
@@ -403,6 +426,10 @@ class DataConfig:
         return self.sources if self.sources is not None else [WeightedSource(self.source)]
 
 
+MAX_WEIGHT = 1e12  # a mixture weight; relative, so token counts fit and no sum of weights overflows
+MAX_MUON_NS_STEPS = 100  # Newton-Schulz iterations of Muon; 5 suffice (Jordan et al.), far more is a typo
+
+
 def _weighted_source(index: int, entry: Any) -> WeightedSource:
     where = f"data.sources[{index}]"
     if isinstance(entry, WeightedSource):
@@ -417,6 +444,11 @@ def _weighted_source(index: int, entry: Any) -> WeightedSource:
         raise ConfigError(f"{where}.path={path!r} must name a source (a prepared folder, a file or 'shakespeare')")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
         raise ConfigError(f"{where}.weight={weight!r} must be a positive number")
+    if weight > MAX_WEIGHT:  # their sum and the loader's (t + 1) * w shares must stay finite
+        raise ConfigError(
+            f"{where}.weight={weight!r} is past {MAX_WEIGHT:g}; weights are relative: scale them all down "
+            "(e.g. 0.7 and 0.3)"
+        )
     return WeightedSource(path, float(weight))
 
 

@@ -2,7 +2,8 @@
 
 ``data.source`` (or each of ``data.sources``) is either a prepared folder (``polyshard prepare``) or
 anything ``prepare`` reads: ``"shakespeare"``, a ``.txt`` file or folder (one document per file), a
-``.jsonl`` of prompt/response pairs, a dataset name. Such a source is prepared on first use into the
+``.jsonl`` of prompt/response pairs, a dataset name; or ``"synthetic"``, seeded rows of the model's
+vocabulary that read no file at all (:mod:`polyshard.data.synthetic`). Such a source is prepared on first use into the
 cache, ``<cache>/prepared/<key>``, where the key hashes the source's bytes, the tokenizer and the
 options, so a changed file or tokenizer is prepared afresh and an unchanged one never again. The
 launcher prepares before any worker starts (with a progress bar); a worker started another way
@@ -28,14 +29,18 @@ from pathlib import Path
 import numpy as np
 
 from polyshard.data.examples import Concat, Documents, Examples, Windows
-from polyshard.data.format import MANIFEST, held_out, tokenizer_info
+from polyshard.data.format import MANIFEST, TOKENS, held_out, tokenizer_info
+from polyshard.data.output import WriteError
 from polyshard.data.prepared import Prepared, Split, open_prepared
+from polyshard.data.sources import check_within
+from polyshard.data.synthetic import TRAIN_STREAM, VAL_STREAM, SyntheticTokens
 from polyshard.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from polyshard.models import output_width, sequence_length
 from polyshard.trainer.config import Config, DataConfig
 from polyshard.trainer.data.corpus import cache_root, shakespeare_files
 from polyshard.trainer.errors import DataError
 
+SYNTHETIC = "synthetic"  # data.source: Megatron's mock data, seeded rows and no file (polyshard.data.synthetic)
 SPLIT_SEED = 0  # which documents a source prepared on the fly holds out; a prepared folder records its own
 PAIRS_SUFFIX = ".jsonl"
 
@@ -51,6 +56,8 @@ def local_files(source: str, field: str = "data.source") -> list[Path] | None:
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
+        for file in files:  # hashed for the cache key before prepare reads them: nothing outside the folder
+            check_within(path, file, f"{field} folder")
         if not files:
             raise DataError(
                 f"{field}={source!r} is a folder with neither a {MANIFEST} (a prepared dataset) nor .txt files"
@@ -84,7 +91,6 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False, fi
     """``source`` as a prepared folder: itself, or its copy in the cache, prepared now if missing."""
     if is_prepared(source):
         return Path(source).expanduser()
-    from polyshard.data.prepare import prepare  # the writer is needed only on a cache miss
 
     kind = "pairs" if Path(source).suffix == PAIRS_SUFFIX else "text"
     if kind == "pairs" and not Path(source).expanduser().is_file():
@@ -97,6 +103,21 @@ def prepared_folder(source: str, data: DataConfig, *, progress: bool = False, fi
     target = cache_root() / "prepared" / _cache_key(source, files, data, tokenizer, kind)
     if (target / MANIFEST).is_file():
         return target
+    try:
+        return _prepare_into(target, source, files, data, kind, progress)
+    except (OSError, WriteError) as err:  # the cache's disk is full or read-only
+        where, reason = (err.where, err.reason) if isinstance(err, WriteError) else (err.filename, err.strerror)
+        raise DataError(
+            f"preparing {field}={source!r} into the cache {target.parent}: cannot write {where or target} "
+            f"({reason or err}); free space there, or set POLYSHARD_CACHE to a writable folder with room"
+        ) from err
+
+
+def _prepare_into(
+    target: Path, source: str, files: list[Path] | None, data: DataConfig, kind: str, progress: bool
+) -> Path:
+    from polyshard.data.prepare import prepare
+
     target.parent.mkdir(parents=True, exist_ok=True)
     origin = str(files[0].parent) if source == "shakespeare" and files else source
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".preparing-") as tmp:
@@ -149,7 +170,7 @@ def _examples(
             prompt, which = made.longest_prompt() if check else (0, 0)
             if prompt >= width:
                 held = split is prepared.val
-                line = _source_line(prepared, held, first + which)
+                line = _source_line(prepared, held, first + which, _named(data))
                 at = f"{line[0]}, line {line[1]}" if line else f"{where}: example {first + which}"
                 raise DataError(
                     f"{at}: the prompt is {prompt} tokens, leaving no room for a response in rows of "
@@ -172,12 +193,19 @@ def _examples(
     return train, Windows(prepared.train, width, first=total - held, count=held, segments=segments)
 
 
-def _source_line(prepared: Prepared, val: bool, index: int) -> tuple[str, int] | None:
+def _named(data: DataConfig) -> set[Path]:
+    """The sources the config names, resolved: the only files outside a prepared folder a run reads."""
+    paths = [e.path for e in data.mixture] + ([data.val_source] if data.val_source is not None else [])
+    return {Path(p).expanduser().resolve() for p in paths}
+
+
+def _source_line(prepared: Prepared, val: bool, index: int, named: set[Path]) -> tuple[str, int] | None:
     """(file, line) of document ``index`` of a split prepared from one JSON-lines file, else None: the
-    document's number in the file is the ``index``-th one that :func:`held_out` sent to the split."""
+    document's number in the file is the ``index``-th one that :func:`held_out` sent to the split. The
+    file a manifest names is opened only when the config names it too (a manifest may name any path)."""
     sources = prepared.manifest.sources
     path = Path(sources[0].name) if len(sources) == 1 else None
-    if path is None or not path.is_file():
+    if path is None or path.resolve() not in named or not path.is_file():
         return None
     seen, number = -1, -1
     for start in range(0, 1 << 62, 1 << 16):
@@ -204,9 +232,17 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
     padded example once (before launch: :func:`check_language_data`)."""
     data, width = config.data, sequence_length(config.model) + 1
     tokenizer = load_tokenizer(data.tokenizer)
-    train, weights, names, held = [], [], [], []
+    train: list[Examples] = []
+    held: list[Examples] = []
+    weights, names = [], []
     for number, entry in enumerate(data.mixture):
         field = "data.source" if data.sources is None else f"data.sources[{number}].path"
+        if entry.path == SYNTHETIC:
+            train.append(synthetic_rows(config, TRAIN_STREAM))
+            weights.append(entry.weight)
+            names.append(entry.path)
+            held.append(synthetic_rows(config, VAL_STREAM))
+            continue
         prepared = open_prepared(prepared_folder(entry.path, data, progress=progress, field=field), tokenizer)
         where = f"{field}={entry.path!r}" + ("" if is_prepared(entry.path) else f" (prepared in {prepared.folder})")
         examples, val = _examples(prepared, data, width, where, check)
@@ -215,12 +251,29 @@ def language_data(config: Config, *, progress: bool = False, check: bool = False
         names.append(entry.path)
         if val is not None:
             held.append(val)
-    if data.val_source is not None:
+    if data.val_source == SYNTHETIC:
+        held = [synthetic_rows(config, VAL_STREAM)]
+    elif data.val_source is not None:
         field = "data.val_source"
         prepared = open_prepared(prepared_folder(data.val_source, data, progress=progress, field=field), tokenizer)
         examples, _ = _examples(prepared, data, width, f"data.val_source={data.val_source!r}", check)
         held = [examples]
     return RunData(train, weights, names, held[0] if len(held) == 1 else Concat(held))
+
+
+def synthetic_rows(config: Config, stream: int) -> SyntheticTokens:
+    """``data.source = "synthetic"``: seeded uniform rows over the model's vocabulary, as many as the run
+    reads — one per example of every step (training) or of one evaluation (validation) — so no row repeats."""
+    model, train = config.model, config.training
+    batches = train.steps if stream == TRAIN_STREAM else max(train.eval_batches, 1)
+    return SyntheticTokens(
+        output_width(model),
+        sequence_length(model) + 1,
+        batches * train.global_batch_size,
+        seed=train.seed,
+        stream=stream,
+        segments=config.data.document_mask,
+    )
 
 
 def check_language_data(config: Config) -> None:
@@ -233,13 +286,17 @@ def check_language_data(config: Config) -> None:
             f"model.vocab_size={vocab}; use vocab_size >= {tokenizer.vocab_size}"
         )
     data = language_data(config, progress=True, check=True)
-    if tokenizer.vocab_size > vocab:  # bytes: a small vocabulary fits only data whose bytes stay below it
-        top = max(_largest_token(examples) for examples in [*data.train, data.val])
-        if top >= vocab:
-            raise DataError(
-                f"data.source={config.data.source!r} holds byte {top}, past model.vocab_size={vocab}; "
-                f"use vocab_size >= {top + 1} ({tokenizer.vocab_size} fits any text)"
-            )
+    top, shard = _largest_token([*data.train, data.val])
+    if top >= vocab and tokenizer.vocab_size > vocab:  # bytes: a small vocabulary fits data whose bytes stay below
+        raise DataError(
+            f"data.source={config.data.source!r} holds byte {top}, past model.vocab_size={vocab}; "
+            f"use vocab_size >= {top + 1} ({tokenizer.vocab_size} fits any text)"
+        )
+    if top >= vocab:  # a shard changed after it was prepared, or a manifest that records a false tokenizer
+        raise DataError(
+            f"{shard} holds token id {top}, past model.vocab_size={vocab} (and the tokenizer's "
+            f"{tokenizer.vocab_size}): the folder is damaged or was prepared with another tokenizer; prepare it again"
+        )
     batch = config.training.global_batch_size
     what = f"examples of model.context_length+1={sequence_length(config.model) + 1} tokens"
     if len(data.train) == 1 and len(data.train[0]) < batch:  # a mixture draws one by one: any source serves
@@ -252,14 +309,26 @@ def check_language_data(config: Config) -> None:
         raise DataError(f"data source {source!r} gives no validation {what}; use a shorter context or more data")
 
 
-def _largest_token(examples: Examples) -> int:
-    """The largest id in the splits behind ``examples``, read a block of tokens at a time."""
-    splits = {id(s): s for s in _splits_of(examples)}.values()
-    top = 0
+SCAN_TOKENS = 1 << 31  # a split this small is read whole before launch (seconds); a larger one trusts its manifest
+
+
+def _largest_token(examples: list[Examples]) -> tuple[int, Path | None]:
+    """The largest id in the splits behind ``examples`` and the shard that holds it: read a block of tokens
+    at a time, or for a split past :data:`SCAN_TOKENS` as the manifest records it (the workers check every
+    batch anyway)."""
+    splits = {id(s): s for e in examples for s in _splits_of(e)}.values()
+    top, where = 0, None
     for split in splits:
-        for start in range(0, split.tokens, 1 << 24):
-            top = max(top, int(split.read(start, min(split.tokens, start + (1 << 24))).max(initial=0)))
-    return top
+        for number, shard in enumerate(split.shards):
+            found = shard.max_token
+            if found is None or split.tokens <= SCAN_TOKENS:
+                base, found = int(split.token_starts[number]), 0
+                for start in range(base, base + shard.tokens, 1 << 24):
+                    block = split.read(start, min(base + shard.tokens, start + (1 << 24)))
+                    found = max(found, int(block.max(initial=0)))
+            if found >= top:
+                top, where = found, split.folder / (shard.name + TOKENS)
+    return top, where
 
 
 def _splits_of(examples: Examples) -> list[Split]:

@@ -70,9 +70,10 @@ from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import LossFn, task_of
 
 
-def loss_function(config: Config, mesh: Mesh) -> LossFn:
-    """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp)."""
-    return task_of(config.model).loss(config, mesh.group("tp") if config.parallel.tp > 1 else None)
+def loss_function(config: Config, mesh: Mesh, head: nn.Module | None = None) -> LossFn:
+    """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp). ``head``: the
+    model's last layer where this rank holds it (a chunked loss projects with its weight)."""
+    return task_of(config.model).loss(config, mesh.group("tp") if config.parallel.tp > 1 else None, head)
 
 
 def _name_records_globally(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:
@@ -170,6 +171,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         device=device,
         checkpoint_activations=config.training.activation_checkpointing,
         aux_loss_scale=1.0 / par.microbatches,  # each microbatch's aux loss, like its CE, counts 1/m
+        head_logits=config.training.loss_chunks <= 1,  # chunked: the loss projects the head's hidden states
     )
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
@@ -205,7 +207,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,
-        loss_function(config, mesh),
+        loss_function(config, mesh, _last_layer(stages, schedule.num_stages)),
         mesh.group("pp"),
         backward_context=_no_sync_all(list(wrappers.values())),
     )
@@ -220,6 +222,12 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         _tied_group(config, mesh, schedule),
         pipeline_layers=bounds[-1].stop,
     )
+
+
+def _last_layer(stages: Mapping[int, nn.Sequential], num_stages: int) -> nn.Module | None:
+    """The model's last layer (the output head) where this rank holds the last stage, else None."""
+    last = stages.get(num_stages - 1)
+    return None if last is None else last[-1]
 
 
 def _untie_across_stages(model: nn.Module, aliases: Mapping[str, str], stage_of: Mapping[int, int]) -> None:

@@ -40,6 +40,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_hf_checkpoints(config)
     _check_documents(config)
     _check_compile(config)
+    _check_loss_chunks(config)
     spec = spec_of(model)
     spec.check(config.model, config.parallel)  # the family's own constraints
     task_of(config.model).check_config(config)
@@ -50,6 +51,24 @@ def validate(config: Config, world_size: int | None = None) -> None:
             f"training.global_batch_size={train.global_batch_size} does not split over "
             f"dp x ep = {data_ranks} data ranks x {par.microbatches} microbatches; "
             f"use a multiple of {per_step}"
+        )
+
+
+def _check_loss_chunks(config: Config) -> None:
+    """training.loss_chunks projects a language model's hidden states inside the loss, with the head's
+    weight: that weight must be whole on the rank when the loss runs, which ZeRO-3 does not keep it."""
+    chunks = config.training.loss_chunks
+    if chunks <= 1:
+        return
+    if not task_of(config.model).generates_text:
+        raise ConfigError(
+            f"training.loss_chunks={chunks} chunks a language model's head and loss; model.kind="
+            f"{config.model.kind!r} classifies, set loss_chunks = 0"
+        )
+    if config.parallel.zero_stage == 3:
+        raise ConfigError(
+            f"training.loss_chunks={chunks} multiplies by the head's weight inside the loss, after ZeRO-3 has "
+            "freed it; use parallel.zero_stage <= 2 or training.loss_chunks = 0"
         )
 
 
@@ -177,6 +196,12 @@ def _check_documents(config: Config) -> None:
             f"data.document_mask = true applies to language models, whose rows pack documents of tokens; "
             f"model.kind={config.model.kind!r} trains on {task.name} (no documents to mask); "
             "set data.document_mask = false"
+        )
+    if config.data.document_mask and config.model.dropout:
+        # The masked cores (block-sparse, FlexAttention) have no attention-probability dropout.
+        raise ConfigError(
+            f"model.dropout={config.model.dropout} runs only on plain causal attention, not with "
+            "data.document_mask = true; set model.dropout = 0 or turn document masking off"
         )
 
 

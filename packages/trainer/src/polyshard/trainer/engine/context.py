@@ -30,14 +30,20 @@ from polyshard.models.gpt import Embedding
 class ContextParallelCore(nn.Module):
     """``CoreAttention`` for q, k, v holding this rank's chunks of the sequence (B, N, 2C, D)."""
 
-    def __init__(self, group: dist.ProcessGroup, *, causal: bool, style: str):
+    def __init__(self, group: dist.ProcessGroup, *, causal: bool, style: str, window: int | None = None):
         super().__init__()
-        self.group, self.causal, self.style = group, causal, style
+        self.group, self.causal, self.style, self.window = group, causal, style, window
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``segments`` (B, 2C): this rank's chunks of the rows' document ids (document masking)."""
+        """``segments`` (B, 2C): this rank's chunks of the rows' document ids (document masking);
+        ``sinks`` (N,): the attention's sink logits for this rank's heads."""
         return context_parallel_attention(
             q,
             k,
@@ -46,10 +52,12 @@ class ContextParallelCore(nn.Module):
             causal=self.causal,
             style=self.style,  # type: ignore[arg-type]
             segments=segments,
+            window=self.window,
+            sinks=sinks,
         )
 
     def extra_repr(self) -> str:
-        return f"style={self.style}, causal={self.causal}, cp={dist.get_world_size(self.group)}"
+        return f"style={self.style}, causal={self.causal}, window={self.window}, cp={dist.get_world_size(self.group)}"
 
 
 class UlyssesCore(nn.Module):
@@ -62,14 +70,28 @@ class UlyssesCore(nn.Module):
         super().__init__()
         self.group, self.inner, self.ring_group = group, inner, ring_group
 
-    def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-        return ring_attention(q, k, v, self.ring_group, self.inner.causal, q.shape[-1] ** -0.5, segments)
+    def _ring(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        return ring_attention(q, k, v, self.ring_group, self.inner.causal, scale, segments, self.inner.window, sinks)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As :class:`ContextParallelCore`; the inner core applies its own window, ``sinks`` the heads'."""
         core = self.inner if self.ring_group is None else self._ring
-        return ulysses_attention(q, k, v, self.group, core, segments)
+        return ulysses_attention(q, k, v, self.group, core, segments, sinks)
 
     def extra_repr(self) -> str:
         ring = "" if self.ring_group is None else f", ring={dist.get_world_size(self.ring_group)}"
@@ -99,7 +121,9 @@ def apply_context_parallel(
                 assert ulysses_groups is not None  # build_engine makes them for this style
                 module.core = UlyssesCore(ulysses_groups[0], core, ring_group=ulysses_groups[1])  # type: ignore[assignment]
             else:
-                module.core = ContextParallelCore(group, causal=core.causal, style=style)  # type: ignore[assignment]
+                module.core = ContextParallelCore(  # type: ignore[assignment]
+                    group, causal=core.causal, style=style, window=core.window
+                )
             module.positions = positions
         elif isinstance(module, Embedding):
             module.positions = positions

@@ -16,6 +16,31 @@ from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement
 from polyshard.models.spec import decays as default_decays
 from polyshard.trainer.config import TrainingConfig
 
+ADAMW_KERNELS: dict[str, dict[str, bool]] = {
+    "auto": {},  # torch's own choice (foreach where the tensors allow it)
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+    "for-loop": {"foreach": False},
+}
+"""``training.adamw_impl`` -> the keyword arguments of ``torch.optim.AdamW`` (and :class:`polyshard.dp.Muon`)."""
+
+
+def adamw_kernel(train: TrainingConfig) -> dict[str, bool]:
+    """The ``foreach`` / ``fused`` arguments ``training.adamw_impl`` names."""
+    return ADAMW_KERNELS[train.adamw_impl]
+
+
+def decay_rule(
+    train: TrainingConfig, family: Callable[[str, nn.Parameter], bool]
+) -> Callable[[str, nn.Parameter], bool]:
+    """Which parameters AdamW decays: the family's rule (``weight_decay_params = "matrices"``) or every one
+    (``"all"``, torchtitan's)."""
+    return family if train.weight_decay_params == "matrices" else _every
+
+
+def _every(name: str, param: nn.Parameter) -> bool:
+    return True
+
 
 def param_groups(
     named: Iterable[tuple[str, nn.Parameter]],

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from polyshard.collectives import ops
-from polyshard.models import spec_of
+from polyshard.models import output_width, spec_of
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.errors import DataError
 from polyshard.trainer.tasks import task_of
 from polyshard.trainer.tasks.loss import global_token_mean
 
@@ -32,8 +33,17 @@ def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
 
 
 def split_batch(config: Config, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """A loader batch -> (inputs, targets), as the model's task cuts it."""
-    return task_of(config.model).split_batch(_tensors(batch))
+    """A loader batch -> (inputs, targets), as the model's task cuts it. A token id the embedding has no
+    row for (a shard damaged after the launcher's check) is a :class:`DataError`, not an IndexError."""
+    tensors = _tensors(batch)
+    tokens = tensors.get("tokens")
+    vocab = output_width(config.model)
+    if tokens is not None and tokens.numel() and int(tokens.max()) >= vocab:
+        raise DataError(
+            f"the data holds token id {int(tokens.max())}, past model.vocab_size={vocab}: a "
+            "shard was changed or prepared with another tokenizer; prepare the data again with data.tokenizer"
+        )
+    return task_of(config.model).split_batch(tensors)
 
 
 def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:

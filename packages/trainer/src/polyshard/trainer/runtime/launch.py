@@ -32,6 +32,7 @@ from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
 from polyshard.trainer.tasks import task_of
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
+USER_ERROR_MARK = ".user-error"  # made by the first worker that reports a user's mistake (runtime.worker)
 
 
 def read_settings(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -64,6 +65,7 @@ class Launch:
         """Write the resolved settings (and the prediction, :data:`PLAN_FILE`) into the run folder,
         each whole or not at all; returns the config file."""
         self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / USER_ERROR_MARK).unlink(missing_ok=True)  # this run's first user error is reported anew
         path = self.out / RESOLVED_CONFIG
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(self.settings, indent=1) + "\n")

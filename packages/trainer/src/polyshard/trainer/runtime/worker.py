@@ -24,7 +24,7 @@ from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, Rep
 from polyshard.trainer.loop import saved_by_this_job, train
 from polyshard.trainer.loop.plan_check import Prediction
 from polyshard.trainer.runtime.heartbeat import Heartbeat
-from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, read_resolved
+from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, USER_ERROR_MARK, read_resolved
 from polyshard.trainer.runtime.lifetime import die_with_parent, quiet_interrupts
 
 
@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         dist.destroy_process_group()
         raise SystemExit(3) from None
     except (ConfigError, DataError, CheckpointError) as err:  # a user's mistake the launcher could not see
-        print(f"{type(err).__name__} on rank {ctx.rank}: {err}", file=sys.stderr, flush=True)
+        if _first_to_report(out):  # every rank may meet the same mistake: the user reads it once
+            print(f"{type(err).__name__} on rank {ctx.rank}: {err}", file=sys.stderr, flush=True)
         os._exit(2)  # torchrun stops the other ranks, which may be waiting for this one
     except Exception as err:
         if is_comm_failure(err):
@@ -87,6 +88,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     heartbeat.stop()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _first_to_report(out: Path) -> bool:
+    """Whether this rank is the first of the job to report a user error (an exclusive create decides)."""
+    try:
+        os.close(os.open(out / USER_ERROR_MARK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # the folder cannot be written: better twice than never
+    return True
 
 
 def _write_summary(out: Path, record: dict[str, Any]) -> None:

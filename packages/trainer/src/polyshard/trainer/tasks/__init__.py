@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from polyshard.models import ModelConfig, output_width, spec_of
-from polyshard.tp import vocab_parallel_cross_entropy
+from polyshard.tp import chunked_linear_cross_entropy, head_input, vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
 from polyshard.trainer.errors import ConfigError
@@ -42,8 +44,9 @@ class Task:
     """Checks of the data itself before any process starts (a missing file, too few examples)."""
     split_batch: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
     """A loader batch -> (inputs, targets)."""
-    loss: Callable[[Config, dist.ProcessGroup | None], LossFn]
-    """The last stage's loss on (outputs, targets); the tp group when tp > 1."""
+    loss: Callable[[Config, dist.ProcessGroup | None, nn.Module | None], LossFn]
+    """The last stage's loss on (outputs, targets); the tp group when tp > 1; the model's last layer on the
+    rank holding it (a chunked loss projects with its weight), else None."""
     reports_accuracy: bool = False
     """Evaluation also counts outputs whose argmax is the target."""
     generates_text: bool = False
@@ -86,9 +89,13 @@ def _input_segments(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["segments"][:, :-1].contiguous()
 
 
-def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+def _token_loss(config: Config, tp_group: dist.ProcessGroup | None, head: nn.Module | None) -> LossFn:
     """Cross-entropy of (B, S, V) logits against (B, S) token ids, summed over the targets that are not
-    IGNORE_INDEX and divided by the global batch's count of them: vocabulary-parallel under tp."""
+    IGNORE_INDEX and divided by the global batch's count of them: vocabulary-parallel under tp. With
+    ``training.loss_chunks`` > 1 the outputs are the head's normed (B, S, H) hidden states instead
+    (``LMHead(logits=False)``) and the loss projects them with ``head.proj``, a chunk of tokens at a time."""
+    if config.training.loss_chunks > 1:
+        return TokenMeanLoss(_chunked_token_sum(config, tp_group, head))
     if tp_group is not None:
         vocab = output_width(config.model)
         return TokenMeanLoss(
@@ -101,6 +108,30 @@ def _token_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
             logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
     )
+
+
+def _chunked_token_sum(
+    config: Config, tp_group: dist.ProcessGroup | None, head: nn.Module | None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    chunks, vocab = config.training.loss_chunks, output_width(config.model)
+
+    def token_sum(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if head is None:  # only the last stage computes the loss, and it holds the head
+            raise RuntimeError("the chunked loss was called on a rank that holds no output head")
+        projection = cast(nn.Module, head.proj)
+        entered = head_input(projection, hidden)  # (B, S, H): under sequence parallelism, gathered
+        return chunked_linear_cross_entropy(
+            entered.flatten(0, 1),
+            cast(torch.Tensor, projection.weight),
+            targets.flatten(),
+            tp_group,
+            chunks=chunks,
+            bias=cast(torch.Tensor | None, projection.bias),
+            vocab_size=vocab,
+            ignore_index=IGNORE_INDEX,
+        )
+
+    return token_sum
 
 
 def _image_splits(config: Config) -> RunData:
@@ -118,7 +149,7 @@ def _labels(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
     return batch["image"], batch["label"]
 
 
-def _class_loss(config: Config, tp_group: dist.ProcessGroup | None) -> LossFn:
+def _class_loss(config: Config, tp_group: dist.ProcessGroup | None, head: nn.Module | None) -> LossFn:
     """Cross-entropy of (B, classes) logits; the classifier head is replicated over tp."""
     return lambda logits, labels: F.cross_entropy(logits.float(), labels)
 
