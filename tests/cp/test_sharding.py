@@ -40,16 +40,23 @@ def test_cp2_block_plan_matches_the_worked_example():
     full, diag = False, True
     c = 2  # chunk length; local rows/cols 0:2 are the first chunk, 2:4 the second
     first, second = slice(0, 2), slice(2, 4)
-    # Rank 0 (q0, q3) on its own K/V (k0, k3): q0 x k0 diagonal, q3 x k0 full, q3 x k3 diagonal.
+    # Rank 0 (q0, q3) on its own K/V (k0, k3): q0 x k0 diagonal, q3 x k0 full, q3 x k3 diagonal. Each
+    # block's offset is its first query's global position minus its first key's (a window needs it).
     assert plan_blocks(0, 0, 2, c, True) == [
         Block(first, first, diag),
-        Block(second, first, full),
+        Block(second, first, full, offset=(3 - 0) * c),
         Block(second, second, diag),
     ]
     # Rank 0 on rank 1's K/V (k1, k2): only q3 sees them, fully.
-    assert plan_blocks(0, 1, 2, c, True) == [Block(second, first, full), Block(second, second, full)]
+    assert plan_blocks(0, 1, 2, c, True) == [
+        Block(second, first, full, offset=(3 - 1) * c),
+        Block(second, second, full, offset=(3 - 2) * c),
+    ]
     # Rank 1 (q1, q2) on rank 0's K/V (k0, k3): both query chunks see k0, nobody sees k3.
-    assert plan_blocks(1, 0, 2, c, True) == [Block(first, first, full), Block(second, first, full)]
+    assert plan_blocks(1, 0, 2, c, True) == [
+        Block(first, first, full, offset=(1 - 0) * c),
+        Block(second, first, full, offset=(2 - 0) * c),
+    ]
     assert plan_blocks(1, 0, 2, c, False) == [Block(slice(None), slice(None), False)]  # non-causal: one block
 
 

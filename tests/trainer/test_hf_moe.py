@@ -231,7 +231,8 @@ def test_a_missing_expert_is_named_and_the_cli_exits_2(folders, corpus, tmp_path
     with pytest.raises(CheckpointError, match=rf"Mixtral these settings describe: missing \['{expert}'\]"):
         HFSource(broken, _config(folder, corpus))
     # Through the command line: one line naming the tensor, exit 2, before any process starts.
-    toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in model_settings(folder).items())
+    settings = {k: v for k, v in model_settings(folder).items() if v is not None}  # TOML has no null: unset
+    toml = "[model]\n" + "".join(f"{_key(k)} = {json.dumps(v)}\n" for k, v in settings.items())
     toml += f"[training]\nsteps = 2\nglobal_batch_size = 4\n[data]\nsource = {json.dumps(corpus)}\n"
     (tmp_path / "c.toml").write_text(toml)
     run = tmp_path / "run"
@@ -301,3 +302,8 @@ def test_a_sigmoid_or_grouped_router_is_not_exported_as_a_softmax_family():
     for routing in ({"moe": {"score": "sigmoid"}}, {"moe": {"groups": 2, "group_topk": 2}}):
         with pytest.raises(CheckpointError, match="moe.score|moe.groups"):
             hf_config(from_dict({"model": {**mixtral, **routing}}).model)
+
+
+def _key(name: str) -> str:
+    """A settings key as a TOML key: moe.top_k is the dotted key of [model.moe]."""
+    return ".".join(f'"{part}"' if not part.replace("_", "").isalnum() else part for part in name.split("."))

@@ -18,6 +18,7 @@ def ModelConfig(**model):  # noqa: N802  (reads like the config it builds)
     """The family config a ``[model]`` table with these keys gives."""
     return from_dict({"model": model}).model
 
+
 WIDE = {**PRESETS["llama-tiny"], "hidden": 256, "num_heads": 4, "num_kv_heads": 2, "mlp_hidden": 512,
         "vocab_size": 1024}  # fmt: skip
 

@@ -30,8 +30,9 @@ def test_every_config_0_2_shipped_still_reads_as_today(path):
     old = from_dict(read_toml(path), world_size=8, note=notes.append)
     validate(old, world_size=old.parallel.world_size)
     today = ROOT / "apps" / "configs" / path.name
-    if today.exists():  # the shipped file, in today's spelling, describes the same run
-        assert old == from_dict(read_toml(today), world_size=8)
+    if today.exists():  # the shipped file, in today's spelling, describes the same model on the same layout
+        new = from_dict(read_toml(today), world_size=8)  # (the planning configs now train on synthetic data)
+        assert (old.model, old.parallel, old.training) == (new.model, new.parallel, new.training)
     if old.model.kind == "moe-gpt" and "num_experts" in read_toml(path)["model"]:
         assert "note: model.num_experts is now model.moe.num_experts (read as such)" in notes
 
