@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from polyshard.mesh import Mesh
+from polyshard.models.moe_gpt.config import MoEGPTConfig
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data import language_data
 
@@ -90,7 +91,8 @@ def test_a_masked_run_matches_one_process(distributed, corpus, reference, tmp_pa
 
 
 def _moe(config):
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, kind="moe-gpt"))
+    """The same model with every MLP a mixture of experts (the MoE GPT's default [model.moe])."""
+    return dataclasses.replace(config, model=MoEGPTConfig(**{**config.model.__dict__, "kind": "moe-gpt"}))
 
 
 @pytest.mark.long

@@ -231,8 +231,7 @@ def test_a_missing_expert_is_named_and_the_cli_exits_2(folders, corpus, tmp_path
     with pytest.raises(CheckpointError, match=rf"Mixtral these settings describe: missing \['{expert}'\]"):
         HFSource(broken, _config(folder, corpus))
     # Through the command line: one line naming the tensor, exit 2, before any process starts.
-    settings = {k: v for k, v in model_settings(folder).items() if v is not None}  # TOML has no null: unset
-    toml = "[model]\n" + "".join(f"{_key(k)} = {json.dumps(v)}\n" for k, v in settings.items())
+    toml = "[model]\n" + "".join(f"{_key(k)} = {json.dumps(v)}\n" for k, v in model_settings(folder).items())
     toml += f"[training]\nsteps = 2\nglobal_batch_size = 4\n[data]\nsource = {json.dumps(corpus)}\n"
     (tmp_path / "c.toml").write_text(toml)
     run = tmp_path / "run"

@@ -92,9 +92,11 @@ __all__ = [
 
 
 def model_settings(folder: str | Path) -> dict[str, object]:
-    """The ``[model]`` settings of a Hugging Face folder's ``config.json``, in polyshard's names."""
+    """The ``[model]`` settings of a Hugging Face folder's ``config.json``, in polyshard's names (a setting
+    the folder leaves unset, such as no sliding window, is left out: TOML has no null, and unset is the
+    default)."""
     family, hf, where = _read_config(Path(folder))
-    return family.settings(hf, where)
+    return {key: value for key, value in family.settings(hf, where).items() if value is not None}
 
 
 def check_matches(folder: str | Path, model: ModelConfig) -> Family:
