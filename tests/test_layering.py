@@ -141,7 +141,7 @@ def test_the_checker_catches_an_upward_import(tmp_path):
 # -- no module circles, in any package ---------------------------------------------------------------
 
 
-def _module_imports(path: Path) -> set[str]:
+def module_imports(path: Path) -> set[str]:
     """Every polyshard module or name ``path`` imports (also inside functions)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -163,7 +163,7 @@ def _module_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         # A package's __init__ re-exporting its own modules is not a circle: its modules import each
         # other by their own names, never through the package (checked here by leaving that edge out).
-        targets = {t for t in _module_imports(path) if t in modules} - {name}
+        targets = {t for t in module_imports(path) if t in modules} - {name}
         graph[name] = {t for t in targets if not name.startswith(t + ".") and not t.startswith(name + ".")}
     return graph
 

@@ -5,8 +5,9 @@ a circle is tests/test_layering.py's check, over every package.
     errors <- config <- data <- tasks <- engine <- checkpointing <- loop <- runtime
 """
 
-import ast
 from pathlib import Path
+
+from tests.test_layering import module_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "packages" / "trainer" / "src"
@@ -23,14 +24,7 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names |= {f"{node.module}.{a.name}" for a in node.names}
-    return {n for n in names if n.startswith("polyshard.trainer.")}
+    return {n for n in module_imports(path) if n.startswith("polyshard.trainer.")}
 
 
 def _graph() -> dict[str, set[str]]:
