@@ -176,7 +176,8 @@ def test_the_settings_are_the_folders(folders):
     hf = json.loads((folders["scaled"] / "config.json").read_text())
     parameters = hf.pop("rope_parameters")
     old = {**hf, "rope_theta": parameters.pop("rope_theta"), "rope_scaling": parameters}
-    assert llama_settings(old, "config.json") == scaled
+    read = llama_settings(old, "config.json")
+    assert {key: value for key, value in read.items() if value is not None} == scaled  # unset: left out
 
 
 def test_export_after_training_loads_in_transformers(distributed, folders, corpus, tmp_path):
