@@ -6,9 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import polyshard.models.common.cores.blocksparse as blocksparse
+import polyshard.cp.blocksparse as blocksparse
 from polyshard.models.common import Attention, CoreAttention
-from polyshard.models.common.cores import block_sparse_attention, dense_attention, flex_core, plan_blocks
+from polyshard.models.common.cores import (
+    Visibility,
+    block_sparse_attention,
+    dense_attention,
+    flex_core,
+    plan_sparse_blocks,
+)
 
 # float32 throughout. Per-block softmaxes merged by log-sum-exp (and dK/dV summed block by block) add the
 # same terms in another order than one softmax over every key: a few float32 ulps of O(1) values (about
@@ -66,6 +72,41 @@ def test_block_sparse_core_matches_the_dense_reference(case, use_sinks):
         torch.testing.assert_close(mine, theirs, rtol=TOL, atol=TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window4"])
+def test_block_sparse_queries_and_keys_placed_in_their_sequence_match_the_whole_sequence(window):
+    """Queries 9..21 over keys 4..21 (all-gather cp's call: a chunk of queries over the keys it may see),
+    placed by query_start / key_start, with the keys' own documents: the whole sequence's rows and the
+    gradients of the keys it covers. Keys before 4 are hidden from these queries by the window (4) or,
+    causal only, are outside the call, so this compares only where they are hidden anyway: documents
+    start at 0, 4 and 15 (queries 9.. never see keys 0..3)."""
+    lengths = [[4, 11, 7], [4, 18]]
+    segments = _segments(lengths)
+    inputs = _inputs(len(lengths), 22)
+    ref_out, ref_dq, _, _ = _run(dense_attention, inputs, False, causal=True, window=window, segments=segments)
+    q, k, v, _, grad = inputs
+    rows, cols = slice(9, 22), slice(4, 22)
+    leaves = [q[:, :, rows].clone().requires_grad_(), k[:, :, cols].clone().requires_grad_(), v[:, :, cols].clone()]
+    leaves[2].requires_grad_()
+    out = block_sparse_attention(
+        *leaves,
+        causal=True,
+        window=window,
+        segments=segments[:, rows],
+        key_segments=segments[:, cols],
+        query_start=9,
+        key_start=4,
+        block=4,
+    )
+    out.backward(grad[:, :, rows])
+    torch.testing.assert_close(out, ref_out[:, :, rows], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(leaves[0].grad, ref_dq[:, :, rows], rtol=TOL, atol=TOL)
+    # dK/dV of the keys: the reference's also holds the other queries' (0..8) terms; recompute it without them.
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    dense_attention(*want, causal=True, window=window, segments=segments)[:, :, rows].backward(grad[:, :, rows])
+    torch.testing.assert_close(leaves[1].grad, want[1].grad[:, :, cols], rtol=TOL, atol=TOL)
+    torch.testing.assert_close(leaves[2].grad, want[2].grad[:, :, cols], rtol=TOL, atol=TOL)
+
+
 def _counted(lengths, window, seq=16, block=4):
     calls = {"forward": 0, "backward": 0}
     forward, backward = blocksparse.block_forward, blocksparse.block_backward
@@ -85,7 +126,7 @@ def _counted(lengths, window, seq=16, block=4):
         out.backward(grad)
     finally:
         blocksparse.block_forward, blocksparse.block_backward = forward, backward
-    plan = plan_blocks(seq, block, causal=True, window=window, segments=_segments(lengths))
+    plan = plan_sparse_blocks(seq, seq, block, Visibility(causal=True, window=window, segments=_segments(lengths)))
     return calls, plan.skipped
 
 

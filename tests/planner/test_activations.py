@@ -41,6 +41,7 @@ CASES = [
     (2, {"preset": "llama-tiny"}, {"pp": 2, "microbatches": 4, "schedule": "gpipe"}),
     (2, {"preset": "tiny"}, {"dp": 2, "microbatches": 2, "precision": "bf16"}),
     (2, {"preset": "llama-tiny"}, {"cp": 2}),
+    (2, {"preset": "llama-tiny"}, {"cp": 2, "cp_style": "allgather"}),  # the whole sequence's K and V in fp32
     (4, {"preset": "tiny"}, {"cp": 2, "tp": 2, "sequence_parallel": True}),
     # Ulysses: the core keeps its head shards of the whole sequence; on cp 4 Llama's 2 kv heads are repeated
     (2, {"preset": "llama-tiny"}, {"cp": 2, "cp_style": "ulysses"}),

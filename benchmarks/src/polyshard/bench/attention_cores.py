@@ -48,7 +48,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
     import torch.nn.functional as F
 
     from polyshard.models.common import Attention, Documents, document_mask, document_positions
-    from polyshard.models.common.cores import BLOCK, plan_blocks
+    from polyshard.models.common.cores import BLOCK, Visibility, plan_sparse_blocks
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,7 +66,8 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
         layer.core.forward = dense  # type: ignore[method-assign,assignment]
-    plan = plan_blocks(length, BLOCK, causal=True, segments=segments.cpu())
+    plan = plan_sparse_blocks(length, length, BLOCK, Visibility(causal=True, segments=segments.cpu()))
+    causal = plan_sparse_blocks(length, length, BLOCK, Visibility(causal=True))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -87,7 +88,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
         "peak_mib": round(peak / 2**20, 1),
         "seconds": round(seconds, 2),
         "blocks_skipped": round(plan.skipped / plan.total, 3),
-        "causal_blocks_skipped": round(plan_blocks(length, BLOCK, causal=True).skipped / plan.total, 3),
+        "causal_blocks_skipped": round(causal.skipped / plan.total, 3),
     }
 
 

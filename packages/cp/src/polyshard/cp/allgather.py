@@ -5,24 +5,26 @@ section 3.3.2, on the same load-balanced layout as the ring).
 Shapes: B batch, N query heads, K key/value heads, S = 2C local tokens, cp ranks, D/E head dims.
 
 Forward: all-gather K and V along the sequence in their dtype (each rank sends (cp-1)/cp of the
-full K and V), put the 2 cp chunks in sequence order, and for each local
-query chunk i attend to the keys of chunks 0..i only (causal: the later chunks are never
-touched; the last visible chunk is masked to its causal triangle). Non-causal: every local
-query against every key.
+full K and V), put the 2 cp chunks in sequence order, and for each local query chunk i attend to the
+keys of chunks 0..i only (causal: the later chunks are never touched) with the block-sparse kernel
+(:mod:`polyshard.cp.blocksparse`): key blocks a query block cannot see are skipped, the rest merged by
+an online softmax, so no (chunk x visible keys) score matrix exists. Non-causal: every local query
+against every key.
 
 Document masking (``segments``: each local token's document within its row): the ids are all-gathered
 too (int64, B x S), a query chunk attends only to keys from the start of its first document's first
-token (the keys before it, in earlier documents of every row, are never touched), and the rest is
-masked to the query's own document. Every query sees itself, so no softmax row is empty.
+token (the keys before it, in earlier documents of every row, are never touched), and the block-sparse
+plan skips the key blocks of other documents. Every query sees itself, so no softmax row is empty.
 
 Sliding windows: a query chunk's keys start no earlier than ``window - 1`` tokens before its first
-query (the slice is all that is touched), and the window masks the rest. Sinks: one more logit per head
-in each softmax, differentiated by autograd like the rest.
+query (the slice is all that is touched), and the plan skips the blocks outside the window. Sinks: one
+more logit per head in each softmax.
 
-Backward: plain autograd through the float32 maths; the all-gather's backward is a float32
-reduce-scatter, which sums every rank's gradient for a key/value chunk onto the rank that owns it.
+Backward: the block-sparse kernel's (FlashAttention's recomputation from the saved log-sum-exp), with
+dK and dV in float32; the all-gather's backward is a float32 reduce-scatter, which sums every rank's
+gradient for a key/value chunk onto the rank that owns it.
 
-Against the ring: one collective instead of cp - 1 point-to-point steps and no merging, but the
+Against the ring: one collective instead of cp - 1 point-to-point steps, but the
 full K and V (and their gradients) are materialised on every rank; the ring holds two blocks at a
 time. Both compute the same blocks.
 """
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.cp.blocks import grouped_kv, grouped_query, ungrouped, window_hidden
+from polyshard.cp.blocksparse import block_sparse_attention
 from polyshard.cp.sharding import rank_chunks, to_sequence_order
 
 
@@ -60,27 +62,6 @@ class _AllGatherToFloat32(torch.autograd.Function):
 
 def _gather_float32(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _AllGatherToFloat32.apply(x, dim, group)  # type: ignore[no-untyped-call,no-any-return]
-
-
-def _dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    hidden: torch.Tensor | None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax attention in float32, differentiable by autograd; ``hidden`` (Q, T) marks masked keys;
-    ``sinks`` (N,): one more logit per head in each row's softmax, whose column is then dropped."""
-    scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
-    if hidden is not None:
-        scores = scores.masked_fill(hidden, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, dim=-1) @ v  # (B, K, G, Q, T) @ (B, K, 1, T, E) -> (B, K, G, Q, E)
-    b, kv_heads, g, rows, _ = scores.shape
-    sink = sinks.float().reshape(1, kv_heads, g, 1, 1).expand(b, kv_heads, g, rows, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return probs @ v
 
 
 def _first_key(query_segments: torch.Tensor, all_segments: torch.Tensor) -> int:
@@ -109,12 +90,11 @@ def allgather_attention(
     ``window`` (causal): each query sees its last ``window`` tokens, so a chunk's keys start no earlier
     than ``window - 1`` before its first query; ``sinks`` (N,): per-head sink logits (gpt-oss)."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    keys = grouped_kv(to_sequence_order(_gather_float32(k, 2, group), 2, cp))  # (B, K, 1, 2C cp, D)
-    values = grouped_kv(to_sequence_order(_gather_float32(v, 2, group), 2, cp))
-    queries = grouped_query(q.float(), k.shape[1])  # (B, K, G, 2C, D)
+    keys = to_sequence_order(_gather_float32(k, 2, group), 2, cp)  # (B, K, 2C cp, D) float32
+    values = to_sequence_order(_gather_float32(v, 2, group), 2, cp)  # (B, K, 2C cp, E) float32
     every = None if segments is None else to_sequence_order(ops.all_gather(segments, 1, group), 1, cp)  # (B, S)
     if not causal and every is None:
-        return ungrouped(_dense(queries, keys, values, scale, None, sinks)).to(q.dtype)
+        return block_sparse_attention(q, keys, values, causal=False, sinks=sinks, scale=scale)
     chunk = q.shape[2] // 2
     outs = []
     for half, i in enumerate(rank_chunks(rank, cp)):
@@ -123,16 +103,20 @@ def allgather_attention(
         first = 0 if every is None or segments is None else _first_key(segments[:, local], every)
         if window is not None:  # the keys before the window of the chunk's first query: never touched
             first = max(first, i * chunk - window + 1)
-        query_pos = torch.arange(i * chunk, (i + 1) * chunk, device=q.device).unsqueeze(-1)
-        key_pos = torch.arange(first, visible, device=q.device)
-        hidden = key_pos > query_pos  # (C, visible - first): later keys
-        if not causal:
-            hidden.zero_()
-        if window is not None:
-            hidden |= window_hidden(query_pos.squeeze(-1), key_pos, window)
-        if every is not None and segments is not None:  # (B, 1, 1, C, visible - first): another document
-            other = segments[:, local].unsqueeze(-1) != every[:, first:visible].unsqueeze(-2)
-            hidden = (hidden | other)[:, None, None]
         cols = slice(first, visible)
-        outs.append(_dense(queries[..., local, :], keys[..., cols, :], values[..., cols, :], scale, hidden, sinks))
-    return ungrouped(torch.cat(outs, dim=-2)).to(q.dtype)
+        outs.append(
+            block_sparse_attention(
+                q[:, :, local],
+                keys[:, :, cols],
+                values[:, :, cols],
+                causal=causal,
+                window=window,
+                segments=None if segments is None else segments[:, local],
+                key_segments=None if every is None else every[:, cols],
+                sinks=sinks,
+                scale=scale,
+                query_start=i * chunk,
+                key_start=first,
+            )
+        )
+    return torch.cat(outs, dim=2)

@@ -18,9 +18,11 @@ expert's width, and its shared experts' SwiGLU (every token) counts like a dense
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
 sequence (÷ cp); under Ulysses the core keeps q, k, v and its output as head shards of the whole sequence
 (the same bytes), but k and v count once per copy where its all-to-all group outnumbers a tp rank's kv
-heads. With full activation checkpointing a block keeps its input alone, and one block's
-insides live again while it is recomputed. Selective checkpointing (:mod:`polyshard.models.common.recompute`)
-keeps the input and every matmul and attention-kernel output, and recomputes the rest::
+heads; all-gather attention keeps the whole sequence's K and V in fp32 (2·k·h/n·4 per token of the
+whole sequence, so cp times a local token's share). With full activation checkpointing a block keeps
+its input alone, and one block's insides live again while it is recomputed. Selective checkpointing
+(:mod:`polyshard.models.common.recompute`) keeps the input and every matmul and attention-kernel
+output, and recomputes the rest::
 
     input           h·4, the float32 residual stream (÷ tp under SP)
     q, k, v         (h + 2·k·h/n)·e                                                      ... / tp
@@ -83,6 +85,8 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
     attention = (2 * q + 2 * kv * _kv_copies(model, parallel)) * e + n * 4  # the core's k, v: repeated under Ulysses
+    if parallel.cp > 1 and parallel.cp_style == "allgather":  # the whole sequence's K and V, gathered in fp32
+        attention += 2 * kv * 4 * parallel.cp
     arch = _architecture(model)
     if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4

@@ -50,7 +50,7 @@ def flex_core(
     sinks: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """As :func:`~polyshard.models.common.cores.blocksparse.block_sparse_attention`, with FlexAttention."""
+    """As :func:`~polyshard.cp.blocksparse.block_sparse_attention`, with FlexAttention."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     b, n, s, d = q.shape
