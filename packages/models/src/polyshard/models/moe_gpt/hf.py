@@ -171,7 +171,6 @@ def _dense_layers(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     return {"moe.dense_layers": dense, "moe.dense_ffn_hidden": read_int(hf, "intermediate_size", where)}
 
 
-
 def qwen3_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     require(hf, "attention_bias", where, (False,), "Qwen3's projections have no biases")
     check_full_attention(hf, where)
