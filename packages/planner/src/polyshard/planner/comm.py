@@ -26,8 +26,8 @@ Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the
 ``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
 all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
 ``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
-scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
-engine.experts) and every layer's load and bias over the world (engine.balance), and
+scalar all-reduces, with ``training.idle_experts = "skip"`` the rows each local expert took over
+dp x cp (which stayed idle, engine.experts), every layer's load and bias over the world (engine.balance), and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
 
@@ -226,10 +226,12 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
     expert_replicas = par.dp * par.cp
-    if spec_of(model).has_experts and expert_replicas > 1:  # idle experts: rows per local expert (int64)
+    skips_idle = config.training.idle_experts == "skip"  # which experts were idle: rows per local expert (int64)
+    if spec_of(model).has_experts and expert_replicas > 1 and skips_idle:
         bounds, stages = stage_bounds(config), stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]
-        blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers)
-        rows = 8 * blocks * moe_config(model).moe.num_experts // par.ep
+        moe = moe_config(model)
+        blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers and moe.sparse_layer(i - 1))
+        rows = 8 * blocks * moe.moe.num_experts // par.ep
         out.append(Traffic("dp", "all_reduce", expert_replicas, rows, 1, "step"))
     out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
     if spec_of(model).has_experts and par.world_size > 1:  # every layer's load and bias (engine.balance), fp64

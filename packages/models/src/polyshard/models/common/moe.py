@@ -74,7 +74,7 @@ class MoESettings:
     """Width of one shared expert; None means the routed experts' width."""
     shared_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(x . w), w one learned vector (Qwen2-MoE)."""
-    dense_layers: list[int] = field(default_factory=list)
+    dense_layers: list[int] = field(default_factory=list, hash=False)  # a list (TOML's); configs key caches
     """Blocks (0-based) that keep a dense MLP instead of experts: DeepSeek's first_k_dense_replace first
     blocks, Qwen-MoE's mlp_only_layers and decoder_sparse_step; empty: every block is sparse."""
     dense_ffn_hidden: int | None = None
