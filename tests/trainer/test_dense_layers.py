@@ -115,3 +115,19 @@ def test_tp_splits_the_dense_blocks_width():
     odd = {**MODEL, "moe": {**MODEL["moe"], "dense_ffn_hidden": 41}}
     with pytest.raises(ConfigError, match="41"):
         validate(from_dict({"model": odd, "parallel": {"tp": 2}}), world_size=2)
+
+
+def test_the_planner_counts_experts_only_in_sparse_blocks():
+    """ep's all-to-alls run in the sparse blocks alone, and a dense block keeps a dense MLP's activations."""
+    from polyshard.planner.activations import stage_bytes
+    from polyshard.planner.comm import microbatch_traffic
+
+    def config(dense_layers):
+        model = {**MODEL, "num_layers": 4, "moe": {**MODEL["moe"], "dense_layers": dense_layers}}
+        return from_dict({"model": model, "parallel": {"ep": 2}})
+
+    blocks = range(1, 5)
+    for dense, sparse in (([], 4), ([0, 1], 2), ([0, 1, 2], 1)):
+        a2a = [t for t in microbatch_traffic(config(dense), blocks, 2) if t.op == "all_to_all"]
+        assert [t.calls for t in a2a] == [2 * sparse, 2 * sparse]  # dispatch and combine, forward and backward
+    assert stage_bytes(config([0, 1]), blocks, 2) != stage_bytes(config([]), blocks, 2)

@@ -104,21 +104,24 @@ def _tp(config: Config, layers: range, act: float) -> list[Traffic]:
 
 def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
     model, par, last = config.model, config.parallel, config.model.num_layers + 1
+    has_experts = spec_of(model).has_experts
     out: list[Traffic] = []
     blocks = sum(1 for i in layers if 0 < i < last)
-    if par.ep > 1 and spec_of(model).has_experts:
+    # Blocks with experts (an MoE model's dense_layers have none): the all-to-alls and aux statistics.
+    sparse = sum(1 for i in layers if 0 < i < last and moe_config(model).sparse_layer(i - 1)) if has_experts else 0
+    if par.ep > 1 and has_experts:
         routed = act * moe_config(model).moe.top_k
-        out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
-    if par.cp > 1 and spec_of(model).has_experts:  # the aux losses' per-expert statistics, summed over cp
+        out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * sparse, p) for p in ("forward", "backward")]
+    if par.cp > 1 and has_experts:  # the aux losses' per-expert statistics, summed over cp
         moe = moe_config(model).moe
         stats = 4 * (2 * moe.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
-        recompute = blocks if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks, "forward"))
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks + recompute, "backward"))
+        recompute = sparse if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse, "forward"))
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse + recompute, "backward"))
         if moe.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
             tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
             for nbytes in (8 * par.cp * tokens * moe.top_k, 8 * sequence_length(model)):
-                out.append(Traffic("cp", "all_gather", par.cp, nbytes, blocks, "forward"))
+                out.append(Traffic("cp", "all_gather", par.cp, nbytes, sparse, "forward"))
                 out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
         out += _cp(config, blocks, act)
