@@ -185,6 +185,8 @@ def _train_from_hf(config, folder, out):
         pytest.param("qwen3", {"tp": 2}, id="qwen3-tp2"),
         pytest.param("mixtral", {"ep": 2, "pp": 2}, id="mixtral-ep2xpp2", marks=pytest.mark.long),
         pytest.param("qwen3_moe", {"ep": 2}, id="qwen3_moe-ep2", marks=pytest.mark.long),
+        # A dense block on stage 0, the experts on stage 1 split over ep; exported as decoder_sparse_step's.
+        pytest.param("qwen2_moe_step", {"ep": 2, "pp": 2}, id="qwen2_moe_step-ep2xpp2", marks=pytest.mark.long),
     ],
 )
 def test_export_after_training_loads_in_transformers(distributed, folders, corpus, tmp_path, family, mesh):
