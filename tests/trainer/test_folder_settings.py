@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from polyshard.models.settings import with_folder_settings
 from polyshard.trainer.checkpointing.hugging_face import model_settings
 from polyshard.trainer.config import from_dict
+from polyshard.trainer.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,6 +67,10 @@ def test_the_table_is_completed_from_the_folder(folders):
     assert model.moe.dense_layers == [0] and model.dense_width == 40
     # A preset's values count as set: the check against the folder then names what it changes.
     assert with_folder_settings({"preset": "qwen2-moe-tiny"}, folder)["hidden"] != folder["hidden"]
+    # Another family is refused at once: its settings would not even be the same fields.
+    for other in ({"kind": "gpt"}, {"preset": "qwen3-tiny"}):
+        with pytest.raises(ConfigError, match="model.kind='gpt' here .by kind or preset., 'moe-gpt' in the folder"):
+            with_folder_settings(other, folder)
 
 
 def test_a_run_without_a_model_table_trains_the_folders_model(folders, corpus, tmp_path):

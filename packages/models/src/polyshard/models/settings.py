@@ -217,6 +217,11 @@ def with_folder_settings(values: Mapping[str, Any], folder: Mapping[str, Any]) -
         kind = folder.get("kind")
     chosen = {**values, "kind": kind} if kind is not None else dict(values)
     kind = _kind(chosen)
+    if folder.get("kind") is not None and kind != folder["kind"]:  # another family's settings would not fit
+        raise ConfigError(
+            f"model.kind={kind!r} here (by kind or preset), {folder['kind']!r} in the folder; leave model.kind "
+            "and model.preset out of [model] to train the folder's model"
+        )
     fields = SPECS[kind].config.field_names()
     chosen.pop("preset", None)
     base = dict(presets()[preset][1]) if isinstance(preset, str) and preset in presets() else {}
