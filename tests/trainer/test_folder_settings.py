@@ -95,4 +95,4 @@ def test_a_setting_that_disagrees_is_refused_with_both_values(folders, corpus, t
     assert "Traceback" not in line and len(line.splitlines()) == 1
     result = _train(tmp_path, corpus, folders["qwen2_moe"], "", "--dry-run")  # the folder's own: fine
     assert result.exit_code == 0, result.output
-    assert "moe-gpt" in result.output
+    assert "model: moe-gpt," in result.output and "active per token" in result.output  # the folder's MoE
