@@ -131,3 +131,18 @@ def test_the_planner_counts_experts_only_in_sparse_blocks():
         a2a = [t for t in microbatch_traffic(config(dense), blocks, 2) if t.op == "all_to_all"]
         assert [t.calls for t in a2a] == [2 * sparse, 2 * sparse]  # dispatch and combine, forward and backward
     assert stage_bytes(config([0, 1]), blocks, 2) != stage_bytes(config([]), blocks, 2)
+
+
+def test_export_names_the_family_that_has_dense_blocks():
+    """Qwen-MoE writes dense blocks (mlp_only_layers); Mixtral has experts in every block, so a model
+    with dense blocks that is Mixtral's in every other way is refused, naming moe.dense_layers."""
+    from polyshard.checkpoint import CheckpointError
+    from polyshard.trainer.checkpointing.hugging_face import hf_config
+
+    qwen = from_dict({"model": {"preset": "qwen3-moe-tiny", "moe": {"dense_layers": [0]}}}).model
+    hf = hf_config(qwen)
+    assert (hf["model_type"], hf["mlp_only_layers"], hf["decoder_sparse_step"]) == ("qwen3_moe", [0], 1)
+    assert hf["intermediate_size"] == qwen.dense_width
+    mixtral = from_dict({"model": {"preset": "mixtral-tiny", "moe": {"dense_layers": [0]}}}).model
+    with pytest.raises(CheckpointError, match=r"Mixtral would need moe.dense_layers=\[\]"):
+        hf_config(mixtral)

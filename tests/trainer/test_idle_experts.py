@@ -259,8 +259,15 @@ def test_both_rules_match_a_plain_adamw(distributed, corpus, world, parallel):
 
 
 @pytest.mark.long
-def test_stepping_idle_experts_matches_a_plain_adamw_under_zero1(distributed, corpus):
-    _against_plain(distributed, corpus, "step", 4, {"dp": 2, "ep": 2, "zero_stage": 1})
+@pytest.mark.parametrize(
+    "world, parallel",
+    [
+        pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
+        pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
+    ],
+)
+def test_stepping_idle_experts_matches_a_plain_adamw_under_zero(distributed, corpus, world, parallel):
+    _against_plain(distributed, corpus, "step", world, parallel)
 
 
 def test_the_rule_is_checked():
