@@ -65,6 +65,9 @@ def test_the_blocks_are_built_as_the_list_says(corpus):
     built = build_model(model)
     assert built.layers[1].mlp.gate_proj.weight.shape == (40, 32)  # dense, dense_ffn_hidden wide
     assert isinstance(built.layers[2].mlp, MoEMLP)
+    from polyshard.models.moe_gpt.model import routing_summary
+
+    assert "blocks [0] dense (MLP 40 wide)" in routing_summary(model)  # what --dry-run prints
     # Every block sparse costs 3 x 32 x 16 x 4 expert weights and the router, not a 40-wide SwiGLU.
     all_sparse = from_dict({"model": {**MODEL, "moe": {**MODEL["moe"], "dense_layers": []}}}).model
     difference = parameter_count(all_sparse) - parameter_count(model)

@@ -111,8 +111,11 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
 
 def routing_summary(model: ModelConfig) -> str:
     """One line saying how tokens choose their experts, for ``--dry-run``."""
-    moe = moe_config(model).moe
+    config = moe_config(model)
+    moe = config.moe
     parts = [f"{moe.score} top-{moe.top_k} of {moe.num_experts} experts"]
+    if moe.dense_layers:
+        parts.append(f"blocks {sorted(moe.dense_layers)} dense (MLP {config.dense_width} wide)")
     if moe.groups > 1:
         parts.append(f"within the best {moe.group_topk} of {moe.groups} groups")
     if moe.score == "sigmoid":
