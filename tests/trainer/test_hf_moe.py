@@ -56,6 +56,15 @@ def _models():
         "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, qwen3),
         "qwen3_moe": (t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, {**MOE, "num_experts": 4, "norm_topk_prob": True}),
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, qwen2_moe),
+        # Layers that differ: a dense first block 40 wide, then a sparse one (mlp_only_layers); and
+        # decoder_sparse_step 2, which keeps block 0 dense too (block i is sparse when 2 divides i + 1).
+        "qwen3_moe_dense": (
+            t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM,
+            {**MOE, "num_experts": 4, "norm_topk_prob": True, "mlp_only_layers": [0], "intermediate_size": 40},
+        ),
+        "qwen2_moe_step": (
+            t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM, {**qwen2_moe, "decoder_sparse_step": 2, "intermediate_size": 40}
+        ),
     }  # fmt: skip
 
 
@@ -70,7 +79,7 @@ def _save(folder, model_type):
     return folder
 
 
-FAMILIES = ("mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen3_moe_dense", "qwen2_moe_step")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +100,9 @@ LAYOUTS += [("qwen3", "tp4")]  # 2 kv heads on 4 tp ranks: each k head (and its 
 MESHES["tp4"] = {"tp": 4}
 # The default suite keeps one process for every family and each kind of layout once; `make test-long` the table.
 QUICK = {(family, "one") for family in FAMILIES} | {("qwen2_moe", "ep2xtp2"), ("qwen3", "tp2"), ("mixtral", "pp2")}
+# The dense block on pp stage 0 and the sparse one on stage 1 (their costs split them so), and ep2 x tp2
+# with a dense block that tp splits beside one whose experts ep splits.
+QUICK |= {("qwen3_moe_dense", "pp2"), ("qwen2_moe_step", "ep2xtp2")}
 
 
 @pytest.mark.parametrize(
@@ -154,6 +166,10 @@ def test_the_settings_are_the_folders(folders):
     assert (qwen2_moe["qkv_bias"], qwen2_moe["bias"], qwen2_moe["moe.renormalize"]) == (True, False, False)
     qwen2 = model_settings(folders["qwen2"])
     assert (qwen2["kind"], qwen2["qkv_bias"], qwen2["bias"], qwen2["qk_norm"]) == ("gpt", True, False, False)
+    assert "moe.dense_layers" not in qwen3_moe  # every block sparse: nothing to say
+    for name in ("qwen3_moe_dense", "qwen2_moe_step"):
+        dense = model_settings(folders[name])
+        assert (dense["moe.dense_layers"], dense["moe.dense_ffn_hidden"]) == ([0], 40)
 
 
 def _train_from_hf(config, folder, out):
@@ -169,6 +185,8 @@ def _train_from_hf(config, folder, out):
         pytest.param("qwen3", {"tp": 2}, id="qwen3-tp2"),
         pytest.param("mixtral", {"ep": 2, "pp": 2}, id="mixtral-ep2xpp2", marks=pytest.mark.long),
         pytest.param("qwen3_moe", {"ep": 2}, id="qwen3_moe-ep2", marks=pytest.mark.long),
+        # A dense block on stage 0, the experts on stage 1 split over ep; exported as decoder_sparse_step's.
+        pytest.param("qwen2_moe_step", {"ep": 2, "pp": 2}, id="qwen2_moe_step-ep2xpp2", marks=pytest.mark.long),
     ],
 )
 def test_export_after_training_loads_in_transformers(distributed, folders, corpus, tmp_path, family, mesh):
@@ -202,8 +220,9 @@ _EMBED = "model.embed_tokens.weight"
 @pytest.mark.parametrize(
     "family, edit, message",
     [
-        ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not supported"),
-        ("qwen3_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\] is not supported"),
+        ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be an integer >= 1"),
+        ("qwen3_moe", {"mlp_only_layers": [2]}, r"mlp_only_layers=\[2\] names blocks \[2\] outside 0..1"),
+        ("qwen3_moe", {"mlp_only_layers": "0"}, "mlp_only_layers='0' must be a list of block indices"),
         ("qwen3", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
         ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
         ("qwen3", {"attention_bias": True}, "attention_bias=True is not supported"),

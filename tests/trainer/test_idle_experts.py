@@ -1,10 +1,19 @@
-"""An expert that no rank routed a token to is left exactly as it was, on every layout.
+"""An expert that no rank routed a token to, under both rules of ``training.idle_experts``.
 
 The router of every MoE layer is made to avoid expert 0 from the second step
-on, so expert 0 has AdamW momentum from step 1 and weight decay to apply:
-both would move it if its rows were stepped. It must come out of the later
-steps bitwise unchanged, on one process and on every layout, while the other
-experts train as on one process.
+on, so expert 0 has AdamW momentum from step 1 and weight decay to apply.
+
+- "skip": it must come out of the later steps bitwise unchanged, on one process
+  and on every layout, while the other experts train as on one process.
+- "step" (the default, what transformers 5, torchtitan and Megatron-Core do):
+  AdamW steps it with a zero gradient, so its momentum and weight decay move it.
+
+Both are also proven against a plain single-process loop: the model built once,
+``torch.optim.AdamW`` with weight decay over one parameter per expert (as
+transformers 4 holds them), cross-entropy, backward, step. Under "step" every
+expert gets its gradient row (zero for the idle one: AdamW still moves it); under
+"skip" an expert whose gradient row is zero gets no gradient at all (AdamW leaves
+it alone).
 """
 
 import pytest
@@ -17,7 +26,9 @@ from polyshard.trainer.config import from_dict
 STEPS = 4
 
 
-def _config(corpus, **parallel):
+def _config(corpus, idle_experts="skip", plain=False, **parallel):
+    # For the plain loop below: no clipping, every parameter decayed (one AdamW group), decay strong.
+    training = {"grad_clip": 0.0, "weight_decay_params": "all", "weight_decay": 0.5} if plain else {}
     return from_dict(
         {
             "model": {
@@ -29,9 +40,19 @@ def _config(corpus, **parallel):
                 "num_experts": 4,
                 "top_k": 2,
                 "aux_loss_weight": 0.0,  # the load-balancing loss differs by layout (see the e2e parity test)
+                # Without clipping (plain): no biases. A key bias has a zero gradient in exact maths (softmax
+                # ignores a shift per query), so its float32 noise would be all Adam sees, magnified to an update.
+                **({"bias": False} if plain else {}),
             },
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 1, "eval_every": 0},
+            "training": {
+                "steps": STEPS,
+                "global_batch_size": 8,
+                "warmup_steps": 1,
+                "eval_every": 0,
+                "idle_experts": idle_experts,
+                **training,
+            },  # fmt: skip
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }
@@ -56,8 +77,9 @@ def _avoid_expert_zero(router, active, hidden_positions=None):
     router.forward = forward
 
 
-def _expert_weights(engine):
-    """Global expert weights (name -> (E_local, ...) rows of this rank's experts)."""
+def _expert_weights(engine, every=False):
+    """Global expert weights (name -> (E_local, ...) rows of this rank's experts); with ``every``, every
+    parameter this rank holds."""
     out = {}
     for index, stage in engine.stages.items():
         names = engine.global_names(index)
@@ -65,17 +87,18 @@ def _expert_weights(engine):
             full = engine.wrappers[index].full_parameters()  # collective over the dp group
         else:
             full = {n: p.detach() for n, p in stage.named_parameters()}
-        out.update({names[n]: t.clone() for n, t in full.items() if ".experts." in n})
+        out.update({names[n]: t.clone() for n, t in full.items() if every or ".experts." in n})
     return out
 
 
-def _run(config, chunks=None):
+def _run(config, chunks=None, every=False):
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)
     torch.manual_seed(config.training.seed)
     engine = build_engine(config, mesh)
+    initial = _expert_weights(engine, every=True) if every else None
     active = [False]
     for stage in engine.stages.values():
         for module in stage.modules():
@@ -92,7 +115,9 @@ def _run(config, chunks=None):
         active[0] = step >= 1
         inputs, targets = split_batch(config, train_data.next_batch())
         train_step(engine, inputs, targets, lr=1e-2)
-        snapshots.append(_expert_weights(engine))
+        snapshots.append(_expert_weights(engine, every))
+    if every:
+        return mesh.coord("ep"), config.model.moe.num_experts // config.parallel.ep, initial, snapshots
     return mesh.coord("ep"), config.model.moe.num_experts // config.parallel.ep, snapshots
 
 
@@ -144,3 +169,110 @@ def test_an_expert_idle_on_one_cp_rank_alone_still_trains(distributed, corpus):
         for name, weights in snapshots[-1].items():
             assert not torch.equal(weights[0], snapshots[0][name][0]), name  # expert 0 kept training
             torch.testing.assert_close(weights, one[-1][name], rtol=1e-4, atol=1e-5)  # as above
+
+
+# -- against a plain single-process AdamW ------------------------------------------------------------------
+
+
+def _plain(config, initial):
+    """The model built once from ``initial``, trained STEPS steps by a plain loop: torch's AdamW over one
+    parameter per expert; each step's global expert weights and every parameter at the end."""
+    from polyshard.models import build_model
+    from polyshard.trainer.loop import make_loaders, split_batch
+
+    model = build_model(config.model)
+    model.load_state_dict(initial, strict=True)
+    active = [False]
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            _avoid_expert_zero(module.router, active)
+    stacked = {n: p for n, p in model.named_parameters() if ".experts." in n}  # (E, ...)
+    per_expert = {n: [torch.nn.Parameter(p.detach()[e].clone()) for e in range(p.shape[0])] for n, p in stacked.items()}
+    others = [p for n, p in model.named_parameters() if n not in stacked]
+    train = config.training
+    params = others + [q for rows in per_expert.values() for q in rows]
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-2, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay, foreach=False
+    )
+    train_data, _ = make_loaders(config, Mesh(config.parallel.mesh_axes))
+    snapshots = []
+    for step in range(STEPS):
+        active[0] = step >= 1
+        inputs, targets = split_batch(config, train_data.next_batch())
+        with torch.no_grad():
+            for name, weight in stacked.items():
+                weight.copy_(torch.stack([q.detach() for q in per_expert[name]]))
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        for weight in stacked.values():
+            weight.grad = None
+        loss.backward()
+        for name, weight in stacked.items():
+            for e, q in enumerate(per_expert[name]):
+                grad = weight.grad[e]
+                idle = not bool(grad.abs().sum())  # no token reached expert e: its rows got no gradient
+                q.grad = None if idle and train.idle_experts == "skip" else grad.clone()
+        optimizer.step()
+        snapshots.append({n: torch.stack([q.detach() for q in rows]) for n, rows in per_expert.items()})
+    with torch.no_grad():
+        for name, weight in stacked.items():
+            weight.copy_(snapshots[-1][name])
+    return snapshots, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine_and_plain(config):
+    """On one process: the engine's run, and the plain loop from the engine's initial weights."""
+    one = _run(config, None, True)
+    return one, _plain(config, one[2])
+
+
+def _against_plain(distributed, corpus, mode, world, parallel):
+    """The engine on ``parallel`` and the plain loop from the same initial weights: every parameter."""
+    one, (plain_steps, plain) = distributed.run(1, _engine_and_plain, _config(corpus, mode, plain=True))[0]
+    config = _config(corpus, mode, plain=True, **parallel)
+    results = [one] if world == 1 else distributed.run(world, _run, config, None, True)
+    for ep_rank, local, _, snapshots in results:
+        for name, weights in snapshots[-1].items():
+            want = plain[name]
+            if ".experts." in name:
+                want = want[ep_rank * local : (ep_rank + 1) * local]
+            # The engine and the plain loop compute the same maths with float32 sums in another order
+            # (fused AdamW over stacked experts vs one tensor per expert, the loss's token mean, ep's
+            # all-to-all); Adam magnifies that on near-zero gradients to ~1e-5 of an lr-sized (1e-2)
+            # update. Stepping the idle expert or not differs by ~1e-3 (a whole update).
+            torch.testing.assert_close(weights, want, rtol=1e-4, atol=1e-5, msg=f"{mode} {parallel}: {name}")
+    return plain_steps
+
+
+@pytest.mark.parametrize(
+    "world, parallel",
+    [pytest.param(1, {}, id="one"), pytest.param(2, {"ep": 2}, id="ep2")],
+)
+def test_both_rules_match_a_plain_adamw(distributed, corpus, world, parallel):
+    stepped = _against_plain(distributed, corpus, "step", world, parallel)
+    skipped = _against_plain(distributed, corpus, "skip", world, parallel)
+    for name in stepped[-1]:
+        # Expert 0 got no token from step 2 on: the plain "skip" loop left it alone, "step" moved it.
+        assert torch.equal(skipped[-1][name][0], skipped[0][name][0]), name
+        assert (stepped[-1][name][0] - skipped[-1][name][0]).abs().max() > 1e-3, name
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "world, parallel",
+    [
+        pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
+        pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
+    ],
+)
+def test_stepping_idle_experts_matches_a_plain_adamw_under_zero(distributed, corpus, world, parallel):
+    _against_plain(distributed, corpus, "step", world, parallel)
+
+
+def test_the_rule_is_checked():
+    from polyshard.trainer.errors import ConfigError
+
+    assert from_dict({}).training.idle_experts == "step"
+    with pytest.raises(ConfigError, match="training.idle_experts"):
+        from_dict({"training": {"idle_experts": "freeze"}})

@@ -47,6 +47,8 @@ SOURCES = {
     "cp2-dp2-zero1": (4, "gpt", {"cp": 2, "dp": 2, "zero_stage": 1}),
     # Experts under cp: ZeRO shards them over dp x cp (the ranks holding the same experts).
     "moe-cp2-ep2-zero1": (4, "moe-gpt", {"cp": 2, "ep": 2, "zero_stage": 1}),
+    # Layers that differ: blocks 0 and 2 dense (48 wide), 1 and 3 with experts, over both pipeline stages.
+    "moe-dense-ep2-pp2": (4, "moe-gpt", {"ep": 2, "pp": 2, "microbatches": 2, "dense": True}),
     "tp2-sp-pp2-interleaved": (
         4,
         "gpt",
@@ -65,9 +67,12 @@ SOURCES = {
 LLAMA = SMALL_LLAMA
 
 
-def _config(corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=False, sigmoid=False, **parallel):
+def _config(
+    corpus, kind="gpt", precision="fp32", tie_embeddings=False, llama=False, sigmoid=False, dense=False, **parallel
+):
     model = {"kind": kind, "hidden": 32, "num_layers": 4, "num_heads": 4, "context_length": 16}
     model |= LLAMA if llama else {}
+    model |= {"moe": {"dense_layers": [0, 2], "dense_ffn_hidden": 48}} if dense else {}
     model |= {"router": "sigmoid", "router_bias_update_rate": 0.01} if sigmoid else {}
     return from_dict(
         {
@@ -209,6 +214,7 @@ MATRIX = [
         [({"ep": 2}, {"zero_stage": 0}), ({"cp": 2, "ep": 2}, {"zero_stage": 1})],
         id="moe-cp2xep2-zero1->ep2->back",
     ),
+    pytest.param("moe-dense-ep2-pp2", [({"ep": 4}, {"microbatches": 1}), ({}, {})], id="moe-dense-ep2xpp2->ep4->ep1"),
     pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
     pytest.param(
         "dp2-zero3",

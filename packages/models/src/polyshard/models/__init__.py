@@ -4,6 +4,8 @@ inside. :mod:`.common` holds the blocks every family shares; each family is a fo
 declared by one :class:`ModelSpec` in :mod:`.registry`."""
 
 from polyshard.models.build import (
+    active_parameter_count,
+    active_share,
     build_model,
     check_model,
     layer_generator,
@@ -29,6 +31,8 @@ __all__ = [
     "ModelSpec",
     "ParallelSizes",
     "ViT",
+    "active_parameter_count",
+    "active_share",
     "build_model",
     "check_model",
     "layer_generator",

@@ -90,6 +90,27 @@ def parameter_count(config: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+ROUTED_EXPERTS = ".experts."
+"""The name part of an MoE layer's routed experts' stacked weights (E, ...): ``layers.<i>.mlp.moe.experts.w1``."""
+
+
+def active_share(config: ModelConfig, name: str) -> float:
+    """The share of parameter ``name`` one token computes with: top_k / num_experts for the routed experts'
+    stacked weights (each token runs top_k of the E experts), 1 for every other parameter."""
+    if ROUTED_EXPERTS not in name or not spec_of(config).has_experts:
+        return 1.0
+    moe = getattr(config, "moe")  # noqa: B009  (a family with experts has [model.moe])
+    return float(moe.top_k / moe.num_experts)
+
+
+def active_parameter_count(config: ModelConfig) -> int:
+    """The parameters one token computes with (what an MoE's FLOPs scale with): the routed experts count
+    top_k / num_experts of theirs; a dense layer's MLP, the shared experts and the rest count whole.
+    Equals :func:`parameter_count` for a model without experts."""
+    model = build_model(config, layers=())
+    return round(sum(p.numel() * active_share(config, name) for name, p in model.named_parameters()))
+
+
 def tied_names(config: ModelConfig) -> dict[str, str]:
     """Parameter names that are another parameter of the same model (tied weights): alias -> name.
 

@@ -203,3 +203,47 @@ def _translated(
     if moe:
         out["moe"] = moe
     return out
+
+
+def with_folder_settings(values: Mapping[str, Any], folder: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``[model]`` table (``values``) completed by ``folder``'s settings (dotted keys, ``moe.top_k``,
+    as a Hugging Face folder's ``config.json`` gives them): every setting the table leaves unset, by
+    itself or through its preset, takes the folder's value. What the table does set is kept as it is
+    (the caller then checks it against the folder). The result names each setting once, in the new
+    spellings, the preset expanded, experts in a nested ``moe`` table."""
+    kind = values.get("kind")
+    preset = values.get("preset")
+    if kind is None and not (isinstance(preset, str) and preset in presets()):
+        kind = folder.get("kind")
+    chosen = {**values, "kind": kind} if kind is not None else dict(values)
+    kind = _kind(chosen)
+    if folder.get("kind") is not None and kind != folder["kind"]:  # another family's settings would not fit
+        raise ConfigError(
+            f"model.kind={kind!r} here (by kind or preset), {folder['kind']!r} in the folder; leave model.kind "
+            "and model.preset out of [model] to train the folder's model"
+        )
+    fields = SPECS[kind].config.field_names()
+    chosen.pop("preset", None)
+    base = dict(presets()[preset][1]) if isinstance(preset, str) and preset in presets() else {}
+    own = _translated(chosen, kind, fields, saved=False, note=None)
+    given = {**_flat(base), **_flat(own)}  # what the table sets, its preset's values first
+    merged = {**{k: v for k, v in folder.items() if k != "kind"}, **given, "kind": kind}
+    out: dict[str, Any] = {}
+    for key, value in merged.items():
+        table, _, name = key.rpartition(".")
+        if table:
+            out.setdefault(table, {})[name] = value
+        else:
+            out[key] = value
+    return out
+
+
+def _flat(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``[model]`` table's settings as dotted keys (``{"moe": {"top_k": 2}}`` -> ``{"moe.top_k": 2}``)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key == "moe":
+            out |= {f"moe.{k}": v for k, v in _table("moe", value).items()}
+        else:
+            out[key] = value
+    return out

@@ -78,9 +78,20 @@ def _kv_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
     return max(1, group // max(1, model.kv_heads // parallel.tp))
 
 
-def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
-    """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
-    e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
+def _routed(model: ModelConfig, sparse: bool) -> bool:
+    """Whether the block computes with experts: a sparse block of a model with experts."""
+    return spec_of(model).has_experts and sparse
+
+
+def _dense_width(model: ModelConfig) -> int:
+    """A dense block's MLP width: an MoE model's dense blocks have their own (model.moe.dense_ffn_hidden)."""
+    return moe_config(model).dense_width if spec_of(model).has_experts else model.mlp_width
+
+
+def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str, sparse: bool = True) -> float:
+    """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring); ``sparse``:
+    with experts, in a model that has them (else a dense MLP: ``model.moe.dense_layers``)."""
+    e, h, f, n = _element_bytes(precision), model.hidden, _dense_width(model), model.num_heads
     q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e
@@ -90,7 +101,7 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     arch = _architecture(model)
     if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4
-    if spec_of(model).has_experts:  # routed copies in and out, the experts' SwiGLU, router scores
+    if _routed(model, sparse):  # routed copies in and out, the experts' SwiGLU, router scores
         moe = moe_config(model)
         mlp = 2 * moe.moe.top_k * h * e + 4 * moe.expert_width * e + moe.moe.num_experts * 4
         mlp += 4 * moe.shared_width * e  # the shared experts' SwiGLU, every token
@@ -106,14 +117,16 @@ def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precis
     return model.hidden * 4 / shard / parallel.cp
 
 
-def selective_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
+def selective_bytes_per_token(
+    model: ModelConfig, parallel: ParallelConfig, precision: str, sparse: bool = True
+) -> float:
     """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
-    e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
+    e, h, f, n = _element_bytes(precision), model.hidden, _dense_width(model), model.num_heads
     q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
     columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
     arch = _architecture(model)
     up = 1 if arch is None or arch.activation == "gelu" else 2
-    if spec_of(model).has_experts:  # the router's logits and the experts' matmuls on their routed copies
+    if _routed(model, sparse):  # the router's logits and the experts' matmuls on their routed copies
         moe = moe_config(model)
         rows = h * e + moe.moe.num_experts * e + moe.moe.top_k * (up * moe.expert_width + h) * e
         columns += up * moe.shared_width * e  # the shared experts' gate and up, split by tp
@@ -141,17 +154,19 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
     seq = sequence_length(model)
     tokens = micro_batch * seq
     last = model.num_layers + 1
-    blocks = sum(1 for i in layers if 0 < i < last)
-    if checkpointing == "selective":
-        per_block = selective_bytes_per_token(model, parallel, precision) * tokens
-    elif checkpointing:
-        per_block = _checkpointed_per_token(model, parallel, precision) * tokens
-    else:
-        per_block = block_bytes_per_token(model, parallel, precision) * tokens
-        arch = _architecture(model)
-        if arch is not None and arch.positions == "rope":
-            per_block += 16 * seq * model.attention_head_dim
-    total = blocks * per_block
+    total = 0.0
+    for i in (i for i in layers if 0 < i < last):
+        sparse = not spec_of(model).has_experts or moe_config(model).sparse_layer(i - 1)
+        if checkpointing == "selective":
+            per_block = selective_bytes_per_token(model, parallel, precision, sparse) * tokens
+        elif checkpointing:
+            per_block = _checkpointed_per_token(model, parallel, precision) * tokens
+        else:
+            per_block = block_bytes_per_token(model, parallel, precision, sparse) * tokens
+            arch = _architecture(model)
+            if arch is not None and arch.positions == "rope":
+                per_block += 16 * seq * model.attention_head_dim
+        total += per_block
     if 0 in layers:
         total += 8 * tokens  # the int64 token ids
     if last in layers:

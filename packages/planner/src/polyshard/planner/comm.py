@@ -26,8 +26,8 @@ Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the
 ``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
 all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
 ``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
-scalar all-reduces, for experts the rows each local expert took over dp x cp (which stayed idle,
-engine.experts) and every layer's load and bias over the world (engine.balance), and
+scalar all-reduces, with ``training.idle_experts = "skip"`` the rows each local expert took over
+dp x cp (which stayed idle, engine.experts), every layer's load and bias over the world (engine.balance), and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
 
@@ -104,21 +104,24 @@ def _tp(config: Config, layers: range, act: float) -> list[Traffic]:
 
 def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
     model, par, last = config.model, config.parallel, config.model.num_layers + 1
+    has_experts = spec_of(model).has_experts
     out: list[Traffic] = []
     blocks = sum(1 for i in layers if 0 < i < last)
-    if par.ep > 1 and spec_of(model).has_experts:
+    # Blocks with experts (an MoE model's dense_layers have none): the all-to-alls and aux statistics.
+    sparse = sum(1 for i in layers if 0 < i < last and moe_config(model).sparse_layer(i - 1)) if has_experts else 0
+    if par.ep > 1 and has_experts:
         routed = act * moe_config(model).moe.top_k
-        out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * blocks, p) for p in ("forward", "backward")]
-    if par.cp > 1 and spec_of(model).has_experts:  # the aux losses' per-expert statistics, summed over cp
+        out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * sparse, p) for p in ("forward", "backward")]
+    if par.cp > 1 and has_experts:  # the aux losses' per-expert statistics, summed over cp
         moe = moe_config(model).moe
         stats = 4 * (2 * moe.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
-        recompute = blocks if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks, "forward"))
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, blocks + recompute, "backward"))
+        recompute = sparse if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse, "forward"))
+        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse + recompute, "backward"))
         if moe.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
             tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
             for nbytes in (8 * par.cp * tokens * moe.top_k, 8 * sequence_length(model)):
-                out.append(Traffic("cp", "all_gather", par.cp, nbytes, blocks, "forward"))
+                out.append(Traffic("cp", "all_gather", par.cp, nbytes, sparse, "forward"))
                 out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
         out += _cp(config, blocks, act)
@@ -226,10 +229,12 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
     expert_replicas = par.dp * par.cp
-    if spec_of(model).has_experts and expert_replicas > 1:  # idle experts: rows per local expert (int64)
+    skips_idle = config.training.idle_experts == "skip"  # which experts were idle: rows per local expert (int64)
+    if spec_of(model).has_experts and expert_replicas > 1 and skips_idle:
         bounds, stages = stage_bounds(config), stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]
-        blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers)
-        rows = 8 * blocks * moe_config(model).moe.num_experts // par.ep
+        moe = moe_config(model)
+        blocks = sum(1 for s in stages for i in bounds[s] if 0 < i <= model.num_layers and moe.sparse_layer(i - 1))
+        rows = 8 * blocks * moe.moe.num_experts // par.ep
         out.append(Traffic("dp", "all_reduce", expert_replicas, rows, 1, "step"))
     out.append(Traffic("world", "all_reduce", par.world_size, 8, 2, "step"))  # loss, gradient norm
     if spec_of(model).has_experts and par.world_size > 1:  # every layer's load and bias (engine.balance), fp64

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.models import ModelConfig, layer_of, sequence_length, tied_names
-from polyshard.models.moe_gpt.config import moe_config
+from polyshard.models import active_share, layer_of, sequence_length, tied_names
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
 from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
@@ -46,8 +45,7 @@ def layer_matmul_params(config: Config) -> list[float]:
     for name, shape in shapes.items():
         if len(shape) < 2 or name.startswith(lookups):
             continue
-        share = _active_share(model) if ".experts." in name else 1.0
-        out[layer_of(name)] += math.prod(shape) * share
+        out[layer_of(name)] += math.prod(shape) * active_share(model, name)
     return out
 
 
@@ -193,9 +191,3 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
 def _stepped(held: Held, zero_stage: int) -> float:
     """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it)."""
     return ShardSpec(held.shape, held.shard_ranks).shard_numel if zero_stage >= 1 else math.prod(held.shape)
-
-
-def _active_share(model: ModelConfig) -> float:
-    """The share of a layer's routed experts each token runs: top_k / num_experts."""
-    moe = moe_config(model).moe
-    return moe.top_k / moe.num_experts

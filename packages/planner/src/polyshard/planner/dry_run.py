@@ -15,7 +15,7 @@ import math
 
 from polyshard.cp import split_context_group
 from polyshard.mesh import MeshLayout
-from polyshard.models import build_model, parameter_count, spec_of, tied_names
+from polyshard.models import active_parameter_count, build_model, parameter_count, spec_of, tied_names
 from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
@@ -63,8 +63,11 @@ def describe(config: Config) -> str:
         if owner[first] == owner[last]:  # one pipeline rank holds both: one tensor, not a copy
             per_pp_rank[owner[last]] -= math.prod(shapes[name])
     heaviest = max(per_pp_rank.values())  # pipeline ranks hold unequal shares; the largest sets the need
+    active = ""
+    if spec_of(config.model).has_experts:  # what a token computes with: top_k of each sparse block's experts
+        active = f" ({active_parameter_count(config.model):,} active per token)"
     lines.append(
-        f"model: {config.model.kind}, {num_params:,} parameters; the heaviest pipeline rank holds {heaviest:,}"
+        f"model: {config.model.kind}, {num_params:,} parameters{active}; the heaviest pipeline rank holds {heaviest:,}"
     )
     if spec_of(config.model).has_experts:
         lines.append(f"  {routing_summary(config.model)}")

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from polyshard.ep import MoEConfig, MoEConfigError
 from polyshard.models.errors import ConfigError, check_at_least, check_positive
@@ -74,6 +74,11 @@ class MoESettings:
     """Width of one shared expert; None means the routed experts' width."""
     shared_gate: bool = False
     """Scale the shared experts' output per token by sigmoid(x . w), w one learned vector (Qwen2-MoE)."""
+    dense_layers: list[int] = field(default_factory=list, hash=False)  # a list (TOML's); configs key caches
+    """Blocks (0-based) that keep a dense MLP instead of experts: DeepSeek's first_k_dense_replace first
+    blocks, Qwen-MoE's mlp_only_layers and decoder_sparse_step; empty: every block is sparse."""
+    dense_ffn_hidden: int | None = None
+    """Width of the dense blocks' MLP; None means the model's MLP width (Hugging Face's intermediate_size)."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -83,10 +88,11 @@ class MoESettings:
                 f"model.moe.num_experts={self.num_experts} is past {MAX_EXPERTS:,}, far more than any MoE trains "
                 "(DeepSeek-V3 has 256); set the real count, e.g. --set model.moe.num_experts=64"
             )
-        for name in ("ffn_hidden", "shared_ffn_hidden"):
+        for name in ("ffn_hidden", "shared_ffn_hidden", "dense_ffn_hidden"):
             if getattr(self, name) is not None:
                 check_positive(f"model.moe.{name}", getattr(self, name))
         check_at_least("model.moe.shared_experts", self.shared_experts, 0)
+        self._check_dense_layers()
         check_at_least("model.moe.bias_update_rate", self.bias_update_rate, 0.0)
         if self.shared_gate and not self.shared_experts:
             raise ConfigError("model.moe.shared_gate gates the shared experts: set model.moe.shared_experts >= 1")
@@ -96,6 +102,18 @@ class MoESettings:
                 f"but model.moe.score={self.score!r}; set score='sigmoid' or bias_update_rate=0"
             )
         self.layer(hidden=1, ffn_hidden=1)  # the routing rules: polyshard.ep.MoEConfig's checks, named here
+
+    def _check_dense_layers(self) -> None:
+        dense = self.dense_layers
+        if (
+            not isinstance(dense, list)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense)
+            or len(set(dense)) != len(dense)
+        ):
+            raise ConfigError(
+                f"model.moe.dense_layers={dense!r} must be a list of distinct block indices >= 0 (0 is the first "
+                "block), e.g. [0] for a dense first block"
+            )
 
     def layer(self, *, hidden: int, ffn_hidden: int) -> MoEConfig:
         """The MoE layer these settings make in a model of width ``hidden`` with experts ``ffn_hidden`` wide."""

@@ -39,23 +39,6 @@ def check_full_attention(hf: Mapping[str, Any], where: str) -> None:
         )
 
 
-def check_all_sparse(hf: Mapping[str, Any], where: str) -> None:
-    """Qwen-MoE may keep dense MLPs in some layers (``decoder_sparse_step``, ``mlp_only_layers``);
-    polyshard's MoE model has experts in every block."""
-    step = read_int(hf, "decoder_sparse_step", where, default=1)
-    if step != 1:
-        raise CheckpointError(
-            f"{where}: decoder_sparse_step={step} is not supported (polyshard's MoE model has experts in "
-            "every layer); polyshard reads 1"
-        )
-    dense = hf.get("mlp_only_layers")
-    if dense not in (None, []):
-        raise CheckpointError(
-            f"{where}: mlp_only_layers={dense!r} is not supported (polyshard's MoE model has experts in "
-            "every layer); polyshard reads []"
-        )
-
-
 def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     """``config.json`` -> polyshard's ``[model]`` settings; whatever polyshard cannot compute is refused."""
     require(hf, "attention_bias", where, (False,), "Qwen3's projections have no biases")

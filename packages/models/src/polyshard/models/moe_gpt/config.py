@@ -15,11 +15,37 @@ from polyshard.models.gpt.config import GPTConfig
 class MoEGPTConfig(GPTConfig):
     kind: str = "moe-gpt"
     moe: MoESettings = field(default_factory=MoESettings)
-    """Every block's MLP is a mixture of experts with these settings (``[model.moe]``)."""
+    """Every block's MLP (but ``moe.dense_layers``') is a mixture of experts with these settings (``[model.moe]``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.layer()  # the routing rules against this model's widths
+        dense = self.moe.dense_layers
+        outside = [i for i in dense if i >= self.num_layers]
+        if outside:
+            raise ConfigError(
+                f"model.moe.dense_layers={dense!r} names blocks {outside} past the last block "
+                f"({self.num_layers - 1}; blocks count from 0); keep indices below model.num_layers={self.num_layers}"
+            )
+        if len(set(dense)) == self.num_layers:
+            raise ConfigError(
+                f"model.moe.dense_layers={dense!r} leaves no block with experts; use model.kind='gpt' for a dense "
+                "model, or leave at least one block out of dense_layers"
+            )
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether block ``i`` (0-based; pipeline layer ``i + 1``) holds experts rather than a dense MLP."""
+        return i not in self.moe.dense_layers
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        """The blocks (0-based) that hold experts."""
+        return [i for i in range(self.num_layers) if self.sparse_layer(i)]
+
+    @property
+    def dense_width(self) -> int:
+        """Width of the dense blocks' MLP: moe.dense_ffn_hidden, or the model's MLP width when unset."""
+        return self.moe.dense_ffn_hidden or self.mlp_width
 
     def layer(self) -> MoEConfig:
         """Each block's MoE layer."""

@@ -16,10 +16,13 @@ polyshard (``layers.<i>.mlp``)         Hugging Face (``model.layers.<i-1>``)    
 ``shared_expert_gate.weight`` (1, H)   ``mlp.shared_expert_gate.weight`` (Qwen2-MoE)           same
 =====================================  ======================================================  ==========
 
-An ep rank reads only its own experts' tensors. Routing is each family's softmax top-k: Mixtral always
-renormalises the k weights, Qwen as ``norm_topk_prob`` says (``model.moe.renormalize``). Refused,
-naming the key: dense layers between sparse ones (``decoder_sparse_step``, ``mlp_only_layers``),
-sliding-window attention, router jitter noise, another activation, and biases polyshard does not have.
+Qwen-MoE's dense blocks (``mlp_only_layers``, and the blocks ``decoder_sparse_step`` skips) are our
+``model.moe.dense_layers``, their SwiGLU ``intermediate_size`` wide (``model.moe.dense_ffn_hidden``),
+named as Llama's MLP (``mlp.{gate,up,down}_proj``); export writes them as ``mlp_only_layers`` with
+``decoder_sparse_step`` 1. An ep rank reads only its own experts' tensors. Routing is each family's
+softmax top-k: Mixtral always renormalises the k weights, Qwen as ``norm_topk_prob`` says
+(``model.moe.renormalize``). Refused, naming the key: sliding-window attention, router jitter noise,
+another activation, and biases polyshard does not have.
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.gpt.hf_llama import decoder_config, decoder_family, decoder_locations, decoder_settings
-from polyshard.models.gpt.hf_qwen3 import check_all_sparse, check_full_attention
+from polyshard.models.gpt.hf_llama import (
+    decoder_config,
+    decoder_family,
+    decoder_locations,
+    decoder_settings,
+    dense_mlp,
+)
+from polyshard.models.gpt.hf_qwen3 import check_full_attention
 from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import FULL_ATTENTION, read_bool, read_int, read_number, require
 from polyshard.models.moe_gpt.config import MoEGPTConfig
@@ -39,6 +48,7 @@ from polyshard.models.moe_gpt.config import MoEGPTConfig
 _BASE = {"kind": "moe-gpt", **LLAMA, "moe.score": "softmax", "moe.groups": 1, "moe.scale": 1.0, **FULL_ATTENTION}
 MIXTRAL_SHAPE: dict[str, object] = {
     **_BASE, "qkv_bias": False, "qk_norm": False, "moe.shared_experts": 0, "moe.renormalize": True,
+    "moe.dense_layers": [],  # Mixtral has experts in every block
 }  # fmt: skip
 QWEN3_MOE_SHAPE: dict[str, object] = {**_BASE, "qkv_bias": False, "qk_norm": True, "moe.shared_experts": 0}
 # bias=False (from Llama's) is o_proj's and the MLPs'; q, k and v have biases as qkv_bias says.
@@ -65,6 +75,8 @@ def _moe_mlp(
     (their weights named by ``names``), and Qwen2-MoE's shared expert and its gate."""
 
     def mlp(ours: str, hf: str) -> dict[str, TensorLocation]:
+        if not model.sparse_layer(int(ours.removeprefix("layers.")) - 1):  # our layers.<i> is block i-1
+            return dense_mlp(ours, hf)
         out = {f"{ours}.mlp.moe.router.weight": TensorLocation(f"{hf}.{block}.{router}.weight")}
         for w, location in _experts(model, f"{hf}.{block}.{experts}", names).items():
             out[f"{ours}.mlp.moe.experts.{w}"] = location
@@ -139,10 +151,29 @@ MIXTRAL = decoder_family("mixtral", "Mixtral", MIXTRAL_SHAPE, mixtral_settings, 
 # -- Qwen3-MoE and Qwen2-MoE ---------------------------------------------------------------------------
 
 
+def _dense_layers(hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    """Qwen-MoE's dense blocks: block i keeps its MLP when it is in ``mlp_only_layers`` or when
+    ``decoder_sparse_step`` does not divide i + 1 (transformers' rule); those MLPs are ``intermediate_size``
+    wide. Nothing when every block is sparse (the dense width is then unused)."""
+    layers = read_int(hf, "num_hidden_layers", where)
+    step = read_int(hf, "decoder_sparse_step", where, default=1)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise CheckpointError(f"{where}: mlp_only_layers={only!r} must be a list of block indices")
+    outside = [i for i in only if not 0 <= i < layers]
+    if outside:
+        raise CheckpointError(
+            f"{where}: mlp_only_layers={only!r} names blocks {outside} outside 0..{layers - 1} (num_hidden_layers)"
+        )
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    if not dense:
+        return {}
+    return {"moe.dense_layers": dense, "moe.dense_ffn_hidden": read_int(hf, "intermediate_size", where)}
+
+
 def qwen3_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     require(hf, "attention_bias", where, (False,), "Qwen3's projections have no biases")
     check_full_attention(hf, where)
-    check_all_sparse(hf, where)
     # transformers 5 writes num_local_experts, 4 (and the Hub's files) num_experts.
     key = "num_local_experts" if hf.get("num_local_experts") is not None else "num_experts"
     return {
@@ -151,12 +182,12 @@ def qwen3_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         **_routing(hf, where, key, 128, 8),
         "moe.ffn_hidden": read_int(hf, "moe_intermediate_size", where, default=768),
         "moe.renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+        **_dense_layers(hf, where),
     }
 
 
 def qwen2_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     check_full_attention(hf, where)
-    check_all_sparse(hf, where)
     return {
         **QWEN2_MOE_SHAPE,
         **decoder_settings(hf, where),
@@ -165,6 +196,7 @@ def qwen2_moe_settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         "moe.ffn_hidden": read_int(hf, "moe_intermediate_size", where, default=1408),
         "moe.shared_ffn_hidden": read_int(hf, "shared_expert_intermediate_size", where, default=5632),
         "moe.renormalize": read_bool(hf, "norm_topk_prob", where, default=False),
+        **_dense_layers(hf, where),
     }
 
 
@@ -175,12 +207,12 @@ def qwen_moe_locations(model: MoEGPTConfig) -> dict[str, TensorLocation]:
 def _qwen_moe_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         **decoder_config(model),
-        "intermediate_size": model.mlp_width,  # dense layers' width: none here (mlp_only_layers is empty)
+        "intermediate_size": model.dense_width,  # the dense blocks' MLP width
         "moe_intermediate_size": model.expert_width,
         "num_experts_per_tok": model.moe.top_k,
         "norm_topk_prob": model.moe.renormalize,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": sorted(model.moe.dense_layers),
         "router_aux_loss_coef": model.moe.aux_loss_coef,
         "use_sliding_window": False,
     }

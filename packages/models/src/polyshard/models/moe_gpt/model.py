@@ -18,7 +18,7 @@ from torch import nn
 from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
-from polyshard.models.common import SwiGLU
+from polyshard.models.common import MLP, SwiGLU
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
@@ -89,11 +89,17 @@ class MoEMLP(nn.Module):
 
 def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's),
-    with shared experts beside them when ``model.moe.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's)."""
+    with shared experts beside them when ``model.moe.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's);
+    the blocks in ``model.moe.dense_layers`` keep a dense MLP ``model.moe.dense_ffn_hidden`` wide."""
     config = moe_config(config)
     model = gpt.build(config, options)
     layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
-    for block in model.layers[1:-1]:
+    for i, block in enumerate(model.layers[1:-1]):
+        if not config.sparse_layer(i):
+            if config.dense_width != config.mlp_width:
+                dense = MLP if config.activation == "gelu" else SwiGLU
+                block.mlp = dense(config.hidden, config.dense_width, bias=config.bias)
+            continue
         block.mlp = MoEMLP(
             layer,
             aux_loss_scale=options.aux_loss_scale,
@@ -105,8 +111,11 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
 
 def routing_summary(model: ModelConfig) -> str:
     """One line saying how tokens choose their experts, for ``--dry-run``."""
-    moe = moe_config(model).moe
+    config = moe_config(model)
+    moe = config.moe
     parts = [f"{moe.score} top-{moe.top_k} of {moe.num_experts} experts"]
+    if moe.dense_layers:
+        parts.append(f"blocks {sorted(moe.dense_layers)} dense (MLP {config.dense_width} wide)")
     if moe.groups > 1:
         parts.append(f"within the best {moe.group_topk} of {moe.groups} groups")
     if moe.score == "sigmoid":
@@ -121,12 +130,15 @@ def routing_summary(model: ModelConfig) -> str:
 
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
-    the shared experts are, like the dense MLP (their gate's one vector is replicated)."""
+    the shared experts are, like the dense MLP (their gate's one vector is replicated), and so are the
+    dense blocks' MLPs."""
     model = moe_config(model)
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
         plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
-        if model.moe.shared_experts:
+        if not model.sparse_layer(i - 1):
+            plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, model.activation)
+        elif model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
@@ -146,6 +158,8 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
         )
     if model.moe.shared_experts:
         check_mlp_split(model.shared_width, par.tp)
+    if model.moe.dense_layers:
+        check_mlp_split(model.dense_width, par.tp)
     experts = model.moe.num_experts
     if experts % par.ep:
         raise ConfigError(

@@ -113,17 +113,21 @@ def check_matches(folder: str | Path, model: ModelConfig) -> Family:
         ours = setting(model, key)
         shorter = key in family.at_most and isinstance(ours, int) and isinstance(value, int) and ours < value
         if ours != value and not shorter:
-            wrong[key] = value
+            wrong[key] = (ours, value)
     if wrong:
+        both = "; ".join(f"model.{k}={_toml(ours)} here, {_toml(v)} in the folder" for k, (ours, v) in wrong.items())
         fixes = " ".join(
-            f"--set model.{k}={_toml(v)}" + (" (or less)" if k in family.at_most else "") for k, v in wrong.items()
+            f"--set model.{k}={_toml(v)}" + (" (or less)" if k in family.at_most else "") for k, (_, v) in wrong.items()
         )
-        raise CheckpointError(f"{folder} holds a {family.title} model with other settings; train it with {fixes}")
+        raise CheckpointError(
+            f"{folder} holds a {family.title} model with other settings ({both}); train it with {fixes}, or "
+            "leave those settings out of [model]: with --init-from hf:DIR they come from the folder"
+        )
     return family
 
 
 def _toml(value: object) -> str:
-    return json.dumps(value) if isinstance(value, str) else str(value).lower()
+    return json.dumps(value) if isinstance(value, (str, list)) else str(value).lower()
 
 
 class HFSource(HFWeights):

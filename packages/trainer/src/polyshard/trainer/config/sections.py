@@ -28,6 +28,7 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # training.lr_schedule: 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 OPTIMIZERS = ("adamw", "muon")
 ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's kernels
+IDLE_EXPERTS = ("step", "skip")  # training.idle_experts: stepped with zero gradient, or left as they were
 DECAYED_PARAMS = ("matrices", "all")
 
 
@@ -254,6 +255,12 @@ class TrainingConfig:
     weight_decay_params: str = "matrices"
     """Which parameters decay: 'matrices' (GPT-2, nanoGPT: not norms, biases or embeddings) or 'all'
     (torchtitan)."""
+    idle_experts: str = "step"
+    """An expert that no token was routed to in a step (on any rank): 'step' steps it with the rest of its
+    layer's experts, a zero gradient, so weight decay and its momentum still move it (what transformers 5,
+    torchtitan and Megatron-Core do: they hold a layer's experts as one tensor); 'skip' leaves its weights,
+    fp32 masters and AdamW moments exactly as they were, as for a parameter without a gradient (per-expert
+    parameters; polyshard's rule before this setting existed)."""
     adamw_impl: str = "auto"
     """AdamW's kernel (torch.optim.AdamW): 'auto' (torch's choice: foreach), 'foreach' (one kernel per op over
     all tensors), 'fused' (one kernel for the whole step; CPU and CUDA) or 'for-loop' (tensor by tensor)."""
@@ -308,6 +315,7 @@ class TrainingConfig:
         _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("training.adamw_impl", self.adamw_impl, ADAMW_IMPLS)
         _check_choice("training.weight_decay_params", self.weight_decay_params, DECAYED_PARAMS)
+        _check_choice("training.idle_experts", self.idle_experts, IDLE_EXPERTS)
         if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
             raise ConfigError(f"training.loss_chunks={self.loss_chunks!r} must be an integer >= 0 (0 or 1: off)")
         if not 0.0 <= self.muon_momentum < 1.0:

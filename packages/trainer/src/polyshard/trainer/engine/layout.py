@@ -7,12 +7,12 @@ without pulling in the strategies."""
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
-from polyshard.models import layer_of, spec_of, tied_names
+from polyshard.models import active_share, layer_of, spec_of, tied_names
 from polyshard.pp.partition import balanced_partition
 from polyshard.trainer.config import Config
 
@@ -29,10 +29,13 @@ def tp_plan(config: Config, layers: Collection[int] | None = None) -> dict[str, 
 def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list[range]:
     """Global layer indices of each pipeline stage: ``parallel.stage_layers`` when given, else
     balanced by :func:`layer_costs` of the global parameter ``shapes`` (this rank-independent
-    split is what every rank, ``--dry-run`` and the offline resharder agree on)."""
+    split is what every rank, ``--dry-run`` and the offline resharder agree on). The cost is the
+    parameters a token computes with: an MoE block's routed experts count top_k / num_experts of
+    theirs, so a sparse block weighs its FLOPs beside a dense one, not its E experts' memory."""
     par = config.parallel
     if par.stage_layers is None:
-        costs = layer_costs(shapes, tied_names(config.model))
+        model = config.model
+        costs = layer_costs(shapes, tied_names(model), share=lambda name: active_share(model, name))
         return balanced_partition(costs, par.pp * par.virtual_stages)
     bounds, start = [], 0
     for count in par.stage_layers:
@@ -41,14 +44,20 @@ def pipeline_bounds(config: Config, shapes: Mapping[str, Sequence[int]]) -> list
     return bounds
 
 
-def layer_costs(shapes: Mapping[str, Sequence[int]], aliases: Mapping[str, str] | None = None) -> list[int]:
+def layer_costs(
+    shapes: Mapping[str, Sequence[int]],
+    aliases: Mapping[str, str] | None = None,
+    share: Callable[[str], float] | None = None,
+) -> list[int]:
     """Parameters per pipeline layer, from global parameter shapes: what the pipeline split balances.
     It does not depend on tp, ep or dp, so every layout with the same stages splits alike. A tied
     weight (``aliases``: alias -> name) counts in its alias's layer too: that layer computes with it,
-    and on another stage holds a copy."""
+    and on another stage holds a copy. ``share(name)``: the part of a parameter that counts (the
+    active part of routed experts; None: all of every parameter)."""
     costs: dict[int, int] = {}
     for name, shape in shapes.items():
-        costs[layer_of(name)] = costs.get(layer_of(name), 0) + math.prod(shape)
+        part = math.prod(shape) if share is None else round(math.prod(shape) * share(name))
+        costs[layer_of(name)] = costs.get(layer_of(name), 0) + part
     for alias, name in (aliases or {}).items():
         if name in shapes:
             costs[layer_of(alias)] = costs.get(layer_of(alias), 0) + math.prod(shapes[name])

@@ -8,6 +8,7 @@ load of the step, and the routers' balancing bias moved by it (MoE models).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 
@@ -98,7 +99,10 @@ def train_step(
     clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
     stepped = math.isfinite(loss) and math.isfinite(grad_norm)
     if stepped:
-        with keep_idle_experts(engine):
+        # training.idle_experts = "skip": experts no rank routed a token to come out of the step unchanged;
+        # "step" (the default): AdamW steps them with their zero gradient, as one stacked tensor.
+        skip_idle = engine.config.training.idle_experts == "skip"
+        with keep_idle_experts(engine) if skip_idle else contextlib.nullcontext():
             for optimizer in engine.optimizers:
                 optimizer.step()
     if spec_of(engine.config.model).has_experts:  # the step's load over every token; sigmoid routers rebalance

@@ -28,7 +28,7 @@ from polyshard.data.examples import Examples
 from polyshard.data.loader import ShardedLoader
 from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
-from polyshard.models import parameter_count, sequence_length
+from polyshard.models import active_parameter_count, sequence_length
 from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.export import consolidate
 from polyshard.trainer.checkpointing.hugging_face import write_hf
@@ -173,8 +173,8 @@ class Trainer:
         )
         tokens = sequence_length(config.model)
         self.tokens_per_step = train.global_batch_size * tokens
-        flops_per_token = model_flops_per_token(
-            parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
+        flops_per_token = model_flops_per_token(  # an MoE's token runs top_k of its experts: active parameters
+            active_parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
         )
         # Measuring the peak is collective and takes ~0.2 s: only runs that log (every rank has the same `log`).
         peak = resolve_peak(config.logging.peak_tflops, train.precision, self.engine.device) if log else None

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, read_index
-from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource
+from polyshard.models.settings import with_folder_settings
+from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource, model_settings
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
@@ -112,6 +113,10 @@ def prepare_launch(
     latest = latest_checkpoint(out / "checkpoints") if resume else None
     if resume and latest is None:
         raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start")
+    if hf_folder is not None and isinstance(settings.get("model", {}), Mapping):
+        # The model's settings the [model] table leaves unset come from the folder's config.json; what it
+        # sets stays, and HFSource below names any that disagree with the folder (both values and the fix).
+        settings["model"] = with_folder_settings(settings.get("model", {}), model_settings(hf_folder))
     if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
         nproc = from_dict(settings).parallel.world_size // low
     if nproc < 1:
