@@ -92,9 +92,7 @@ MESHES = {
 QUICK = {"one", "cp2", "ep2xtp2"}
 
 
-@pytest.mark.parametrize(
-    "mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES]
-)
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES])
 def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, tmp_path, mesh):
     from polyshard.models import build_model
     from polyshard.trainer.checkpointing.export import consolidate

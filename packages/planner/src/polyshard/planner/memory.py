@@ -31,7 +31,6 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 ROPE_KINDS = ("llama3", "yarn")
 
 

@@ -98,13 +98,17 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         raise CheckpointError(f"{where}: {name} holds {unknown}, which polyshard does not read for gpt-oss")
     partial = {**hf, **params}.get("partial_rotary_factor")
     if partial is not None and partial != 1:
-        raise CheckpointError(f"{where}: partial_rotary_factor={partial!r} is not supported; polyshard rotates every dim")
+        raise CheckpointError(
+            f"{where}: partial_rotary_factor={partial!r} is not supported; polyshard rotates every dim"
+        )
     theta = read_number({**hf, **params}, "rope_theta", where, default=150000.0, above=0.0)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return {"rope_theta": theta, "rope_scale_factor": 1.0}
     if kind != "yarn":
-        raise CheckpointError(f"{where}: {name}.rope_type={kind!r} is not supported; polyshard reads 'default' and 'yarn'")
+        raise CheckpointError(
+            f"{where}: {name}.rope_type={kind!r} is not supported; polyshard reads 'default' and 'yarn'"
+        )
     inside = f"{where}: {name}"
     factor = read_number(params, "factor", inside, above=0.0)
     if factor < 1.0:
@@ -132,7 +136,9 @@ def _windows(hf: Mapping[str, Any], where: str, layers: int) -> dict[str, object
     if kinds is None:
         kinds = [_KINDS[i % 2] for i in range(layers)]
     if not isinstance(kinds, list) or len(kinds) != layers or any(k not in _KINDS for k in kinds):
-        raise CheckpointError(f"{where}: layer_types={kinds!r} must name each of the {layers} layers as one of {_KINDS}")
+        raise CheckpointError(
+            f"{where}: layer_types={kinds!r} must name each of the {layers} layers as one of {_KINDS}"
+        )
     if window is None:
         if "sliding_attention" in kinds:
             raise CheckpointError(f"{where}: layer_types names sliding_attention layers but sliding_window is unset")

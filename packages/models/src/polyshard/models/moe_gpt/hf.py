@@ -135,7 +135,9 @@ def mixtral_config(model: MoEGPTConfig) -> dict[str, object]:
     }
 
 
-MIXTRAL = decoder_family("mixtral", "Mixtral", {**MIXTRAL_SHAPE, **_PLAIN}, mixtral_settings, mixtral_locations, mixtral_config)
+MIXTRAL = decoder_family(
+    "mixtral", "Mixtral", {**MIXTRAL_SHAPE, **_PLAIN}, mixtral_settings, mixtral_locations, mixtral_config
+)
 
 
 # -- Qwen3-MoE and Qwen2-MoE ---------------------------------------------------------------------------
