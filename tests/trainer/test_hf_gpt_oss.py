@@ -154,7 +154,7 @@ def test_each_rank_reads_only_its_experts(folder, corpus):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method='mxfp4'.*Mxfp4Config\\(dequantize=True"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method=.bitsandbytes. is not supported"),
         ({"rope_parameters": {**ROPE, "rope_type": "longrope"}}, "rope_type='longrope' is not supported"),
         ({"layer_types": ["sliding_attention"]}, "layer_types=.* must name each of the 2 layers"),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 exceeds num_local_experts=4"),
@@ -182,3 +182,36 @@ def test_presets_have_transformers_parameter_counts(preset, layers, experts):
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in theirs.parameters())
     assert model.layer_types == transformers.GptOssConfig(num_hidden_layers=layers).layer_types
+
+
+def test_mxfp4_experts_are_dequantized_on_import(folder, corpus, tmp_path):
+    """A folder whose experts' gate_up_proj are MXFP4 blocks and scales (as OpenAI's releases store them;
+    random codes and scales here) reads as transformers' own dequantization of them, bit for bit, and an
+    ep rank's region decodes only its experts' rows."""
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    packed, expected = {}, {}
+    for layer in (0, 1):
+        name = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+        blocks = torch.randint(0, 256, (4, 48, 1, 16), dtype=torch.uint8, generator=g)  # (E, 2F, H/32, 16)
+        scales = torch.randint(120, 130, (4, 48, 1), dtype=torch.uint8, generator=g)  # 2^-7 .. 2^2
+        packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+        expected[layer] = _convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, H, 2F)
+
+    def quantize(tensors):
+        return {k: v for k, v in tensors.items() if not k.endswith("gate_up_proj")} | packed
+
+    def mark(hf):
+        return {**hf, "quantization_config": {"quant_method": "mxfp4"}}
+
+    quantized = _broken(folder, tmp_path, "mxfp4", config_edit=mark, tensors_edit=quantize)
+    config = _config(quantized, corpus, ep=2)
+    source = HFSource(quantized, config)
+    for layer in (0, 1):
+        key = f"model/layers.{layer + 1}.mlp.moe.experts.w1"
+        assert source.global_shape(key) == (4, 32, 48)
+        assert torch.equal(source.read(key, (0, 0, 0), (4, 32, 48), torch.float32), expected[layer])
+        rank_1 = source.read(key, (2, 8, 0), (2, 8, 48), torch.float32)  # ep rank 1's experts, a row slice
+        assert torch.equal(rank_1, expected[layer][2:, 8:16])
+    assert model_settings(quantized) == model_settings(folder)

@@ -17,8 +17,10 @@ polyshard (``layers.<i>``)                 Hugging Face (``model.layers.<i-1>``)
 polyshard's clamped-SwiGLU experts keep gate and up interleaved in one tensor as gpt-oss does (gate in
 the even columns), so every tensor is a copy and an ep rank reads only its experts' rows of each.
 
-OpenAI's released folders store the experts in MXFP4 (``*_blocks`` of 4-bit values, ``*_scales``, and
-``quantization_config`` in config.json); they are refused, naming the fix: dequantize to bf16 first.
+OpenAI's released folders store the experts' matrices in MXFP4 (``*_blocks`` of 4-bit values and
+``*_scales``, with ``quantization_config.quant_method = "mxfp4"`` in config.json): they are dequantized on
+import (:mod:`polyshard.checkpoint.mxfp4`), each ep rank decoding only its experts' blocks. An export
+writes the dequantized (or trained) tensors plainly. Another quantization method is refused.
 """
 
 from __future__ import annotations
@@ -75,15 +77,17 @@ def settings(hf: Mapping[str, Any], where: str) -> dict[str, object]:
 
 
 def _refuse_quantized(hf: Mapping[str, Any], where: str) -> None:
+    """MXFP4 (OpenAI's released folders) is read, dequantized; any other quantization is refused."""
     quantization = hf.get("quantization_config")
     if quantization is None:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if method == "mxfp4":
+        return
     raise CheckpointError(
-        f"{where}: quantization_config.quant_method={method!r}: the experts are stored quantized "
-        "(mlp.experts.gate_up_proj_blocks / _scales, down_proj_blocks / _scales), which polyshard does not read; "
-        "dequantize the folder first, e.g. transformers' AutoModelForCausalLM.from_pretrained(folder, "
-        "quantization_config=Mxfp4Config(dequantize=True), torch_dtype=torch.bfloat16).save_pretrained(new_folder)"
+        f"{where}: quantization_config.quant_method={method!r} is not supported (polyshard dequantizes only "
+        "gpt-oss's mxfp4 experts); save the model unquantized first, e.g. with transformers' "
+        "AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).save_pretrained(new_folder)"
     )
 
 
