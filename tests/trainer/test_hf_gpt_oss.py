@@ -88,8 +88,8 @@ def _import_and_score(config, folder, out):
 MESHES = {
     "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
 }  # fmt: skip
-# The default suite keeps one process, cp2 (windows under the ring) and ep2 x tp2; `make test-long` the rest.
-QUICK = {"one", "cp2", "ep2xtp2"}
+# The default suite keeps one process and cp2 (windows under the ring); `make test-long` the rest.
+QUICK = {"one", "cp2"}
 
 
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES])
