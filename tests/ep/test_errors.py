@@ -23,7 +23,7 @@ def test_top_k_above_num_experts():
     "field,value,message",
     [
         ("capacity_factor", 0.0, r"capacity_factor=0.0 must be > 0 \(e.g. 1.25\), or None for dropless"),
-        ("activation", "relu", r"activation='relu' is unknown; choose one of \('swiglu', 'gelu'\)"),
+        ("activation", "relu", r"activation='relu' is unknown; choose one of \('swiglu', 'gelu', 'clamped-swiglu'\)"),
         ("top_k", 0, r"top_k=0 must be a positive integer"),
         ("z_loss_coef", -1.0, r"must be >= 0.*use 0 to turn a loss off"),
     ],

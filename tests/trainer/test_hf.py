@@ -214,9 +214,8 @@ def test_a_folder_that_does_not_fit_is_refused_naming_what(gpt2, corpus, tmp_pat
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    with pytest.raises(
-        CheckpointError, match=r"model_type 'mistral' is not supported; polyshard reads \['gpt2', 'llama', 'mixtral'"
-    ):
+    readable = r"model_type 'mistral' is not supported; polyshard reads \['gpt2', 'gpt_oss', 'llama', 'mixtral'"
+    with pytest.raises(CheckpointError, match=readable):
         model_settings(mistral)
     with pytest.raises(CheckpointError, match="exists"):
         write_hf({}, config.model, gpt2)  # never over an existing folder

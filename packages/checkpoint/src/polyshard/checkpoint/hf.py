@@ -9,6 +9,7 @@ Every file is untrusted input: the index may name only bare files inside the fol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from polyshard.checkpoint import mxfp4
 from polyshard.checkpoint.format import MASTER, MODEL, OPTIM, CheckpointError
 from polyshard.checkpoint.source import Piece
 from polyshard.checkpoint.writer import StreamWriter
@@ -48,10 +50,16 @@ class TensorLocation:
     be (transposed when ``transposed``): one per expert, as Mixtral's ``experts.<e>.w1.weight`` make our
     ``(E, H, F)`` experts. ``name`` is then the first of them. A rank holding experts [a, b) reads
     only their files' tensors."""
+    mxfp4: bool = False
+    """Stored in MXFP4 as ``<name>_blocks`` and ``<name>_scales`` (gpt-oss's released experts), our tensor
+    their dequantized values with the last two dims transposed (:mod:`polyshard.checkpoint.mxfp4`).
+    :class:`HFWeights` sets it when a folder holds those instead of ``name``."""
 
     @property
     def names(self) -> tuple[str, ...]:
         """Every stored tensor this one is read from."""
+        if self.mxfp4:
+            return (f"{self.name}_blocks", f"{self.name}_scales")
         return self.stacked or (self.name,)
 
 
@@ -118,10 +126,11 @@ class HFWeights:
         buffers: tuple[str, ...] = (),
     ):
         self.folder = Path(folder)
-        self.locations = dict(locations)
         stored = weight_files(self.folder)
         self.stored = {canonical(name): name for name in stored}
         self.files = {canonical(name): file for name, file in stored.items()}
+        self.locations = {ours: _quantized(where, self.files) for ours, where in locations.items()}
+        packed = {name for where in self.locations.values() if where.mxfp4 for name in where.names}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name, file in self.files.items():
             with _opened(self.folder / file) as f:
@@ -132,7 +141,7 @@ class HFWeights:
                 stored = f.get_slice(self.stored[name])
                 self.shapes[name] = tuple(stored.get_shape())
                 dtype = stored.get_dtype()
-                if dtype not in FLOAT_DTYPES and not name.endswith(buffers):
+                if dtype not in FLOAT_DTYPES and not name.endswith(buffers) and not (name in packed and dtype == "U8"):
                     raise CheckpointError(
                         f"{self.folder / file}: {self.stored[name]!r} is stored as {dtype}; a weight must be "
                         f"floating point ({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model's weights"
@@ -145,6 +154,9 @@ class HFWeights:
                 f"{self.folder} is not the {title} these settings describe: missing {missing}, unexpected {unexpected}"
             )
         for ours, location in self.locations.items():
+            if location.mxfp4:
+                self._check_packed(location)
+                continue
             held = self.shapes[location.name]
             for other in location.stacked:  # one shape for every expert
                 if self.shapes[other] != held:
@@ -158,6 +170,14 @@ class HFWeights:
                     f"fewer rows than the {location.rows} {ours} needs"
                 )
 
+    def _check_packed(self, location: TensorLocation) -> None:
+        blocks, scales = (self.shapes[name] for name in location.names)
+        if len(blocks) < 3 or blocks[-1] != mxfp4.BLOCK // 2 or blocks[:-1] != scales:
+            raise CheckpointError(
+                f"{self.folder}: {location.name}_blocks {list(blocks)} and _scales {list(scales)} are not MXFP4 "
+                f"(blocks (..., rows, groups, {mxfp4.BLOCK // 2}) bytes, scales (..., rows, groups))"
+            )
+
     def resolve(self, key: str) -> str:
         """Model keys as they are; an fp32 master is read from the weights it starts as."""
         if key.startswith(OPTIM) and key.endswith(f"/{MASTER}"):
@@ -168,6 +188,9 @@ class HFWeights:
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         location = self.locations[self.resolve(key)[len(MODEL) :]]
+        if location.mxfp4:  # (..., rows, groups, 16) bytes -> (..., groups * 32, rows) values
+            *lead, rows, groups, _ = self.shapes[location.names[0]]
+            return (*lead, groups * mxfp4.BLOCK, rows)
         saved = self.shapes[location.name]
         if location.stacked:  # (experts, one stored tensor's shape, transposed if stored so)
             return (len(location.stacked), *(saved[::-1] if location.transposed else saved))
@@ -198,6 +221,8 @@ class HFWeights:
     def _region(self, location: TensorLocation, name: str, want: list[tuple[int, int]]) -> torch.Tensor:
         """The region ``want`` ((low, high) per dim, in our layout) of stored tensor ``name``, checked finite."""
         block: torch.Tensor  # safetensors' slices are untyped
+        if location.mxfp4:
+            return self._dequantized(location, want)
         with _opened(self.folder / self.files[name]) as f:
             stored = f.get_slice(self.stored[name])
             if location.transposed:
@@ -215,6 +240,21 @@ class HFWeights:
             )
         return block
 
+    def _dequantized(self, location: TensorLocation, want: list[tuple[int, int]]) -> torch.Tensor:
+        """The region ``want`` of an MXFP4 tensor: only its rows' blocks and scales are read (an ep rank's
+        experts), dequantized, then cut along the packed dim."""
+        *lead, (c0, c1), (r0, r1) = want  # ours (..., cols, rows): the stored rows are our last dim
+        index = (*(slice(lo, hi) for lo, hi in lead), slice(r0, r1))
+        parts = []
+        for name in location.names:
+            with _opened(self.folder / self.files[name]) as f:
+                parts.append(f.get_slice(self.stored[name])[index])
+        try:
+            values = mxfp4.dequantize(parts[0], parts[1])
+        except ValueError as err:
+            raise CheckpointError(f"{self.folder}: {location.name}: {err}") from err
+        return values[..., c0:c1, :]
+
     def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
         return {}
 
@@ -223,6 +263,14 @@ class HFWeights:
 
     def read_piece(self, piece: Piece, key: str, local: tuple[slice, ...] = ()) -> torch.Tensor:
         raise CheckpointError(f"{self.folder} is a Hugging Face folder: it holds no per-rank pieces")
+
+
+def _quantized(location: TensorLocation, files: Mapping[str, str]) -> TensorLocation:
+    """``location``, marked MXFP4 when the folder holds ``<name>_blocks`` and ``<name>_scales`` instead."""
+    packed = f"{location.name}_blocks" in files and f"{location.name}_scales" in files
+    if location.name in files or not packed or location.stacked or location.transposed or location.parts > 1:
+        return location
+    return dataclasses.replace(location, mxfp4=True)
 
 
 def check_new_folder(destination: str | Path) -> Path:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from polyshard.ep.errors import MoEConfigError
 from polyshard.ep.router import SCORES
 from polyshard.mesh import divisors
 
-ACTIVATIONS = ("swiglu", "gelu")
+ACTIVATIONS = ("swiglu", "gelu", "clamped-swiglu")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -26,8 +27,9 @@ class MoEConfig:
     renormalize: bool = True
     """Rescale the chosen top-k probabilities to sum to 1 (Mixtral); False keeps the raw softmax values (Switch)."""
     score: str = "softmax"
-    """Router scores: 'softmax' (Mixtral, Qwen-MoE) or 'sigmoid' (DeepSeek-V3: with a per-expert selection
-    bias for auxiliary-loss-free balancing, see :meth:`polyshard.ep.Router.update_bias`)."""
+    """Router scores: 'softmax' (Mixtral, Qwen-MoE), 'sigmoid' (DeepSeek-V3: with a per-expert selection
+    bias for auxiliary-loss-free balancing, see :meth:`polyshard.ep.Router.update_bias`) or 'topk-softmax'
+    (gpt-oss: the top k logits chosen, their weights a softmax over those k alone)."""
     groups: int = 1
     """Group-limited routing (DeepSeek-V3's n_group): experts split into this many equal groups; 1 is off."""
     group_topk: int = 1
@@ -35,7 +37,17 @@ class MoEConfig:
     scale: float = 1.0
     """Factor on the chosen experts' weights (DeepSeek-V3's routed_scaling_factor)."""
     activation: str = "swiglu"
-    """Expert MLP: 'swiglu' (silu(x W1) * (x W3)) W2, or 'gelu' gelu(x W1) W2."""
+    """Expert MLP: 'swiglu' (silu(x W1) * (x W3)) W2, 'gelu' gelu(x W1) W2, or 'clamped-swiglu' (gpt-oss):
+    gate and up clamped at swiglu_limit, ((up + 1) * gate * sigmoid(swiglu_alpha * gate)) W2, gate and up
+    interleaved in one W1 (see :class:`polyshard.ep.GroupedExperts`)."""
+    swiglu_alpha: float = 1.702
+    """With 'clamped-swiglu': the sigmoid's gain (gpt-oss: 1.702, GELU's sigmoid approximation)."""
+    swiglu_limit: float = 7.0
+    """With 'clamped-swiglu': gate clamped above at this, up to [-limit, limit] (gpt-oss: 7)."""
+    router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss's router is a Linear with a bias)."""
+    expert_bias: bool = False
+    """Biases on each expert's first and last matrices (gpt-oss); they go with their experts under ep."""
     capacity_factor: float | None = None
     """None: dropless. Otherwise each expert takes at most ceil(factor * T * top_k / E) of a rank's T tokens."""
     aux_loss_coef: float = 0.01
@@ -56,6 +68,10 @@ class MoEConfig:
             )
         if self.activation not in ACTIVATIONS:
             raise MoEConfigError(f"activation={self.activation!r} is unknown; choose one of {ACTIVATIONS}")
+        if not (math.isfinite(self.swiglu_alpha) and self.swiglu_alpha > 0):
+            raise MoEConfigError(f"swiglu_alpha={self.swiglu_alpha} must be a finite number > 0 (gpt-oss: 1.702)")
+        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+            raise MoEConfigError(f"swiglu_limit={self.swiglu_limit} must be a finite number > 0 (gpt-oss: 7.0)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise MoEConfigError(
                 f"capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or None for dropless routing"
@@ -76,6 +92,11 @@ class MoEConfig:
             raise MoEConfigError(
                 f"groups={self.groups} must divide num_experts={self.num_experts} into equal groups; "
                 f"choose groups in {divisors(self.num_experts)} (1 turns group-limited routing off)"
+            )
+        if self.score == "topk-softmax" and self.groups > 1:
+            raise MoEConfigError(
+                f"groups={self.groups} limits routing to groups by their scores, which score='topk-softmax' does "
+                "not compute over every expert; set groups=1 or score='softmax'/'sigmoid'"
             )
         if not 1 <= self.group_topk <= self.groups:
             raise MoEConfigError(f"group_topk={self.group_topk} must be between 1 and groups={self.groups}")

@@ -19,14 +19,33 @@ class GroupedExperts(nn.Module):
     swiglu: y = (silu(x W1) * (x W3)) W2      gelu: y = gelu(x W1) W2
     with W1, W3: (E, H, F) and W2: (E, F, H). Stacking on the expert dim is what
     lets expert parallelism shard them with one slice (``Shard(0)`` over ep).
+
+    clamped-swiglu (gpt-oss): W1 is (E, H, 2F) with the gate's and up's columns interleaved (gate in
+    the even columns, up in the odd ones, the layout gpt-oss's fused ``gate_up_proj`` has), so one
+    grouped matmul makes both; then g = min(gate, limit), u = clamp(up, -limit, limit) and
+    y = ((u + 1) * g * sigmoid(alpha * g)) W2. ``bias``: ``w1_bias`` (E, 2F or F) added after W1 and
+    ``w2_bias`` (E, H) after W2, stacked like the weights so ep splits them with their experts.
     """
 
-    def __init__(self, num_experts: int, hidden: int, ffn_hidden: int, activation: str = "swiglu"):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        ffn_hidden: int,
+        activation: str = "swiglu",
+        *,
+        bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ):
         super().__init__()
-        self.activation = activation
-        self.w1 = nn.Parameter(_init(num_experts, hidden, ffn_hidden))
+        self.activation, self.alpha, self.limit = activation, alpha, limit
+        first = 2 * ffn_hidden if activation == "clamped-swiglu" else ffn_hidden
+        self.w1 = nn.Parameter(_init(num_experts, hidden, first))
         self.w2 = nn.Parameter(_init(num_experts, ffn_hidden, hidden))
         self.w3 = nn.Parameter(_init(num_experts, hidden, ffn_hidden)) if activation == "swiglu" else None
+        self.w1_bias = nn.Parameter(torch.zeros(num_experts, first)) if bias else None
+        self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
 
     @property
     def num_experts(self) -> int:
@@ -39,9 +58,23 @@ class GroupedExperts(nn.Module):
         One grouped matmul per weight over all local experts (:func:`grouped_mm`); an expert with no
         rows costs nothing and its gradient is zero.
         """
-        h = grouped_mm(x, self.w1, counts)  # (N, H) x (E, H, F) -> (N, F)
-        h = F.silu(h) * grouped_mm(x, self.w3, counts) if self.w3 is not None else F.gelu(h)
-        return grouped_mm(h, self.w2, counts)  # (N, F) x (E, F, H) -> (N, H)
+        h = self._biased(grouped_mm(x, self.w1, counts), self.w1_bias, counts)  # (N, H) x (E, H, F) -> (N, F)
+        if self.activation == "clamped-swiglu":  # (N, 2F) -> (N, F)
+            gate, up = h[:, ::2].clamp(max=self.limit), h[:, 1::2].clamp(-self.limit, self.limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        elif self.w3 is not None:
+            h = F.silu(h) * grouped_mm(x, self.w3, counts)
+        else:
+            h = F.gelu(h)
+        return self._biased(grouped_mm(h, self.w2, counts), self.w2_bias, counts)  # (N, F) x (E, F, H) -> (N, H)
+
+    @staticmethod
+    def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: Sequence[int]) -> torch.Tensor:
+        """``y`` (N, M) plus each row's expert's bias (E, M): row r of expert e gets ``bias[e]``."""
+        if bias is None:
+            return y
+        sizes = torch.tensor(list(counts), device=y.device)
+        return y + bias.repeat_interleave(sizes, dim=0, output_size=y.shape[0])
 
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -63,8 +63,17 @@ class MoELayer(nn.Module):
             groups=config.groups,
             group_topk=config.group_topk,
             scale=config.scale,
+            router_bias=config.router_bias,
         )
-        self.experts = GroupedExperts(config.num_experts, config.hidden, config.ffn_hidden, config.activation)
+        self.experts = GroupedExperts(
+            config.num_experts,
+            config.hidden,
+            config.ffn_hidden,
+            config.activation,
+            bias=config.expert_bias,
+            alpha=config.swiglu_alpha,
+            limit=config.swiglu_limit,
+        )
         self.ep_group: dist.ProcessGroup | None = None  # set by apply_expert_parallel
         self.token_group: dist.ProcessGroup | None = None
         """Ranks holding other parts of this rank's sequences (cp), set by

@@ -62,8 +62,9 @@ def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str
         shard = nn.Parameter(param.detach()[ep_rank * local : (ep_rank + 1) * local].clone())  # (E/P, ...)
         record = TensorPlacement(f"{prefix}experts.{weight_name}", tuple(param.shape), ((axis, Shard(0)),))
         setattr(layer.experts, weight_name, set_placement(shard, record))
-    router = layer.router.weight
-    set_placement(router, TensorPlacement(f"{prefix}router.weight", tuple(router.shape), ((axis, Replicate()),)))
+    for router_name, router in layer.router.named_parameters():  # the weight, and a logit bias if any
+        record = TensorPlacement(f"{prefix}router.{router_name}", tuple(router.shape), ((axis, Replicate()),))
+        set_placement(router, record)
     layer.ep_group = group
 
 
@@ -127,11 +128,11 @@ def sync_gradients(model: nn.Module, group: dist.ProcessGroup, axis: str = "ep")
 
 def planned_expert_placement(name: str, shape: tuple[int, ...], axis: str = "ep") -> TensorPlacement | None:
     """The record :func:`apply_expert_parallel` gives parameter ``name`` of a model's MoE layers,
-    from its name alone (``*.experts.<w>`` is split over ``axis``, ``*.router.weight`` replicated);
+    from its name alone (``*.experts.<w>`` is split over ``axis``, ``*.router.<p>`` replicated);
     None for a parameter that is not part of an MoE layer. Used to lay out checkpoints offline."""
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] == "experts":
         return TensorPlacement(name, tuple(shape), ((axis, Shard(0)),))
-    if parts[-2:] == ["router", "weight"]:
+    if len(parts) >= 2 and parts[-2] == "router" and parts[-1] in ("weight", "logit_bias"):  # gpt-oss: a bias
         return TensorPlacement(name, tuple(shape), ((axis, Replicate()),))
     return None

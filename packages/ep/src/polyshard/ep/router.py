@@ -1,6 +1,6 @@
 """Router: linear -> scores -> (biased, group-limited) top-k, the balancing losses and the capacity rule.
 
-Two scoring rules, as the model families define them:
+Three scoring rules, as the model families define them:
 
 * ``softmax`` (Mixtral, Qwen-MoE, Switch): probabilities over experts; the chosen experts' weights
   are their probabilities, renormalised to sum 1 (Mixtral) or kept raw (Qwen-MoE as configured).
@@ -8,6 +8,12 @@ Two scoring rules, as the model families define them:
   ``bias`` buffer is added for *selection only* (the auxiliary-loss-free balancing of Wang et al.
   2408.15664, updated by :meth:`Router.update_bias` from the measured load), and the chosen
   experts' weights are their unbiased affinities, normalised, times ``scale``.
+* ``topk-softmax`` (gpt-oss): the k largest logits are chosen and their weights are a softmax over
+  those k logits alone (so they sum to 1 and ``renormalize`` changes nothing); the balancing losses
+  read the softmax over every expert, as for ``softmax``.
+
+``router_bias`` adds a learned bias to the logits (gpt-oss's router is a Linear with a bias), the
+parameter ``logit_bias`` (E,); it is not DeepSeek's selection-only ``bias`` buffer.
 
 Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``): the experts are split into
 ``groups`` equal groups, each group is scored by the sum of its two highest (biased) scores, and
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "topk-softmax")
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +66,7 @@ class Router(nn.Module):
         groups: int = 1,
         group_topk: int = 1,
         scale: float = 1.0,
+        router_bias: bool = False,
     ):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
@@ -67,12 +74,19 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         # The init nn.Linear uses, so a router starts close to uniform.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.logit_bias = nn.Parameter(torch.zeros(num_experts)) if router_bias else None  # (E,)
         self.bias: torch.Tensor | None
         # Replicated state, not a parameter: no gradient, no optimizer; saved with the weights.
         self.register_buffer("bias", torch.zeros(num_experts) if score == "sigmoid" else None)
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = x @ self.weight.t()  # (T, H) @ (H, E) -> (T, E)
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
+        if self.score == "topk-softmax":  # choose by the logits, weigh by a softmax over the chosen k only
+            top, experts = logits.float().topk(self.top_k, dim=-1)  # (T, k) each
+            weights = torch.softmax(top, dim=-1) * self.scale if self.scale != 1.0 else torch.softmax(top, dim=-1)
+            return Routing(logits, torch.softmax(logits.float(), dim=-1), weights, experts)
         if self.score == "softmax":
             scores = probs = torch.softmax(logits.float(), dim=-1)
         else:

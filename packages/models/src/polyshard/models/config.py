@@ -17,7 +17,8 @@ from polyshard.models.errors import check_positive as _check_positive
 class ModelConfig:
     kind: str = "gpt"
     """The family: gpt (decoder-only language model: GPT-2, Llama, Qwen2, Qwen3), moe-gpt (its
-    mixture-of-experts variant: Mixtral, Qwen-MoE, DeepSeek-style routing) or vit (image classifier)."""
+    mixture-of-experts variant: Mixtral, Qwen-MoE, DeepSeek-style routing), gpt-oss (OpenAI's MoE: sinks,
+    alternating windows, YaRN, biased router and clamped-SwiGLU experts) or vit (image classifier)."""
     preset: str | None = None
     """Sets the family's sizes (and architecture) from a named preset; keys given here win."""
     hidden: int = 64

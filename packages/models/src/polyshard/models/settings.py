@@ -155,7 +155,7 @@ def model_config(values: Mapping[str, Any], *, saved: bool = False, note: Note |
     base.pop("kind", None)
     merged = {**base, **checked, "kind": kind}
     if "moe" in fields:
-        merged["moe"] = _moe({**base.get("moe", {}), **_table("moe", checked.get("moe", {}))})
+        merged["moe"] = _moe({**base.get("moe", {}), **_table("moe", checked.get("moe", {}))}, _default_moe(cls))
     elif "moe" in base:
         raise ConfigError(f"model.preset={preset!r} has experts; model.kind={kind!r} has none")
     return cls(**merged)
@@ -169,13 +169,20 @@ def _table(name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _moe(values: dict[str, Any]) -> MoESettings:
+def _default_moe(cls: type) -> MoESettings:
+    """The family's own ``[model.moe]`` defaults (gpt-oss's router and experts differ from Mixtral's)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == "moe")
+    made = field.default_factory() if field.default_factory is not dataclasses.MISSING else MoESettings()
+    return made if isinstance(made, MoESettings) else MoESettings()
+
+
+def _moe(values: dict[str, Any], default: MoESettings | None = None) -> MoESettings:
     known = [f.name for f in dataclasses.fields(MoESettings)]
     for key in values:
         if key not in known:
             raise unknown("key in [model.moe]", key, known)
     checked = {k: check_value(f"model.moe.{k}", declared_type(MoESettings, k), v) for k, v in values.items()}
-    return MoESettings(**checked)
+    return dataclasses.replace(default, **checked) if default is not None else MoESettings(**checked)
 
 
 def _translated(

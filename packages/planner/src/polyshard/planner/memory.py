@@ -31,7 +31,6 @@ import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -121,11 +120,19 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     )
 
 
-@lru_cache(maxsize=32)
 def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global shape, from a build on the meta device (a tied alias is not listed)."""
-    skeleton = build_model(model, layers=())
-    return {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+    """Every parameter's global shape, from a build on the meta device (a tied alias is not listed).
+    Cached by the model's repr: a list field (layer_types) leaves the config itself unhashable."""
+    key = repr(model)
+    if key not in _SHAPES:
+        if len(_SHAPES) >= 32:
+            _SHAPES.clear()
+        skeleton = build_model(model, layers=())
+        _SHAPES[key] = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+    return _SHAPES[key]
+
+
+_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 
 
 def _records(config: Config) -> dict[str, TensorPlacement]:
@@ -134,13 +141,13 @@ def _records(config: Config) -> dict[str, TensorPlacement]:
     tp plan, so they are worked out once per model, tp size and sequence parallelism (all of the parallel
     section the tp plan reads), not once per layout."""
     par = config.parallel
-    key = (config.model, par.tp, par.sequence_parallel)
+    key = (repr(config.model), par.tp, par.sequence_parallel)  # repr: layer_types is a list
     if key not in _RECORDS:
         _RECORDS[key] = {name: base_record(config, name, shape) for name, shape in global_shapes(config.model).items()}
     return _RECORDS[key]
 
 
-_RECORDS: dict[tuple[ModelConfig, int, bool], dict[str, TensorPlacement]] = {}
+_RECORDS: dict[tuple[str, int, bool], dict[str, TensorPlacement]] = {}
 
 
 def _held(config: Config, record: TensorPlacement) -> Held:
@@ -171,7 +178,8 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     (also two stages of one rank: the engine unties them there). Cached: the planner asks for the
     same split of the same model under many ZeRO stages, microbatch counts and schedules."""
     par = config.parallel
-    key: tuple[object, ...] = (config.model, tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
+    # The model by its repr: a list field (layer_types) makes the frozen dataclass itself unhashable.
+    key: tuple[object, ...] = (repr(config.model), tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
     key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
     key += (tuple(par.stage_layers or ()), pp_rank, config.training.optimizer)
     if key not in _HOLDINGS:
@@ -201,7 +209,7 @@ def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
 def stage_bounds(config: Config) -> list[range]:
     """:func:`pipeline_bounds` of ``config`` (cached by the model and the split)."""
     par = config.parallel
-    key = (config.model, par.pp, par.virtual_stages, tuple(par.stage_layers or ()))
+    key = (repr(config.model), par.pp, par.virtual_stages, tuple(par.stage_layers or ()))
     if key not in _BOUNDS:
         _BOUNDS[key] = pipeline_bounds(config, global_shapes(config.model))
     return _BOUNDS[key]

@@ -31,7 +31,7 @@ LEGACY_NAMES = {
 }
 MAX_EXPERTS = 1 << 16  # model.moe.num_experts at most: open MoEs route among 8 to a few hundred (Kimi K2: 384)
 # Fields polyshard.ep.MoEConfig has beside these settings: the model gives them.
-_FROM_MODEL = ("hidden", "ffn_hidden", "activation")
+_FROM_MODEL = ("hidden", "ffn_hidden")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -47,8 +47,20 @@ class MoESettings:
     """Rescale each token's top-k router weights to sum to 1 (Mixtral; Hugging Face's norm_topk_prob);
     false keeps their softmax values (Qwen2-MoE)."""
     score: str = "softmax"
-    """Router scores: softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3: the chosen experts' affinities
-    normalised, with a per-expert bias that only selects, see bias_update_rate)."""
+    """Router scores: softmax (Mixtral, Qwen-MoE), sigmoid (DeepSeek-V3: the chosen experts' affinities
+    normalised, with a per-expert bias that only selects, see bias_update_rate) or topk-softmax (gpt-oss:
+    the k largest logits chosen, their weights a softmax over those k; renormalize changes nothing)."""
+    router_bias: bool = False
+    """A learned bias on the router's logits (gpt-oss)."""
+    activation: str = "swiglu"
+    """The experts' MLP: swiglu (Mixtral, Qwen, DeepSeek), gelu, or clamped-swiglu (gpt-oss: gate and up
+    clamped at swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate))."""
+    swiglu_alpha: float = 1.702
+    """With activation = clamped-swiglu: the sigmoid's gain (gpt-oss: 1.702)."""
+    swiglu_limit: float = 7.0
+    """With activation = clamped-swiglu: the clamp on gate (above) and up (both sides) (gpt-oss: 7)."""
+    expert_bias: bool = False
+    """Biases on each routed expert's first and last matrices (gpt-oss)."""
     groups: int = 1
     """Group-limited routing (DeepSeek-V3's n_group): the experts split into this many equal groups; 1 is off."""
     group_topk: int = 1

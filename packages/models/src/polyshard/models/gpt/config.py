@@ -34,8 +34,24 @@ class GPTConfig(ModelConfig):
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (positions = rope); Llama 3 uses 500000."""
     rope_scale_factor: float = 1.0
-    """Llama 3.1's rotary frequency scaling (Hugging Face rope_type "llama3"): frequencies with wavelengths
-    above rope_original_context / rope_low_freq_factor are divided by this; 1 means no scaling (Llama 3.2: 32)."""
+    """Rotary frequency scaling's factor (rope_type says which rule): the context it stretches to over
+    rope_original_context; 1 means no scaling (Llama 3.2: 32, gpt-oss: 32)."""
+    rope_type: str = "llama3"
+    """The scaling rule when rope_scale_factor > 1 (Hugging Face's rope_type): llama3 (Llama 3.1: frequencies
+    with wavelengths above rope_original_context / rope_low_freq_factor divided by the factor) or yarn (YaRN,
+    gpt-oss and DeepSeek-V3: rope_beta_fast/slow, rope_truncate, rope_mscale*, rope_attention_factor)."""
+    rope_beta_fast: float = 32.0
+    """YaRN: dims turning more than this many times over rope_original_context keep their frequency."""
+    rope_beta_slow: float = 1.0
+    """YaRN: dims turning fewer than this many times are divided by the factor (a ramp between)."""
+    rope_truncate: bool = True
+    """YaRN: round the ramp's ends outward to whole dims (Hugging Face's truncate; gpt-oss: false)."""
+    rope_mscale: float | None = None
+    """YaRN (DeepSeek): with rope_mscale_all_dim, the attention scale is mscale(f, this) / mscale(f, that)."""
+    rope_mscale_all_dim: float | None = None
+    """YaRN (DeepSeek): see rope_mscale."""
+    rope_attention_factor: float | None = None
+    """YaRN: the factor on cos and sin when set; unset: from rope_mscale*, else 0.1 ln(factor) + 1."""
     rope_low_freq_factor: float = 1.0
     """With rope scaling: wavelengths above rope_original_context / this are scaled fully."""
     rope_high_freq_factor: float = 4.0
@@ -120,12 +136,7 @@ class GPTConfig(ModelConfig):
     def _check_rope_scaling(self) -> None:
         """One check of the scaling's numbers: :class:`RopeScaling`'s, named as ``[model]`` fields."""
         try:
-            RopeScaling(
-                factor=self.rope_scale_factor,
-                low_freq_factor=self.rope_low_freq_factor,
-                high_freq_factor=self.rope_high_freq_factor,
-                original_context=self.rope_original_context,
-            )
+            self._rope_scaling_rule()
         except ValueError as err:
             raise ConfigError(f"model.{err}") from err
         if self.rope_scale_factor != 1.0 and self.positions != "rope":
@@ -136,14 +147,24 @@ class GPTConfig(ModelConfig):
 
     @property
     def rope_scaling(self) -> RopeScaling | None:
-        """Llama 3.1's rotary frequency scaling as set; None when the factor is 1 (none)."""
+        """The rotary frequency scaling as set (Llama 3.1's or YaRN); None when the factor is 1 (none)."""
         if self.rope_scale_factor == 1.0:
             return None
+        return self._rope_scaling_rule()
+
+    def _rope_scaling_rule(self) -> RopeScaling:
         return RopeScaling(
             factor=self.rope_scale_factor,
             low_freq_factor=self.rope_low_freq_factor,
             high_freq_factor=self.rope_high_freq_factor,
             original_context=self.rope_original_context,
+            kind=self.rope_type,
+            beta_fast=self.rope_beta_fast,
+            beta_slow=self.rope_beta_slow,
+            truncate=self.rope_truncate,
+            mscale=self.rope_mscale,
+            mscale_all_dim=self.rope_mscale_all_dim,
+            attention_factor=self.rope_attention_factor,
         )
 
     @property

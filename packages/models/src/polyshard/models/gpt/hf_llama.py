@@ -116,7 +116,13 @@ def _rope(hf: Mapping[str, Any], where: str, context: int, default_theta: float 
 
 
 def differences(model: GPTConfig) -> dict[str, object]:
-    return shape_differences(model, SHAPE)
+    return shape_differences(model, {**SHAPE, **llama3_rope(model)})
+
+
+def llama3_rope(model: Any) -> dict[str, object]:
+    """What a Llama-like file needs of a model's rotary scaling: Llama 3.1's rule, when it scales at all
+    (their config.json writes only that rule)."""
+    return {"rope_type": "llama3"} if model.rope_scale_factor != 1.0 else {}
 
 
 def locations(model: GPTConfig) -> dict[str, TensorLocation]:
@@ -227,7 +233,7 @@ def decoder_family(
         model_type=model_type,
         title=title,
         settings=settings,
-        differences=lambda model: shape_differences(model, shape),
+        differences=lambda model: shape_differences(model, {**shape, **llama3_rope(model)}),
         locations=locations,
         config=config,
         base_prefix="model.",  # the base model's files: embed_tokens, layers, norm without "model."

@@ -53,6 +53,8 @@ MIXTRAL_SHAPE: dict[str, object] = {
 QWEN3_MOE_SHAPE: dict[str, object] = {**_BASE, "qkv_bias": False, "qk_norm": True, "moe.shared_experts": 0}
 # bias=False (from Llama's) is o_proj's and the MLPs'; q, k and v have biases as qkv_bias says.
 QWEN2_MOE_SHAPE: dict[str, object] = {**_BASE, "qk_norm": False, "moe.shared_experts": 1, "moe.shared_gate": True}
+# What these families' experts are, beyond the settings a folder gives (a model differing is exported as none).
+_PLAIN = {"moe.activation": "swiglu", "moe.router_bias": False, "moe.expert_bias": False}
 
 
 def _experts(model: MoEGPTConfig, prefix: str, names: Mapping[str, str]) -> dict[str, TensorLocation]:
@@ -145,7 +147,9 @@ def mixtral_config(model: MoEGPTConfig) -> dict[str, object]:
     }
 
 
-MIXTRAL = decoder_family("mixtral", "Mixtral", MIXTRAL_SHAPE, mixtral_settings, mixtral_locations, mixtral_config)
+MIXTRAL = decoder_family(
+    "mixtral", "Mixtral", {**MIXTRAL_SHAPE, **_PLAIN}, mixtral_settings, mixtral_locations, mixtral_config
+)
 
 
 # -- Qwen3-MoE and Qwen2-MoE ---------------------------------------------------------------------------
@@ -240,9 +244,9 @@ def qwen2_moe_config(model: MoEGPTConfig) -> dict[str, object]:
 
 
 QWEN3_MOE = decoder_family(
-    "qwen3_moe", "Qwen3-MoE", QWEN3_MOE_SHAPE, qwen3_moe_settings, qwen_moe_locations, qwen3_moe_config
+    "qwen3_moe", "Qwen3-MoE", {**QWEN3_MOE_SHAPE, **_PLAIN}, qwen3_moe_settings, qwen_moe_locations, qwen3_moe_config
 )
 
 QWEN2_MOE = decoder_family(
-    "qwen2_moe", "Qwen2-MoE", QWEN2_MOE_SHAPE, qwen2_moe_settings, qwen_moe_locations, qwen2_moe_config
+    "qwen2_moe", "Qwen2-MoE", {**QWEN2_MOE_SHAPE, **_PLAIN}, qwen2_moe_settings, qwen_moe_locations, qwen2_moe_config
 )

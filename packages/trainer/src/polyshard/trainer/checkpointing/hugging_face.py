@@ -149,7 +149,7 @@ class HFSource(HFWeights):
         for ours, location in self.locations.items():
             if self.global_shape(MODEL + ours) != wanted[ours]:
                 raise CheckpointError(
-                    f"{self.folder}: {location.name} is {list(self.shapes[location.name])}, which does not make "
+                    f"{self.folder}: {location.name} is {list(self.global_shape(MODEL + ours))}, which does not make "
                     f"{ours} {list(wanted[ours])}; config.json and the weights disagree"
                 )
 
