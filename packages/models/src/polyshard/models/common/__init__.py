@@ -7,7 +7,7 @@ from polyshard.models.common.documents import Documents, document_mask, document
 from polyshard.models.common.initialise import init_weights
 from polyshard.models.common.mlp import MLP, NORMS, SwiGLU, norm_layer
 from polyshard.models.common.recompute import checkpoint_mode, selective_contexts
-from polyshard.models.common.rotary import RopeScaling, rope_frequencies, rotate
+from polyshard.models.common.rotary import RopeScaling, YarnScaling, deinterleave, rope_frequencies, rotate, yarn_mscale
 
 __all__ = [
     "ACTIVATIONS",
@@ -19,7 +19,9 @@ __all__ = [
     "Documents",
     "RopeScaling",
     "SwiGLU",
+    "YarnScaling",
     "checkpoint_mode",
+    "deinterleave",
     "document_mask",
     "document_positions",
     "init_weights",
@@ -27,4 +29,5 @@ __all__ = [
     "rope_frequencies",
     "rotate",
     "selective_contexts",
+    "yarn_mscale",
 ]
