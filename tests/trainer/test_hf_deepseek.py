@@ -75,7 +75,7 @@ def _hf_logits(folder):
 
 
 MESHES = {
-    "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
+    "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
 }  # fmt: skip
 QUICK = {("deepseek_v3", "one"), ("deepseek_v2", "one"), ("deepseek_v3", "ep2xtp2"), ("deepseek_v3", "pp2")}
 LAYOUTS = [(f, m) for f in FAMILIES for m in MESHES]

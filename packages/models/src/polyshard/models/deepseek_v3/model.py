@@ -5,8 +5,10 @@ shared experts, :class:`polyshard.models.moe_gpt.model.MoEMLP`) in the others.""
 
 from __future__ import annotations
 
+from polyshard.mesh import divisors
 from polyshard.models.common.mla import MLA
 from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config
 from polyshard.models.deepseek_v3.hf import DEEPSEEK_V2, DEEPSEEK_V3
 from polyshard.models.deepseek_v3.presets import PRESETS
@@ -87,14 +89,15 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    """The MoE GPT's rules (ep divides the experts, no ZeRO-3 with ep, no SP with experts), and tp divides
-    the heads and the dense MLPs."""
+    """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep, no
+    sequence parallelism with experts), and tp divides the heads and the dense MLPs."""
     config = deepseek_config(model)
-    moe_gpt.check(config, parallel)
+    if config.first_dense_layers < config.num_layers:
+        moe_gpt.check(config, parallel)
     if config.num_heads % parallel.tp:
-        raise moe_gpt.ConfigError(
+        raise ConfigError(
             f"parallel.tp={parallel.tp} does not divide model.num_heads={config.num_heads}; "
-            f"choose tp in {moe_gpt.divisors(config.num_heads)}"
+            f"choose tp in {divisors(config.num_heads)}"
         )
     if config.first_dense_layers:
         check_mlp_split(config.mlp_width, parallel.tp)
