@@ -19,7 +19,8 @@ def _hf_config(name):
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "beta_fast": 32.0, "beta_slow": 1.0}  # fmt: skip
     if name == "deepseek-v3":  # DeepSeek-V3's config.json (its defaults in transformers, plus its YaRN)
-        return t.DeepseekV3Config(max_position_embeddings=163840, rope_parameters={**yarn, "mscale": 1.0, "mscale_all_dim": 1.0})
+        yarn = {**yarn, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return t.DeepseekV3Config(max_position_embeddings=163840, rope_parameters=yarn)
     return t.DeepseekV2Config(  # DeepSeek-V2-Lite's config.json
         vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
         num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, kv_lora_rank=512,

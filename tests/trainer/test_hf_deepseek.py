@@ -151,6 +151,7 @@ def test_a_folder_polyshard_cannot_compute_is_refused_by_name(folders, tmp_path,
 
 
 def test_v2_group_limited_routing_is_refused(folders, tmp_path):
-    folder = _broken(folders["deepseek_v2"], tmp_path, "broken", lambda hf: {**hf, "topk_method": "group_limited_greedy"})
+    grouped = {"topk_method": "group_limited_greedy"}
+    folder = _broken(folders["deepseek_v2"], tmp_path, "broken", lambda hf: {**hf, **grouped})
     with pytest.raises(CheckpointError, match="topk_method='group_limited_greedy' is not supported"):
         model_settings(folder)

@@ -104,8 +104,9 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring)."""
     e, h, f, n = _element_bytes(precision), model.hidden, model.mlp_width, model.num_heads
     q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
-    mla = isinstance(model, DeepSeekV3Config)
-    v, out = (n * model.v_head_dim, n * model.v_head_dim) if mla else (kv, q)  # MLA's values: their own width
+    v, out = (kv, q)
+    if isinstance(model, DeepSeekV3Config):  # MLA's values (and so the core's output) have their own width
+        v = out = n * model.v_head_dim
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e + _mla_latent_bytes(model, e)  # whole on each rank
     # q, the output, and the core's k and v (repeated under Ulysses); one fp32 log-sum-exp per head

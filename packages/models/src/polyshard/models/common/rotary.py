@@ -81,7 +81,7 @@ class YarnScaling:
             return head_dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), head_dim - 1)
+        high: float = min(math.ceil(correction_dim(self.beta_slow)), head_dim - 1)
         if low == high:
             high += 0.001  # a ramp of zero width would divide by zero
         powers = theta ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float) / head_dim)

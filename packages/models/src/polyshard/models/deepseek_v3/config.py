@@ -83,7 +83,7 @@ class DeepSeekV3Config(MoEGPTConfig):
             if getattr(self, name) != want:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}: DeepSeek's blocks use {want!r}; set it so")
         try:
-            self.yarn
+            _ = self.yarn  # YarnScaling's checks, named as [model] fields
         except ValueError as err:
             raise ConfigError(f"model.{err}") from err
 
@@ -104,7 +104,7 @@ class DeepSeekV3Config(MoEGPTConfig):
     @property
     def softmax_scale(self) -> float:
         """1 / sqrt(q/k head dim), times YaRN's mscale(factor, mscale_all_dim) squared when it stretches."""
-        scale = self.attention_head_dim**-0.5
+        scale: float = self.attention_head_dim**-0.5
         if self.yarn is not None and self.yarn_mscale_all_dim:
             scale = scale * yarn_mscale(self.yarn_factor, self.yarn_mscale_all_dim) ** 2
         return scale

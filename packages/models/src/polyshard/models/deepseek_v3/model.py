@@ -8,10 +8,10 @@ from __future__ import annotations
 from polyshard.mesh import divisors
 from polyshard.models.common.mla import MLA
 from polyshard.models.config import ModelConfig
-from polyshard.models.errors import ConfigError
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config
 from polyshard.models.deepseek_v3.hf import DEEPSEEK_V2, DEEPSEEK_V3
 from polyshard.models.deepseek_v3.presets import PRESETS
+from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
 from polyshard.models.moe_gpt import model as moe_gpt
 from polyshard.models.spec import (
