@@ -155,3 +155,59 @@ def test_v2_group_limited_routing_is_refused(folders, tmp_path):
     folder = _broken(folders["deepseek_v2"], tmp_path, "broken", lambda hf: {**hf, **grouped})
     with pytest.raises(CheckpointError, match="topk_method='group_limited_greedy' is not supported"):
         model_settings(folder)
+
+
+def test_each_ep_rank_reads_only_its_experts(folders, corpus):
+    """An ep rank's region of a stacked expert tensor names only its experts' stored tensors."""
+    from polyshard.trainer.checkpointing.hugging_face import HFSource
+
+    folder = folders["deepseek_v3"]
+    source = HFSource(folder, _config(folder, corpus, ep=2))
+    key = "model/layers.2.mlp.moe.experts.w2"  # (E, F, H) from experts.<e>.down_proj.weight (H, F)
+    assert source.global_shape(key) == (8, 16, 32)
+    tensors = load_file(folder / "model.safetensors")
+    rows = source.read(key, (4, 0, 0), (4, 16, 32), torch.float32)  # ep rank 1 of 2
+    for e in range(4, 8):
+        assert torch.equal(rows[e - 4], tensors[f"model.layers.1.mlp.experts.{e}.down_proj.weight"].T)
+    source.files["model.layers.1.mlp.experts.0.down_proj.weight"] = "nowhere.safetensors"  # never opened
+    source.read(key, (4, 0, 0), (4, 16, 32), torch.float32)
+
+
+def _train_from_hf(config, folder, out):
+    from polyshard.mesh import Mesh
+    from polyshard.trainer.loop import train
+
+    return train(config, Mesh(config.parallel.mesh_axes), out, log=False, init_from=f"hf:{folder}").losses
+
+
+@pytest.mark.long
+def test_export_after_training_loads_in_transformers(distributed, folders, corpus, tmp_path):
+    """Initialise from the folder, train 3 steps on ep2 with the selection bias moving, export: transformers
+    loads the folder with nothing missing or unexpected, its logits are polyshard's, and the moved bias
+    is the folder's e_score_correction_bias."""
+    from polyshard.checkpoint import latest_checkpoint
+    from polyshard.models import build_model
+    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.config import from_dict
+
+    folder = folders["deepseek_v3"]
+    base = _config(folder, corpus, ep=2)
+    settings = {**model_settings(folder), "moe.bias_update_rate": 0.01}
+    config = from_dict({"model": settings, "parallel": {"ep": 2}, "training": {"steps": 3, "global_batch_size": 4,
+                        "eval_every": 0, "sample_tokens": 0}, "data": {"source": corpus},
+                        "logging": {"progress_bar": False}})  # fmt: skip
+    assert config.model.moe.score == base.model.moe.score == "sigmoid"
+    distributed.run(2, _train_from_hf, config, folder, tmp_path / "run")
+    state = consolidate(latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    bias = "layers.2.mlp.moe.router.bias"
+    original = load_file(folder / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert not torch.equal(state[bias], original)  # moved by the load
+    out = write_hf(state, config.model, tmp_path / "hf-out")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(loaded.model.layers[1].mlp.gate.e_score_correction_bias, state[bias])
+    ours = build_model(config.model)
+    ours.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        theirs, mine = loaded.eval()(_tokens()[:, :-1]).logits, ours.eval()(_tokens()[:, :-1])
+    torch.testing.assert_close(theirs, mine, rtol=ROUND_OFF, atol=ROUND_OFF)
