@@ -5,7 +5,8 @@ KV-cache bytes per token and layer, and one attention layer's forward + backward
 
 The MLA layer has DeepSeek-V2-Lite's proportions at a smaller width (16 heads; q and k 64 + 32 rotary dims,
 v 64; a kv latent of 256 and a q latent of 384); the GQA layer has the same 16 heads of 64 dims and 4 kv
-heads (Llama's grouping). Both run causal attention through the same core (SDPA on one row). The cache
+heads (Llama's grouping). Both run causal attention through the same core (SDPA on one row; MLA pads
+its values with zeros to the q/k head dim there, so SDPA's fused kernel runs rather than the S x S fallback). The cache
 counts what an inference cache would keep per token and layer in bf16: MLA's latent and shared rotary key,
 GQA's k and v heads. Times are the median of ``--repeats`` steps after one warm-up; time them on an idle
 machine. Standalone: it needs torch and polyshard-models only.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from polyshard.models.common.attention import CoreAttention
@@ -114,5 +115,17 @@ class MLA(nn.Module):
             q = q * self.q_factor
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)  # (B, N, S, Dn+Dr)
         extra = {} if documents is None else {"segments": documents.segments}
-        y = self.core(q, k, v.contiguous(), **extra)  # (B, N, S, Dv)
+        pad = self._pad_values(q, v, documents)
+        y = self.core(q, k, F.pad(v, (0, pad)) if pad else v.contiguous(), **extra)  # (B, N, S, Dv [+ pad])
+        if pad:
+            y = y[..., : self.v_head_dim]
         return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
+
+    def _pad_values(self, q: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> int:
+        """Zero dims to append to the values for plain causal SDPA: its fused kernels (FlashAttention on CUDA,
+        the CPU's flash kernel) need one head dim for q, k and v, and without them SDPA falls back to
+        computing the whole S x S scores (5-9x slower on the CPU at 2K tokens). Zeros weigh nothing in the
+        sum and the extra output dims are cut off, so the result is exact. The other cores (blocksparse,
+        flex, cp's ring and all-gather) take the values as they are."""
+        plain = type(self.core) is CoreAttention and self.core.core in ("auto", "sdpa") and documents is None
+        return q.shape[-1] - v.shape[-1] if plain and q.shape[-1] > v.shape[-1] else 0
