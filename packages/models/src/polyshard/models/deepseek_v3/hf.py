@@ -1,19 +1,17 @@
 """DeepSeek-V3 (``deepseek_v3``: V3, V3.x, Kimi K2's layout) and DeepSeek-V2 (``deepseek_v2``: V2-Lite's greedy
-softmax routing) in and out. The files keep one ``Linear`` per expert; polyshard stacks them, transposed:
+softmax routing) in and out. The files keep one ``Linear`` per expert; polyshard stacks them, transposed.
 
-======================================  ===============================================  ==========
-polyshard (``layers.<i>``)              Hugging Face (``model.layers.<i-1>``)            layout
-======================================  ===============================================  ==========
-``attn.q_proj`` (no q latent)           ``self_attn.q_proj``                             same
-``attn.q_down`` / ``q_norm`` / ``q_up``   ``self_attn.q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``  same
-``attn.kv_down`` / ``kv_norm``          ``self_attn.kv_a_proj_with_mqa`` / ``kv_a_layernorm``  same
-``attn.kv_up`` / ``attn.o_proj``        ``self_attn.kv_b_proj`` / ``o_proj``             same
-``mlp.{gate,up,down}_proj`` (dense)     ``mlp.{gate,up,down}_proj``                      same
-``mlp.moe.router.weight``               ``mlp.gate.weight``                              same
-``mlp.moe.router.bias`` (a buffer)      ``mlp.gate.e_score_correction_bias`` (V3)        same
-``mlp.moe.experts.w1`` / ``w3`` / ``w2``  ``mlp.experts.<e>.gate_proj`` / ``up_proj`` / ``down_proj``  stacked, T
-``mlp.shared_expert.*``                 ``mlp.shared_experts.*``                         same
-======================================  ===============================================  ==========
+polyshard (``layers.<i>``) -> Hugging Face (``model.layers.<i-1>``), the same layout unless it says:
+
+* ``attn.q_proj`` (no q latent) -> ``self_attn.q_proj``; ``attn.q_down``, ``q_norm``, ``q_up`` ->
+  ``self_attn.q_a_proj``, ``q_a_layernorm``, ``q_b_proj``
+* ``attn.kv_down``, ``kv_norm``, ``kv_up``, ``o_proj`` -> ``self_attn.kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+  ``kv_b_proj``, ``o_proj``
+* a dense block's ``mlp.{gate,up,down}_proj`` -> ``mlp.{gate,up,down}_proj``
+* ``mlp.moe.router.weight`` -> ``mlp.gate.weight``; the selection bias ``mlp.moe.router.bias`` (a buffer) ->
+  ``mlp.gate.e_score_correction_bias`` (V3 only)
+* ``mlp.moe.experts.w1``, ``w3``, ``w2`` (stacked, transposed) -> ``mlp.experts.<e>.gate_proj``, ``up_proj``,
+  ``down_proj``; ``mlp.shared_expert.*`` -> ``mlp.shared_experts.*``
 
 The rotary dims stay in the file's interleaved order (MLA de-interleaves them when it runs), so import
 then export is bit for bit. Refused, naming the key: another rope type than default or YaRN, grouped
