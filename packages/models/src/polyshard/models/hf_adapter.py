@@ -125,6 +125,45 @@ def require(hf: Mapping[str, Any], key: str, where: str, fine: tuple[object, ...
         raise CheckpointError(f"{where}: {key}={value!r} is not supported ({why}); polyshard reads {fine[0]!r}")
 
 
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "mscale",
+             "mscale_all_dim", "attention_factor")  # fmt: skip
+"""The keys of transformers' ``rope_parameters`` for ``rope_type = "yarn"`` (besides rope_type and rope_theta)."""
+
+
+def read_yarn(params: Mapping[str, Any], where: str) -> dict[str, object]:
+    """YaRN's ``rope_parameters`` as the GPT's rope_* settings (gpt-oss, DeepSeek-V2/V3). An mscale of 0 is
+    read as unset, as transformers reads it (a falsy mscale falls back to 0.1 ln(factor) + 1)."""
+    factor = read_number(params, "factor", where, above=0.0)
+    if factor < 1.0:
+        raise CheckpointError(f"{where}: factor={factor} must be >= 1 (YaRN stretches the context)")
+    optional = {
+        key: read_number(params, key, where, above=0.0) if params.get(key) not in (None, 0, 0.0) else None
+        for key in ("mscale", "mscale_all_dim", "attention_factor")
+    }
+    return {
+        "rope_type": "yarn",
+        "rope_scale_factor": factor,
+        "rope_original_context": read_int(params, "original_max_position_embeddings", where),
+        "rope_beta_fast": read_number(params, "beta_fast", where, default=32.0, above=0.0),
+        "rope_beta_slow": read_number(params, "beta_slow", where, default=1.0, above=0.0),
+        "rope_truncate": read_bool(params, "truncate", where, default=True),
+        **{f"rope_{key}": value for key, value in optional.items()},
+    }
+
+
+def yarn_parameters(model: Any) -> dict[str, object]:
+    """The GPT's rope_* settings as transformers' ``rope_parameters`` for YaRN (unset mscales left out)."""
+    out: dict[str, object] = {
+        "rope_type": "yarn", "rope_theta": model.rope_theta, "factor": model.rope_scale_factor,
+        "beta_fast": model.rope_beta_fast, "beta_slow": model.rope_beta_slow, "truncate": model.rope_truncate,
+        "original_max_position_embeddings": model.rope_original_context,
+    }  # fmt: skip
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(model, f"rope_{key}") is not None:
+            out[key] = getattr(model, f"rope_{key}")
+    return out
+
+
 def _get(hf: Mapping[str, Any], key: str, where: str, default: Any) -> Any:
     value = hf.get(key)
     if value is None:

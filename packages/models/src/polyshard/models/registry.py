@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+from polyshard.models.deepseek_v3.model import SPEC as DEEPSEEK_V3_SPEC
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt.model import SPEC as GPT_SPEC
 from polyshard.models.gpt_oss.model import SPEC as GPT_OSS_SPEC
@@ -14,7 +15,9 @@ from polyshard.models.moe_gpt.model import SPEC as MOE_GPT_SPEC
 from polyshard.models.spec import ModelSpec
 from polyshard.models.vit.model import SPEC as VIT_SPEC
 
-SPECS: dict[str, ModelSpec] = {spec.kind: spec for spec in (GPT_SPEC, MOE_GPT_SPEC, GPT_OSS_SPEC, VIT_SPEC)}
+SPECS: dict[str, ModelSpec] = {
+    spec.kind: spec for spec in (GPT_SPEC, MOE_GPT_SPEC, GPT_OSS_SPEC, DEEPSEEK_V3_SPEC, VIT_SPEC)
+}
 """The families this package holds, then those registered."""
 
 

@@ -15,6 +15,11 @@ hidden, f MLP width, n query heads, k·h/n key/value width, e bytes per element 
 Where ``model.head_dim`` is set, q's width is n·head_dim rather than h; an MoE block's f is an
 expert's width, and its shared experts' SwiGLU (every token) counts like a dense one.
 
+Multi-head latent attention (DeepSeek's MLA) keeps q and k n·(Dn + Dr) wide and v n·Dv, plus its latents:
+the q latent and the kv latent with its rotary key (each a matmul output and an RMSNorm's input, x·rstd
+and rstd in fp32), whole on every tp rank. Its inference cache holds (R + Dr)·e per token and layer
+(:func:`kv_cache_bytes_per_token`), against 2·k·(h/n)·e for grouped-query attention.
+
 Norms run on a sequence shard under sequence parallelism (÷ tp); context parallelism splits every
 sequence (÷ cp); under Ulysses the core keeps q, k, v and its output as head shards of the whole sequence
 (the same bytes), but k and v count once per copy where its all-to-all group outnumbers a tp rank's kv
@@ -42,6 +47,8 @@ backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter`
 from __future__ import annotations
 
 from polyshard.models import output_width, sequence_length, spec_of
+from polyshard.models.common import kv_cache_width
+from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.memory import stage_bounds
@@ -78,6 +85,23 @@ def _kv_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
     return max(1, group // max(1, model.kv_heads // parallel.tp))
 
 
+def kv_cache_bytes_per_token(model: ModelConfig, precision: str = "bf16") -> int:
+    """Bytes an inference cache keeps per token over every layer: MLA's latent and shared rotary key, or
+    grouped-query attention's k and v heads."""
+    e = _element_bytes(precision)
+    if isinstance(model, DeepSeekV3Config):
+        return model.num_layers * kv_cache_width(model.kv_lora_rank, model.qk_rope_head_dim) * e
+    return model.num_layers * 2 * model.kv_heads * model.attention_head_dim * e
+
+
+def _mla_latent_bytes(model: ModelConfig, e: int) -> float:
+    """MLA's latents, whole on every tp rank: each a matmul output, then an RMSNorm's x·rstd and rstd (fp32)."""
+    if not isinstance(model, DeepSeekV3Config):
+        return 0.0
+    latents = [model.kv_lora_rank] + ([] if model.q_lora_rank is None else [model.q_lora_rank])
+    return model.qk_rope_head_dim * e + sum(r * e + (r + 1) * 4 for r in latents)
+
+
 def _routed(model: ModelConfig, sparse: bool) -> bool:
     """Whether the block computes with experts: a sparse block of a model with experts."""
     return spec_of(model).has_experts and sparse
@@ -93,11 +117,15 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     with experts, in a model that has them (else a dense MLP: ``model.moe.dense_layers``)."""
     e, h, f, n = _element_bytes(precision), model.hidden, _dense_width(model), model.num_heads
     q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
+    v, out = (kv, q)
+    if isinstance(model, DeepSeekV3Config):  # MLA's values (and so the core's output) have their own width
+        v = out = n * model.v_head_dim
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
-    outside = 2 * _norm(model, e) / shard + 2 * h * e
-    attention = (2 * q + 2 * kv * _kv_copies(model, parallel)) * e + n * 4  # the core's k, v: repeated under Ulysses
+    outside = 2 * _norm(model, e) / shard + 2 * h * e + _mla_latent_bytes(model, e)  # whole on each rank
+    # q, the output, and the core's k and v (repeated under Ulysses); one fp32 log-sum-exp per head
+    attention = (q + out + (kv + v) * _kv_copies(model, parallel)) * e + n * 4
     if parallel.cp > 1 and parallel.cp_style == "allgather":  # the whole sequence's K and V, gathered in fp32
-        attention += 2 * kv * 4 * parallel.cp
+        attention += (kv + v) * 4 * parallel.cp
     arch = _architecture(model)
     if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.models import active_share, layer_of, sequence_length, tied_names
+from polyshard.models import ModelConfig, active_share, layer_of, sequence_length, tied_names
+from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
 from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
@@ -54,6 +55,15 @@ class StageCosts:
     forward: float
     backward: float
     weight: float
+
+
+def attention_width(model: ModelConfig) -> float:
+    """The width the scores and the weighted sum run over per token, as a fraction of the attention FLOPs'
+    2·t·s·width: the hidden size for the GPT's attention (its calibration); for MLA the heads' q/k and v
+    dims, n·(Dn + Dr + Dv) / 2 (DeepSeek-V3: 128 x 320 / 2 = 20,480, against its 7,168 hidden)."""
+    if isinstance(model, DeepSeekV3Config):
+        return model.num_heads * (model.attention_head_dim + model.v_head_dim) / 2
+    return model.hidden
 
 
 def processes_per_node(parallel: ParallelConfig, profile: Profile) -> int:
@@ -113,7 +123,7 @@ def stage_costs(
     params = layer_matmul_params(config)
     matmul = 2 * tokens * sum(params[i] for i in layers) / par.tp / rate
     blocks = sum(1 for i in layers if 0 < i < model.num_layers + 1)
-    attention = blocks * 2 * tokens * sequence_length(model) * model.hidden / par.tp / rate
+    attention = blocks * 2 * tokens * sequence_length(model) * attention_width(model) / par.tp / rate
     touched = stage_bytes(config, layers, micro_batch, checkpointing=False)  # what runs, saved or not
     elementwise = touched / profile.elementwise_bandwidth(width, k)
     elementwise += blocks * profile.block_overhead(width, k)

@@ -5,12 +5,14 @@ from polyshard.models.common.attention import Attention, CoreAttention
 from polyshard.models.common.block import ACTIVATIONS, Block
 from polyshard.models.common.documents import Documents, document_mask, document_positions
 from polyshard.models.common.initialise import init_weights
+from polyshard.models.common.mla import MLA, kv_cache_width
 from polyshard.models.common.mlp import MLP, NORMS, SwiGLU, norm_layer
 from polyshard.models.common.recompute import checkpoint_mode, selective_contexts
-from polyshard.models.common.rotary import RopeScaling, rope_frequencies, rotate
+from polyshard.models.common.rotary import RopeScaling, deinterleave, rope_frequencies, rotate, yarn_mscale
 
 __all__ = [
     "ACTIVATIONS",
+    "MLA",
     "MLP",
     "NORMS",
     "Attention",
@@ -20,11 +22,14 @@ __all__ = [
     "RopeScaling",
     "SwiGLU",
     "checkpoint_mode",
+    "deinterleave",
     "document_mask",
     "document_positions",
     "init_weights",
+    "kv_cache_width",
     "norm_layer",
     "rope_frequencies",
     "rotate",
     "selective_contexts",
+    "yarn_mscale",
 ]

@@ -79,12 +79,13 @@ class RopeScaling:
         if self.attention_factor is not None:
             return self.attention_factor
         if self.mscale and self.mscale_all_dim:
-            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
-        return _yarn_mscale(self.factor)
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 m ln(s) + 1 (1 for s <= 1)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(s) + 1 (1 for s <= 1); DeepSeek also multiplies its softmax
+    scale by mscale(factor, mscale_all_dim) squared."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -155,3 +156,10 @@ def rotate(
     x32 = x.float()
     half = torch.cat([-x32[..., d // 2 :], x32[..., : d // 2]], dim=-1)
     return (x32 * cos + half * sin).to(x.dtype)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary layout to the half-split one :func:`rotate` expects: dims (0, 1), (2, 3), ... are
+    its pairs; this puts the even dims first and the odd ones after, so pair i is dims i and i + D/2
+    (what transformers' ``apply_rotary_pos_emb_interleave`` computes, rotated in the same output order)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)

@@ -31,7 +31,15 @@ from typing import Any
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.hf_llama import decoder_config, decoder_locations, decoder_settings
 from polyshard.models.gpt_oss.config import GptOssConfig
-from polyshard.models.hf_adapter import Family, read_bool, read_int, read_number, shape_differences
+from polyshard.models.hf_adapter import (
+    Family,
+    read_bool,
+    read_int,
+    read_number,
+    read_yarn,
+    shape_differences,
+    yarn_parameters,
+)
 
 # What makes a model gpt-oss's architecture (beyond the sizes and values a folder gives).
 SHAPE: dict[str, object] = {
@@ -113,24 +121,7 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         raise CheckpointError(
             f"{where}: {name}.rope_type={kind!r} is not supported; polyshard reads 'default' and 'yarn'"
         )
-    inside = f"{where}: {name}"
-    factor = read_number(params, "factor", inside, above=0.0)
-    if factor < 1.0:
-        raise CheckpointError(f"{inside}: factor={factor} must be >= 1 (YaRN stretches the context)")
-    optional = {
-        key: read_number(params, key, inside, above=0.0) if params.get(key) is not None else None
-        for key in ("mscale", "mscale_all_dim", "attention_factor")
-    }
-    return {
-        "rope_theta": theta,
-        "rope_type": "yarn",
-        "rope_scale_factor": factor,
-        "rope_original_context": read_int(params, "original_max_position_embeddings", inside),
-        "rope_beta_fast": read_number(params, "beta_fast", inside, default=32.0, above=0.0),
-        "rope_beta_slow": read_number(params, "beta_slow", inside, default=1.0, above=0.0),
-        "rope_truncate": read_bool(params, "truncate", inside, default=True),
-        **{f"rope_{key}": value for key, value in optional.items()},
-    }
+    return {"rope_theta": theta, **read_yarn(params, f"{where}: {name}")}
 
 
 def _windows(hf: Mapping[str, Any], where: str, layers: int) -> dict[str, object]:
@@ -180,14 +171,7 @@ def config(model: GptOssConfig) -> dict[str, object]:
     del out["rope_scaling"], out["rope_theta"]
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scale_factor != 1.0:
-        rope = {
-            "rope_type": "yarn", "rope_theta": model.rope_theta, "factor": model.rope_scale_factor,
-            "beta_fast": model.rope_beta_fast, "beta_slow": model.rope_beta_slow, "truncate": model.rope_truncate,
-            "original_max_position_embeddings": model.rope_original_context,
-        }  # fmt: skip
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(model, f"rope_{key}") is not None:
-                rope[key] = getattr(model, f"rope_{key}")
+        rope = yarn_parameters(model)
     slides = model.sliding_window is not None
     kinds = model.layer_types or [_KINDS[0] if slides else _KINDS[1]] * model.num_layers
     return {

@@ -72,6 +72,7 @@ from polyshard.data.tokenizer import FileTokenizer
 from polyshard.models import build_model
 from polyshard.models.hf_adapter import Family, setting
 from polyshard.models.hf_families import family_of, hf_families
+from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.config import Config, ModelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
 
@@ -144,14 +145,20 @@ class HFSource(HFWeights):
             buffers=family.buffers,
         )
         self.family = family
-        skeleton = build_model(config.model, layers=())  # the meta device: shapes only
-        wanted = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+        wanted = _shapes(config.model)
         for ours, location in self.locations.items():
             if self.global_shape(MODEL + ours) != wanted[ours]:
                 raise CheckpointError(
                     f"{self.folder}: {location.name} is {list(self.global_shape(MODEL + ours))}, which does not make "
                     f"{ours} {list(wanted[ours])}; config.json and the weights disagree"
                 )
+
+
+def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameters' and persistent buffers' shapes (a sigmoid router's selection bias is a buffer that
+    DeepSeek-V3's files hold as ``e_score_correction_bias``), from the model on the meta device."""
+    skeleton = build_model(model, layers=())
+    return {name: tuple(p.shape) for name, p in [*skeleton.named_parameters(), *persistent_buffers(skeleton)]}
 
 
 def _read_config(folder: Path) -> tuple[Family, dict[str, Any], str]:
@@ -179,8 +186,7 @@ def _hf_tensors(
     of stacked experts), one at a time: transposed where the family stores ``x @ W``, and fused tensors
     (GPT-2's q, k, v) put side by side along the last dim in their parts' order."""
     parts = _parts(model)
-    skeleton = build_model(model, layers=())  # the meta device: shapes only
-    shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+    shapes = _shapes(model)
 
     def shape_of(hf_name: str) -> tuple[int, ...]:
         pieces = []

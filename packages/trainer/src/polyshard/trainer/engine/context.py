@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.cp import context_parallel_attention, position_ids, ring_attention, shard_sequence, ulysses_attention
-from polyshard.models.common import Attention, CoreAttention
+from polyshard.models.common import MLA, Attention, CoreAttention
 from polyshard.models.gpt import Embedding
 
 
@@ -111,7 +111,7 @@ def apply_context_parallel(
     ``ulysses_groups``: this rank's (all-to-all group, ring group) for style 'ulysses+ring'."""
     positions = position_ids(sequence_length, group, device)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, (Attention, MLA)):  # MLA: its q/k and v differ in head dims, as the cores allow
             core = module.core
             assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
             # polyshard.tp types core as the CoreAttention it builds; these modules take (q, k, v) alike.

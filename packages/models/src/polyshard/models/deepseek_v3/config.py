@@ -1,0 +1,101 @@
+"""DeepSeek-V3's and V2's settings (``[model] kind = "deepseek-v3"``): the MoE GPT's (Llama-like norms, SwiGLU
+and rotary positions; ``[model.moe]``), plus multi-head latent attention's widths, the dense first blocks
+and YaRN's rotary scaling (the GPT's rope_* fields, rope_type 'yarn'). ``num_kv_heads``, ``head_dim``,
+``qk_norm``, q/k/v biases, sliding windows and sinks are the GPT's attention's and are refused here: MLA has its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyshard.models.common import yarn_mscale
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError, check_at_least, check_positive
+from polyshard.models.moe_gpt.config import MoEGPTConfig
+
+# GPT attention settings MLA does not read: each must keep its default.
+_NOT_MLA = {
+    "num_kv_heads": None, "head_dim": None, "qk_norm": False, "qkv_bias": None, "sliding_window": None,
+    "layer_types": None, "attention_sinks": False, "tie_embeddings": False,
+}  # fmt: skip
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeepSeekV3Config(MoEGPTConfig):
+    kind: str = "deepseek-v3"
+    norm: str = "rms"
+    activation: str = "swiglu"
+    positions: str = "rope"
+    bias: bool = False
+    norm_eps: float = 1e-6
+    q_lora_rank: int | None = None
+    """Width of the queries' latent (DeepSeek-V3: 1536); None: queries come straight from the hidden state
+    (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 32
+    """Width of the keys' and values' shared latent (DeepSeek-V2/V3: 512)."""
+    qk_nope_head_dim: int = 16
+    """Dims of each head's query and key without rotary positions (DeepSeek: 128)."""
+    qk_rope_head_dim: int = 8
+    """Dims of each head's query and of the one key every head shares that carry rotary positions (DeepSeek: 64)."""
+    v_head_dim: int = 16
+    """Dims of each head's value (DeepSeek: 128)."""
+    attention_bias: bool = False
+    """Biases on the down projections and the output projection (Hugging Face's attention_bias)."""
+    rope_interleave: bool = True
+    """The checkpoints store rotary dims in interleaved pairs (0, 1), (2, 3), ... (DeepSeek's layout)."""
+    first_dense_layers: int = 1
+    """The first this-many blocks keep a dense SwiGLU MLP (mlp_hidden wide); the rest are MoE layers
+    (Hugging Face's first_k_dense_replace; DeepSeek-V3: 3, V2-Lite: 1)."""
+    rope_type: str = "yarn"
+    """DeepSeek stretches its context with YaRN (the GPT's rope_* fields: rope_scale_factor 40 for V3)."""
+    rope_original_context: int = 4096
+    """With YaRN: the context the model was first trained on (DeepSeek-V2/V3: 4096)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_positive(f"model.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_positive("model.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary dims come in pairs)"
+            )
+        check_at_least("model.first_dense_layers", self.first_dense_layers, 0)
+        if self.first_dense_layers > self.num_layers:
+            raise ConfigError(
+                f"model.first_dense_layers={self.first_dense_layers} exceeds model.num_layers={self.num_layers}"
+            )
+        for name, default in _NOT_MLA.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"model.{name}={getattr(self, name)!r} is the GPT's attention's; model.kind='deepseek-v3' uses "
+                    f"multi-head latent attention (its own widths) or has none: leave it unset ({default!r})"
+                )
+        for name, want in (("norm", "rms"), ("activation", "swiglu"), ("positions", "rope")):
+            if getattr(self, name) != want:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r}: DeepSeek's blocks use {want!r}; set it so")
+
+    @property
+    def softmax_scale(self) -> float:
+        """1 / sqrt(q/k head dim), times YaRN's mscale(factor, mscale_all_dim) squared when it stretches."""
+        scale: float = self.attention_head_dim**-0.5
+        if self.rope_scaling is not None and self.rope_mscale_all_dim:
+            scale = scale * yarn_mscale(self.rope_scale_factor, self.rope_mscale_all_dim) ** 2
+        return scale
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Dims of each head's query and key: non-rotary and rotary."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def sparse_layer(self, block: int) -> bool:
+        """Whether block ``block`` (0-based) is an MoE layer; the first ``first_dense_layers`` are dense.
+        (Where ``[model.moe] dense_layers`` exists, this is the one place to read it from instead.)"""
+        return block >= self.first_dense_layers
+
+
+def deepseek_config(model: ModelConfig) -> DeepSeekV3Config:
+    """``model`` as DeepSeek's settings (the spec's functions are declared over every family's)."""
+    if not isinstance(model, DeepSeekV3Config):
+        raise ConfigError(f"model.kind={model.kind!r} is not DeepSeek's; this needs model.kind='deepseek-v3'")
+    return model
