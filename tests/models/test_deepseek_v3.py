@@ -74,7 +74,7 @@ def test_document_masks_keep_mla_inside_each_document():
     [
         ({"qk_rope_head_dim": 7, "qk_nope_head_dim": 15}, "model.qk_rope_head_dim=7 must be even"),
         ({"num_kv_heads": 2}, "model.num_kv_heads=2 is the GPT's attention's"),
-        ({"first_dense_layers": 9}, "model.first_dense_layers=9 exceeds model.num_layers=4"),
+        ({"moe": {"dense_layers": [9]}}, r"model.moe.dense_layers=\[9\] names blocks \[9\] past the last block"),
         ({"kv_lora_rank": 0}, "model.kv_lora_rank=0"),
         ({"rope_scale_factor": 0.5}, "model.rope_scale_factor=0.5 must be a finite number >= 1"),
         ({"norm": "layer"}, "model.norm='layer': DeepSeek's blocks use 'rms'"),

@@ -29,8 +29,8 @@ MOE = {
     "shared_experts": 1, "bias_update_rate": 0.01, "aux_loss_coef": 0.0,
 }  # fmt: skip
 MODELS = {
-    "deepseek": {**MLA, "first_dense_layers": 1, "moe": MOE},
-    "deepseek-dense": {**MLA, "first_dense_layers": 3, "q_lora_rank": None},
+    "deepseek": {**MLA, "moe": {**MOE, "dense_layers": [0]}},
+    "deepseek-dense": {**MLA, "moe": {"dense_layers": [0, 1, 2]}, "q_lora_rank": None},
 }
 
 

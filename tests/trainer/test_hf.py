@@ -214,7 +214,9 @@ def test_a_folder_that_does_not_fit_is_refused_naming_what(gpt2, corpus, tmp_pat
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    readable = r"model_type 'mistral' is not supported; polyshard reads \['deepseek_v2', 'deepseek_v3', 'gpt2', 'gpt_oss'"
+    readable = (
+        r"model_type 'mistral' is not supported; polyshard reads \['deepseek_v2', 'deepseek_v3', 'gpt2', 'gpt_oss'"
+    )
     with pytest.raises(CheckpointError, match=readable):
         model_settings(mistral)
     with pytest.raises(CheckpointError, match="exists"):

@@ -5,11 +5,13 @@ and YaRN's rotary scaling (the GPT's rope_* fields, rope_type 'yarn'). ``num_kv_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from polyshard.models.common import yarn_mscale
+from polyshard.models.common.moe import MoESettings
 from polyshard.models.config import ModelConfig
-from polyshard.models.errors import ConfigError, check_at_least, check_positive
+from polyshard.models.errors import ConfigError, check_positive
 from polyshard.models.moe_gpt.config import MoEGPTConfig
 
 # GPT attention settings MLA does not read: each must keep its default.
@@ -42,9 +44,10 @@ class DeepSeekV3Config(MoEGPTConfig):
     """Biases on the down projections and the output projection (Hugging Face's attention_bias)."""
     rope_interleave: bool = True
     """The checkpoints store rotary dims in interleaved pairs (0, 1), (2, 3), ... (DeepSeek's layout)."""
-    first_dense_layers: int = 1
-    """The first this-many blocks keep a dense SwiGLU MLP (mlp_hidden wide); the rest are MoE layers
-    (Hugging Face's first_k_dense_replace; DeepSeek-V3: 3, V2-Lite: 1)."""
+    moe: MoESettings = field(default_factory=lambda: MoESettings(dense_layers=[0]))
+    """The experts (``[model.moe]``); ``moe.dense_layers`` names the first blocks, which keep a dense SwiGLU
+    MLP mlp_hidden wide (Hugging Face's first_k_dense_replace; DeepSeek-V3: [0, 1, 2], V2-Lite: [0])."""
+    all_dense_allowed: ClassVar[bool] = True
     rope_type: str = "yarn"
     """DeepSeek stretches its context with YaRN (the GPT's rope_* fields: rope_scale_factor 40 for V3)."""
     rope_original_context: int = 4096
@@ -59,11 +62,6 @@ class DeepSeekV3Config(MoEGPTConfig):
         if self.qk_rope_head_dim % 2:
             raise ConfigError(
                 f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary dims come in pairs)"
-            )
-        check_at_least("model.first_dense_layers", self.first_dense_layers, 0)
-        if self.first_dense_layers > self.num_layers:
-            raise ConfigError(
-                f"model.first_dense_layers={self.first_dense_layers} exceeds model.num_layers={self.num_layers}"
             )
         for name, default in _NOT_MLA.items():
             if getattr(self, name) != default:
@@ -87,11 +85,6 @@ class DeepSeekV3Config(MoEGPTConfig):
     def attention_head_dim(self) -> int:
         """Dims of each head's query and key: non-rotary and rotary."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    def sparse_layer(self, block: int) -> bool:
-        """Whether block ``block`` (0-based) is an MoE layer; the first ``first_dense_layers`` are dense.
-        (Where ``[model.moe] dense_layers`` exists, this is the one place to read it from instead.)"""
-        return block >= self.first_dense_layers
 
 
 def deepseek_config(model: ModelConfig) -> DeepSeekV3Config:

@@ -99,7 +99,7 @@ def _common(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         "qk_rope_head_dim": read_int(hf, "qk_rope_head_dim", where),
         "v_head_dim": read_int(hf, "v_head_dim", where),
         "attention_bias": read_bool(hf, "attention_bias", where, default=False),
-        "first_dense_layers": dense,
+        "moe.dense_layers": list(range(dense)),
         "moe.num_experts": experts,
         "moe.top_k": top_k,
         "moe.ffn_hidden": ffn,
@@ -168,6 +168,17 @@ def locations(model: DeepSeekV3Config) -> dict[str, TensorLocation]:
     return out
 
 
+def _first_dense(model: DeepSeekV3Config) -> int:
+    """first_k_dense_replace: DeepSeek's config can only name the first k blocks dense."""
+    dense = sorted(set(model.moe.dense_layers))
+    if dense != list(range(len(dense))):
+        raise CheckpointError(
+            f"model.moe.dense_layers={model.moe.dense_layers!r}: DeepSeek's config.json keeps only the first k "
+            f"blocks dense (first_k_dense_replace); name blocks 0..k-1, e.g. {list(range(len(dense)))}"
+        )
+    return len(dense)
+
+
 def _config(model: DeepSeekV3Config) -> dict[str, object]:
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling is not None:
@@ -190,7 +201,7 @@ def _config(model: DeepSeekV3Config) -> dict[str, object]:
         "v_head_dim": model.v_head_dim,
         "qk_nope_head_dim": model.qk_nope_head_dim,
         "num_experts_per_tok": model.moe.top_k,
-        "first_k_dense_replace": model.first_dense_layers,
+        "first_k_dense_replace": _first_dense(model),
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
         "rope_parameters": rope,

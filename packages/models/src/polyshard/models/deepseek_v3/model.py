@@ -1,6 +1,6 @@
 """DeepSeek-V3 / V2 as plain PyTorch: the GPT's layers (embedding, blocks, head) with multi-head latent
-attention in every block (:class:`polyshard.models.common.mla.MLA`), a dense SwiGLU MLP in the first
-``first_dense_layers`` blocks and an MoE layer (sigmoid, group-limited routing with a selection bias and
+attention in every block (:class:`polyshard.models.common.mla.MLA`), a dense SwiGLU MLP in the
+``moe.dense_layers`` blocks (the first ones) and an MoE layer (sigmoid, group-limited routing with a selection bias and
 shared experts, :class:`polyshard.models.moe_gpt.model.MoEMLP`) in the others."""
 
 from __future__ import annotations
@@ -92,14 +92,14 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep, no
     sequence parallelism with experts), and tp divides the heads and the dense MLPs."""
     config = deepseek_config(model)
-    if config.first_dense_layers < config.num_layers:
+    if config.sparse_layers:
         moe_gpt.check(config, parallel)
     if config.num_heads % parallel.tp:
         raise ConfigError(
             f"parallel.tp={parallel.tp} does not divide model.num_heads={config.num_heads}; "
             f"choose tp in {divisors(config.num_heads)}"
         )
-    if config.first_dense_layers:
+    if config.moe.dense_layers:
         check_mlp_split(config.mlp_width, parallel.tp)
 
 

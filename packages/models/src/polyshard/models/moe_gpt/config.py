@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from polyshard.ep import MoEConfig
 from polyshard.models.common.moe import MoESettings
@@ -16,6 +17,8 @@ class MoEGPTConfig(GPTConfig):
     kind: str = "moe-gpt"
     moe: MoESettings = field(default_factory=MoESettings)
     """Every block's MLP (but ``moe.dense_layers``') is a mixture of experts with these settings (``[model.moe]``)."""
+    all_dense_allowed: ClassVar[bool] = False
+    """Whether every block may be dense (DeepSeek's MLA is a model of its own without experts)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -27,7 +30,7 @@ class MoEGPTConfig(GPTConfig):
                 f"model.moe.dense_layers={dense!r} names blocks {outside} past the last block "
                 f"({self.num_layers - 1}; blocks count from 0); keep indices below model.num_layers={self.num_layers}"
             )
-        if len(set(dense)) == self.num_layers:
+        if len(set(dense)) == self.num_layers and not self.all_dense_allowed:
             raise ConfigError(
                 f"model.moe.dense_layers={dense!r} leaves no block with experts; use model.kind='gpt' for a dense "
                 "model, or leave at least one block out of dense_layers"
