@@ -93,7 +93,9 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     config = moe_config(config)
     model = gpt.build(config, options)
     layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
-    for block in model.layers[1:-1]:
+    head = model.layers[-1]
+    depths = [depth.block for depth in head.mtp.depths] if head.mtp is not None else []  # DeepSeek-V3's are MoE
+    for block in [*model.layers[1:-1], *depths]:
         block.mlp = MoEMLP(
             layer,
             aux_loss_scale=options.aux_loss_scale,
@@ -128,6 +130,9 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
         plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
         if model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
+    plan |= gpt.mtp_plan(model, parallel, mlp=False)  # the depths' attention; their experts are ep's
+    for k in range(model.mtp_depth if model.moe.shared_experts else 0):
+        plan |= mlp_plan(f"layers.{model.num_layers + 1}.mtp.depths.{k}.block", False, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 
@@ -143,6 +148,13 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
         raise ConfigError(
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
+        )
+    gpt.check_mtp(model, parallel)
+    if model.mtp_depth > 1:
+        raise ConfigError(
+            f"model.mtp_depth={model.mtp_depth} with model.kind='moe-gpt' is not supported: each depth's block "
+            "is an MoE layer and the head's pipeline layer holds at most one (the experts' load is kept per "
+            "layer); use mtp_depth = 1, as DeepSeek-V3 does"
         )
     if model.moe.shared_experts:
         check_mlp_split(model.shared_width, par.tp)
