@@ -34,7 +34,7 @@ TOL = {"rtol": 2e-5, "atol": 2e-6}
 PARAM_TOL = {"rtol": 2e-5, "atol": 4e-6}
 
 
-def _config(kind="gpt", depth=2, tie=False, weight=0.3, **parallel):
+def _config(kind="gpt", depth=2, tie=False, weight=0.3, training=None, **parallel):
     model = {
         "kind": kind,
         "hidden": 32,
@@ -63,6 +63,7 @@ def _config(kind="gpt", depth=2, tie=False, weight=0.3, **parallel):
                 "grad_clip": 0.0,
                 "weight_decay": 2.0,
                 "mtp_loss_weight": weight,
+                **(training or {}),
             },
         }
     )
@@ -104,7 +105,9 @@ def _reference_loss(model, config, inputs, targets, segments):
         d = head.mtp.depths[k - 1]
         ahead = torch.zeros_like(inputs)
         ahead[:, : length - k] = inputs[:, k:]  # the token k places ahead (0 past the row: masked below)
-        combined = torch.cat([_rms(F.embedding(ahead, tok), d.embed_norm.weight), _rms(hidden, d.hidden_norm.weight)], -1)
+        combined = torch.cat(
+            [_rms(F.embedding(ahead, tok), d.embed_norm.weight), _rms(hidden, d.hidden_norm.weight)], -1
+        )
         hidden = d.block(combined @ d.combine.weight.T)
         logits_k = _rms(hidden, d.norm.weight) @ proj.T
         wanted = torch.full_like(targets, -100)
@@ -134,7 +137,9 @@ def _reference(config, documents=False):
     inputs, targets, segments = _batch(documents)
     losses, grads = [], None
     for step in range(STEPS):
-        main, mtp, total = _reference_loss(model, config, inputs[step], targets[step], None if segments is None else segments[step])
+        main, mtp, total = _reference_loss(
+            model, config, inputs[step], targets[step], None if segments is None else segments[step]
+        )
         total.backward()
         losses.append([float(main.detach()), *(float(v.detach()) for v in mtp)])
         if step == 0:
@@ -231,13 +236,28 @@ LAYOUTS = [
     pytest.param(2, "moe-gpt", False, {"ep": 2}, False, id="ep2"),
     pytest.param(2, "gpt", True, {"dp": 2, "zero_stage": 3}, False, id="dp2-zero3-tied"),
     pytest.param(2, "gpt", False, {"cp": 2}, True, id="cp2-documents"),
+    # the V puts the embedding and the head (with the depths' copy of the embedding and the tied head's)
+    # on one rank in two stages; make test-long keeps the suite's time
+    pytest.param(
+        2,
+        "gpt",
+        True,
+        {"pp": 2, "microbatches": 4, "schedule": "zb-v", "virtual_stages": 2},
+        False,
+        id="pp2-zbv-tied",
+        marks=pytest.mark.long,
+    ),
+    # the chunked loss projects each depth's normed states with the shared head, vocabulary-parallel
+    pytest.param(
+        2, "gpt", False, {"tp": 2, "training": {"loss_chunks": 3}}, False, id="tp2-loss-chunks", marks=pytest.mark.long
+    ),
 ]
 
 
 @pytest.mark.parametrize("world, kind, tie, parallel, documents", LAYOUTS)
 def test_layout_trains_the_plain_reference(distributed, references, world, kind, tie, parallel, documents):
     depth = 1 if kind == "moe-gpt" else 2
-    config = _config(kind, depth, tie, **parallel)
+    config = _config(kind, depth, tie, **parallel)  # a "training" entry of parallel overrides [training]
     losses, grads, params = _expected(references, (kind, tie), _config(kind, depth, tie), documents)
     results = distributed.run(world, _run, config, documents)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(losses), **TOL)

@@ -24,7 +24,7 @@ keeps each depth's loss for logging.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ class MultiTokenPrediction(nn.Module):
         if self.inputs is None or self.targets is None or self.loss_fn is None:
             return output
         losses = []
-        for k, depth in enumerate(self.depths):
+        for k, depth in enumerate(cast(list[PredictionDepth], self.depths)):
             hidden = depth(hidden, self.embed(self.inputs[..., k]))
             losses.append(self.loss_fn(head(depth.norm(hidden)), self.targets[..., k], k))
         stacked = torch.stack(losses)  # (D,)

@@ -99,7 +99,9 @@ class GPTConfig(ModelConfig):
         self._check_rope_scaling()
         self._check_attention()
         if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
-            raise ConfigError(f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0: off; DeepSeek-V3 uses 1)")
+            raise ConfigError(
+                f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0: off; DeepSeek-V3 uses 1)"
+            )
         if self.mtp_depth >= self.context_length:
             raise ConfigError(
                 f"model.mtp_depth={self.mtp_depth} leaves no target in a row of model.context_length="

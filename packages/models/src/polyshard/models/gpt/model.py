@@ -83,14 +83,15 @@ class LMHead(nn.Module):
         self.mtp: MultiTokenPrediction | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.proj(self.norm(x)) if self.logits else self.norm(x)
+        out: torch.Tensor = self.proj(self.norm(x)) if self.logits else self.norm(x)
         if self.mtp is not None:
             out = self.mtp(x, out, self._head)
-        return out  # type: ignore[no-any-return]
+        return out
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
         """What the head makes of normed hidden states: logits, or (chunked loss) the states themselves."""
-        return self.proj(normed) if self.logits else normed  # type: ignore[no-any-return]
+        projected: torch.Tensor = self.proj(normed) if self.logits else normed
+        return projected
 
 
 class GPT(nn.Module):
@@ -160,7 +161,9 @@ class GPT(nn.Module):
         if mtp_depth:
             # Each depth's block is built like the last block (its window too); the embedding is the model's.
             depths = [
-                PredictionDepth(Block(hidden, num_heads, kv_heads, mlp_ratio, window=windows[-1], **block), hidden, norm, norm_eps)
+                PredictionDepth(
+                    Block(hidden, num_heads, kv_heads, mlp_ratio, window=windows[-1], **block), hidden, norm, norm_eps
+                )
                 for _ in range(mtp_depth)
             ]
             head.mtp = MultiTokenPrediction(depths, vocab_size, hidden, weight=mtp_loss_weight)
@@ -279,7 +282,7 @@ def tied(model: ModelConfig) -> dict[str, str]:
 def mtp_plan(model: ModelConfig, parallel: ParallelSizes, mlp: bool = True) -> dict[str, object]:
     """Each prediction depth's block splits like the model's blocks (heads and MLP columns over tp); its
     norms and its (2H -> H) combination are replicated, and run on whole sequences (no SP inside)."""
-    config, plan = gpt_config(model), {}
+    config, plan = gpt_config(model), dict[str, object]()
     for k in range(config.mtp_depth):
         block = f"layers.{model.num_layers + 1}.mtp.depths.{k}.block"
         plan |= attention_plan(block, config, parallel, qk_norm=config.qk_norm, sinks=config.attention_sinks)

@@ -10,7 +10,7 @@ without a second output, as Megatron-LM's MoE aux-loss scaler does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.models.common import SwiGLU
+from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
@@ -93,8 +94,9 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     config = moe_config(config)
     model = gpt.build(config, options)
     layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
-    head = model.layers[-1]
-    depths = [depth.block for depth in head.mtp.depths] if head.mtp is not None else []  # DeepSeek-V3's are MoE
+    head = cast(gpt.LMHead, model.layers[-1])
+    mtp: list[nn.Module] = list(head.mtp.depths) if head.mtp is not None else []
+    depths = [cast(PredictionDepth, depth).block for depth in mtp]  # DeepSeek-V3's depths are MoE blocks too
     for block in [*model.layers[1:-1], *depths]:
         block.mlp = MoEMLP(
             layer,
@@ -132,7 +134,9 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
     plan |= gpt.mtp_plan(model, parallel, mlp=False)  # the depths' attention; their experts are ep's
     for k in range(model.mtp_depth if model.moe.shared_experts else 0):
-        plan |= mlp_plan(f"layers.{model.num_layers + 1}.mtp.depths.{k}.block", False, "swiglu", mlp="mlp.shared_expert")
+        plan |= mlp_plan(
+            f"layers.{model.num_layers + 1}.mtp.depths.{k}.block", False, "swiglu", mlp="mlp.shared_expert"
+        )
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 

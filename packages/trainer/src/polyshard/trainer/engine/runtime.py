@@ -84,7 +84,9 @@ class Engine:
         around = self.around_forward(segments, num_microbatches)
         if shifted is not None and self.mtp_loss_fns:
             modules = prediction_modules(self.stages)
-            around = both(around, StagePrediction(modules, *shifted, self.mtp_loss_fns, num_microbatches).around_forward)
+            around = both(
+                around, StagePrediction(modules, *shifted, self.mtp_loss_fns, num_microbatches).around_forward
+            )
         result = self.executor.step(
             inputs if self.holds_first_stage else None,
             targets if self.holds_last_stage else None,
