@@ -296,3 +296,10 @@ def test_refusals_name_the_setting():
         validate(_config("moe-gpt", 2))
     with pytest.raises(ConfigError, match="with parallel.sequence_parallel is not supported"):
         validate(_config(tp=2, sequence_parallel=True))
+
+
+def test_a_hugging_face_export_says_it_leaves_the_depths_out():
+    from polyshard.trainer.checkpointing.hugging_face import export_note
+
+    assert "the 2 multi-token prediction depth(s) (layers.3.mtp.*) are left out" in export_note(_config().model)
+    assert export_note(_config(depth=0).model) is None  # a Llama without depths exports whole, nothing to say

@@ -87,7 +87,7 @@ def train_step(
     depths = len(engine.mtp_loss_fns)
     shifted = None
     if depths:  # multi-token prediction: cut from whole rows, then into this cp rank's chunks (engine.mtp)
-        whole = shifted_tokens(inputs, targets, depths, segments)
+        whole = shifted_tokens(inputs, targets, depths, None if segments is None else segments.to(inputs.device))
         shifted = (engine.local_tokens(whole[0]), engine.local_tokens(whole[1]))
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
     replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
