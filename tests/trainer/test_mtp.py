@@ -303,3 +303,40 @@ def test_a_hugging_face_export_says_it_leaves_the_depths_out():
 
     assert "the 2 multi-token prediction depth(s) (layers.3.mtp.*) are left out" in export_note(_config().model)
     assert export_note(_config(depth=0).model) is None  # a Llama without depths exports whole, nothing to say
+
+
+def _add_depths(plain, with_depths, out):
+    """Train ``plain`` one step (a checkpoint), then load it into an engine of ``with_depths``: the trunk's
+    weights (name -> tensor) as trained, and the depths' as built."""
+    from polyshard.checkpoint import MODEL, Checkpoint, latest_checkpoint
+    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.engine.builder import build_engine
+    from polyshard.trainer.loop import train
+
+    train(plain, Mesh(plain.parallel.mesh_axes), out, log=False)
+    saved = Checkpoint(latest_checkpoint(out / "checkpoints"))
+    engine = build_engine(with_depths, Mesh(with_depths.parallel.mesh_axes))
+    built = {n: p.detach().clone() for n, p in engine.stages[0].named_parameters()}
+    load_into(engine, saved)
+    names = engine.global_names(0)
+    loaded = {names[n]: p.detach().clone() for n, p in engine.stages[0].named_parameters()}
+    return loaded, {names[n]: t for n, t in built.items()}, {n: saved.whole(MODEL + n) for n in saved.params()}
+
+
+def test_depths_added_to_a_model_trained_without_them_start_as_built(distributed, corpus, tmp_path):
+    def config(depth):
+        return from_dict(
+            {
+                "model": {**_config(depth=depth).model.__dict__, "vocab_size": 260},
+                "training": {"steps": 1, "global_batch_size": 2, "eval_every": 0, "sample_tokens": 0},
+                "data": {"source": corpus},
+                "logging": {"progress_bar": False},
+            }
+        )
+
+    loaded, built, saved = distributed.run(1, _add_depths, config(0), config(2), tmp_path)[0]
+    depths = [n for n in loaded if ".mtp." in n]
+    assert depths and all(torch.equal(loaded[n], built[n]) for n in depths)
+    trunk = [n for n in loaded if ".mtp." not in n]
+    assert set(trunk) == set(saved) and all(torch.equal(loaded[n], saved[n]) for n in trunk)
+    assert any(not torch.equal(built[n], saved[n]) for n in trunk)  # the trained step moved them: a real load
