@@ -19,6 +19,12 @@ k positions, or a token k ahead in another document) carry the ignore index. The
 main output by :class:`AttachLoss` (its gradient flows in the main loss's backward), so a pipeline still
 passes one tensor and the reported loss stays the next-token one; :attr:`MultiTokenPrediction.loss_sums`
 keeps each depth's loss for logging.
+
+A family opts in (the GPT does, so Llama, Qwen and the MoE GPT do): it builds D :class:`PredictionDepth`
+around blocks like its own, puts a :class:`MultiTokenPrediction` on its output head's layer as ``mtp``
+(whose forward calls it after the head, with the head's input), ties ``mtp.embed.weight`` to its token
+embedding (a ``tied`` entry of its spec, so a pipeline's last stage holds a kept-equal copy), adds the
+depths' blocks to its tp plan and has a ``mtp_depth`` setting; the trainer finds the module by type.
 """
 
 from __future__ import annotations
