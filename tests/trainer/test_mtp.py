@@ -247,6 +247,10 @@ LAYOUTS = [
         id="pp2-zbv-tied",
         marks=pytest.mark.long,
     ),
+    pytest.param(2, "gpt", False, {"dp": 2, "zero_stage": 3}, False, id="dp2-zero3", marks=pytest.mark.long),
+    pytest.param(
+        4, "moe-gpt", False, {"ep": 2, "pp": 2, "microbatches": 2}, True, id="ep2xpp2-documents", marks=pytest.mark.long
+    ),
     # the chunked loss projects each depth's normed states with the shared head, vocabulary-parallel
     pytest.param(
         2, "gpt", False, {"tp": 2, "training": {"loss_chunks": 3}}, False, id="tp2-loss-chunks", marks=pytest.mark.long
