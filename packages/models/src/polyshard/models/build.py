@@ -51,18 +51,20 @@ def build_model(
     checkpoint_activations: bool | str = False,
     aux_loss_scale: float = 1.0,
     head_logits: bool = True,
+    mtp_loss_weight: float = 0.3,
 ) -> nn.Module:
     """The unparallelised model ``config`` describes, with every layer (or only ``layers``) on ``device``.
 
     ``checkpoint_activations``: blocks recompute their insides in backward ("full" or "selective").
     ``aux_loss_scale``: the gradient of an MoE layer's aux loss (1 / microbatches when a step accumulates
     several). ``head_logits``: False has a language model's head return its normed hidden states, for a
-    loss that projects them itself (``training.loss_chunks``).
+    loss that projects them itself (``training.loss_chunks``). ``mtp_loss_weight``: lambda of a model with
+    multi-token prediction (``model.mtp_depth`` > 0).
     """
     spec = spec_of(config)
     spec.check_model(config)  # a model is built only from settings its family accepts
     with torch.device("meta"):
-        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale, head_logits))
+        model = spec.build(config, BuildOptions(checkpoint_activations, aux_loss_scale, head_logits, mtp_loss_weight))
     ties = spec.tied(config)
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
     wanted = set(range(len(cast(nn.ModuleList, model.layers))) if layers is None else layers)
@@ -74,7 +76,9 @@ def build_model(
         generator = layer_generator(seed, i, device)
         with torch.no_grad():
             if config.init_rule == "depth":
-                place = LayerPlace(i, config.num_layers, config.hidden, tied=bool(ties))
+                # the head's weight is the embedding's (a tie of the prediction depths' embedding is not that)
+                head_tied = any(alias.endswith(".proj.weight") for alias in ties)
+                place = LayerPlace(i, config.num_layers, config.hidden, tied=head_tied)
                 init_depth_scaled(layer, place, generator)
             else:
                 spec.init(layer, config.num_layers, generator)

@@ -71,6 +71,8 @@ class BuildOptions:
     head_logits: bool = True
     """A language model's head projects to the vocabulary; False: it returns its normed hidden states
     and the loss projects them, chunk by chunk (``training.loss_chunks``)."""
+    mtp_loss_weight: float = 0.3
+    """lambda of the multi-token prediction loss (``training.mtp_loss_weight``; used when model.mtp_depth > 0)."""
 
 
 def _no_ties(model: ModelConfig) -> dict[str, str]:

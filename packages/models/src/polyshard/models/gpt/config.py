@@ -83,6 +83,10 @@ class GPTConfig(ModelConfig):
     Face's layer_types; gpt-oss alternates them); None: every block slides."""
     attention_sinks: bool = False
     """A learned logit per query head in every attention softmax's denominator, adding no value (gpt-oss)."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3): this many extra depths, depth k predicting the token k + 1 places
+    ahead with one more block, sharing the embedding and the output head; trained with weight
+    training.mtp_loss_weight, logged as mtp_loss. 0: off (DeepSeek-V3 trains with 1)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +114,15 @@ class GPTConfig(ModelConfig):
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0 (10000, or 500000 for Llama 3)")
         self._check_rope_scaling()
         self._check_attention()
+        if not isinstance(self.mtp_depth, int) or isinstance(self.mtp_depth, bool) or self.mtp_depth < 0:
+            raise ConfigError(
+                f"model.mtp_depth={self.mtp_depth!r} must be an integer >= 0 (0: off; DeepSeek-V3 uses 1)"
+            )
+        if self.mtp_depth >= self.context_length:
+            raise ConfigError(
+                f"model.mtp_depth={self.mtp_depth} leaves no target in a row of model.context_length="
+                f"{self.context_length} tokens; choose mtp_depth < context_length (1 or 2 in practice)"
+            )
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ConfigError(
                 f"model.positions='rope' rotates pairs of dims: the head dim (model.head_dim, or hidden/num_heads)="

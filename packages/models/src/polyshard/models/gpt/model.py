@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
+from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth
 from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
 from polyshard.models.gpt.config import GPTConfig, gpt_config
 from polyshard.models.gpt.hf_gpt2 import GPT2
 from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
@@ -67,6 +69,10 @@ class LMHead(nn.Module):
 
     ``logits=False``: the norm only, (B, S, H) -> (B, S, H); the loss multiplies by ``proj.weight`` itself,
     a chunk of tokens at a time (``training.loss_chunks``), so the (B, S, V) logits never exist whole.
+
+    ``mtp`` (``model.mtp_depth`` > 0): the multi-token prediction depths, run on the head's input after the
+    main output when the trainer has set their inputs (:mod:`polyshard.models.common.mtp`); they live in
+    this layer, so they run on the last pipeline stage beside the head they share.
     """
 
     def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5, logits: bool = True):
@@ -74,10 +80,18 @@ class LMHead(nn.Module):
         self.norm = norm_layer(norm, hidden, norm_eps)
         self.proj = nn.Linear(hidden, vocab_size, bias=False)
         self.logits = logits
+        self.mtp: MultiTokenPrediction | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
-        return self.proj(x) if self.logits else x
+        out: torch.Tensor = self.proj(self.norm(x)) if self.logits else self.norm(x)
+        if self.mtp is not None:
+            out = self.mtp(x, out, self._head)
+        return out
+
+    def _head(self, normed: torch.Tensor) -> torch.Tensor:
+        """What the head makes of normed hidden states: logits, or (chunked loss) the states themselves."""
+        projected: torch.Tensor = self.proj(normed) if self.logits else normed
+        return projected
 
 
 class GPT(nn.Module):
@@ -110,6 +124,9 @@ class GPT(nn.Module):
         layer_types: Sequence[str] | None = None,
         sinks: bool = False,
         head_logits: bool = True,
+        mtp_depth: int = 0,
+        mtp_loss_weight: float = 0.3,
+        mtp_loss_scale: float = 1.0,
     ):
         super().__init__()
         self.context_length = context_length
@@ -140,7 +157,19 @@ class GPT(nn.Module):
         ]
         embedding = Embedding(vocab_size, context_length, hidden, dropout, learned=positions == "learned")
         self.layers = nn.ModuleList([embedding, *blocks])
-        self.layers.append(LMHead(hidden, vocab_size, norm, norm_eps, logits=head_logits))
+        head = LMHead(hidden, vocab_size, norm, norm_eps, logits=head_logits)
+        if mtp_depth:
+            # Each depth's block is built like the last block (its window too); the embedding is the model's.
+            depths = [
+                PredictionDepth(
+                    Block(hidden, num_heads, kv_heads, mlp_ratio, window=windows[-1], **block), hidden, norm, norm_eps
+                )
+                for _ in range(mtp_depth)
+            ]
+            head.mtp = MultiTokenPrediction(depths, vocab_size, hidden, weight=mtp_loss_weight)
+            head.mtp.loss_scale = mtp_loss_scale
+            head.mtp.embed.weight = embedding.tok.weight
+        self.layers.append(head)
         if tie_embeddings:
             # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
             self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
@@ -207,6 +236,9 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         layer_types=config.layer_types,
         sinks=config.attention_sinks,
         head_logits=options.head_logits,
+        mtp_depth=config.mtp_depth,
+        mtp_loss_weight=options.mtp_loss_weight,
+        mtp_loss_scale=options.aux_loss_scale,  # 1 / microbatches: each microbatch's MTP loss counts 1/m
     )
 
 
@@ -216,6 +248,8 @@ def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]
     last, sp = model.num_layers + 1, parallel.sequence_parallel
     plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
     plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
+    if model.mtp_depth:
+        plan[f"layers.{last}.mtp.embed"] = VocabParallel()
     if sp:
         plan[f"layers.{last}.norm"] = SequenceParallel()
     return plan
@@ -232,18 +266,43 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
             block, sp, model.activation
         )
         plan |= sequence_plan(block, sp)
-    return plan | split_sequence(1, sp) | vocab_plan(model, parallel)
+    return plan | split_sequence(1, sp) | vocab_plan(model, parallel) | mtp_plan(model, parallel)
 
 
 def tied(model: ModelConfig) -> dict[str, str]:
-    """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2)."""
-    if not gpt_config(model).tie_embeddings:
-        return {}
-    return {f"layers.{model.num_layers + 1}.proj.weight": "layers.0.tok.weight"}
+    """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2); with
+    ``mtp_depth`` > 0 the prediction depths' embedding is it too (a pipeline's last stage holds a copy)."""
+    config, last = gpt_config(model), model.num_layers + 1
+    ties = {f"layers.{last}.proj.weight": "layers.0.tok.weight"} if config.tie_embeddings else {}
+    if config.mtp_depth:
+        ties[f"layers.{last}.mtp.embed.weight"] = "layers.0.tok.weight"
+    return ties
+
+
+def mtp_plan(model: ModelConfig, parallel: ParallelSizes, mlp: bool = True) -> dict[str, object]:
+    """Each prediction depth's block splits like the model's blocks (heads and MLP columns over tp); its
+    norms and its (2H -> H) combination are replicated, and run on whole sequences (no SP inside)."""
+    config, plan = gpt_config(model), dict[str, object]()
+    for k in range(config.mtp_depth):
+        block = f"layers.{model.num_layers + 1}.mtp.depths.{k}.block"
+        plan |= attention_plan(block, config, parallel, qk_norm=config.qk_norm, sinks=config.attention_sinks)
+        if mlp:
+            plan |= mlp_plan(block, False, config.activation)
+    return plan
 
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     check_mlp_split(model.mlp_width, parallel.tp)
+    check_mtp(model, parallel)
+
+
+def check_mtp(model: ModelConfig, parallel: ParallelSizes) -> None:
+    """What multi-token prediction does not run with."""
+    if gpt_config(model).mtp_depth and parallel.sequence_parallel:
+        raise ConfigError(
+            f"model.mtp_depth={gpt_config(model).mtp_depth} with parallel.sequence_parallel is not supported "
+            "(the prediction depths run on whole sequences); turn sequence_parallel off or set mtp_depth = 0"
+        )
 
 
 def sequence_length(model: ModelConfig) -> int:

@@ -10,7 +10,7 @@ without a second output, as Megatron-LM's MoE aux-loss scaler does.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.models.common import MLP, SwiGLU
+from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
@@ -94,8 +95,11 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     config = moe_config(config)
     model = gpt.build(config, options)
     layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
-    for i, block in enumerate(model.layers[1:-1]):
-        if not config.sparse_layer(i):
+    head = cast(gpt.LMHead, model.layers[-1])
+    mtp: list[nn.Module] = list(head.mtp.depths) if head.mtp is not None else []
+    depths = [cast(PredictionDepth, depth).block for depth in mtp]  # DeepSeek-V3's depths are MoE blocks too
+    for i, block in enumerate([*model.layers[1:-1], *depths]):
+        if i < config.num_layers and not config.sparse_layer(i):
             if config.dense_width != config.mlp_width:
                 dense = MLP if config.activation == "gelu" else SwiGLU
                 block.mlp = dense(config.hidden, config.dense_width, bias=config.bias)
@@ -140,6 +144,11 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, model.activation)
         elif model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
+    plan |= gpt.mtp_plan(model, parallel, mlp=False)  # the depths' attention; their experts are ep's
+    for k in range(model.mtp_depth if model.moe.shared_experts else 0):
+        plan |= mlp_plan(
+            f"layers.{model.num_layers + 1}.mtp.depths.{k}.block", False, "swiglu", mlp="mlp.shared_expert"
+        )
     return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
 
 
@@ -155,6 +164,13 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
         raise ConfigError(
             f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
             "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
+        )
+    gpt.check_mtp(model, parallel)
+    if model.mtp_depth > 1:
+        raise ConfigError(
+            f"model.mtp_depth={model.mtp_depth} with model.kind={model.kind!r} is not supported: each depth's block "
+            "is an MoE layer and the head's pipeline layer holds at most one (the experts' load is kept per "
+            "layer); use mtp_depth = 1, as DeepSeek-V3 does"
         )
     if model.moe.shared_experts:
         check_mlp_split(model.shared_width, par.tp)

@@ -230,7 +230,16 @@ def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str,
 
 def export_note(model: ModelConfig) -> str | None:
     """What an export of ``model`` to its family's format changes, to tell the user (None: nothing)."""
-    return family_of(model).note(model)
+    family = family_of(model)
+    notes = [family.note(model)]
+    depth = getattr(model, "mtp_depth", 0)
+    if depth and not any(".mtp." in name for name in family.locations(model)):
+        # transformers' Llama, GPT-2, Qwen and Mixtral have no multi-token prediction: inference drops it
+        notes.append(
+            f"the {depth} multi-token prediction depth(s) (layers.{model.num_layers + 1}.mtp.*) are left out: "
+            "this format has none; the next-token model is written whole"
+        )
+    return "; ".join(note for note in notes if note) or None
 
 
 def hf_config(model: ModelConfig) -> dict[str, object]:

@@ -71,13 +71,28 @@ def reshard(
 # -- online --------------------------------------------------------------------------------------------
 
 
+def _new_prediction_depth(source: CheckpointSource, key: str) -> bool:
+    """Whether ``key`` is a multi-token prediction depth's weight (``model.mtp_depth``) that ``source`` lacks:
+    a model that adds the depths to a trained one (a Hugging Face Llama, a run without them) starts them
+    from their initial values, as DeepSeek-V3's depths start beside a trunk."""
+    if ".mtp." not in key:
+        return False
+    try:
+        source.resolve(key)
+    except CheckpointError:
+        return True
+    return False
+
+
 def load_into(engine: Engine, source: CheckpointSource) -> None:
     """Fill a freshly built ``engine`` (any mesh) from ``source`` (any mesh): weights, optimizer state, RNG."""
     layout = engine.mesh.layout
     sizes, coords = layout.as_dict(), layout.coords(engine.mesh.rank)
     tensors = {}
     for key, local in state_tensors(engine).items():
-        if key != RNG:
+        if _new_prediction_depth(source, key):  # keeps the values it was built with
+            tensors[key] = local.tensor.detach().clone()
+        elif key != RNG:
             plan = Planned(local.placement, tuple(local.tensor.shape), local.tensor.dtype)
             tensors[key] = read_planned(source, key, plan, sizes, coords)
     saved = source.optim_state()

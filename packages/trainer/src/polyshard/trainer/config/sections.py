@@ -298,6 +298,10 @@ class TrainingConfig:
     """Language models: compute the head's projection and the cross-entropy this many chunks of tokens at a
     time, each chunk's logits recomputed in the backward, so the full (tokens x vocabulary) logits never
     exist; 0 or 1: all at once."""
+    mtp_loss_weight: float = 0.3
+    """With model.mtp_depth > 0: lambda, the multi-token prediction loss's weight; the step trains
+    loss + lambda / D x (the D depths' losses), and logs loss (next token only) and mtp_loss apart.
+    0.3 is DeepSeek-V3's for its first 10T tokens (0.1 after; Megatron-Core defaults to 0.1)."""
     consistency_every: int = 100
     """Every N steps (and before each checkpoint) check that data-parallel replicas hold bitwise equal
     parameters: one all-gather of a checksum per rank; a replica that drifted stops the run (0 disables)."""
@@ -318,6 +322,10 @@ class TrainingConfig:
         _check_choice("training.idle_experts", self.idle_experts, IDLE_EXPERTS)
         if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
             raise ConfigError(f"training.loss_chunks={self.loss_chunks!r} must be an integer >= 0 (0 or 1: off)")
+        if not (isinstance(self.mtp_loss_weight, int | float) and 0.0 <= self.mtp_loss_weight < float("inf")):
+            raise ConfigError(
+                f"training.mtp_loss_weight={self.mtp_loss_weight!r} must be a number >= 0 (DeepSeek-V3: 0.3, then 0.1)"
+            )
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
         _check_positive("training.muon_ns_steps", self.muon_ns_steps)

@@ -68,6 +68,7 @@ from polyshard.trainer.engine.layout import global_names, pipeline_bounds, tp_pl
 from polyshard.trainer.engine.optimizer import build_optimizer
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import LossFn, task_of
+from polyshard.trainer.tasks.loss import TokenMeanLoss
 
 
 def loss_function(config: Config, mesh: Mesh, head: nn.Module | None = None) -> LossFn:
@@ -172,6 +173,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         checkpoint_activations=config.training.activation_checkpointing,
         aux_loss_scale=1.0 / par.microbatches,  # each microbatch's aux loss, like its CE, counts 1/m
         head_logits=config.training.loss_chunks <= 1,  # chunked: the loss projects the head's hidden states
+        mtp_loss_weight=config.training.mtp_loss_weight,
     )
     model = nn.Module()  # this rank's layers under their global names: layers.<i>.…
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
@@ -204,13 +206,17 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     optimizers = [
         build_optimizer(w, config, global_names(stages[s], bounds[s], aliases), mesh) for s, w in wrappers.items()
     ]
+    head = _last_layer(stages, schedule.num_stages)
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,
-        loss_function(config, mesh, _last_layer(stages, schedule.num_stages)),
+        loss_function(config, mesh, head),
         mesh.group("pp"),
         backward_context=_no_sync_all(list(wrappers.values())),
     )
+    # Multi-token prediction: one loss per depth (each divides by its own count of targets), as the main one.
+    depths = getattr(config.model, "mtp_depth", 0)
+    mtp_loss_fns = [cast(TokenMeanLoss, loss_function(config, mesh, head)) for _ in range(depths)]
     return Engine(
         config,
         mesh,
@@ -221,6 +227,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         executor,
         _tied_group(config, mesh, schedule),
         pipeline_layers=bounds[-1].stop,
+        mtp_loss_fns=mtp_loss_fns,
     )
 
 
@@ -233,7 +240,10 @@ def _last_layer(stages: Mapping[int, nn.Sequential], num_stages: int) -> nn.Modu
 def _untie_across_stages(model: nn.Module, aliases: Mapping[str, str], stage_of: Mapping[int, int]) -> None:
     """A tied pair whose users fall in two stages of this rank (both wrapped, so both stepped) becomes
     two equal parameters, one per stage; :meth:`Engine._sum_tied_copies` keeps them equal. (A rank
-    holding only the alias's layer already has its own copy: ``build_model`` drew it for that rank.)"""
+    holding only the alias's layer already has its own copy: ``build_model`` drew it for that rank.)
+    Two aliases of one weight in one stage (a tied head and multi-token prediction's embedding) share
+    that stage's one copy, as they share the weight on one process."""
+    copies: dict[tuple[int, str], nn.Parameter] = {}
     for alias, name in aliases.items():
         alias_stage, name_stage = stage_of.get(layer_of(alias)), stage_of.get(layer_of(name))
         if alias_stage is None or name_stage is None or alias_stage == name_stage:
@@ -241,7 +251,10 @@ def _untie_across_stages(model: nn.Module, aliases: Mapping[str, str], stage_of:
         module_name, _, attr = alias.partition(".")[2].partition(".")[2].rpartition(".")
         # model.layers is the nn.ModuleDict build_engine made; torch types a module's attributes Tensor | Module.
         module = cast(nn.ModuleDict, model.layers)[str(layer_of(alias))].get_submodule(module_name)
-        setattr(module, attr, nn.Parameter(getattr(module, attr).detach().clone()))
+        key = (alias_stage, name)
+        if key not in copies:
+            copies[key] = nn.Parameter(getattr(module, attr).detach().clone())
+        setattr(module, attr, copies[key])
 
 
 def _tied_group(config: Config, mesh: Mesh, schedule: Schedule) -> dist.ProcessGroup | None:

@@ -27,7 +27,9 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.engine.context import local_tokens
 from polyshard.trainer.engine.documents import StageDocuments, documents_of
 from polyshard.trainer.engine.layout import global_names
+from polyshard.trainer.engine.mtp import StagePrediction, both, prediction_modules
 from polyshard.trainer.errors import TiedWeightError
+from polyshard.trainer.tasks.loss import TokenMeanLoss
 
 
 @dataclass
@@ -46,6 +48,10 @@ class Engine:
     pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
     # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
     expert_load: dict[int, Any] = field(default_factory=dict)
+    # Multi-token prediction (model.mtp_depth > 0): each depth's loss function on the last stage's rank
+    # (engine.mtp), and each depth's loss in the last training step (the global batch's, every rank alike)
+    mtp_loss_fns: list[TokenMeanLoss] = field(default_factory=list)
+    mtp_losses: list[float] = field(default_factory=list)
     _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
@@ -65,17 +71,35 @@ class Engine:
         return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
 
     def forward_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        shifted: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None.
-        ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents)."""
+        ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents).
+        ``shifted``: multi-token prediction's inputs and targets, this rank's chunks (see engine.mtp)."""
+        num_microbatches = self.executor.schedule.num_microbatches
+        around = self.around_forward(segments, num_microbatches)
+        if shifted is not None and self.mtp_loss_fns:
+            modules = prediction_modules(self.stages)
+            around = both(
+                around, StagePrediction(modules, *shifted, self.mtp_loss_fns, num_microbatches).around_forward
+            )
         result = self.executor.step(
             inputs if self.holds_first_stage else None,
             targets if self.holds_last_stage else None,
-            around_forward=self.around_forward(segments, self.executor.schedule.num_microbatches),
+            around_forward=around,
         )
         self.timeline = result.timeline
         return result.loss
+
+    def take_mtp_losses(self) -> torch.Tensor | None:
+        """Each prediction depth's loss summed over the step's microbatches on this rank (None: it holds
+        no depths, or none ran); resets them."""
+        taken = [module.take_losses() for module in prediction_modules(self.stages).values()]
+        return next((t for t in taken if t is not None), None)
 
     def around_forward(
         self, segments: torch.Tensor | None, num_microbatches: int = 1

@@ -20,6 +20,7 @@ from polyshard.models import output_width, spec_of
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
+from polyshard.trainer.engine.mtp import shifted_tokens
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import DataError
@@ -83,19 +84,33 @@ def train_step(
     for optimizer in engine.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
+    depths = len(engine.mtp_loss_fns)
+    shifted = None
+    if depths:  # multi-token prediction: cut from whole rows, then into this cp rank's chunks (engine.mtp)
+        whole = shifted_tokens(inputs, targets, depths, None if segments is None else segments.to(inputs.device))
+        shifted = (engine.local_tokens(whole[0]), engine.local_tokens(whole[1]))
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
     replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
-    with global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches):
-        local_loss = engine.forward_backward(inputs, targets, segments)
+    with contextlib.ExitStack() as means:
+        means.enter_context(global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches))
+        for k, loss_fn in enumerate(engine.mtp_loss_fns):
+            assert shifted is not None  # made above whenever there are depths
+            means.enter_context(global_token_mean(loss_fn, shifted[1][..., k], replica_group, microbatches))
+        local_loss = engine.forward_backward(inputs, targets, segments, shifted)
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     # One all-reduce over the world gives every rank both numbers (the squared norm's parts first, as
     # clip_grad_norm reduces them alone, then the loss's; each element is summed as it would be alone).
     squared_norm = local_squared_norm(gradients, engine.mesh.layout.as_dict()).to(engine.device)
-    sums = torch.stack([squared_norm, _loss_part(engine, local_loss)])
+    parts = [squared_norm, _loss_part(engine, local_loss)]
+    if depths:  # each depth's loss, the mean over microbatches (as the executor's loss), summed like it
+        taken = engine.take_mtp_losses()
+        parts += [_loss_part(engine, None if taken is None else taken[k] / microbatches) for k in range(depths)]
+    sums = torch.stack(parts)
     ops.all_reduce(sums)
     grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.config.parallel.replicas
+    engine.mtp_losses = [float(v) / engine.config.parallel.replicas for v in sums[2:]]
     clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
     stepped = math.isfinite(loss) and math.isfinite(grad_norm)
     if stepped:

@@ -261,6 +261,10 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / seconds,
         }
         record.update(load_metrics(self.engine.expert_load))  # MoE: each layer's load over the global step
+        if self.engine.mtp_losses:  # multi-token prediction: the depths' mean loss (unweighted), and each
+            record["mtp_loss"] = sum(self.engine.mtp_losses) / len(self.engine.mtp_losses)
+            if len(self.engine.mtp_losses) > 1:
+                record.update({f"mtp_loss/depth{k + 1}": v for k, v in enumerate(self.engine.mtp_losses)})
         if len(self.train_data.sources) > 1:  # a mixture: the share of each source in the batches so far
             record["data_shares"] = self.train_data.shares()
         if self.nonfinite:
