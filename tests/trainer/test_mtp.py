@@ -51,8 +51,12 @@ def _config(kind="gpt", depth=2, tie=False, weight=0.3, training=None, **paralle
         "tie_embeddings": tie,
         "mtp_depth": depth,
     }
-    if kind == "moe-gpt":  # no balance loss: ep ranks route different rows, and its gradient would differ
+    if kind in ("moe-gpt", "deepseek-v3"):  # no balance loss: ep ranks route different rows (its gradient differs)
         model["moe"] = {"num_experts": 4, "top_k": 2, "aux_loss_coef": 0.0}
+    if kind == "deepseek-v3":  # MLA in every block and depth, the first block dense, the depth's block sparse
+        del model["num_kv_heads"]
+        model["moe"]["dense_layers"] = [0]
+        model |= {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}
     return from_dict(
         {
             "model": model,
@@ -81,7 +85,7 @@ def _batch(documents=False):
 # -- the plain reference --------------------------------------------------------------------------------
 
 
-def _rms(x, weight, eps=1e-5):
+def _rms(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -97,7 +101,8 @@ def _reference_loss(model, config, inputs, targets, segments):
     for block in blocks:
         hidden = block(hidden)
     tok, proj = layers[0].tok.weight, head.proj.weight
-    logits = _rms(hidden, head.norm.weight) @ proj.T
+    eps = config.model.norm_eps  # the family's (DeepSeek: 1e-6)
+    logits = _rms(hidden, head.norm.weight, eps) @ proj.T
     main = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     losses = []
     rows, length = inputs.shape
@@ -106,10 +111,10 @@ def _reference_loss(model, config, inputs, targets, segments):
         ahead = torch.zeros_like(inputs)
         ahead[:, : length - k] = inputs[:, k:]  # the token k places ahead (0 past the row: masked below)
         combined = torch.cat(
-            [_rms(F.embedding(ahead, tok), d.embed_norm.weight), _rms(hidden, d.hidden_norm.weight)], -1
+            [_rms(F.embedding(ahead, tok), d.embed_norm.weight, eps), _rms(hidden, d.hidden_norm.weight, eps)], -1
         )
         hidden = d.block(combined @ d.combine.weight.T)
-        logits_k = _rms(hidden, d.norm.weight) @ proj.T
+        logits_k = _rms(hidden, d.norm.weight, eps) @ proj.T
         wanted = torch.full_like(targets, -100)
         wanted[:, : length - k] = targets[:, k:]
         if segments is not None:  # the token k ahead belongs to another document: no target
@@ -234,6 +239,8 @@ LAYOUTS = [
     pytest.param(2, "gpt", True, {"pp": 2, "microbatches": 2}, False, id="pp2-tied"),
     pytest.param(2, "gpt", False, {"tp": 2}, False, id="tp2"),
     pytest.param(2, "moe-gpt", False, {"ep": 2}, False, id="ep2"),
+    pytest.param(2, "deepseek-v3", False, {"ep": 2}, False, id="deepseek-ep2"),
+    pytest.param(1, "deepseek-v3", False, {}, True, id="deepseek-one-documents", marks=pytest.mark.long),
     pytest.param(2, "gpt", True, {"dp": 2, "zero_stage": 3}, False, id="dp2-zero3-tied"),
     pytest.param(2, "gpt", False, {"cp": 2}, True, id="cp2-documents"),
     # the V puts the embedding and the head (with the depths' copy of the embedding and the tied head's)
@@ -251,6 +258,7 @@ LAYOUTS = [
     pytest.param(
         4, "moe-gpt", False, {"ep": 2, "pp": 2, "microbatches": 2}, True, id="ep2xpp2-documents", marks=pytest.mark.long
     ),
+    pytest.param(4, "deepseek-v3", False, {"tp": 2, "cp": 2}, True, id="deepseek-tp2xcp2", marks=pytest.mark.long),
     # the chunked loss projects each depth's normed states with the shared head, vocabulary-parallel
     pytest.param(
         2, "gpt", False, {"tp": 2, "training": {"loss_chunks": 3}}, False, id="tp2-loss-chunks", marks=pytest.mark.long
@@ -260,7 +268,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("world, kind, tie, parallel, documents", LAYOUTS)
 def test_layout_trains_the_plain_reference(distributed, references, world, kind, tie, parallel, documents):
-    depth = 1 if kind == "moe-gpt" else 2
+    depth = 1 if kind in ("moe-gpt", "deepseek-v3") else 2
     config = _config(kind, depth, tie, **parallel)  # a "training" entry of parallel overrides [training]
     losses, grads, params = _expected(references, (kind, tie), _config(kind, depth, tie), documents)
     results = distributed.run(world, _run, config, documents)

@@ -5,8 +5,11 @@ shared experts, :class:`polyshard.models.moe_gpt.model.MoEMLP`) in the others.""
 
 from __future__ import annotations
 
+from typing import cast
+
 from polyshard.mesh import divisors
 from polyshard.models.common.mla import MLA
+from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config
 from polyshard.models.deepseek_v3.hf import DEEPSEEK_V2, DEEPSEEK_V3
@@ -50,9 +53,11 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     config = deepseek_config(config)
     model = gpt.build(config, options)
     layer = config.layer()
-    for i, block in enumerate(model.layers[1:-1]):
+    head = cast(gpt.LMHead, model.layers[-1])
+    depths = [cast(PredictionDepth, depth).block for depth in head.mtp.depths] if head.mtp is not None else []
+    for i, block in enumerate([*model.layers[1:-1], *depths]):  # a prediction depth's block is like the last
         block.attn = mla(config)
-        if config.sparse_layer(i):
+        if config.sparse_layer(min(i, config.num_layers - 1)):
             block.mlp = moe_gpt.MoEMLP(layer, aux_loss_scale=options.aux_loss_scale, shared_hidden=config.shared_width)
     return model
 
@@ -78,13 +83,14 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     config = deepseek_config(model)
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
-    for i in range(config.num_layers):
-        block = f"layers.{i + 1}"
-        plan |= mla_plan(block, config, sp)
-        if not config.sparse_layer(i):
-            plan |= mlp_plan(block, sp, "swiglu")
+    depths = [f"layers.{config.num_layers + 1}.mtp.depths.{k}.block" for k in range(config.mtp_depth)]
+    for i, block in enumerate([f"layers.{i + 1}" for i in range(config.num_layers)] + depths):
+        inside = sp and i < config.num_layers  # a depth runs on whole sequences (no SP inside)
+        plan |= mla_plan(block, config, inside)
+        if not config.sparse_layer(min(i, config.num_layers - 1)):
+            plan |= mlp_plan(block, inside, "swiglu")
         elif config.moe.shared_experts:
-            plan |= mlp_plan(block, sp, "swiglu", mlp="mlp.shared_expert")
+            plan |= mlp_plan(block, inside, "swiglu", mlp="mlp.shared_expert")
     return plan | split_sequence(1, sp) | gpt.vocab_plan(config, parallel)
 
 
@@ -93,7 +99,9 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     sequence parallelism with experts), and tp divides the heads and the dense MLPs."""
     config = deepseek_config(model)
     if config.sparse_layers:
-        moe_gpt.check(config, parallel)
+        moe_gpt.check(config, parallel)  # with the MTP rules
+    else:
+        gpt.check_mtp(config, parallel)
     if config.num_heads % parallel.tp:
         raise ConfigError(
             f"parallel.tp={parallel.tp} does not divide model.num_heads={config.num_heads}; "
