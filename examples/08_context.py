@@ -6,7 +6,6 @@ Run: python examples/08_context.py   (2 CPU processes, gloo; about 15 s)
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from polyshard.collectives import CommLedger
