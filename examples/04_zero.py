@@ -47,9 +47,8 @@ def main() -> None:
         for stage in range(4):
             params, grads, state = pool.run(held, stage)[0]
             formula = sum(PAPER[stage]) * psi
-            print(
-                f"{stage:<6}{params:>9}{grads:>9}{state:>9}{params + grads + state:>9}{formula:>9.0f}{sum(PAPER[stage]):>11.1f}"
-            )
+            total = params + grads + state
+            print(f"{stage:<6}{params:>9}{grads:>9}{state:>9}{total:>9}{formula:>9.0f}{sum(PAPER[stage]):>11.1f}")
     finally:
         pool.close()
     print(
