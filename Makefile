@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner benchmarks apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test test-long test-bench demo lint format clean
+.PHONY: setup test test-long test-bench demo lint docs format clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy $(addprefix -p polyshard.,$(TYPED))
+
+# The docs site from docs/ into site/ (MkDocs + Material, API pages from the docstrings); --strict makes
+# every warning (a broken link, a docstring mkdocstrings cannot read) an error.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 format: setup
 	$(BIN)/ruff check --fix .
