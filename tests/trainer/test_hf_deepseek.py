@@ -143,6 +143,7 @@ def test_the_settings_are_the_folders(folders, tmp_path):
         ({"n_group": 3}, "n_group=3 does not divide n_routed_experts=8"),
         ({"first_k_dense_replace": 9}, "first_k_dense_replace=9 exceeds num_hidden_layers=3"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8' is not supported .* convert the folder"),
     ],
 )
 def test_a_folder_polyshard_cannot_compute_is_refused_by_name(folders, tmp_path, edit, message):

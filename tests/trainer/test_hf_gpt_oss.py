@@ -132,6 +132,10 @@ def test_the_settings_are_the_folders(folder, tmp_path):
     written = json.loads((out / "config.json").read_text())
     assert written["rope_parameters"] == ROPE and written["model_type"] == "gpt_oss"
     assert model_settings(out) == settings
+    # gpt-oss's config.json cannot say a block is dense: such a model is refused, not written without it
+    dense = from_dict({"model": {**settings, "moe.dense_layers": [0]}}).model
+    with pytest.raises(CheckpointError, match=r"moe.dense_layers"):
+        write_hf(_weights(folder, model), dense, tmp_path / "dense")
 
 
 def _weights(folder, model):

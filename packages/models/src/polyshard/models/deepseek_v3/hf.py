@@ -66,6 +66,14 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, object]:
 
 def _common(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     """What V2 and V3 read alike: sizes, MLA's widths, the dense first blocks, experts, rotary positions."""
+    if hf.get("quantization_config") is not None:  # DeepSeek-V3's release: FP8 blocks with weight_scale_inv
+        quantization = hf["quantization_config"]
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise CheckpointError(
+            f"{where}: quantization_config.quant_method={method!r} is not supported (polyshard reads bf16 or "
+            "fp32 weights); convert the folder to bf16 first (DeepSeek's inference/fp8_cast_bf16.py does) "
+            "and drop quantization_config from its config.json"
+        )
     heads = read_int(hf, "num_attention_heads", where)
     if read_int(hf, "num_key_value_heads", where, default=heads) != heads:
         raise CheckpointError(

@@ -46,6 +46,7 @@ SHAPE: dict[str, object] = {
     "kind": "gpt-oss", "norm": "rms", "positions": "rope", "attention_sinks": True, "qk_norm": False,
     "moe.score": "topk-softmax", "moe.router_bias": True, "moe.expert_bias": True, "moe.activation": "clamped-swiglu",
     "moe.shared_experts": 0, "moe.groups": 1, "moe.scale": 1.0,
+    "moe.dense_layers": [],  # experts in every block: config.json has no way to say dense ones
 }  # fmt: skip
 _ROPE_KEYS = {
     "rope_type", "type", "rope_theta", "factor", "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim",
