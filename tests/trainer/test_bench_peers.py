@@ -88,7 +88,7 @@ def test_command_rejects_bad_options(args, message):
     assert result.exit_code == 2 and message in " ".join(result.output.replace("│", " ").split())
 
 
-@pytest.mark.long
+@pytest.mark.bench  # the bench command run to its end: make test-bench
 def test_command_runs_the_composed_jobs_on_two_processes(tmp_path):
     out = tmp_path / "peers.json"
     result = CliRunner().invoke(app, ["bench", "peers", "--nproc", "2", "--only", "composed", "--steps", "2",
@@ -107,7 +107,7 @@ def _composed_compiled(layouts):
     return records, compile_stats().frames  # the last layout's: dynamo was reset when its engine was built
 
 
-@pytest.mark.long
+@pytest.mark.bench  # the bench's compiled case, minutes of compiles: make test-bench
 def test_compiled_composed_gpt_matches_the_compiled_torch_native_composition(distributed):
     # Both sides' blocks compiled (ours through training.compile, the peer's as torchtitan does, DTensor's
     # collectives traced); all three layouts in one job on the live workers.
