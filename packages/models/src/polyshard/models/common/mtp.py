@@ -30,30 +30,16 @@ depths' blocks to its tp plan and has a ``mtp_depth`` setting; the trainer finds
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 
+from polyshard.models.common.attach import AttachLoss
 from polyshard.models.common.mlp import norm_layer
 
 DepthLoss = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(depth k's outputs as the head gives them, its targets (B, S), k - 1) -> its mean loss."""
-
-
-class AttachLoss(torch.autograd.Function):
-    """forward: identity on ``x`` / backward: ``x``'s gradient, and ``scale`` as ``loss``'s gradient.
-
-    ``loss`` then trains as if ``scale * loss`` were added to whatever loss ``x`` feeds."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.loss_shape = scale, loss.shape
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad, torch.full(ctx.loss_shape, ctx.scale, device=grad.device), None
 
 
 class PredictionDepth(nn.Module):

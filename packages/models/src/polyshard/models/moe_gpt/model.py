@@ -10,7 +10,7 @@ without a second output, as Megatron-LM's MoE aux-loss scaler does.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from polyshard.collectives import eager
 from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.models.common import MLP, SwiGLU
+from polyshard.models.common.attach import AttachLoss
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
@@ -35,19 +36,6 @@ from polyshard.models.spec import (
     mlp_plan,
     split_sequence,
 )
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """forward: identity on ``x`` / backward: ``x``'s gradient, and ``scale`` as the aux loss's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.aux_shape = scale, aux.shape
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        return grad, torch.full(ctx.aux_shape, ctx.scale, device=grad.device), None
 
 
 class MoEMLP(nn.Module):
@@ -79,7 +67,7 @@ class MoEMLP(nn.Module):
             y = y + shared
         self.last_aux_loss = float(aux.detach())
         return (  # type: ignore[no-any-return]  # Function.apply and nn.Module.__call__ return Any
-            _AttachAuxLoss.apply(y, aux, self.aux_loss_scale)  # type: ignore[no-untyped-call]
+            AttachLoss.apply(y, aux, self.aux_loss_scale)  # type: ignore[no-untyped-call]
             if torch.is_grad_enabled()
             else y
         )
