@@ -37,7 +37,8 @@ output, and recomputes the rest::
     experts         router logits E·e, each routed copy's up (and gate) and down: top_k·(2f + h)·e
 
 The first layer keeps the token ids (int64); the head keeps its norm, its normed input and the loss's
-fp32 log-probabilities (vocabulary ÷ tp).
+fp32 log-probabilities (vocabulary ÷ tp), or with ``training.loss_chunks`` > 1 only the targets (each
+chunk's logits are recomputed in backward).
 
 ``tests/planner/test_activations.py`` compares this with the peak of bytes saved for
 backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter` on real engines;
@@ -164,11 +165,13 @@ def selective_bytes_per_token(
     return _checkpointed_per_token(model, parallel, precision) + (rows + columns / parallel.tp) / parallel.cp
 
 
-def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
+def _head_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str, loss_chunks: int = 0) -> float:
     e = _element_bytes(precision)
     shard = parallel.tp if parallel.sequence_parallel else 1
     vocab = output_width(model)
     loss = vocab * 4 / parallel.tp + 8  # fp32 log-probabilities of this rank's vocabulary, the target
+    if loss_chunks > 1:  # the chunked loss keeps each chunk's input (the normed states, counted) and target
+        loss = 8
     return (_norm(model, e) / shard + model.hidden * e + loss) / parallel.cp
 
 
@@ -198,7 +201,7 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
     if 0 in layers:
         total += 8 * tokens  # the int64 token ids
     if last in layers:
-        total += _head_per_token(model, parallel, precision) * tokens
+        total += _head_per_token(model, parallel, precision, config.training.loss_chunks) * tokens
     return total
 
 
