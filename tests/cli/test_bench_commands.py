@@ -86,6 +86,12 @@ CASES = {
         [rf"^\| {name} \(.*\) \| \d+\.\d+ \| \d+\.\d+ \|" for name in ("dp2", "tp2", "pp2 1f1b", "tp2 x pp2")]
         + [r"^--layout auto \(4 processes\) picks .*: measured \d+\.\d+ s"],
     ),
+    # the tiny DeepSeek-V3 on ep2 through `polyshard train`, beside transformers on one process
+    "deepseek": (
+        ["--layouts", "ep2", "--batch", "4", "--steps", "1", "--warmup", "1"],
+        [r"^transformers\s+1\s+\d+\s+\d+\s+1\.00$", r"^ep2\s+2\s+\d+\s+\d+\s+\d+\.\d+$"]
+        + [r"^parameters: transformers ([\d,]+), polyshard \1 \(deepseek-v3-tiny\)$"],
+    ),
     # The strategy groups are the tp/pp/dp/ep/cp commands above (and test_bench_peers.py runs one group
     # through peers); the composed GPT rows are peers' own.
     "peers": (

@@ -10,18 +10,17 @@ engine (build_engine, train_step) on the same global batch and must give the sam
 MTP losses, every gradient of the first step and every parameter after the steps.
 """
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from polyshard.mesh import Mesh, Shard, get_placement
+from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.mtp import shifted_tokens
 from polyshard.trainer.errors import ConfigError
+from tests.trainer._pieces import assemble, gradient_pieces, parameter_pieces, where
 
 STEPS, ROWS, LENGTH, VOCAB, LR = 2, 4, 16, 67, 1e-3
 # Layouts differ from one process only in the order float32 sums are taken (all-reduces, sharded
@@ -172,54 +171,13 @@ def _run(config, documents=False):
 
     def keep_gradients():
         if not grads:
-            for grad, record in engine.gradients()[0]:
-                grads.append((record.name, grad.detach().clone(), record))
+            grads.extend(gradient_pieces(engine))
 
     for step in range(STEPS):
         seg = None if segments is None else segments[step][rows]
         loss, _ = train_step(engine, inputs[step][rows], targets[step][rows], LR, keep_gradients, seg)
         losses.append([loss, *engine.mtp_losses])
-    params = []
-    for index, stage in engine.stages.items():
-        names = engine.global_names(index)
-        if par.zero_stage == 3:
-            full = engine.wrappers[index].full_parameters()  # collective over the dp group: whole over dp
-        else:
-            full = {n: p.detach() for n, p in stage.named_parameters()}
-        for n, p in stage.named_parameters():
-            record = get_placement(p)  # how tp and ep split it (ZeRO's rows are gathered above)
-            if record is not None:
-                record = dataclasses.replace(record, placements=tuple(x for x in record.placements if x[0] != "dp"))
-            params.append((names[n], full[n].clone(), record))
-    axes = [axis for axis in ("dp", "ep", "tp", "pp", "cp") if mesh.size(axis) > 1]
-    return {"coords": {axis: mesh.coord(axis) for axis in axes}, "losses": losses, "grads": grads, "params": params}
-
-
-def _assemble(results, key):
-    """Whole tensors by name from every rank's pieces: pieces split over an axis are concatenated in the
-    order of that axis's coordinate (padding past the global shape dropped); replicas are taken once."""
-    pieces = {}
-    for result in results:
-        for name, value, record in result[key]:
-            placements = record.placements if record else ()
-            split = [(axis, p.dim) for axis, p in placements if isinstance(p, Shard) and axis in result["coords"]]
-            where = tuple((axis, result["coords"][axis]) for axis, _ in split)
-            pieces.setdefault(name, {})[where] = (value, split, record)
-    whole = {}
-    for name, by_where in pieces.items():
-        (value, split, record) = next(iter(by_where.values()))
-        if not split:
-            whole[name] = value
-            continue
-        assert len(split) == 1, f"{name}: split over {split}"  # one sharded axis in these layouts
-        axis, dim = split[0]
-        ordered = [by_where[w][0] for w in sorted(by_where, key=lambda w: w[0][1])]
-        if all(v.dim() == 1 for v in ordered) and len(record.global_shape) > 1:  # flat rows (ZeRO)
-            flat = torch.cat(ordered)[: torch.Size(record.global_shape).numel()]
-            whole[name] = flat.view(record.global_shape)
-        else:
-            whole[name] = torch.cat(ordered, dim).narrow(dim, 0, record.global_shape[dim])
-    return whole
+    return {**where(mesh), "losses": losses, "grads": grads, "params": parameter_pieces(engine)}
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +231,7 @@ def test_layout_trains_the_plain_reference(distributed, references, world, kind,
     losses, grads, params = _expected(references, (kind, tie), _config(kind, depth, tie), documents)
     results = distributed.run(world, _run, config, documents)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(losses), **TOL)
-    got_grads, got_params = _assemble(results, "grads"), _assemble(results, "params")
+    got_grads, got_params = assemble(results, "grads"), assemble(results, "params")
     assert set(got_params) == set(params)  # every parameter, the shared embedding under its own name
     assert set(got_grads) == set(grads)
     for name, grad in grads.items():

@@ -243,6 +243,28 @@ def bench_peers(
     raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
 
 
+@bench_app.command("deepseek")
+def bench_deepseek(
+    layouts: str = typer.Option("one,ep2,ep2xpp2", "--layouts", help="Comma-separated: one, ep2, ep2xpp2."),
+    batch: int = typer.Option(16, "--batch", min=1, help="Rows of 64 tokens per global batch."),
+    steps: int = typer.Option(10, "--steps", min=1, help="Timed steps per run, after the warm-up."),
+    warmup: int = typer.Option(2, "--warmup", min=0, help="Steps before the timed ones."),
+    rounds: int = typer.Option(1, "--rounds", min=1, help="Runs of every row, in turns."),
+    threads: int = typer.Option(1, "--threads", min=1, help="transformers' CPU threads (ours: one per process)."),
+) -> None:
+    """The tiny DeepSeek-V3 trained by polyshard (one process, ep2, ep2 x pp2) against transformers on one
+    process: tokens/s, tokens/s per process and their ratio."""
+    from polyshard.bench import deepseek_speed
+
+    unknown = [name for name in layouts.split(",") if name.strip() and name.strip() not in deepseek_speed.LAYOUTS]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {unknown}; choose from {list(deepseek_speed.LAYOUTS)}", param_hint="--layouts"
+        )
+    args = ["--layouts", layouts, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
+    raise typer.Exit(deepseek_speed.main(args + ["--rounds", str(rounds), "--threads", str(threads)]))
+
+
 @bench_app.command("prepare")
 def bench_prepare(
     megabytes: float = typer.Option(64.0, "--mb", min=1.0, help="Size of the synthetic corpus, in MB."),
