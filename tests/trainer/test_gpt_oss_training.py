@@ -44,6 +44,8 @@ LAYOUTS = [
     pytest.param(2, {"ep": 2}, id="ep2"),
     pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
     pytest.param(2, {"cp": 2}, id="cp2-ring"),  # the window crosses the chunks; sinks summed over cp
+    pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2", marks=pytest.mark.long),
+    pytest.param(4, {"cp": 2, "ep": 2}, id="cp2xep2", marks=pytest.mark.long),
 ]
 
 

@@ -21,11 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from polyshard.checkpoint import Checkpoint, CheckpointError
-from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.hugging_face import HFSource, hf_state, model_settings, write_hf
 from polyshard.trainer.config import from_dict
-from tests.trainer.test_hf import _asdict, _tokens
-from tests.trainer.test_hf_llama import _broken, _config, _whole_logits
+from tests.trainer.test_hf import _tokens
+from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,31 +57,6 @@ def _hf_logits(folder):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         return model(_tokens()[:, :-1]).logits
-
-
-def _import_and_score(config, folder, out):
-    """On each rank: import, then (this data rank's logits, whole along the sequence, the mean loss) and a
-    checkpoint. Under cp each rank's logits are its chunks, put back in order over the cp group."""
-    from polyshard.checkpoint import save_checkpoint
-    from polyshard.cp import unshard_sequence
-    from polyshard.trainer.checkpointing.reshard import load_into
-    from polyshard.trainer.checkpointing.state import state_tensors
-    from polyshard.trainer.engine.builder import build_engine
-    from polyshard.trainer.loop import evaluate_batches
-
-    mesh = Mesh(config.parallel.mesh_axes)
-    engine = build_engine(config, mesh)
-    load_into(engine, HFSource(folder, config))
-    data_rank = mesh.group_rank(("dp", "ep"))
-    part = _tokens().chunk(config.parallel.dp * config.parallel.ep)[data_rank]
-    for stage in engine.stages.values():
-        stage.eval()
-    logits = engine.executor.forward_only(engine.local_tokens(part[:, :-1]), lambda y: y.clone())
-    if logits is not None and config.parallel.cp > 1:
-        logits = unshard_sequence(logits, 1, mesh.group("cp"))
-    loss, _ = evaluate_batches(engine, [(part[:, :-1], part[:, 1:])])
-    save_checkpoint(out, 0, state_tensors(engine), mesh_axes=config.parallel.mesh_axes, config=_asdict(config))
-    return loss, (data_rank, mesh.coord("tp"), logits if mesh.coord("cp") == 0 else None)
 
 
 MESHES = {

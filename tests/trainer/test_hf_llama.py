@@ -87,8 +87,10 @@ def _hf_logits(folder):
 
 
 def _import_and_score(config, folder, out):
-    """On each rank: import, then (this data rank's logits shard, the mean loss) and a checkpoint."""
+    """On each rank: import, then (this data rank's logits, whole along the sequence, the mean loss) and a
+    checkpoint. Under cp each rank's logits are its chunks, put back in order over the cp group."""
     from polyshard.checkpoint import save_checkpoint
+    from polyshard.cp import unshard_sequence
     from polyshard.trainer.checkpointing.reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.engine.builder import build_engine
@@ -101,10 +103,12 @@ def _import_and_score(config, folder, out):
     part = _tokens().chunk(config.parallel.dp * config.parallel.ep)[data_rank]
     for stage in engine.stages.values():
         stage.eval()
-    logits = engine.executor.forward_only(part[:, :-1], lambda y: y.clone())  # the last stage's, else None
+    logits = engine.executor.forward_only(engine.local_tokens(part[:, :-1]), lambda y: y.clone())
+    if logits is not None and config.parallel.cp > 1:
+        logits = unshard_sequence(logits, 1, mesh.group("cp"))
     loss, _ = evaluate_batches(engine, [(part[:, :-1], part[:, 1:])])
     save_checkpoint(out, 0, state_tensors(engine), mesh_axes=config.parallel.mesh_axes, config=_asdict(config))
-    return loss, (data_rank, mesh.coord("tp"), logits)
+    return loss, (data_rank, mesh.coord("tp"), logits if mesh.coord("cp") == 0 else None)
 
 
 def _whole_logits(pieces, vocab):
