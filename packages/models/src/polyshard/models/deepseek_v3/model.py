@@ -23,6 +23,7 @@ from polyshard.models.spec import (
     ParallelSizes,
     check_mlp_split,
     mlp_plan,
+    sequence_plan,
     split_sequence,
 )
 from polyshard.tp import ColumnParallel, HeadNorm, RowParallel, TPEntry
@@ -86,7 +87,7 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     depths = [f"layers.{config.num_layers + 1}.mtp.depths.{k}.block" for k in range(config.mtp_depth)]
     for i, block in enumerate([f"layers.{i + 1}" for i in range(config.num_layers)] + depths):
         inside = sp and i < config.num_layers  # a depth runs on whole sequences (no SP inside)
-        plan |= mla_plan(block, config, inside)
+        plan |= mla_plan(block, config, inside) | sequence_plan(block, inside)  # the norms on a sequence shard
         if not config.sparse_layer(min(i, config.num_layers - 1)):
             plan |= mlp_plan(block, inside, "swiglu")
         elif config.moe.shared_experts:
@@ -95,8 +96,8 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep, no
-    sequence parallelism with experts), and tp divides the heads and the dense MLPs."""
+    """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep), and
+    tp divides the heads and the dense MLPs."""
     config = deepseek_config(model)
     if config.sparse_layers:
         moe_gpt.check(config, parallel)  # with the MTP rules
