@@ -7,8 +7,8 @@ norms (a gradient summed over the wrong ranks changes the norm at once).
 
 Tolerance: DENSE_RTOL (test_e2e_parity), float32 sums taken in another order. The MoE model trains without
 balance losses (the selection bias balances it, from counts that are exact on every layout), so its layouts
-compute the same maths as one process. Sequence parallelism is refused with experts (moe-gpt's rule), so
-tp2 + SP runs the same attention with every block dense.
+compute the same maths as one process. tp2 + SP here runs the same attention with every block dense; with
+experts it is tests/trainer/test_sequence_parallel_experts.py's (every gradient and parameter compared).
 """
 
 from __future__ import annotations
