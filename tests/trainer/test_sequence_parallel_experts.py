@@ -8,7 +8,9 @@ AdamW steps with weight decay, every gradient of the first step, every parameter
 Models: a Qwen2-MoE-like tiny (a gated shared expert, Switch balance loss and z-loss), the same with a
 capacity factor that drops assignments, and DeepSeek-V3's (MLA, a dense first block, sigmoid scores in
 groups, a shared expert, the sequence-wise balance loss and the selection bias moved by the load).
-gpt-oss's tp2 + SP row is in tests/trainer/test_gpt_oss_training.py.
+gpt-oss's tp2 + SP row is in tests/trainer/test_gpt_oss_training.py. The selection bias and the load
+metrics are compared exactly (the bias is a buffer, and a load counted on one tp rank only moves it in
+the same directions here, so the parity rows alone would not see it).
 
 Tolerances: test_windows' (float32 sums in another order; see TOL there). The balance losses are the
 whole batch's here as on one process, so they do not loosen them. The ep2 x tp2 row uses DeepSeek's
@@ -94,3 +96,42 @@ def test_experts_train_on_sequence_shards_as_on_one_process(distributed, referen
             torch.testing.assert_close(
                 tensor, refs[name], rtol=TOL, atol=atol, msg=lambda m, w=f"{which} {name}": f"{w}: {m}"
             )
+
+
+def _loads(config):
+    """Every step's load of each MoE layer (engine.balance: counts summed over the ranks that routed
+    different tokens) and each sigmoid router's selection bias after the step, on this rank."""
+    from polyshard.ep import MoELayer
+    from polyshard.mesh import Mesh
+    from polyshard.trainer.engine.builder import build_engine
+    from polyshard.trainer.loop import split_batch, train_step
+    from tests.trainer.test_windows import LR, STEPS, _batch
+
+    par = config.parallel
+    mesh = Mesh(par.mesh_axes)
+    engine = build_engine(config, mesh)
+    data_rank, rows = mesh.group_rank(par.batch_axes), ROWS // par.data_ranks
+    out = []
+    for step in range(STEPS):
+        batch = {k: v[data_rank * rows : (data_rank + 1) * rows] for k, v in _batch(step).items()}
+        train_step(engine, *split_batch(config, batch), LR)
+        biases = {
+            name: module.router.bias.clone()
+            for stage in engine.stages.values()
+            for name, module in stage.named_modules()
+            if isinstance(module, MoELayer)
+        }
+        out.append((engine.expert_load, biases))
+    return out
+
+
+def test_the_selection_bias_moves_by_the_load_of_every_token_once(distributed):
+    # Each tp rank routes its own sequence shard: the load adds every tp rank's counts (once over tp without
+    # SP). Integer counts and sign updates: exactly one process's numbers.
+    one = distributed.run(1, _loads, _config("deepseek"))[0]
+    for steps in distributed.run(2, _loads, _config("deepseek", **SP)):
+        for (load, biases), (ref_load, ref_biases) in zip(steps, one):
+            assert load == ref_load and all(layer.tokens == ROWS * CONTEXT for layer in load.values())
+            assert biases.keys() == ref_biases.keys()
+            for name, bias in biases.items():
+                assert torch.equal(bias, ref_biases[name]), name
