@@ -70,6 +70,10 @@ LAYOUTS = [
     (2, {"dp": 2, "kind": "moe-gpt"}),
     (2, {"cp": 2, "kind": "moe-gpt"}),  # the router's statistics summed over cp; experts' grads over dp x cp
     (2, {"cp": 2, "kind": "moe-gpt", "capacity": 1.0}),  # + the expert choices gathered for the capacity rule
+    (2, {"tp": 2, "kind": "moe-gpt"}),  # attention's tp collectives only: the routed experts take none
+    # sequence parallelism: each tp rank routes its shard; statistics (and capacity's choices) over tp, the
+    # router's and experts' gradients summed over tp
+    (2, {"tp": 2, "sequence_parallel": True, "kind": "moe-gpt", "capacity": 1.0}),
 ]
 
 

@@ -127,7 +127,6 @@ def test_bad_fields(raw, message):
         ),
         ({"parallel": {"ep": 2}}, 2, "needs experts"),
         ({"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1}}, 2, "zero_stage=0 with sequence"),
-        ({"model": {"kind": "moe-gpt"}, "parallel": {"tp": 2, "sequence_parallel": True}}, 2, "moe-gpt"),
         (
             {"model": {"kind": "moe-gpt", "moe": {"num_experts": 6}}, "parallel": {"ep": 4}},
             4,

@@ -9,9 +9,8 @@ placement records (tests/trainer/_pieces.py).
 
 Tolerances: DENSE_RTOL (test_e2e_parity) for the numbers, the ones below for the tensors: float32 sums
 taken in another order. The MoE model trains without balance losses (the selection bias balances it, from
-counts that are exact on every layout), so its layouts compute the same maths as one process. Sequence
-parallelism is refused with experts (moe-gpt's rule), so tp2 + SP runs the same attention with every block
-dense.
+counts that are exact on every layout), so its layouts compute the same maths as one process. tp2 + SP here
+runs the same attention with every block dense; with experts it is tests/trainer/test_sequence_parallel_experts.py's.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """A tiny gpt-oss (sinks, a 5-token window alternating with full attention, YaRN, biased attention, a biased
-top-2 router over 4 biased clamped-SwiGLU experts) trained from scratch with document masks on tp2, ep2, cp2
-(ring) and dp2 with ZeRO-3 against one process on the same batches: every loss and gradient norm of a few
-AdamW steps with weight decay, every gradient of the first step, and every parameter after the last
-(the harness and its tolerances are tests/trainer/test_windows.py's)."""
+top-2 router over 4 biased clamped-SwiGLU experts) trained from scratch with document masks on tp2, tp2 +
+sequence parallelism, ep2, cp2 (ring) and dp2 with ZeRO-3 against one process on the same batches: every
+loss and gradient norm of a few AdamW steps with weight decay, every gradient of the first step, and every
+parameter after the last (the harness and its tolerances are tests/trainer/test_windows.py's)."""
 
 import pytest
 import torch
 
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.errors import ConfigError
 from tests.trainer.test_windows import CONTEXT, LOSS_RTOL, PARAM_ATOL, ROWS, TOL, VOCAB, _assemble, _train
 
 MODEL = {
@@ -46,6 +45,8 @@ LAYOUTS = [
     pytest.param(2, {"cp": 2}, id="cp2-ring"),  # the window crosses the chunks; sinks summed over cp
     pytest.param(4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2", marks=pytest.mark.long),
     pytest.param(4, {"cp": 2, "ep": 2}, id="cp2xep2", marks=pytest.mark.long),
+    # each tp rank routes its sequence shard; router, experts and their biases summed over tp
+    pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
 ]
 
 
@@ -67,11 +68,3 @@ def test_gpt_oss_trains_as_on_one_process(distributed, reference, world, paralle
             torch.testing.assert_close(
                 tensor, refs[name], rtol=TOL, atol=atol, msg=lambda m, w=f"{which} {name}": f"{w}: {m}"
             )
-
-
-def test_sequence_parallel_is_refused_naming_the_fix():
-    from polyshard.trainer.engine.constraints import validate
-
-    config = _config(tp=2, sequence_parallel=True)
-    with pytest.raises(ConfigError, match="sequence_parallel with model.kind='gpt-oss' is not supported"):
-        validate(config)

@@ -79,6 +79,10 @@ class MoELayer(nn.Module):
         """Ranks holding other parts of this rank's sequences (cp), set by
         :func:`polyshard.ep.share_routing_statistics`: the auxiliary losses are then the whole batch's
         (:mod:`polyshard.ep.token_group`); None: this rank's own."""
+        self.loss_sharers = 1
+        """How many ranks of ``token_group`` hold one copy of the loss between them: its tp ranks under
+        sequence parallelism (a trainer sums their gradients instead of averaging them), 1 for cp
+        alone. The backward of the group's statistics is divided by it (:mod:`polyshard.ep.token_group`)."""
         self.positions: torch.Tensor | None = None
         """(S_local,) sequence positions of this rank's tokens in the token group's batch (the order the
         capacity rule serves tokens in), set with ``token_group``."""
@@ -117,12 +121,14 @@ class MoELayer(nn.Module):
             self.load_seen = load if self.load_seen is None else self.load_seen + load
         y = combine(expert_output, routing.weights, meta)  # (T, H)
 
-        balance, router_z = router_losses(routing, cfg.num_experts, self.token_group, cfg.z_loss_coef > 0)
+        balance, router_z = router_losses(
+            routing, cfg.num_experts, self.token_group, cfg.z_loss_coef > 0, self.loss_sharers
+        )
         aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * router_z
         seq_balance = torch.zeros((), device=x.device)
         if cfg.seq_aux_loss_coef > 0:
             sequence = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]  # (B, S, H): B sequences of S tokens
-            seq_balance = sequence_loss(routing, cfg.num_experts, sequence, self.token_group)
+            seq_balance = sequence_loss(routing, cfg.num_experts, sequence, self.token_group, self.loss_sharers)
             aux = aux + cfg.seq_aux_loss_coef * seq_balance
         losses = (balance, router_z, seq_balance, aux)
         self.last_metrics = _metrics(routing.experts, keep, cfg.num_experts, meta, losses)

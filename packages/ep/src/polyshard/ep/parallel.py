@@ -27,6 +27,8 @@ dp x ep x cp, and the rest average over dp x ep x cp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -69,12 +71,20 @@ def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str
 
 
 def share_routing_statistics(
-    model: nn.Module, *, group: dist.ProcessGroup, positions: torch.Tensor | None = None
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup,
+    positions: torch.Tensor | None = None,
+    loss_sharers: int = 1,
+    skip: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses (and capacity) over the tokens
-    of ``group``: the ranks holding parts of the same sequences (cp). In place; returns ``model``.
-    ``positions``: (S_local,) the sequence positions of this rank's tokens, which the capacity rule needs."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    of ``group``: the ranks holding parts of the same sequences (cp, and tp under sequence parallelism).
+    In place; returns ``model``. ``positions``: (S_local,) the sequence positions of this rank's tokens,
+    which the capacity rule needs. ``loss_sharers``: the group's ranks that share one copy of the loss
+    (:attr:`MoELayer.loss_sharers`: tp's size under sequence parallelism). ``skip``: layers by name to
+    leave as they are."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and not (skip and skip(name))]
     if not layers:
         raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no routing statistics")
     for name, layer in layers:
@@ -84,7 +94,7 @@ def share_routing_statistics(
                 "the whole batch's tokens in sequence order; pass positions= (this rank's sequence positions, "
                 "e.g. polyshard.cp.position_ids) or use capacity_factor=None (dropless)"
             )
-        layer.token_group, layer.positions = group, positions
+        layer.token_group, layer.positions, layer.loss_sharers = group, positions, loss_sharers
     return model
 
 

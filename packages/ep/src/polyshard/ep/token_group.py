@@ -27,6 +27,18 @@ expert's P_e = (p0 + p1) / T from the two ranks' sums p0, p1: the loss
 replicas average to (aux + aux) / 2, whose gradient w.r.t. p0 is
 2 * (d aux / d P_e) / T / 2 = (d aux / d P_e) / T, what one process gets.
 
+Sequence parallelism (tp ranks each holding a sequence shard at the MLP)
+puts the tp ranks in the token group too, but a trainer does not average
+over tp: every tp rank computes the same loss, counted once, and sums the
+gradients of parameters that saw a sequence shard. There the G_tp shares the
+backward all-reduce gives a rank would count the loss G_tp times over, so
+``loss_sharers`` = G_tp divides them out: each rank keeps G_cp shares
+(cp x tp: the cp average then makes one), and the tp sum adds the ranks'
+tokens into one gradient of the batch's aux loss. Worked example, tp=2 with
+SP, no cp: the shared probability sum P_e = (p0 + p1) / T; the backward
+all-reduce gives rank 0 2 * (d aux / d P_e) / T, halved to one share; rank
+1 likewise; summed over tp the router's gradient holds each token once.
+
 The token group must split tokens only (each rank's tokens are distinct parts
 of one batch): the ranks of ep or dp route different batches and keep their
 own losses, as GShard does.
@@ -60,16 +72,20 @@ from polyshard.ep.router import (
 )
 
 
-def sum_over_tokens(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def sum_over_tokens(stats: torch.Tensor, group: dist.ProcessGroup | None, loss_sharers: int = 1) -> torch.Tensor:
     """Per-token statistics summed over the token group.
-    forward: all-reduce / backward: all-reduce (see the module docstring); the identity without a group."""
+    forward: all-reduce / backward: all-reduce, divided by ``loss_sharers`` (see the module docstring);
+    the identity without a group."""
     if group is None or dist.get_world_size(group) == 1:
         return stats
+    if loss_sharers > 1 and stats.requires_grad:
+        stats = stats * 1.0  # a fresh node to hook: the hook scales only this sum's gradient
+        stats.register_hook(lambda grad: grad / loss_sharers)
     return copy_to(reduce_from(stats, group), group)
 
 
 def router_losses(
-    routing: Routing, num_experts: int, group: dist.ProcessGroup | None, with_z: bool
+    routing: Routing, num_experts: int, group: dist.ProcessGroup | None, with_z: bool, loss_sharers: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) of the batch whose tokens ``group`` splits (this rank's alone
     without a group, computed as :mod:`polyshard.ep.router` does). The z-loss is 0 unless ``with_z``."""
@@ -80,7 +96,8 @@ def router_losses(
     counts = tokens_per_expert(routing.experts, num_experts).to(probs.dtype)  # (E,)
     lse2 = torch.logsumexp(routing.logits.float(), dim=-1).square().sum() if with_z else probs.new_zeros(())
     tokens = probs.new_full((1,), probs.shape[0])
-    total = sum_over_tokens(torch.cat([counts, probs.sum(dim=0), lse2.reshape(1), tokens]), group)  # (2E + 2,)
+    stats = torch.cat([counts, probs.sum(dim=0), lse2.reshape(1), tokens])
+    total = sum_over_tokens(stats, group, loss_sharers)  # (2E + 2,)
     num_tokens = total[-1].detach()
     fraction = total[:num_experts].detach() / (num_tokens * routing.experts.shape[1])  # (E,) f_e
     mean_prob = total[num_experts : 2 * num_experts] / num_tokens  # (E,) P_e
@@ -88,7 +105,7 @@ def router_losses(
 
 
 def sequence_loss(
-    routing: Routing, num_experts: int, sequence_length: int, group: dist.ProcessGroup | None
+    routing: Routing, num_experts: int, sequence_length: int, group: dist.ProcessGroup | None, loss_sharers: int = 1
 ) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (:func:`polyshard.ep.router.sequence_balance_loss`) of
     whole sequences whose positions ``group`` splits (``sequence_length``: this rank's part of each):
@@ -101,7 +118,8 @@ def sequence_loss(
     probs = routing.probs.view(-1, sequence_length, num_experts)  # (B, S_local, E)
     counts = F.one_hot(experts, num_experts).sum(dim=1).to(probs.dtype)  # (B, E), no gradient
     tokens = probs.new_full((probs.shape[0], 1), sequence_length)
-    total = sum_over_tokens(torch.cat([counts, probs.sum(dim=1), tokens], dim=1), group)  # (B, 2E + 1)
+    stats = torch.cat([counts, probs.sum(dim=1), tokens], dim=1)
+    total = sum_over_tokens(stats, group, loss_sharers)  # (B, 2E + 1)
     length = total[:, -1:].detach()  # (B, 1): whole sequences
     fraction = total[:, :num_experts].detach() * (num_experts / top_k) / length
     mean_prob = total[:, num_experts : 2 * num_experts] / length

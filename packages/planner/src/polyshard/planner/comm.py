@@ -77,20 +77,28 @@ def _activation(config: Config, micro_batch: int) -> float:
     return micro_batch * sequence_length(config.model) * config.model.hidden * e / config.parallel.cp
 
 
+def _tp_regions(config: Config, layer: int) -> int:
+    """The tp regions of block ``layer``: its attention, and its MLP where tp splits one (a dense MLP or an
+    MoE block's shared experts; the routed experts are ep's and take no tp collective)."""
+    model = config.model
+    if not spec_of(model).has_experts:
+        return 2
+    moe = moe_config(model)
+    return 1 + int(not moe.sparse_layer(layer - 1) or moe.moe.shared_experts > 0)
+
+
 def _tp(config: Config, layers: range, act: float) -> list[Traffic]:
     t, last, sp = config.parallel.tp, config.model.num_layers + 1, config.parallel.sequence_parallel
     if t == 1:
         return []
-    blocks = sum(1 for i in layers if 0 < i < last)
-    recompute = 2 * blocks if config.training.activation_checkpointing else 0
+    regions = sum(_tp_regions(config, i) for i in layers if 0 < i < last)
+    recompute = regions if config.training.activation_checkpointing else 0
     if sp:  # each all-reduce becomes an all-gather and a reduce-scatter
-        out = [Traffic("tp", op, t, act, 2 * blocks, "forward") for op in ("all_gather", "reduce_scatter")]
-        out += [
-            Traffic("tp", op, t, act, 2 * blocks + recompute, "backward") for op in ("all_gather", "reduce_scatter")
-        ]
+        out = [Traffic("tp", op, t, act, regions, "forward") for op in ("all_gather", "reduce_scatter")]
+        out += [Traffic("tp", op, t, act, regions + recompute, "backward") for op in ("all_gather", "reduce_scatter")]
     else:
-        out = [Traffic("tp", "all_reduce", t, act, 2 * blocks, "forward")]
-        out += [Traffic("tp", "all_reduce", t, act, 2 * blocks + recompute, "backward")]
+        out = [Traffic("tp", "all_reduce", t, act, regions, "forward")]
+        out += [Traffic("tp", "all_reduce", t, act, regions + recompute, "backward")]
     if 0 in layers:  # the vocabulary-parallel embedding sums its rows; SP's first split gathers back
         out.append(Traffic("tp", "all_reduce", t, act, 1, "forward"))
         out += [Traffic("tp", "all_gather", t, act, 1, "backward")] if sp else []
@@ -109,20 +117,24 @@ def _ep_cp(config: Config, layers: range, act: float) -> list[Traffic]:
     blocks = sum(1 for i in layers if 0 < i < last)
     # Blocks with experts (an MoE model's dense_layers have none): the all-to-alls and aux statistics.
     sparse = sum(1 for i in layers if 0 < i < last and moe_config(model).sparse_layer(i - 1)) if has_experts else 0
+    # Under sequence parallelism each tp rank routes its sequence shard, and the token group spans tp too.
+    shard = par.tp if par.sequence_parallel else 1
+    group = par.cp * shard
+    axis = "cp" if par.cp > 1 else "tp"  # the token group's slowest axis
     if par.ep > 1 and has_experts:
-        routed = act * moe_config(model).moe.top_k
+        routed = act / shard * moe_config(model).moe.top_k
         out += [Traffic("ep", "all_to_all", par.ep, routed, 2 * sparse, p) for p in ("forward", "backward")]
-    if par.cp > 1 and has_experts:  # the aux losses' per-expert statistics, summed over cp
+    if group > 1 and has_experts:  # the aux losses' per-expert statistics, summed over the token group
         moe = moe_config(model).moe
         stats = 4 * (2 * moe.num_experts + 2)  # fp32: assignments, probabilities (E each), z sum, tokens
         recompute = sparse if config.training.activation_checkpointing == "full" else 0  # the MoE forward reruns
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse, "forward"))
-        out.append(Traffic("cp", "all_reduce", par.cp, stats, sparse + recompute, "backward"))
+        out.append(Traffic(axis, "all_reduce", group, stats, sparse, "forward"))
+        out.append(Traffic(axis, "all_reduce", group, stats, sparse + recompute, "backward"))
         if moe.capacity_factor is not None:  # the capacity rule's int64 expert choices and positions, gathered
-            tokens = act / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
-            for nbytes in (8 * par.cp * tokens * moe.top_k, 8 * sequence_length(model)):
-                out.append(Traffic("cp", "all_gather", par.cp, nbytes, sparse, "forward"))
-                out += [Traffic("cp", "all_gather", par.cp, nbytes, recompute, "backward")] if recompute else []
+            tokens = act / shard / model.hidden / (2 if config.training.precision == "bf16" else 4)  # this rank's
+            for nbytes in (8 * group * tokens * moe.top_k, 8 * sequence_length(model)):
+                out.append(Traffic(axis, "all_gather", group, nbytes, sparse, "forward"))
+                out += [Traffic(axis, "all_gather", group, nbytes, recompute, "backward")] if recompute else []
     if par.cp > 1:
         out += _cp(config, blocks, act)
     return out
@@ -221,11 +233,11 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     if tied_names(model) and par.pp > 1 and pp_rank in (0, par.pp - 1):
         vocab = output_width(model) / par.tp
         out.append(Traffic("pp", "all_reduce", 2, 4 * vocab * model.hidden, 1, "step"))
-    if par.sequence_parallel and par.tp > 1:  # norm weights on sequence shards: their grads sum over tp
+    if par.sequence_parallel and par.tp > 1:  # norms and experts on sequence shards: their grads sum over tp
         norms = sum(
             c * math.prod(h.shape)
             for h, c in holdings(config, pp_rank).items()
-            if len(h.shape) == 1 and not h.tp_sharded
+            if (len(h.shape) == 1 and not h.tp_sharded) or h.sequence_summed
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
     expert_replicas = par.dp * par.cp

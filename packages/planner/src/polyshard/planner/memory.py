@@ -83,6 +83,10 @@ class Held:
     """Hybrid sharding: the ranks ZeRO shards it over (a divisor of ``replicas``); None: all replicas."""
     muon: bool = False
     """Stepped by Muon (one momentum buffer) rather than AdamW (two moments and a step counter)."""
+    sequence_summed: bool = False
+    """Replicated over tp but run on each tp rank's sequence shard under sequence parallelism, its gradient
+    summed over tp: an MoE block's router and experts and a shared expert's gate (the norms: 1-D and not
+    ``tp_sharded``)."""
 
     @property
     def shard_ranks(self) -> int:
@@ -158,7 +162,17 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     replicas = math.prod(sizes[a] for a in data_axes(config, record))
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
     shards = math.prod(sizes[a] for a in shard_axes(config, record)) if par.hybrid else None
-    return Held(record.local_shape(sizes), replicas, tp_sharded, shards, muon=_stepped_by_muon(config, record))
+    summed = par.tp > 1 and par.sequence_parallel and routes_sequence_shards(record.name)
+    muon = _stepped_by_muon(config, record)
+    return Held(record.local_shape(sizes), replicas, tp_sharded, shards, muon=muon, sequence_summed=summed)
+
+
+def routes_sequence_shards(name: str) -> bool:
+    """Whether parameter ``name`` belongs to an MoE block's routed part (or a shared expert's gate), which
+    under sequence parallelism runs on each tp rank's sequence shard (not a prediction depth's: those run
+    on whole sequences)."""
+    moe = ".mlp.moe." in name or name.endswith(".mlp.shared_expert_gate.weight")
+    return moe and ".mtp." not in name
 
 
 def _stepped_by_muon(config: Config, record: TensorPlacement) -> bool:

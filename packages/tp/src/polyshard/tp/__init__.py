@@ -14,7 +14,13 @@ from polyshard.tp.heads import ReplicatedKVLinear, heads_per_rank, replicates_kv
 from polyshard.tp.linear import ColumnParallelLinear, RowParallelLinear
 from polyshard.tp.plan import name_placements, parallelize, planned_placement
 from polyshard.tp.regions import enter_region, leave_region, split_sequence, sync_sequence_parallel_grads
-from polyshard.tp.shard import gather_full_state, gather_full_tensor, is_sequence_parallel, padded_size
+from polyshard.tp.shard import (
+    gather_full_state,
+    gather_full_tensor,
+    is_sequence_parallel,
+    mark_sequence_parallel,
+    padded_size,
+)
 from polyshard.tp.styles import (
     ColumnParallel,
     HeadNorm,
@@ -56,6 +62,7 @@ __all__ = [
     "head_input",
     "heads_per_rank",
     "is_sequence_parallel",
+    "mark_sequence_parallel",
     "leave_region",
     "name_placements",
     "planned_placement",

@@ -96,8 +96,8 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep, no
-    sequence parallelism with experts), and tp divides the heads and the dense MLPs."""
+    """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep), and
+    tp divides the heads and the dense MLPs."""
     config = deepseek_config(model)
     if config.sparse_layers:
         moe_gpt.check(config, parallel)  # with the MTP rules

@@ -7,7 +7,6 @@ their sinks) split over tp, experts (and their biases) over ep."""
 from __future__ import annotations
 
 from polyshard.models.config import ModelConfig
-from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
 from polyshard.models.gpt_oss.config import GptOssConfig
 from polyshard.models.gpt_oss.hf import GPT_OSS
@@ -17,11 +16,6 @@ from polyshard.models.spec import ModelSpec, ParallelSizes
 
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    if parallel.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel with model.kind='gpt-oss' is not supported (experts replicated over tp "
-            "would see different tokens); turn sequence_parallel off (tp still splits attention's heads)"
-        )
     moe_gpt.check(model, parallel)
 
 

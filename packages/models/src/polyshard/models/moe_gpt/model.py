@@ -34,8 +34,10 @@ from polyshard.models.spec import (
     attention_plan,
     check_mlp_split,
     mlp_plan,
+    sequence_plan,
     split_sequence,
 )
+from polyshard.tp import SequenceParallel
 
 
 class MoEMLP(nn.Module):
@@ -123,15 +125,20 @@ def routing_summary(model: ModelConfig) -> str:
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
     the shared experts are, like the dense MLP (their gate's one vector is replicated), and so are the
-    dense blocks' MLPs."""
+    dense blocks' MLPs. Under sequence parallelism the routed experts run on each tp rank's sequence
+    shard (the trainer sums their gradients over tp: polyshard.trainer.engine.builder), and so does the
+    shared gate (flagged like a norm)."""
     model = moe_config(model)
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
         plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
+        plan |= sequence_plan(f"layers.{i}", parallel.sequence_parallel)  # the norms on a sequence shard
         if not model.sparse_layer(i - 1):
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, model.activation)
         elif model.moe.shared_experts:
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
+            if model.moe.shared_gate and parallel.sequence_parallel:  # replicated, on this rank's sequence shard
+                plan[f"layers.{i}.mlp.shared_expert_gate"] = SequenceParallel()
     plan |= gpt.mtp_plan(model, parallel, mlp=False)  # the depths' attention; their experts are ep's
     for k in range(model.mtp_depth if model.moe.shared_experts else 0):
         plan |= mlp_plan(
@@ -142,11 +149,6 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     model, par = moe_config(model), parallel
-    if par.sequence_parallel:
-        raise ConfigError(
-            "parallel.sequence_parallel with model.kind='moe-gpt' is not supported (experts replicated over tp "
-            "would see different tokens); turn sequence_parallel off"
-        )
     if par.ep > 1 and par.zero_stage == 3:
         # ZeRO-3 shards every parameter of a stage over dp x ep, but each ep rank holds different experts.
         raise ConfigError(

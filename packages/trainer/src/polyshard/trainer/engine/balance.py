@@ -3,7 +3,8 @@
 Each MoE layer counts, over its training forwards of a step, the assignments its router chose per
 expert on this rank's tokens (:meth:`polyshard.ep.MoELayer.take_load`). After the optimizer step one
 all-reduce over the world sums them: every rank that saw different tokens (the dp, ep and cp ranks,
-and every microbatch) adds its counts, a tp rank adds them once (tp ranks route the same tokens),
+and every microbatch) adds its counts, a tp rank adds them once (tp ranks route the same tokens;
+under sequence parallelism each tp rank routes its own sequence shard and adds its counts too),
 and each pipeline rank fills the rows of its own layers, so every rank learns every layer's load in
 one collective, fused over the layers. The same vector carries each layer's bias before the update
 (from the one rank at coordinate 0 of the replica and tp axes), so every rank can report every
@@ -81,7 +82,9 @@ def balance_experts(engine: Engine, stepped: bool) -> dict[int, LayerLoad]:
     counts = {i: layer.take_load() for i, layer in layers.items()}  # always taken: a skipped step resets them
     sums = torch.zeros(engine.pipeline_layers, 2 * experts + 2, dtype=torch.float64)
     for i, load in counts.items():
-        if engine.mesh.coord("tp") == 0:
+        # tp ranks route the same tokens, counted once; under sequence parallelism (a token group shared
+        # with tp: loss_sharers > 1) each routes its own sequence shard, and every one adds its counts.
+        if engine.mesh.coord("tp") == 0 or layers[i].loss_sharers > 1:
             sums[i, : experts + 2] = load.double()
         bias = layers[i].router.bias
         if bias is not None and _first_of_replicas(engine):

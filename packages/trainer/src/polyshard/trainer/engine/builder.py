@@ -57,6 +57,7 @@ from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, sha
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.models import build_model, layer_of, sequence_length, spec_of, tied_names
 from polyshard.pp import PipelineExecutor, Schedule, make_schedule
+from polyshard.tp import mark_sequence_parallel
 from polyshard.tp import (
     parallelize as tp_parallelize,
 )
@@ -193,9 +194,12 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
+        positions = None
         if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
             positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
             share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
+        if par.tp > 1 and par.sequence_parallel:
+            _route_sequence_shards(model, config, mesh, positions, device)
     stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
@@ -229,6 +233,34 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         pipeline_layers=bounds[-1].stop,
         mtp_loss_fns=mtp_loss_fns,
     )
+
+
+def _in_prediction_depth(name: str) -> bool:
+    """A module of a multi-token prediction depth (``layers.<i>.mtp.depths.<k>...``): the depths run on
+    whole sequences, with no sequence parallelism inside."""
+    return ".mtp." in f".{name}."
+
+
+def _route_sequence_shards(
+    model: nn.Module, config: Config, mesh: Mesh, cp_positions: torch.Tensor | None, device: torch.device | str
+) -> None:
+    """Sequence parallelism with experts: each tp rank routes the sequence shard it holds at the MLP and
+    exchanges it over its ep group (the ranks with its tp coordinate), so the router and the experts,
+    replicated over tp, see different tokens on each tp rank. Their gradients are summed over tp, as a
+    sequence-parallel norm's are (flagged alike); the aux losses and the capacity rule are the whole
+    sequences' (the token group spans tp, and cp when there is one). The prediction depths' MoE
+    blocks run on whole sequences and keep their tp-replicated routing."""
+    par = config.parallel
+    length = sequence_length(config.model)
+    whole = torch.arange(length, device=device) if cp_positions is None else cp_positions  # this cp rank's
+    shard = whole.numel() // par.tp
+    positions = whole[mesh.coord("tp") * shard : (mesh.coord("tp") + 1) * shard]  # split_sequence's piece
+    group = mesh.group(("cp", "tp")) if par.cp > 1 else mesh.group("tp")
+    share_routing_statistics(model, group=group, positions=positions, loss_sharers=par.tp, skip=_in_prediction_depth)
+    for name, layer in model.named_modules():
+        if isinstance(layer, MoELayer) and not _in_prediction_depth(name):
+            for param in layer.parameters():  # after ep, which replaced the expert parameters
+                mark_sequence_parallel(param)
 
 
 def _last_layer(stages: Mapping[int, nn.Sequential], num_stages: int) -> nn.Module | None:

@@ -55,7 +55,10 @@ def _idle_experts(engine: Engine, layers: list[tuple[int, str, MoELayer]]) -> li
     """Per MoE layer, the global indices of its experts that processed no row on any data or cp rank."""
     counts = [layer.take_rows_seen() for _, _, layer in layers]
     total = torch.cat(counts).to(engine.device)
-    ops.all_reduce(total, engine.mesh.group(engine.config.parallel.expert_replica_axes))
+    axes = engine.config.parallel.expert_replica_axes
+    # Under sequence parallelism each tp rank's experts see its own sequence shard: sum over tp too (where
+    # tp ranks see the same tokens the sum is a multiple of each one's count, zero exactly where they are).
+    ops.all_reduce(total, engine.mesh.group((*axes, "tp") if engine.config.parallel.tp > 1 else axes))
     idle, offset = [], 0
     for local in counts:
         first = engine.mesh.coord("ep") * len(local)  # this rank's experts are a contiguous range
