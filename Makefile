@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner benchmarks apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test test-long test-bench demo lint docs format clean
+.PHONY: setup test test-long test-system test-bench demo lint docs format clean
 
 setup: $(STAMP)
 
@@ -30,9 +30,14 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 test: setup
 	$(BIN)/python -m pytest -q
 
-# Whole jobs that take minutes each (faults, hangs, elastic nodes, Hugging Face round trips); CI runs them too.
+# Whole jobs on several processes (parity layouts, Hugging Face round trips, the longer examples); CI runs them too.
 test-long: setup
 	$(BIN)/python -m pytest -q -m long
+
+# The system around training (workers killed at each point and restarted, hangs, Ctrl-C, two agents as two
+# nodes, losing a node, installs of package subsets in fresh virtualenvs); CI runs them after test-long.
+test-system: setup
+	$(BIN)/python -m pytest -q -m system
 
 # Every `polyshard bench` command through the CLI at its smallest sizes (minutes: compile's cold cache,
 # the peers' jobs); CI runs them after test-long.

@@ -70,7 +70,7 @@ print("ok")
 """
 
 
-@pytest.mark.long
+@pytest.mark.system
 @pytest.mark.parametrize("packages", list(SUBSETS), ids="+".join)
 def test_subset_installs_alone(tmp_path, packages):
     venv = tmp_path / "venv"

@@ -162,7 +162,7 @@ def test_every_bad_input_stops_before_launch_naming_the_field(tmp_path):
     _check(run_cases(str(tmp_path)), str(tmp_path))
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_the_same_checks_hold_under_python_O(tmp_path):
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); "

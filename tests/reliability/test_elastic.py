@@ -45,7 +45,7 @@ def _descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in _descendants(c)]
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_job_that_loses_a_node_continues_on_the_rest(tmp_path):
     whole = subprocess.run(
         [*POLYSHARD, "train", str(CONFIG), "--out", str(tmp_path / "whole"), "--nproc", "4", *JOB],

@@ -62,7 +62,7 @@ def test_a_replica_that_drifted_is_found_and_named(distributed, corpus, zero_sta
     assert "step 2" in errors[0] and "rank(s) [2] differ from the other replicas" in errors[0]
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_every_rank_stops_when_one_dp_group_drifted(distributed, corpus):
     # dp2 x tp2: only the dp group of tp rank 1 drifts; the other group must stop at the same check
     # (before: it went on into the next collective alone and the job hung).

@@ -28,7 +28,7 @@ from tests.reliability._jobs import (
 )
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(tmp_path):
     job = start(tmp_path, *LONG)
     try:
@@ -45,7 +45,7 @@ def test_a_local_job_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
         job.communicate()
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_ctrl_c_stops_every_process_and_keeps_the_checkpoints(tmp_path):
     from polyshard.checkpoint import open_checkpoint
 
@@ -62,7 +62,7 @@ def test_ctrl_c_stops_every_process_and_keeps_the_checkpoints(tmp_path):
         kill_all(tmp_path)
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_stopped_rank_fails_the_job_naming_the_collective_group_and_rank(tmp_path):
     job = start(tmp_path, *LONG, "--set", "parallel.timeout_s=10")
     try:

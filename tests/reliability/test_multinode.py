@@ -20,7 +20,7 @@ JOB = [
 ]
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_two_agents_as_two_nodes_train_like_one(tmp_path):
     single = subprocess.run(
         [*POLYSHARD, "train", str(CONFIG), "--out", str(tmp_path / "one"), *JOB], capture_output=True, text=True

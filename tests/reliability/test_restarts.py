@@ -36,7 +36,7 @@ def _same_run(out, reference) -> None:
         assert torch.equal(mine[name], theirs[name]), name
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_preempted_run_whose_worker_is_then_killed_equals_an_uninterrupted_run(uninterrupted, tmp_path):
     # A job is preempted at step 3 (--stop-at), resumed, and loses a worker mid-step 5; torchrun
     # restarts the group, which resumes from step 4's checkpoint. Nothing shows in the result.
@@ -55,7 +55,7 @@ def test_a_preempted_run_whose_worker_is_then_killed_equals_an_uninterrupted_run
     _same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.long
+@pytest.mark.system
 @pytest.mark.parametrize("fault", ["step@5:1", "save@4:1", "saved@4:0"])
 def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes(uninterrupted, tmp_path, fault):
     done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": fault})
@@ -65,7 +65,7 @@ def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes
     _same_run(tmp_path, uninterrupted)
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, env={"POLYSHARD_FAULT": "save@6:1"})
     assert crashed.returncode != 0
@@ -78,7 +78,7 @@ def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted,
 ASYNC = ["--set", "checkpoint.async_save=true"]
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_an_async_save_writes_the_checkpoints_and_run_a_blocking_save_does(uninterrupted, tmp_path):
     from safetensors.torch import load_file
 
@@ -98,7 +98,7 @@ def test_an_async_save_writes_the_checkpoints_and_run_a_blocking_save_does(unint
         assert [r["extra"]["data"] for r in ours["ranks"]] == [r["extra"]["data"] for r in reference["ranks"]]
 
 
-@pytest.mark.long
+@pytest.mark.system
 def test_a_run_killed_mid_async_write_keeps_the_previous_checkpoint_and_resumes(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, *ASYNC, env={"POLYSHARD_FAULT": "save@6:1"})  # killed in the writer thread
     # Rank 1 was killed; torchrun names whichever rank it saw end first: rank 1 (SIGKILL) or rank 0,
