@@ -69,6 +69,7 @@ def _check(got, want, rtol):
     assert got == pytest.approx(want, rel=rtol)
 
 
+@pytest.mark.long  # 35 s of compiles; the compiled layouts are long too
 def test_one_process_compiled_matches_eager_and_logs_its_compiles(distributed, corpus, eager, tmp_path):
     config = _config(corpus, compiled=True)
     [(numbers, compiled)] = distributed.run(1, _train, config, tmp_path, True, timeout_s=TIMEOUT_S)
