@@ -154,6 +154,7 @@ def test_the_dtype_table_covers_what_checkpoints_hold():
         assert dtype in DTYPES.values()
 
 
+@pytest.mark.long  # three commands, each a fresh interpreter (12 s)
 def test_the_command_line_inspects_reshards_and_exports(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     record = TensorPlacement("w", (10, 4), (("dp", Replicate()),))

@@ -1,7 +1,7 @@
 """Every command the learning path shows runs, and prints what its page says within the stated tolerance.
 
-The fast ones run in ``make test``; those marked ``long`` on their page (each starts worker processes)
-in ``make test-long``. See tests/docs/examples_run.py for the page markers.
+Every run is in ``make test-long`` (each starts processes or a CLI); ``long`` on a page marks the runs that
+start worker processes. See tests/docs/examples_run.py for the page markers.
 """
 
 import pytest
@@ -12,7 +12,8 @@ RUNS = runs()
 
 
 def _params():
-    return [pytest.param(run, id=run.name, marks=[pytest.mark.long] if run.long else []) for run in RUNS]
+    # every run starts processes or a CLI (3-7 s each, 16 s for the "fast" ones): all in make test-long
+    return [pytest.param(run, id=run.name, marks=[pytest.mark.long]) for run in RUNS]
 
 
 def test_every_learning_page_has_a_run():

@@ -37,7 +37,7 @@ def test_quintnet_groups_on_eight_ranks(distributed):
     [
         (1, {"dp": 1}),
         (3, {"pp": 1, "dp": 3, "tp": 1}),
-        (6, {"dp": 3, "tp": 2}),
+        pytest.param(6, {"dp": 3, "tp": 2}, marks=pytest.mark.long),  # six processes on two cores (10 s)
         (4, {"dp": 1, "ep": 2, "tp": 2, "pp": 1}),
     ],
 )

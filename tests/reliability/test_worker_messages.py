@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from polyshard.cli.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.system  # a whole job through torchrun (11 s)
 def test_a_user_error_on_every_rank_is_one_line_and_nothing_is_left_in_tmp(tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()

@@ -73,6 +73,7 @@ def test_the_table_is_completed_from_the_folder(folders):
             with_folder_settings(other, folder)
 
 
+@pytest.mark.long  # a whole training job (8 s); the folder-settings rules stay in make test
 def test_a_run_without_a_model_table_trains_the_folders_model(folders, corpus, tmp_path):
     result = _train(tmp_path, corpus, folders["llama"], "", "--dry-run")
     assert result.exit_code == 0, result.output

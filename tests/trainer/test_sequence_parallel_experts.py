@@ -76,7 +76,7 @@ LAYOUTS = [
     pytest.param("qwen-moe", 2, SP, id="qwen-moe-tp2-sp"),
     pytest.param("qwen-moe-capacity", 2, SP, id="qwen-moe-capacity-tp2-sp"),
     pytest.param("deepseek", 2, SP, id="deepseek-tp2-sp"),
-    pytest.param("deepseek", 4, {"ep": 2, **SP}, id="deepseek-ep2xtp2-sp"),
+    pytest.param("deepseek", 4, {"ep": 2, **SP}, id="deepseek-ep2xtp2-sp", marks=pytest.mark.long),
     # the token group spans cp x tp; each rank's positions are its SP piece of its cp chunks
     pytest.param("qwen-moe-capacity", 4, {"cp": 2, **SP}, id="qwen-moe-capacity-cp2xtp2-sp", marks=pytest.mark.long),
 ]
