@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 
 
+@pytest.mark.long  # a CLI process (7 s); every shipped config still dry-runs in make test
 def test_dry_run_prints_mesh_groups_and_memory():
     config = ROOT / "apps/configs/gpt-shakespeare-3d.toml"
     result = subprocess.run(
@@ -152,6 +153,7 @@ def test_inspect_of_a_run_falls_back_past_a_corrupt_newest_checkpoint(distribute
     assert named.returncode == 2  # a step folder named by the user is taken as named, never replaced
 
 
+@pytest.mark.long  # a CLI process (6 s)
 def test_compile_needs_a_cpp_compiler_and_says_so_before_any_process(tmp_path):
     """--compile is training.compile; on a CPU without a C++ compiler inductor cannot build kernels."""
     config = ROOT / "apps/configs/gpt-tiny-dp.toml"

@@ -90,7 +90,8 @@ LAYOUTS = [
     pytest.param(
         4, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1"}, id="tp2xpp2-zbh1", marks=pytest.mark.long
     ),
-    pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
+    # eight processes on two cores (~20 s each): the 3-D rows are make test-long's
+    pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long),
 ]
 
 
@@ -106,7 +107,7 @@ TIED_LAYOUTS = [
     # three stages and fewer microbatches than stages; the tied copies' gradients as ZeRO-1 rows
     pytest.param(3, {"pp": 3, "microbatches": 2, "zero_stage": 1}, id="pp3-m2-zero1"),
     pytest.param(4, {"pp": 2, "dp": 2, "zero_stage": 2, "microbatches": 2}, id="dp2xpp2-zero2"),
-    # eight processes on two cores (22 s): the untied GPT keeps this layout in make test
+    # eight processes on two cores (22 s): make test-long's
     pytest.param(8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long),
 ]
 

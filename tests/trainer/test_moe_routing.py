@@ -269,6 +269,7 @@ def _balance_curve(config, skew, steps=BALANCE_STEPS):
     return curve
 
 
+@pytest.mark.long  # a training job (5 s)
 def test_aux_loss_free_balancing_undoes_a_skewed_router(distributed, corpus):
     # 4 experts, top-2: with expert 0 in every token's choice its load is twice the mean (2.0).
     # The bias starts 0.1 toward it; at 0.002 a step the update takes it back in about 50 steps, and

@@ -203,11 +203,12 @@ MATRIX = [
         id="->pp2-interleaved",
     ),
     pytest.param("tp2", [({"tp": 4}, {})], id="tp2->tp4-vocab-padding"),
-    pytest.param("moe-dp2-ep2", [({"ep": 4}, {}), ({}, {})], id="moe-dp2xep2->ep4->ep1"),
+    pytest.param("moe-dp2-ep2", [({"ep": 4}, {}), ({}, {})], id="moe-dp2xep2->ep4->ep1", marks=pytest.mark.long),
     pytest.param(
         "moe-sigmoid-ep2-pp2",
         [({"dp": 2}, {"zero_stage": 3, "microbatches": 1}), ({"ep": 4}, {"zero_stage": 0})],
         id="moe-sigmoid-ep2xpp2->dp2-zero3->ep4",
+        marks=pytest.mark.long,
     ),
     pytest.param(
         "moe-cp2-ep2-zero1",
@@ -215,19 +216,27 @@ MATRIX = [
         id="moe-cp2xep2-zero1->ep2->back",
     ),
     pytest.param("moe-dense-ep2-pp2", [({"ep": 4}, {"microbatches": 1}), ({}, {})], id="moe-dense-ep2xpp2->ep4->ep1"),
-    pytest.param("dp2-zero1", [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})], id="zero1->dp->zero1"),
+    pytest.param(
+        "dp2-zero1",
+        [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 1})],
+        id="zero1->dp->zero1",
+        marks=pytest.mark.long,
+    ),
     pytest.param(
         "dp2-zero3",
         [({"dp": 2}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 3})],
         id="zero3->dp->zero3",
         marks=pytest.mark.long,
     ),
-    pytest.param("dp2-zero3", [({"dp": 4}, {"zero_stage": 1})], id="zero3-dp2->zero1-dp4"),
+    pytest.param("dp2-zero3", [({"dp": 4}, {"zero_stage": 1})], id="zero3-dp2->zero1-dp4", marks=pytest.mark.long),
     pytest.param(
         "dp2-zero2-bf16", [({}, {"zero_stage": 0}), ({"dp": 2}, {"zero_stage": 2})], id="bf16-zero2->1->zero2"
     ),
     pytest.param(
-        "tied-tp2-pp2", [({"tp": 4}, {}), ({"dp": 2, "pp": 2}, {"zero_stage": 3})], id="tied->tp4->dp2xpp2-zero3"
+        "tied-tp2-pp2",
+        [({"tp": 4}, {}), ({"dp": 2, "pp": 2}, {"zero_stage": 3})],
+        id="tied->tp4->dp2xpp2-zero3",
+        marks=pytest.mark.long,
     ),
     pytest.param(
         "tp2-sp-pp2-interleaved",
