@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import CommLedger
-from polyshard.ep import MoEConfig, MoELayer, apply_expert_parallel, expert_capacity
+from polyshard.ep import apply_expert_parallel
 from polyshard.mesh.pool import WorkerPool
+from polyshard.models.common.moe import MoEConfig, MoELayer, expert_capacity
 
 CONFIG = dict(hidden=16, ffn_hidden=32, num_experts=4, top_k=2)
 

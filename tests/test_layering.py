@@ -179,3 +179,34 @@ def test_no_modules_import_each_other_round_a_circle():
 
 def test_the_circle_finder_finds_one():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The nn.Modules the strategy packages may define: each is a parallel form of a layer a model defines, or a
+# wrapper around a whole model. A transformer's own modules (attention, MLPs, norms, the block, the MoE
+# layer's router and experts) live in polyshard.models.
+PARALLEL_MODULES = {
+    "tp": {"ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ReplicatedKVLinear"},
+    "cp": {"ContextParallelAttention"},  # wraps a model's attention core
+    "dp": {"DataParallel", "FullyShardedDataParallel"},  # wrap a whole model
+    "ep": set(),  # shards any polyshard.ep.ExpertLayer; defines none
+    "pp": set(),
+}
+
+
+def _module_classes(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b) for b in node.bases}
+            if bases & {"nn.Module", "torch.nn.Module", "Module"}:
+                found.add(node.name)
+    return found
+
+
+def test_strategy_packages_define_no_model_modules():
+    for package, allowed in PARALLEL_MODULES.items():
+        source = ROOT / "packages" / package / "src"
+        defined = set().union(*(_module_classes(p) for p in source.rglob("*.py")))
+        assert defined == allowed, (
+            f"polyshard.{package} defines {sorted(defined - allowed)} (model modules belong in polyshard.models)"
+        )

@@ -11,8 +11,9 @@ import copy
 import torch
 import torch.distributed as dist
 
-from polyshard.ep import MoEConfig, MoELayer, apply_expert_parallel, sync_gradients
+from polyshard.ep import apply_expert_parallel, sync_gradients
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import MoEConfig, MoELayer
 
 # float32 everywhere. The parallel layer runs each expert once on the rows of
 # all ranks, the reference once per rank, so matmuls sum in a different

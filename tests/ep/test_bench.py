@@ -36,7 +36,7 @@ def test_torch_ops_moe_equals_the_layer_with_gradients():
     import torch
 
     from polyshard.bench.ep_experts import TorchOpsMoE
-    from polyshard.ep import MoEConfig, MoELayer
+    from polyshard.models.common.moe import MoEConfig, MoELayer
 
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(hidden=16, ffn_hidden=24, num_experts=4, top_k=2))

@@ -20,10 +20,10 @@ from polyshard.ep import (
     apply_expert_parallel,
     average_replicated_gradients,
     expert_parameters,
-    moe_metrics,
     share_routing_statistics,
 )
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import moe_metrics
 
 from .common import TOL, expert_slice, make_layer, rank_targets, rank_tokens
 

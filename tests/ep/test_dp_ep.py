@@ -10,14 +10,9 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.ep import (
-    apply_expert_parallel,
-    average_replicated_gradients,
-    expert_parameters,
-    moe_metrics,
-    scale_expert_gradients,
-)
+from polyshard.ep import apply_expert_parallel, average_replicated_gradients, expert_parameters, scale_expert_gradients
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import moe_metrics
 
 from .common import TOL, local_loss, make_layer, rank_targets, rank_tokens, run_reference
 

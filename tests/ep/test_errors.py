@@ -6,8 +6,9 @@ import pytest
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.ep import ExpertParallelError, MoEConfig, MoEConfigError, apply_expert_parallel, check_ep_size
+from polyshard.ep import ExpertParallelError, apply_expert_parallel, check_ep_size
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import MoEConfig, MoEConfigError
 
 from .common import make_layer
 
@@ -44,7 +45,7 @@ def _apply_bad():
     odd = make_layer(num_experts=3, top_k=1)
     with pytest.raises(ExpertParallelError, match=r"ep=2 does not divide num_experts=3; .*choose ep in \{1, 3\}"):
         apply_expert_parallel(odd, group=group)
-    with pytest.raises(ExpertParallelError, match="contains no MoELayer"):
+    with pytest.raises(ExpertParallelError, match="contains no MoE layer"):
         apply_expert_parallel(nn.Linear(4, 4), group=group)
     twice = apply_expert_parallel(copy.deepcopy(make_layer()), group=group)
     with pytest.raises(ExpertParallelError, match="already expert-parallel; apply_expert_parallel once"):

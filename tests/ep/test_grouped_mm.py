@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from polyshard.ep import experts as module
-from polyshard.ep.experts import GroupedExperts, grouped_mm
+from polyshard.models.common.moe import experts as module
+from polyshard.models.common.moe.experts import GroupedExperts, grouped_mm
 
 
 def _per_expert(x, w, counts):

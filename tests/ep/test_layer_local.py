@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from polyshard.ep import capacity_keep_mask, expert_capacity, load_balancing_loss, z_loss
-from polyshard.ep.router import Routing
+from polyshard.models.common.moe import capacity_keep_mask, expert_capacity, load_balancing_loss, z_loss
+from polyshard.models.common.moe.router import Routing
 
 from .common import TOL, make_layer
 

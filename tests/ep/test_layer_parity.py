@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from polyshard.ep import expert_capacity
+from polyshard.models.common.moe import expert_capacity
 
 from .common import (
     TOL,

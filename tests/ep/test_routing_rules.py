@@ -4,8 +4,15 @@ selection bias, group-limited selection, the sequence-wise balance loss and the 
 import pytest
 import torch
 
-from polyshard.ep import MoEConfig, MoEConfigError, MoELayer, Router, limit_to_groups, sequence_balance_loss
-from polyshard.ep.router import Routing
+from polyshard.models.common.moe import (
+    MoEConfig,
+    MoEConfigError,
+    MoELayer,
+    Router,
+    limit_to_groups,
+    sequence_balance_loss,
+)
+from polyshard.models.common.moe.router import Routing
 
 from .common import TOL
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from polyshard.ep import MoEConfig, MoELayer, apply_expert_parallel, is_expert_parameter, sync_gradients
+from polyshard.ep import apply_expert_parallel, is_expert_parameter, sync_gradients
+from polyshard.models.common.moe import MoEConfig, MoELayer
 
 from .common import ep_mesh, expert_slice
 

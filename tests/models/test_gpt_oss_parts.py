@@ -10,8 +10,8 @@ per expert): float32 round-off on O(1) values, 1e-6."""
 import pytest
 import torch
 
-from polyshard.ep import MoEConfig, MoEConfigError, MoELayer
 from polyshard.models.common import RopeScaling, rope_frequencies
+from polyshard.models.common.moe import MoEConfig, MoEConfigError, MoELayer
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

@@ -74,7 +74,7 @@ def test_every_rank_stops_when_one_dp_group_drifted(distributed, corpus):
 def _drift_one_bias(config, drifted_rank):
     import torch.distributed as dist
 
-    from polyshard.ep import MoELayer
+    from polyshard.models.common.moe import MoELayer
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.errors import ReplicaMismatchError
     from polyshard.trainer.loop import make_loaders, split_batch, train_step

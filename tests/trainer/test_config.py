@@ -53,7 +53,7 @@ def test_defaults_are_valid():
         ({"model": {"rope_low_freq_factor": 4, "rope_high_freq_factor": 1}}, "need 0 < low < high"),
         ({"model": {"rope_original_context": 0}}, "model.rope_original_context=0 must be >= 1"),
         ({"model": {"rope_original_context": 8192.0}}, "model.rope_original_context=8192.0 must be an integer"),
-        # An MoE's settings are [model.moe]'s, checked once (polyshard.ep.MoEConfig's rules, named here).
+        # An MoE's settings are [model.moe]'s, checked once (polyshard.models.common.moe.MoEConfig's rules, named here).
         ({"model": {"kind": "moe-gpt", "moe": {"score": "relu"}}}, "model.moe: score='relu' is unknown; choose one"),
         ({"model": {"kind": "moe-gpt", "moe": {"bias_update_rate": 0.001}}}, "balances a sigmoid router's selection"),
         ({"model": {"kind": "moe-gpt", "moe": {"bias_update_rate": -0.1}}}, "model.moe.bias_update_rate=-0.1 must be"),

@@ -269,7 +269,7 @@ def test_moe_gpt_losses_match_one_process(distributed, corpus, reference, tmp_pa
 
 
 # Context parallelism with experts: each cp rank routes its chunks' tokens through the ep all-to-all and
-# computes the aux loss over its cp group's tokens (polyshard.ep.token_group), i.e. the loss the same
+# computes the aux loss over its cp group's tokens (polyshard.models.common.moe.token_group), i.e. the loss the same
 # data rank computes without cp. So cp alone matches one process exactly with the aux loss on, and cp x ep
 # matches the same dp x ep layout without cp exactly; the aux-free runs match one process exactly.
 # DENSE_RTOL: float32 sums in another order (ring/all-gather softmax, all-reduces), as for dense cp.

@@ -19,8 +19,8 @@ it alone).
 import pytest
 import torch
 
-from polyshard.ep import MoELayer, Routing
 from polyshard.mesh import Mesh
+from polyshard.models.common.moe import MoELayer, Routing
 from polyshard.trainer.config import from_dict
 
 STEPS = 4

@@ -103,8 +103,8 @@ def test_experts_train_on_sequence_shards_as_on_one_process(distributed, referen
 def _loads(config):
     """Every step's load of each MoE layer (engine.balance: counts summed over the ranks that routed
     different tokens) and each sigmoid router's selection bias after the step, on this rank."""
-    from polyshard.ep import MoELayer
     from polyshard.mesh import Mesh
+    from polyshard.models.common.moe import MoELayer
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import split_batch, train_step
     from tests.trainer.test_windows import LR, STEPS, _batch

@@ -41,10 +41,10 @@ from polyshard.bench.timing import (
     write_records,
 )
 from polyshard.collectives import ops
-from polyshard.ep.config import MoEConfig
-from polyshard.ep.layer import MoELayer
 from polyshard.ep.parallel import apply_expert_parallel, sync_gradients
 from polyshard.mesh.init import DistributedContext
+from polyshard.models.common.moe.config import MoEConfig
+from polyshard.models.common.moe.layer import MoELayer
 
 # float32; each expert sees the same rows, split into different matmuls: ulp-level differences.
 # 1e-4, looser than the tests' 1e-5: the benchmark's shapes are 4-16x wider, so float32 sums taken

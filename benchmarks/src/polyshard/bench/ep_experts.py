@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyshard.bench.timing import Record, comparison_record, time_interleaved
-from polyshard.ep.config import MoEConfig
-from polyshard.ep.experts import GroupedExperts
-from polyshard.ep.layer import MoELayer
-from polyshard.ep.router import load_balancing_loss
+from polyshard.models.common.moe.config import MoEConfig
+from polyshard.models.common.moe.experts import GroupedExperts
+from polyshard.models.common.moe.layer import MoELayer
+from polyshard.models.common.moe.router import load_balancing_loss
 
 # float32 both sides; the loop and the grouped kernel sum in the same order on CPU (bitwise in the
 # tests), the torch-ops MoE adds the k contributions of a token in another order: ulp-level.

@@ -3,10 +3,6 @@
 from polyshard.mesh import divisors
 
 
-class MoEConfigError(ValueError):
-    """A mixture-of-experts configuration that cannot work (expert count, top-k, capacity...)."""
-
-
 class ExpertParallelError(ValueError):
     """Expert parallelism asked for on a group or module it cannot shard."""
 

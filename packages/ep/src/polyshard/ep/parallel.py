@@ -1,5 +1,8 @@
 """Expert parallelism: shard every MoE layer's experts over an ep group, and fix up gradients.
 
+A layer takes part when it follows :class:`ExpertLayer` (its experts' weights stacked on dim 0, a
+router, the groups it dispatches and shares statistics over): ep defines no layer of its own.
+
 Rank i of a group of size P keeps experts [i*E/P, (i+1)*E/P) of each layer;
 the router (and everything else) stays replicated. Every expert parameter gets
 a placement record ``Shard(0)`` over the ep axis, the router ``Replicate()``.
@@ -28,6 +31,7 @@ dp x ep x cp, and the rest average over dp x ep x cp.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -35,28 +39,56 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.ep.errors import ExpertParallelError, check_ep_size
-from polyshard.ep.layer import MoELayer
 from polyshard.mesh import Replicate, Shard, TensorPlacement, get_placement, set_placement
 
 
+@runtime_checkable
+class ExpertLayer(Protocol):
+    """What expert parallelism needs of a mixture-of-experts layer (a model defines the layer:
+    :class:`polyshard.models.common.moe.MoELayer` is one). Its forward sends tokens to their experts with
+    :func:`polyshard.ep.dispatch` over ``ep_group`` and back with :func:`polyshard.ep.combine`."""
+
+    num_experts: int
+    """Experts E over every rank (the ``experts`` module holds E/P of them once sharded)."""
+    capacity_factor: float | None
+    """None when dropless; otherwise the capacity rule needs every token's sequence position."""
+    experts: nn.Module
+    """Every parameter stacked on dim 0, one row block per expert: sharding keeps a slice."""
+    router: nn.Module
+    """Replicated over ep."""
+    ep_group: dist.ProcessGroup | None
+    """The group the layer dispatches over; None until :func:`apply_expert_parallel`."""
+    token_group: dist.ProcessGroup | None
+    """Ranks holding other parts of the same sequences, over which the routing losses are computed."""
+    positions: torch.Tensor | None
+    """(S_local,) this rank's sequence positions within the token group (the capacity rule's order)."""
+    loss_sharers: int
+    """Ranks of ``token_group`` that share one copy of the loss (tp under sequence parallelism)."""
+
+
+def expert_layers(model: nn.Module) -> list[tuple[str, ExpertLayer]]:
+    """Every :class:`ExpertLayer` of ``model``, by module name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertLayer)]
+
+
 def apply_expert_parallel(model: nn.Module, *, group: dist.ProcessGroup, axis: str = "ep") -> nn.Module:
-    """Keep only this rank's experts in every :class:`MoELayer` of ``model`` (in place) and return it.
+    """Keep only this rank's experts in every :class:`ExpertLayer` of ``model`` (in place) and return it.
 
     Every rank must hold the same full model before the call (e.g. built from one seed).
     """
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    layers = expert_layers(model)
     if not layers:
-        raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no experts to shard")
+        raise ExpertParallelError(f"{type(model).__name__} contains no MoE layer (a polyshard.ep.ExpertLayer); there are no experts to shard")
     for name, layer in layers:
         _shard_layer(layer, name, group, axis)
     return model
 
 
-def _shard_layer(layer: MoELayer, name: str, group: dist.ProcessGroup, axis: str) -> None:
+def _shard_layer(layer: ExpertLayer, name: str, group: dist.ProcessGroup, axis: str) -> None:
     if layer.ep_group is not None:
         raise ExpertParallelError(f"MoE layer {name!r} is already expert-parallel; apply_expert_parallel once")
     ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
-    num_experts = layer.config.num_experts
+    num_experts = layer.num_experts
     check_ep_size(num_experts, ep_size)
     local = num_experts // ep_size
     prefix = f"{name}." if name else ""
@@ -78,19 +110,18 @@ def share_routing_statistics(
     loss_sharers: int = 1,
     skip: Callable[[str], bool] | None = None,
 ) -> nn.Module:
-    """Make every :class:`MoELayer` of ``model`` compute its auxiliary losses (and capacity) over the tokens
-    of ``group``: the ranks holding parts of the same sequences (cp, and tp under sequence parallelism).
-    In place; returns ``model``. ``positions``: (S_local,) the sequence positions of this rank's tokens,
-    which the capacity rule needs. ``loss_sharers``: the group's ranks that share one copy of the loss
-    (:attr:`MoELayer.loss_sharers`: tp's size under sequence parallelism). ``skip``: layers by name to
-    leave as they are."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer) and not (skip and skip(name))]
+    """Make every :class:`ExpertLayer` of ``model`` compute its auxiliary losses (and capacity) over the
+    tokens of ``group``: the ranks holding parts of the same sequences (cp, and tp under sequence
+    parallelism). In place; returns ``model``. ``positions``: (S_local,) the sequence positions of this
+    rank's tokens, which the capacity rule needs. ``loss_sharers``: the group's ranks that share one copy
+    of the loss (tp's size under sequence parallelism). ``skip``: layers by name to leave as they are."""
+    layers = [(name, m) for name, m in expert_layers(model) if not (skip and skip(name))]
     if not layers:
-        raise ExpertParallelError(f"{type(model).__name__} contains no MoELayer; there are no routing statistics")
+        raise ExpertParallelError(f"{type(model).__name__} contains no MoE layer; there are no routing statistics")
     for name, layer in layers:
-        if layer.config.capacity_factor is not None and positions is None:
+        if layer.capacity_factor is not None and positions is None:
             raise ExpertParallelError(
-                f"MoE layer {name!r} has capacity_factor={layer.config.capacity_factor}: the capacity rule ranks "
+                f"MoE layer {name!r} has capacity_factor={layer.capacity_factor}: the capacity rule ranks "
                 "the whole batch's tokens in sequence order; pass positions= (this rank's sequence positions, "
                 "e.g. polyshard.cp.position_ids) or use capacity_factor=None (dropless)"
             )

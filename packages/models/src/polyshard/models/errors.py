@@ -10,6 +10,10 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field and says what would work."""
 
 
+class MoEConfigError(ValueError):
+    """A mixture-of-experts layer's settings that cannot work (expert count, top-k, capacity...)."""
+
+
 def check_positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name}={value!r} must be an integer >= 1")

@@ -10,7 +10,7 @@ all-gather output, the reduce-scatter input), and its wire bytes use the ring bu
          recomputes the forward; the vocabulary-parallel embedding 1, its head 1 and the loss 3 small
     ep   per MoE block 4 all-to-alls of b·s·top_k·h·e (dispatch and combine, forward and backward);
          under cp each rank's b·s/cp tokens, and per MoE block one all-reduce over cp of the router's
-         2E+2 fp32 statistics forward and one backward (polyshard.ep.token_group); with a capacity
+         2E+2 fp32 statistics forward and one backward (polyshard.models.common.moe.token_group); with a capacity
          factor, all-gathers of the b·s·top_k int64 expert choices and the s int64 positions
     cp   per block (ring): K and V packed, cp-1 hops forward, cp-1 again backward plus cp hops of fp32
          dK/dV; (all-gather style) K and V gathered forward, fp32 dK and dV reduce-scattered backward;

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from polyshard.ep import MoEConfig
-from polyshard.models.common.moe import MoESettings
+from polyshard.models.common.moe import MoEConfig, MoESettings
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt.config import GPTConfig

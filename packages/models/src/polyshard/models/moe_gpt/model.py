@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from polyshard.collectives import eager
-from polyshard.ep import MoEConfig, MoELayer
 from polyshard.mesh import divisors
 from polyshard.models.common import MLP, SwiGLU
 from polyshard.models.common.attach import AttachLoss
+from polyshard.models.common.moe import MoEConfig, MoELayer
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError

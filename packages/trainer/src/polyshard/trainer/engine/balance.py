@@ -1,7 +1,7 @@
 """The experts' load over the whole global step, and DeepSeek-V3's auxiliary-loss-free balancing.
 
 Each MoE layer counts, over its training forwards of a step, the assignments its router chose per
-expert on this rank's tokens (:meth:`polyshard.ep.MoELayer.take_load`). After the optimizer step one
+expert on this rank's tokens (:meth:`polyshard.models.common.moe.MoELayer.take_load`). After the optimizer step one
 all-reduce over the world sums them: every rank that saw different tokens (the dp, ep and cp ranks,
 and every microbatch) adds its counts, a tp rank adds them once (tp ranks route the same tokens;
 under sequence parallelism each tp rank routes its own sequence shard and adds its counts too),
@@ -12,7 +12,7 @@ layer's bias range after it.
 
 The sums are of whole numbers in float64 (exact below 2**53), so every rank holds the same load as a
 single process running the same global batch; a sigmoid router's bias then moves by
-``router_bias_update_rate * sign(mean - load)`` (:meth:`polyshard.ep.Router.update_bias`) identically
+``router_bias_update_rate * sign(mean - load)`` (:meth:`polyshard.models.common.moe.Router.update_bias`) identically
 on every rank: replicated state that never needs a broadcast.
 
 Limit: one MoE layer per pipeline layer (every moe-gpt block has one).
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from polyshard.collectives import ops
-from polyshard.ep import MoELayer, Router
+from polyshard.models.common.moe import MoELayer, Router
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import ConfigError

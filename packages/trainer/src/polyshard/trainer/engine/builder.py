@@ -53,9 +53,10 @@ from polyshard.dp import (
     MixedPrecision,
     ParamSet,
 )
-from polyshard.ep import MoELayer, apply_expert_parallel, expert_parameters, share_routing_statistics
+from polyshard.ep import apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.models import build_model, layer_of, sequence_length, spec_of, tied_names
+from polyshard.models.common.moe import MoELayer
 from polyshard.pp import PipelineExecutor, Schedule, make_schedule
 from polyshard.tp import mark_sequence_parallel
 from polyshard.tp import (

@@ -5,7 +5,7 @@ expert with its zero gradient, as transformers 5, torchtitan and Megatron-Core d
 One process and PyTorch's DDP leave a parameter without a gradient untouched:
 AdamW neither decays it nor moves it with its momentum. An expert that received
 no tokens on any rank is that case, but its weights are rows of stacked tensors
-(:class:`polyshard.ep.GroupedExperts`, one row block per expert), which AdamW
+(:class:`polyshard.models.common.moe.GroupedExperts`, one row block per expert), which AdamW
 steps whole. So around each optimizer step the rows of idle experts are copied
 aside and put back afterwards, in every tensor that holds them: the weights
 (ZeRO-3: this rank's rows), ZeRO's fp32 masters and the AdamW moments.
@@ -37,8 +37,8 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
-from polyshard.ep import MoELayer
 from polyshard.mesh import TensorPlacement, get_placement
+from polyshard.models.common.moe import MoELayer
 from polyshard.trainer.engine.runtime import Engine
 
 

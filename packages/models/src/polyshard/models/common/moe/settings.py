@@ -1,5 +1,5 @@
 """A mixture-of-experts layer's settings, ``[model.moe]`` in a config: the names and checks are
-:class:`polyshard.ep.MoEConfig`'s (one name, one check), plus what the model around the layer adds
+:class:`polyshard.models.common.moe.MoEConfig`'s (one name, one check), plus what the model around the layer adds
 (shared experts, the selection bias's balancing rate). The widths default from the model's."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from polyshard.ep import MoEConfig, MoEConfigError
-from polyshard.models.errors import ConfigError, check_at_least, check_positive
+from polyshard.models.common.moe.config import MoEConfig
+from polyshard.models.errors import ConfigError, MoEConfigError, check_at_least, check_positive
 
 # 0.2's flat [model] spellings -> [model.moe] keys (read with a note; run folders and checkpoints hold them).
 LEGACY_NAMES = {
@@ -30,7 +30,7 @@ LEGACY_NAMES = {
     "shared_expert_gate": "shared_gate",
 }
 MAX_EXPERTS = 1 << 16  # model.moe.num_experts at most: open MoEs route among 8 to a few hundred (Kimi K2: 384)
-# Fields polyshard.ep.MoEConfig has beside these settings: the model gives them.
+# Fields polyshard.models.common.moe.MoEConfig has beside these settings: the model gives them.
 _FROM_MODEL = ("hidden", "ffn_hidden")
 
 
@@ -113,7 +113,9 @@ class MoESettings:
                 f"model.moe.bias_update_rate={self.bias_update_rate} balances a sigmoid router's selection bias, "
                 f"but model.moe.score={self.score!r}; set score='sigmoid' or bias_update_rate=0"
             )
-        self.layer(hidden=1, ffn_hidden=1)  # the routing rules: polyshard.ep.MoEConfig's checks, named here
+        self.layer(
+            hidden=1, ffn_hidden=1
+        )  # the routing rules: MoEConfig's checks, named here
 
     def _check_dense_layers(self) -> None:
         dense = self.dense_layers

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import eager
-from polyshard.ep.config import MoEConfig
-from polyshard.ep.dispatch import DispatchMeta, combine, dispatch
-from polyshard.ep.experts import GroupedExperts
-from polyshard.ep.router import Router, tokens_per_expert
-from polyshard.ep.token_group import capacity_keep, router_losses, sequence_loss
+from polyshard.ep import DispatchMeta, combine, dispatch
+from polyshard.models.common.moe.config import MoEConfig
+from polyshard.models.common.moe.experts import GroupedExperts
+from polyshard.models.common.moe.router import Router, tokens_per_expert
+from polyshard.models.common.moe.token_group import capacity_keep, router_losses, sequence_loss
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class MoELayer(nn.Module):
 
     ``forward(x)`` returns ``(y, aux_loss)``: add ``aux_loss`` to the training
     loss. Without expert parallelism the layer holds all E experts; after
-    :func:`polyshard.ep.apply_expert_parallel` it holds E/P of them and
-    exchanges tokens with the other ranks of its ep group. Each rank routes,
+    :func:`polyshard.ep.apply_expert_parallel` (which finds it as a :class:`polyshard.ep.ExpertLayer`)
+    it holds E/P of them and exchanges tokens with the other ranks of its ep group. Each rank routes,
     applies capacity and computes the auxiliary losses on its own tokens only,
     or, with a ``token_group`` (context parallelism), the losses of the whole
     sequences whose chunks the group's ranks hold.
@@ -78,11 +78,11 @@ class MoELayer(nn.Module):
         self.token_group: dist.ProcessGroup | None = None
         """Ranks holding other parts of this rank's sequences (cp), set by
         :func:`polyshard.ep.share_routing_statistics`: the auxiliary losses are then the whole batch's
-        (:mod:`polyshard.ep.token_group`); None: this rank's own."""
+        (:mod:`.token_group`); None: this rank's own."""
         self.loss_sharers = 1
         """How many ranks of ``token_group`` hold one copy of the loss between them: its tp ranks under
         sequence parallelism (a trainer sums their gradients instead of averaging them), 1 for cp
-        alone. The backward of the group's statistics is divided by it (:mod:`polyshard.ep.token_group`)."""
+        alone. The backward of the group's statistics is divided by it (:mod:`.token_group`)."""
         self.positions: torch.Tensor | None = None
         """(S_local,) sequence positions of this rank's tokens in the token group's batch (the order the
         capacity rule serves tokens in), set with ``token_group``."""
@@ -95,6 +95,15 @@ class MoELayer(nn.Module):
         """(E + 2,) int64 over the training forwards since :meth:`take_load`, this rank's tokens only:
         the assignments its router chose for each of the E experts (before capacity drops: the load
         that balancing acts on), then the tokens that lost every expert, then the tokens routed."""
+
+    @property
+    def num_experts(self) -> int:
+        """Experts E over every ep rank (:attr:`experts` holds E/P of them once expert-parallel)."""
+        return self.config.num_experts
+
+    @property
+    def capacity_factor(self) -> float | None:
+        return self.config.capacity_factor
 
     # Eager under torch.compile (a graph break): the dispatch's split sizes change every step and are read
     # as Python ints (all_to_all, the experts' grouped matmul, the metrics); compiled they would force a

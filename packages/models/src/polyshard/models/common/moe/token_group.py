@@ -43,7 +43,7 @@ The token group must split tokens only (each rank's tokens are distinct parts
 of one batch): the ranks of ep or dp route different batches and keep their
 own losses, as GShard does.
 
-Capacity. The rule (:func:`polyshard.ep.router.capacity_keep_mask`) serves a
+Capacity. The rule (:func:`polyshard.models.common.moe.router.capacity_keep_mask`) serves a
 batch's first choices before its second ones, earlier tokens first, up to
 ceil(factor * T * k / E) per expert, T the batch's tokens. A rank holding
 some of the sequence positions gathers every rank's expert choices
@@ -60,8 +60,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from polyshard.collectives import copy_to, ops, reduce_from
-from polyshard.ep.errors import ExpertParallelError
-from polyshard.ep.router import (
+from polyshard.ep import ExpertParallelError
+from polyshard.models.common.moe.router import (
     Routing,
     capacity_keep_mask,
     expert_capacity,
@@ -88,7 +88,7 @@ def router_losses(
     routing: Routing, num_experts: int, group: dist.ProcessGroup | None, with_z: bool, loss_sharers: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) of the batch whose tokens ``group`` splits (this rank's alone
-    without a group, computed as :mod:`polyshard.ep.router` does). The z-loss is 0 unless ``with_z``."""
+    without a group, computed as :mod:`polyshard.models.common.moe.router` does). The z-loss is 0 unless ``with_z``."""
     if group is None:
         router_z = z_loss(routing) if with_z else torch.zeros((), device=routing.probs.device)
         return load_balancing_loss(routing, num_experts), router_z
@@ -107,7 +107,7 @@ def router_losses(
 def sequence_loss(
     routing: Routing, num_experts: int, sequence_length: int, group: dist.ProcessGroup | None, loss_sharers: int = 1
 ) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss (:func:`polyshard.ep.router.sequence_balance_loss`) of
+    """DeepSeek-V3's sequence-wise balance loss (:func:`polyshard.models.common.moe.router.sequence_balance_loss`) of
     whole sequences whose positions ``group`` splits (``sequence_length``: this rank's part of each):
     per sequence, its assignments and probabilities summed per expert over the group, as
     :func:`router_losses` sums the batch's; this rank's sequences alone without a group."""

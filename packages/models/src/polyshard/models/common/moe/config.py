@@ -5,16 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from polyshard.ep.errors import MoEConfigError
-from polyshard.ep.router import SCORES
 from polyshard.mesh import divisors
+from polyshard.models.common.moe.router import SCORES
+from polyshard.models.errors import MoEConfigError
 
 ACTIVATIONS = ("swiglu", "gelu", "clamped-swiglu")
 
 
 @dataclass(kw_only=True, frozen=True)
 class MoEConfig:
-    """What an :class:`polyshard.ep.MoELayer` computes; validated on construction."""
+    """What an :class:`polyshard.models.common.moe.MoELayer` computes; validated on construction."""
 
     hidden: int
     """Model width H: size of each token's vector in and out."""
@@ -28,7 +28,7 @@ class MoEConfig:
     """Rescale the chosen top-k probabilities to sum to 1 (Mixtral); False keeps the raw softmax values (Switch)."""
     score: str = "softmax"
     """Router scores: 'softmax' (Mixtral, Qwen-MoE), 'sigmoid' (DeepSeek-V3: with a per-expert selection
-    bias for auxiliary-loss-free balancing, see :meth:`polyshard.ep.Router.update_bias`) or 'topk-softmax'
+    bias for auxiliary-loss-free balancing, see :meth:`Router.update_bias`) or 'topk-softmax'
     (gpt-oss: the top k logits chosen, their weights a softmax over those k alone)."""
     groups: int = 1
     """Group-limited routing (DeepSeek-V3's n_group): experts split into this many equal groups; 1 is off."""
@@ -39,7 +39,7 @@ class MoEConfig:
     activation: str = "swiglu"
     """Expert MLP: 'swiglu' (silu(x W1) * (x W3)) W2, 'gelu' gelu(x W1) W2, or 'clamped-swiglu' (gpt-oss):
     gate and up clamped at swiglu_limit, ((up + 1) * gate * sigmoid(swiglu_alpha * gate)) W2, gate and up
-    interleaved in one W1 (see :class:`polyshard.ep.GroupedExperts`)."""
+    interleaved in one W1 (see :class:`polyshard.models.common.moe.GroupedExperts`)."""
     swiglu_alpha: float = 1.702
     """With 'clamped-swiglu': the sigmoid's gain (gpt-oss: 1.702, GELU's sigmoid approximation)."""
     swiglu_limit: float = 7.0
