@@ -10,7 +10,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.auto import choose, overrides, prediction
-from polyshard.planner.memory import rank_model_states
+from polyshard.planner.model_states import rank_model_states
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError

@@ -8,7 +8,7 @@ have hybrid rows); here, the placement rules on a made-up machine.
 import dataclasses
 
 from polyshard.planner.cost import crosses_nodes
-from polyshard.planner.memory import rank_model_states
+from polyshard.planner.model_states import rank_model_states
 from polyshard.planner.search import Request, layouts
 from polyshard.trainer.config import from_dict
 

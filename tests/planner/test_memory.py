@@ -5,7 +5,7 @@ import torch
 
 from polyshard.dp import bytes_held
 from polyshard.mesh import Mesh
-from polyshard.planner.memory import rank_model_states, zero_paper_bytes
+from polyshard.planner.model_states import rank_model_states, zero_paper_bytes
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.builder import build_engine
 

@@ -5,7 +5,7 @@ import pytest
 from polyshard.models import build_model, parameter_count
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.dry_run import describe
-from polyshard.planner.memory import rank_model_states
+from polyshard.planner.model_states import rank_model_states
 from polyshard.planner.search import Request, meshes
 from polyshard.trainer.config import from_dict
 

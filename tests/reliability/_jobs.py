@@ -79,7 +79,7 @@ def metrics(out: Path) -> list[tuple]:
 
 def final_weights(out: Path):
     from polyshard.checkpoint import latest_checkpoint
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     return consolidate(latest_checkpoint(out / "checkpoints"))
 

@@ -79,7 +79,7 @@ def test_the_split_weighs_what_a_token_computes(corpus):
     """4 blocks, the first two dense: by total parameters the sparse blocks (4 experts) would weigh
     most, by what a token computes (2 of 4 experts) far less; the split follows the second."""
     from polyshard.models import active_parameter_count
-    from polyshard.planner.memory import global_shapes
+    from polyshard.planner.model_states import global_shapes
     from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
 
     moe = {**MODEL["moe"], "num_experts": 16, "dense_layers": [0, 1], "shared_experts": 0}

@@ -407,7 +407,7 @@ def test_exported_checkpoint_loads_into_the_plain_model(distributed, corpus, tmp
     from safetensors.torch import load_file
 
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import export
+    from polyshard.trainer.checkpointing.run_export import export
 
     config = _config(corpus, kind, aux_loss_weight=0.0, **parallel)
     single = _config(corpus, kind, aux_loss_weight=0.0)
@@ -492,7 +492,7 @@ def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, 
 
     import torch
 
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     config = _config(corpus, dp=2)
     training = dataclasses.replace(config.training, lr=1e30, min_lr=0.0, warmup_steps=0, steps=8)

@@ -284,7 +284,7 @@ def _config(path, packing=False, **parallel):
 def _train(config, out):
     """(losses + gradient norms + validation loss, the consolidated parameters on rank 0) after STEPS steps."""
     from polyshard.checkpoint import latest_checkpoint
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
     from polyshard.trainer.loop import train
 
     result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)

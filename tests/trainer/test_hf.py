@@ -79,7 +79,7 @@ def _hf_logits_and_loss(folder: Path):
 
 def _import_score_save(config, folder, out):
     from polyshard.checkpoint import save_checkpoint
-    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.run_reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate_batches
@@ -116,7 +116,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_import_lays_gpt2_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     tie, parallel = LAYOUTS[layout]
     gpt2 = folders[tie]
@@ -147,7 +147,7 @@ def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
     from polyshard.checkpoint import latest_checkpoint
     from polyshard.data.tokenizer import ByteTokenizer
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     settings = model_settings(gpt2)
     toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
@@ -393,7 +393,7 @@ def test_checkpoint_hf_every_writes_folders_transformers_loads(distributed, gpt2
 
     from polyshard.checkpoint import Checkpoint
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     base = _config(gpt2, corpus, dp=2)
     config = dataclasses.replace(

@@ -89,7 +89,7 @@ LAYOUTS = [(f, m) for f in FAMILIES for m in MESHES]
 )
 def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
@@ -192,7 +192,7 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     is the folder's e_score_correction_bias."""
     from polyshard.checkpoint import latest_checkpoint
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
     from polyshard.trainer.config import from_dict
 
     folder = folders["deepseek_v3"]

@@ -69,7 +69,7 @@ QUICK = {"one", "cp2"}
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES])
 def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, tmp_path, mesh):
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     config = _config(folder, corpus, **MESHES[mesh])
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)

@@ -91,7 +91,7 @@ def _import_and_score(config, folder, out):
     checkpoint. Under cp each rank's logits are its chunks, put back in order over the cp group."""
     from polyshard.checkpoint import save_checkpoint
     from polyshard.cp import unshard_sequence
-    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.run_reshard import load_into
     from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate_batches
@@ -145,7 +145,7 @@ QUICK = {"one", "tp2", "tied-tp2xpp2", "pp3-uneven", "scaled-tp2"}
 )
 def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     name, parallel = LAYOUTS[layout]
     folder = folders[name]
@@ -189,7 +189,7 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     with no missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     folder = folders["scaled"]
     config = _config(folder, corpus, tp=2)

@@ -111,7 +111,7 @@ QUICK |= {("qwen3_moe_dense", "pp2"), ("qwen2_moe_step", "ep2xtp2")}
 )
 def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
@@ -194,7 +194,7 @@ def test_export_after_training_loads_in_transformers(distributed, folders, corpu
     missing or unexpected keys, and its logits are polyshard's."""
     from polyshard.checkpoint import latest_checkpoint
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     folder = folders[family]
     config = _config(folder, corpus, **mesh)

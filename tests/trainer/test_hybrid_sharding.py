@@ -15,7 +15,7 @@ import torch
 
 from polyshard.checkpoint import Checkpoint, read_index, step_dir
 from polyshard.trainer.checkpointing.records import plan_ranks
-from polyshard.trainer.checkpointing.reshard import reshard
+from polyshard.trainer.checkpointing.run_reshard import reshard
 from polyshard.trainer.errors import ConfigError
 
 from .test_e2e_parity import DENSE_RTOL, MOE_RTOL

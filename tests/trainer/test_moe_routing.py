@@ -179,7 +179,7 @@ def test_the_rules_route_differently(one_process):
 
 def _saved_biases(folder, step=STEPS):
     from polyshard.checkpoint import step_dir
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     return {k: v for k, v in consolidate(step_dir(folder / "checkpoints", step)).items() if k.endswith("router.bias")}
 

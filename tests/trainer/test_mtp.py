@@ -279,7 +279,7 @@ def _add_depths(plain, with_depths, out):
     """Train ``plain`` one step (a checkpoint), then load it into an engine of ``with_depths``: the trunk's
     weights (name -> tensor) as trained, and the depths' as built."""
     from polyshard.checkpoint import MODEL, Checkpoint, latest_checkpoint
-    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.run_reshard import load_into
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import train
 

@@ -145,7 +145,7 @@ def _train(config, out):
 
 
 def _parameters(out):
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     return consolidate(sorted((out / "checkpoints").iterdir())[-1])
 
@@ -276,7 +276,7 @@ def _global_state(folder):
 )
 def test_momentum_reshards_and_training_continues(distributed, corpus, tmp_path, world, parallel, target_world, target):
     from polyshard.checkpoint import step_dir
-    from polyshard.trainer.checkpointing.reshard import reshard
+    from polyshard.trainer.checkpointing.run_reshard import reshard
 
     config = _config(corpus, **parallel)
     config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, every=STEPS // 2, keep=4))

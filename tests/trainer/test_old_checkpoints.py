@@ -8,7 +8,7 @@ import torch
 
 from polyshard.checkpoint import Checkpoint, CheckpointError, LocalTensor, save_checkpoint
 from polyshard.mesh import Replicate, TensorPlacement
-from polyshard.trainer.checkpointing.export import saved_config
+from polyshard.trainer.checkpointing.run_export import saved_config
 from polyshard.trainer.config import from_dict
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, read_index, step_dir
 from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.records import plan_ranks
-from polyshard.trainer.checkpointing.reshard import reshard, target_config
+from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
@@ -354,7 +354,7 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
 
 
 def _parallel_loss(config, folder, tokens):
-    from polyshard.trainer.checkpointing.reshard import load_into
+    from polyshard.trainer.checkpointing.run_reshard import load_into
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import evaluate
 
@@ -368,7 +368,7 @@ def test_exported_weights_give_the_parallel_models_outputs(distributed, trained,
     import torch.nn.functional as F
 
     from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.export import export
+    from polyshard.trainer.checkpointing.run_export import export
 
     config, _, _ = trained[name]
     folder = _checkpoint(trained, name, STEPS)

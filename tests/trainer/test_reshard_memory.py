@@ -58,7 +58,7 @@ def test_peak_memory_is_bounded_by_the_block_not_the_checkpoint(tmp_path):
         f"""
         import json
         from polyshard.checkpoint import Checkpoint
-        from polyshard.trainer.checkpointing.reshard import reshard, target_config
+        from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
 
         def status(field):
             for line in open("/proc/self/status"):

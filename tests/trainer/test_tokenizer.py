@@ -43,7 +43,7 @@ def _train(config, out):
 
 def test_a_run_trains_with_the_bpe(distributed, bpe, corpus, tmp_path):
     from polyshard.checkpoint import latest_checkpoint
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
     from polyshard.trainer.loop import sample_text
 
     config = from_dict(

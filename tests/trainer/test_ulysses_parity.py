@@ -47,7 +47,7 @@ def _config(corpus, model, **parallel):
 
 
 def _train(config, out):
-    from polyshard.trainer.checkpointing.export import consolidate
+    from polyshard.trainer.checkpointing.run_export import consolidate
 
     result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
     params = consolidate(sorted((out / "checkpoints").iterdir())[-1]) if torch.distributed.get_rank() == 0 else None

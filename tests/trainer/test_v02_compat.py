@@ -14,7 +14,7 @@ import torch
 
 from polyshard.checkpoint import Checkpoint
 from polyshard.trainer import reshard, saved_config, target_config
-from polyshard.trainer.checkpointing.export import consolidate
+from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.config import from_dict, read_toml
 from polyshard.trainer.engine.constraints import validate
 

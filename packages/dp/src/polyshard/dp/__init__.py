@@ -8,8 +8,8 @@ from polyshard.dp.memory import MemoryReport, bytes_held, storage_bytes
 from polyshard.dp.mixed_precision import MixedPrecision
 from polyshard.dp.muon import MOMENTUM, Muon, matrix_axes
 from polyshard.dp.newton_schulz import orthogonalise, shape_scale
-from polyshard.dp.optimizer import ZeroOptimizer
 from polyshard.dp.wrapper import DataParallelWrapper
+from polyshard.dp.zero_optimizer import ZeroOptimizer
 
 __all__ = [
     "DataParallel",

@@ -48,7 +48,7 @@ from polyshard.dp.buckets import Bucket, assign_buckets
 from polyshard.dp.checks import broadcast_and_check, broadcast_from_first, replicas_of
 from polyshard.dp.errors import DataParallelError, GradSyncError
 from polyshard.dp.flat import ShardSpec
-from polyshard.dp.hooks import weak_grad_hook
+from polyshard.dp.grad_hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 
@@ -140,7 +140,7 @@ class DataParallel(BucketShards, nn.Module):
         for position, queue in enumerate(self.queues):
             for bucket in queue:
                 for p in bucket.params:
-                    weak_grad_hook(p, self._on_grad_ready, position)  # weakly: see polyshard.dp.hooks
+                    weak_grad_hook(p, self._on_grad_ready, position)  # weakly: see polyshard.dp.grad_hooks
 
     # -- construction ---------------------------------------------------------
     def _resolve_sets(self, named: list[tuple[str, nn.Parameter]], param_sets: Sequence[ParamSet]) -> list[_Reduction]:

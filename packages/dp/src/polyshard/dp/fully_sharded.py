@@ -32,7 +32,7 @@ from torch import nn
 
 from polyshard.dp.checks import broadcast_and_check, replicas_of
 from polyshard.dp.flat import ShardSpec, shard_record
-from polyshard.dp.hooks import weak_grad_hook
+from polyshard.dp.grad_hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
 from polyshard.dp.units import Unit
 from polyshard.mesh import TensorPlacement, get_placement
@@ -78,7 +78,7 @@ class FullyShardedDataParallel(nn.Module):
         self._where = {id(p): (u, i) for u in self.reduce_order for i, p in enumerate(u.params)}
         for unit in self.reduce_order:
             for p in unit.params:
-                weak_grad_hook(p, self._on_grad_ready)  # weakly: see polyshard.dp.hooks
+                weak_grad_hook(p, self._on_grad_ready)  # weakly: see polyshard.dp.grad_hooks
         self._callback_queued = False
 
     def _unit(self, named: list[tuple[str, nn.Parameter]], axis: str | tuple[str, ...]) -> Unit:

@@ -41,7 +41,7 @@ import torch
 from polyshard.dp.wrapper import DataParallelWrapper
 
 if TYPE_CHECKING:
-    from polyshard.dp.optimizer import ZeroOptimizer
+    from polyshard.dp.zero_optimizer import ZeroOptimizer
 
 
 @dataclass(frozen=True)

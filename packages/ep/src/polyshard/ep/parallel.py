@@ -78,7 +78,9 @@ def apply_expert_parallel(model: nn.Module, *, group: dist.ProcessGroup, axis: s
     """
     layers = expert_layers(model)
     if not layers:
-        raise ExpertParallelError(f"{type(model).__name__} contains no MoE layer (a polyshard.ep.ExpertLayer); there are no experts to shard")
+        raise ExpertParallelError(
+            f"{type(model).__name__} contains no MoE layer (a polyshard.ep.ExpertLayer); there are no experts to shard"
+        )
     for name, layer in layers:
         _shard_layer(layer, name, group, axis)
     return model

@@ -52,7 +52,7 @@ from polyshard.models.common import kv_cache_width
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.moe_gpt.config import moe_config
-from polyshard.planner.memory import stage_bounds
+from polyshard.planner.model_states import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from polyshard.planner.activations import activation_bytes
-from polyshard.planner.memory import rank_model_states
+from polyshard.planner.model_states import rank_model_states
 from polyshard.planner.profile import Profile
 from polyshard.planner.report import table
 from polyshard.planner.search import CHOSEN, Candidate, Plan, Request, label, search

@@ -43,7 +43,7 @@ from polyshard.dp import ShardSpec
 from polyshard.models import output_width, sequence_length, spec_of, tied_names
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size
-from polyshard.planner.memory import holdings, stage_bounds
+from polyshard.planner.model_states import holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
 from polyshard.trainer.tasks import LANGUAGE, task_of

@@ -27,7 +27,7 @@ from polyshard.models import ModelConfig, active_share, layer_of, sequence_lengt
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
-from polyshard.planner.memory import Held, global_shapes, holdings, stage_bounds
+from polyshard.planner.model_states import Held, global_shapes, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config, ParallelConfig

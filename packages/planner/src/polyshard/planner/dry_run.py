@@ -19,7 +19,7 @@ from polyshard.models import active_parameter_count, build_model, parameter_coun
 from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
-from polyshard.planner.memory import rank_model_states
+from polyshard.planner.model_states import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
 from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds

@@ -25,7 +25,7 @@ from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step
-from polyshard.planner.memory import ModelStates, rank_model_states
+from polyshard.planner.model_states import ModelStates, rank_model_states
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import RECOMPUTE, V_SCHEDULES, Config, ParallelConfig
 from polyshard.trainer.engine.constraints import validate

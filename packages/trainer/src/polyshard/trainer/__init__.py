@@ -36,11 +36,11 @@ _EXPORTS = {
     "sample_text": "polyshard.trainer.loop",
     "build_model": "polyshard.models",
     "spec_of": "polyshard.models",
-    "saved_config": "polyshard.trainer.checkpointing.export",
-    "consolidate": "polyshard.trainer.checkpointing.export",
-    "export": "polyshard.trainer.checkpointing.export",
-    "reshard": "polyshard.trainer.checkpointing.reshard",
-    "target_config": "polyshard.trainer.checkpointing.reshard",
+    "saved_config": "polyshard.trainer.checkpointing.run_export",
+    "consolidate": "polyshard.trainer.checkpointing.run_export",
+    "export": "polyshard.trainer.checkpointing.run_export",
+    "reshard": "polyshard.trainer.checkpointing.run_reshard",
+    "target_config": "polyshard.trainer.checkpointing.run_reshard",
     "write_hf": "polyshard.trainer.checkpointing.hugging_face",
     "export_note": "polyshard.trainer.checkpointing.hugging_face",
     "load_tokenizer": "polyshard.data.tokenizer",
@@ -100,9 +100,9 @@ if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
     from polyshard.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.models import build_model, sequence_length, spec_of
-    from polyshard.trainer.checkpointing.export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.hugging_face import export_note, model_settings, write_hf
-    from polyshard.trainer.checkpointing.reshard import reshard, target_config
+    from polyshard.trainer.checkpointing.run_export import consolidate, export, saved_config
+    from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
     from polyshard.trainer.config import MESH_AXES, PRESETS, SCHEDULES, Config, apply_overrides, from_dict, load_config
     from polyshard.trainer.data.language import local_files
     from polyshard.trainer.engine.constraints import validate

@@ -37,7 +37,7 @@ Llama's q and k need no permutation: polyshard's rotary embedding pairs dims i a
 rope type, a head dim of its own) is refused, naming the key.
 
 Import: :class:`HFSource` opens the folder as a checkpoint source (``polyshard.checkpoint.HFWeights``)
-for :func:`polyshard.trainer.checkpointing.reshard.load_into`, so each rank of any mesh reads only
+for :func:`polyshard.trainer.checkpointing.run_reshard.load_into`, so each rank of any mesh reads only
 the regions its placement records name (safetensors' lazy slices, one tensor region at a time),
 exactly as an online reshard reads a polyshard checkpoint. Export: :func:`write_hf` writes
 ``config.json`` and ``model.safetensors`` (streamed from a checkpoint, one tensor at a time) that
@@ -222,7 +222,7 @@ def _from_state(state: Mapping[str, torch.Tensor]) -> Callable[[str, int | None]
 
 
 def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our unsharded weights (:func:`polyshard.trainer.checkpointing.export.consolidate`) in the family's
+    """Our unsharded weights (:func:`polyshard.trainer.checkpointing.run_export.consolidate`) in the family's
     names and layouts."""
     specs, make = _hf_tensors(model, _from_state(state), lambda name: state[name].dtype)
     return {name: make(name).clone() for name in specs}

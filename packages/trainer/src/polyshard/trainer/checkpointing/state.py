@@ -7,7 +7,7 @@ copy per layer, so the plain model's ``load_state_dict(strict=True)`` finds them
 Each carries its placement record into the checkpoint index. Restoring into
 the same layout is exact: on CPU a resumed run's losses equal an
 uninterrupted run's bit for bit. Restoring into another layout goes through
-:mod:`polyshard.trainer.checkpointing.reshard`.
+:mod:`polyshard.trainer.checkpointing.run_reshard`.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _check_state_keys(
 def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None:
     """Copy tensors laid out for this rank of ``engine`` into it: parameters, optimizer state, RNG.
 
-    :func:`polyshard.trainer.checkpointing.reshard.load_into` cuts them from a checkpoint of any layout.
+    :func:`polyshard.trainer.checkpointing.run_reshard.load_into` cuts them from a checkpoint of any layout.
     """
     for index in engine.stages:
         for name, tensor in (_model_tensors(engine, index) | _buffers(engine, index)).items():

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, open_checkpoint
 from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.checkpointing import hugging_face as hf
-from polyshard.trainer.checkpointing.export import saved_config
-from polyshard.trainer.checkpointing.reshard import load_into
+from polyshard.trainer.checkpointing.run_export import saved_config
+from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.runtime import Engine
 

@@ -30,9 +30,9 @@ from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
 from polyshard.models import active_parameter_count, sequence_length
 from polyshard.trainer.checkpointing import hugging_face as hf
-from polyshard.trainer.checkpointing.export import consolidate
 from polyshard.trainer.checkpointing.hugging_face import write_hf
-from polyshard.trainer.checkpointing.reshard import load_into
+from polyshard.trainer.checkpointing.run_export import consolidate
+from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine import compiling

@@ -113,9 +113,7 @@ class MoESettings:
                 f"model.moe.bias_update_rate={self.bias_update_rate} balances a sigmoid router's selection bias, "
                 f"but model.moe.score={self.score!r}; set score='sigmoid' or bias_update_rate=0"
             )
-        self.layer(
-            hidden=1, ffn_hidden=1
-        )  # the routing rules: MoEConfig's checks, named here
+        self.layer(hidden=1, ffn_hidden=1)  # the routing rules: MoEConfig's checks, named here
 
     def _check_dense_layers(self) -> None:
         dense = self.dense_layers

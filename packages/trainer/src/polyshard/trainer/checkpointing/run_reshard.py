@@ -27,8 +27,8 @@ from pathlib import Path
 from polyshard.checkpoint import MASTER, RNG, Checkpoint, CheckpointError, CheckpointSource, Planned, optim_key
 from polyshard.checkpoint.reshard import DEFAULT_BLOCK_BYTES, ReshardReport, read_planned, write_resharded
 from polyshard.mesh import get_placement
-from polyshard.trainer.checkpointing.export import saved_config
 from polyshard.trainer.checkpointing.records import plan_ranks
+from polyshard.trainer.checkpointing.run_export import saved_config
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
 from polyshard.trainer.config import MESH_AXES, Config, from_dict
 from polyshard.trainer.engine.constraints import validate
