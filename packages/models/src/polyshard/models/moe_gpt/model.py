@@ -1,4 +1,4 @@
-"""The GPT's mixture-of-experts variant: every block's MLP is a polyshard.ep MoE layer.
+"""The GPT's mixture-of-experts variant: every block's MLP is an MoE layer (:mod:`polyshard.models.common.moe`).
 
 A pipeline passes one activation tensor between stages, but an MoE layer
 also produces an auxiliary (load-balancing) loss. :class:`MoEMLP` attaches
@@ -16,28 +16,20 @@ import torch
 from torch import nn
 
 from polyshard.collectives import eager
-from polyshard.mesh import divisors
 from polyshard.models.common import MLP, SwiGLU
 from polyshard.models.common.attach import AttachLoss
 from polyshard.models.common.moe import MoEConfig, MoELayer
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
-from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import model as gpt
 from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_config
 from polyshard.models.moe_gpt.hf import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from polyshard.models.moe_gpt.plan import check, tp_plan
 from polyshard.models.moe_gpt.presets import PRESETS
 from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
-    ParallelSizes,
-    attention_plan,
-    check_mlp_split,
-    mlp_plan,
-    sequence_plan,
-    split_sequence,
 )
-from polyshard.tp import SequenceParallel
 
 
 class MoEMLP(nn.Module):
@@ -120,57 +112,6 @@ def routing_summary(model: ModelConfig) -> str:
     weighted = [f"{name} {weight:g}" for name, weight in losses.items() if weight > 0]
     parts.append("balance losses: " + (", ".join(weighted) if weighted else "none"))
     return "routing: " + "; ".join(parts)
-
-
-def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
-    """Attention and vocabulary as the GPT's; the routed experts are not split by tp (ep splits them),
-    the shared experts are, like the dense MLP (their gate's one vector is replicated), and so are the
-    dense blocks' MLPs. Under sequence parallelism the routed experts run on each tp rank's sequence
-    shard (the trainer sums their gradients over tp: polyshard.trainer.engine.builder), and so does the
-    shared gate (flagged like a norm)."""
-    model = moe_config(model)
-    plan: dict[str, object] = {}
-    for i in range(1, model.num_layers + 1):
-        plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
-        plan |= sequence_plan(f"layers.{i}", parallel.sequence_parallel)  # the norms on a sequence shard
-        if not model.sparse_layer(i - 1):
-            plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, model.activation)
-        elif model.moe.shared_experts:
-            plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, "swiglu", mlp="mlp.shared_expert")
-            if model.moe.shared_gate and parallel.sequence_parallel:  # replicated, on this rank's sequence shard
-                plan[f"layers.{i}.mlp.shared_expert_gate"] = SequenceParallel()
-    plan |= gpt.mtp_plan(model, parallel, mlp=False)  # the depths' attention; their experts are ep's
-    for k in range(model.mtp_depth if model.moe.shared_experts else 0):
-        plan |= mlp_plan(
-            f"layers.{model.num_layers + 1}.mtp.depths.{k}.block", False, "swiglu", mlp="mlp.shared_expert"
-        )
-    return plan | split_sequence(1, parallel.sequence_parallel) | gpt.vocab_plan(model, parallel)
-
-
-def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    model, par = moe_config(model), parallel
-    if par.ep > 1 and par.zero_stage == 3:
-        # ZeRO-3 shards every parameter of a stage over dp x ep, but each ep rank holds different experts.
-        raise ConfigError(
-            f"parallel.zero_stage=3 with parallel.ep={par.ep} is not supported (experts differ between ep ranks "
-            "and cannot be sharded over them); use zero_stage 0-2 with experts, or ep=1"
-        )
-    gpt.check_mtp(model, parallel)
-    if model.mtp_depth > 1:
-        raise ConfigError(
-            f"model.mtp_depth={model.mtp_depth} with model.kind={model.kind!r} is not supported: each depth's block "
-            "is an MoE layer and the head's pipeline layer holds at most one (the experts' load is kept per "
-            "layer); use mtp_depth = 1, as DeepSeek-V3 does"
-        )
-    if model.moe.shared_experts:
-        check_mlp_split(model.shared_width, par.tp)
-    if model.moe.dense_layers:
-        check_mlp_split(model.dense_width, par.tp)
-    experts = model.moe.num_experts
-    if experts % par.ep:
-        raise ConfigError(
-            f"parallel.ep={par.ep} does not divide model.moe.num_experts={experts}; choose ep in {divisors(experts)}"
-        )
 
 
 SPEC = ModelSpec(

@@ -17,14 +17,9 @@ from polyshard.models.errors import ConfigError
 from polyshard.models.spec import (
     BuildOptions,
     ModelSpec,
-    ParallelSizes,
-    attention_plan,
-    check_mlp_split,
-    mlp_plan,
-    sequence_plan,
-    split_sequence,
 )
 from polyshard.models.vit.config import ViTConfig, vit_config
+from polyshard.models.vit.plan import check, tp_plan
 
 
 class PatchEmbedding(nn.Module):
@@ -120,16 +115,6 @@ def build(config: ModelConfig, options: BuildOptions) -> ViT:
     )
 
 
-def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
-    """The blocks as the GPT's; the patch embedding and the small classifier head stay replicated."""
-    plan: dict[str, object] = {}
-    sp = parallel.sequence_parallel
-    for i in range(1, model.num_layers + 1):
-        block = f"layers.{i}"
-        plan |= attention_plan(block, model, parallel) | mlp_plan(block, sp, "gelu") | sequence_plan(block, sp)
-    return plan | split_sequence(1, sp)
-
-
 def sequence_length(model: ModelConfig) -> int:
     """Patches plus the class token."""
     model = vit_config(model)
@@ -143,10 +128,6 @@ def check_model(model: ModelConfig) -> None:
             f"model.image_size={model.image_size} is not a multiple of model.patch_size={model.patch_size}; "
             f"choose patch_size in {divisors(model.image_size)}"
         )
-
-
-def check(model: ModelConfig, parallel: ParallelSizes) -> None:
-    check_mlp_split(model.mlp_ratio * model.hidden, parallel.tp)  # the ViT's MLP
 
 
 SPEC = ModelSpec(
