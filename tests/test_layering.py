@@ -189,7 +189,7 @@ PARALLEL_MODULES = {
     "cp": {"ContextParallelAttention"},  # wraps a model's attention core
     "dp": {"DataParallel", "FullyShardedDataParallel"},  # wrap a whole model
     "ep": set(),  # shards any polyshard.ep.ExpertLayer; defines none
-    "pp": set(),
+    "pp": {"Stage"},  # a stage's layers in order (nn.Sequential with side inputs)
 }
 
 
@@ -198,7 +198,7 @@ def _module_classes(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ClassDef):
             bases = {ast.unparse(b) for b in node.bases}
-            if bases & {"nn.Module", "torch.nn.Module", "Module"}:
+            if any(b.startswith(("nn.", "torch.nn.")) or b == "Module" for b in bases):  # Module, Sequential...
                 found.add(node.name)
     return found
 

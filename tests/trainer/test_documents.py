@@ -82,7 +82,7 @@ def _run(config, masked=True, documents=DOCUMENTS):
     (this rank's logits or None, [(placement, gradient)], where the rank sits, the evaluation loss)."""
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, evaluate, split_batch
-    from polyshard.trainer.tasks.loss import global_token_mean
+    from polyshard.trainer.tasks.loss import tokens_per_microbatch
 
     par = config.parallel
     mesh = Mesh(par.mesh_axes)
@@ -93,14 +93,14 @@ def _run(config, masked=True, documents=DOCUMENTS):
     segments = batch_segments(config, batch) if masked else None
     local_inputs, local_targets = engine.local_tokens(inputs), engine.local_tokens(targets)
     group = mesh.group(par.replica_axes)
-    with global_token_mean(engine.executor.loss_fn, local_targets, group, par.microbatches):
-        engine.forward_backward(local_inputs, local_targets, segments)
+    tokens = tokens_per_microbatch(local_targets, group, par.microbatches)
+    engine.forward_backward(local_inputs, local_targets, segments, tokens=tokens)
     engine.finish_gradients()
     grads = [(placement, grad.detach().clone()) for grad, placement in engine.gradients()[0]]
     logits = engine.executor.forward_only(
         local_inputs if engine.holds_first_stage else None,
         lambda y: y.detach().clone(),
-        around_forward=engine.around_forward(segments),
+        side_inputs=engine.side_inputs(segments),
     )
     return logits, grads, mesh.coords(), data_rank, evaluate(engine, inputs, targets, segments)[0]
 

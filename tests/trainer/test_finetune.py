@@ -22,7 +22,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data import check_language_data, language_data
 from polyshard.trainer.errors import DataError
-from polyshard.trainer.tasks.loss import IGNORE_INDEX, global_token_mean
+from polyshard.trainer.tasks.loss import IGNORE_INDEX, tokens_per_microbatch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
@@ -244,18 +244,18 @@ def _global_mean_over_data_ranks():
     targets[0, 1:] = targets[2, :2] = targets[3] = IGNORE_INDEX
     mine = slice(2 * dist.get_rank(group), 2 * dist.get_rank(group) + 2)
     loss_fn = TokenMeanLoss(lambda x, t: F.cross_entropy(x.flatten(0, 1), t.flatten(), reduction="sum"))
-    with global_token_mean(loss_fn, targets[mine], group, num_microbatches=2):
-        # what the pipeline executor and dp do: each microbatch's loss / m, summed, then averaged over data ranks
-        rank_loss = sum(loss_fn(x, t) / 2 for x, t in zip(logits[mine].chunk(2), targets[mine].chunk(2)))
+    count = tokens_per_microbatch(targets[mine], group, num_microbatches=2)
+    # what the pipeline executor and dp do: each microbatch's loss / m, summed, then averaged over data ranks
+    rank_loss = sum(loss_fn(x, t, count) / 2 for x, t in zip(logits[mine].chunk(2), targets[mine].chunk(2)))
     total = rank_loss.detach().reshape(1)
     dist.all_reduce(total, group=group)
-    return float(total) / 2, _by_hand(logits, targets).item(), loss_fn.tokens_per_microbatch
+    return float(total) / 2, _by_hand(logits, targets).item(), count
 
 
 def test_the_step_loss_is_the_mean_over_counted_tokens_of_the_global_batch(distributed):
-    for loss, by_hand, after in distributed.run(2, _global_mean_over_data_ranks):
+    for loss, by_hand, count in distributed.run(2, _global_mean_over_data_ranks):
         assert loss == pytest.approx(by_hand, rel=1e-6)  # float32 sums vs a float64 hand computation
-        assert after is None  # outside a step the loss is again each batch's own mean
+        assert count == 9 / (2 * 2)  # 1 + 5 + 3 + 0 counted tokens over 2 data ranks x 2 microbatches
 
 
 # -- training: every layout agrees with one process ------------------------------------------------

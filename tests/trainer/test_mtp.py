@@ -94,11 +94,10 @@ def _reference_loss(model, config, inputs, targets, segments):
     layers = model.layers
     blocks = list(layers[1:-1])
     head = layers[-1]
-    for module in [layers[0], *blocks, *(d.block for d in head.mtp.depths)]:
-        module.documents = None if segments is None else _documents(segments)
-    hidden = layers[0](inputs)
+    documents = None if segments is None else _documents(segments)
+    hidden = layers[0](inputs, documents)
     for block in blocks:
-        hidden = block(hidden)
+        hidden = block(hidden, documents)
     tok, proj = layers[0].tok.weight, head.proj.weight
     eps = config.model.norm_eps  # the family's (DeepSeek: 1e-6)
     logits = _rms(hidden, head.norm.weight, eps) @ proj.T
@@ -112,7 +111,7 @@ def _reference_loss(model, config, inputs, targets, segments):
         combined = torch.cat(
             [_rms(F.embedding(ahead, tok), d.embed_norm.weight, eps), _rms(hidden, d.hidden_norm.weight, eps)], -1
         )
-        hidden = d.block(combined @ d.combine.weight.T)
+        hidden = d.block(combined @ d.combine.weight.T, documents)
         logits_k = _rms(hidden, d.norm.weight, eps) @ proj.T
         wanted = torch.full_like(targets, -100)
         wanted[:, : length - k] = targets[:, k:]

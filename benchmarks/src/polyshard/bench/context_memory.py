@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from polyshard.cp import position_ids
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.models import build_model, output_width
 from polyshard.trainer.config import from_dict
@@ -47,10 +48,11 @@ def measure(seq_len: int, style: str, layers: int = 2) -> dict[str, object]:
     model = build_model(model_cfg)
     group = Mesh({"cp": cp}).group("cp") if cp > 1 else None
     if group is not None:
-        apply_context_parallel(model, group, style, seq_len, "cpu")
+        apply_context_parallel(model, group, style)
     tokens = torch.randint(0, output_width(model_cfg), (1, seq_len), generator=torch.Generator().manual_seed(0))
     mine = local_tokens(tokens, group)
-    nbytes = saved_bytes(lambda: model(mine))
+    positions = position_ids(seq_len, group, "cpu") if group is not None else None
+    nbytes = saved_bytes(lambda: model(mine, positions=positions))
     return {"seq_len": seq_len, "cp": cp, "style": style if cp > 1 else "sdpa", "tokens_per_rank": mine.shape[1],
             "saved_mib": nbytes / 2**20}  # fmt: skip
 

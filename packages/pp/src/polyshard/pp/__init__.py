@@ -9,11 +9,12 @@ result = PipelineExecutor(stages, schedule, loss_fn, pp_group).step(inputs, targ
 from polyshard.pp.actions import Action, Exchange, Kind, Schedule, Wait, loop_placement, v_placement
 from polyshard.pp.dualpipe import dualpipe_v
 from polyshard.pp.errors import DeadlockError, PartitionError, ScheduleError, StageShapeError
-from polyshard.pp.executor import PipelineExecutor, StepResult, gather_timeline
+from polyshard.pp.executor import PipelineExecutor, SideInputs, StepResult, gather_timeline
 from polyshard.pp.lowering import format_program, lower
 from polyshard.pp.partition import balanced_partition, build_stages, parameter_counts
 from polyshard.pp.schedules import SCHEDULES, gpipe, interleaved_1f1b, make_schedule, one_f_one_b
 from polyshard.pp.simulator import DEFAULT_COSTS, SimResult, measured_costs, simulate
+from polyshard.pp.stage import Stage, accepted_inputs
 from polyshard.pp.timeline import Span, Timeline
 from polyshard.pp.zero_bubble import zb_h1, zb_v
 
@@ -29,12 +30,15 @@ __all__ = [
     "PipelineExecutor",
     "Schedule",
     "ScheduleError",
+    "SideInputs",
     "SimResult",
     "Span",
+    "Stage",
     "StageShapeError",
     "StepResult",
     "Timeline",
     "Wait",
+    "accepted_inputs",
     "balanced_partition",
     "build_stages",
     "dualpipe_v",

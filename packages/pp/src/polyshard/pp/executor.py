@@ -21,12 +21,12 @@ of the step on this rank - e.g. a data-parallel wrapper's ``no_sync``, so
 its reduction runs once, overlapped with the last backward. pp knows
 nothing about dp.
 
-``around_forward`` (optional, per call of :meth:`~PipelineExecutor.step` or
-:meth:`~PipelineExecutor.forward_only`) is a factory ``(stage, microbatch) -> context
-manager`` entered around every forward of that stage on that microbatch: how a
-caller hands a stage per-microbatch side inputs that do not travel between
-stages (every rank has them, e.g. the document ids of each microbatch's tokens;
-the stage's modules read them during the forward). pp knows nothing about them.
+``side_inputs`` (optional, per call of :meth:`~PipelineExecutor.step` or
+:meth:`~PipelineExecutor.forward_only`) is a function ``(stage, microbatch) -> keyword
+arguments`` of that stage's forward on that microbatch: how a caller hands a stage
+per-microbatch inputs that do not travel between stages (every rank has them, e.g.
+the document ids of each microbatch's tokens; a :class:`~polyshard.pp.stage.Stage`
+gives each layer the ones it takes). pp knows nothing about them.
 
 The shapes that travel between stages are inferred on the first step, so
 later steps must keep the same microbatch shape (build a new executor
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,8 @@ from polyshard.pp.split import WeightWork, backward_input, backward_weight
 from polyshard.pp.timeline import Span, Timeline
 
 T = TypeVar("T")
-AroundForward = Callable[[int, int], AbstractContextManager[object]]
-"""(stage, microbatch) -> a context entered around that stage's forward of that microbatch."""
+SideInputs = Callable[[int, int], Mapping[str, Any]]
+"""(stage, microbatch) -> the keyword arguments of that stage's forward on that microbatch."""
 
 
 @dataclass
@@ -107,7 +107,8 @@ class PipelineExecutor:
         # State of the step in progress (set by step()):
         self.microbatches: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
-        self.around_forward: AroundForward | None = None
+        self.side_inputs: SideInputs | None = None
+        self.step_loss_fn = loss_fn  # this step's loss (step()'s loss_fn, or the executor's)
         self.loss: torch.Tensor | None = None
         self.pending_sends: list[tuple[list[dist.Work], torch.Tensor]] = []
         self.incoming: dict[Action, tuple[torch.Tensor, list[dist.Work]]] = {}  # posted receive -> (buffer, work)
@@ -137,16 +138,20 @@ class PipelineExecutor:
         inputs: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         *,
-        around_forward: AroundForward | None = None,
+        side_inputs: SideInputs | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> StepResult:
         """One training step. ``inputs`` are needed on stage 0's rank, ``targets`` on the last stage's.
-        ``around_forward``: see the module docstring (microbatch k is chunk k of the batch along dim 0)."""
+        ``side_inputs``: see the module docstring (microbatch k is chunk k of the batch along dim 0).
+        ``loss_fn``: this step's loss, e.g. one told the global batch's token count (default: the
+        executor's)."""
         last = self.schedule.num_stages - 1
         if 0 in self.stages and inputs is None or last in self.stages and targets is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0 or {last}: pass inputs / targets to step()")
         self.microbatches = self._split(inputs, "inputs") or []
         self.targets = self._split(targets, "targets") or []
-        self.around_forward = around_forward
+        self.side_inputs = side_inputs
+        self.step_loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         if not self.shapes:
             first = self.microbatches[0] if self.microbatches else None
             self.shapes = infer_shapes(self.stages, self.schedule, first, self.group, self.peers, self.device)
@@ -169,7 +174,7 @@ class PipelineExecutor:
         for handle, _ in self.pending_sends:
             for work in handle:
                 work.wait()
-        self.around_forward = None  # the step's side inputs are not kept past it
+        self.side_inputs, self.step_loss_fn = None, self.loss_fn  # the step's own are not kept past it
         timeline = Timeline(self.schedule.num_ranks, tuple(spans), with_stage=self.schedule.virtual_stages > 1)
         return StepResult(self.loss, timeline, self.peak)
 
@@ -178,14 +183,14 @@ class PipelineExecutor:
         inputs: torch.Tensor | None,
         on_output: Callable[[torch.Tensor], T],
         *,
-        around_forward: AroundForward | None = None,
+        side_inputs: SideInputs | None = None,
     ) -> T | None:
         """Run the schedule's forward-only program (:func:`polyshard.pp.schedules.forward_only`): every
         stage once on the whole batch, without gradients, for evaluation. Unlike :meth:`step` the batch
         may have any size on every call (an empty one included): activations travel behind a shape
         header. ``inputs`` are needed on stage 0's rank; returns ``on_output(last stage's output)`` on
-        the rank holding the last stage, else None. ``around_forward`` is entered as in :meth:`step`,
-        with microbatch 0: the whole batch."""
+        the rank holding the last stage, else None. ``side_inputs`` as in :meth:`step`, with
+        microbatch 0: the whole batch."""
         if 0 in self.stages and inputs is None:
             raise StageShapeError(f"rank {self.rank} holds stage 0: pass inputs to forward_only()")
         if self.forward_steps is None:  # (the simulator checks training steps; this chain cannot deadlock)
@@ -201,8 +206,7 @@ class PipelineExecutor:
                 if isinstance(step, Wait):  # the exchange before it has received already
                     continue
                 x = inputs if step.stage == 0 else mail.pop(activation(step.stage - 1, 0))
-                with around_forward(step.stage, 0) if around_forward is not None else contextlib.nullcontext():
-                    y = self.stages[step.stage](x)
+                y = self.stages[step.stage](x, **(side_inputs(step.stage, 0) if side_inputs is not None else {}))
                 if step.stage == self.schedule.num_stages - 1:
                     result = on_output(y)
                 else:
@@ -283,11 +287,10 @@ class PipelineExecutor:
             x = self.microbatches[k]
         else:
             x = self.mail.pop(activation(stage - 1, k)).detach().requires_grad_()
-        around = self.around_forward
-        with around(stage, k) if around is not None else contextlib.nullcontext():
-            y = self.stages[stage](x)
+        side = self.side_inputs
+        y = self.stages[stage](x, **(side(stage, k) if side is not None else {}))
         if stage == self.schedule.num_stages - 1:
-            y = self.loss_fn(y, self.targets[k]) / self.schedule.num_microbatches
+            y = self.step_loss_fn(y, self.targets[k]) / self.schedule.num_microbatches
             self.loss = y.detach() if self.loss is None else self.loss + y.detach()
         else:
             self.mail[activation(stage, k)] = y.detach()

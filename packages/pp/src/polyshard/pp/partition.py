@@ -20,6 +20,7 @@ from torch import nn
 
 from polyshard.mesh import TensorPlacement, set_placement
 from polyshard.pp.errors import PartitionError
+from polyshard.pp.stage import Stage
 
 LayerBuilder = Callable[[], nn.Module]
 
@@ -73,8 +74,8 @@ def build_stages(
     stages: Sequence[int],
     *,
     cost: Callable[[int], float] | None = None,
-) -> dict[int, nn.Sequential]:
-    """Build only ``stages`` (of ``num_stages``) as ``nn.Sequential`` of their layers.
+) -> dict[int, Stage]:
+    """Build only ``stages`` (of ``num_stages``) as a :class:`~polyshard.pp.stage.Stage` of their layers.
 
     Each parameter gets a placement record naming its global layer
     (``layers.{i}.{name}``) so checkpoints can put the stages back together.
@@ -91,5 +92,5 @@ def build_stages(
             for name, param in layer.named_parameters():
                 set_placement(param, TensorPlacement(f"layers.{i}.{name}", tuple(param.shape), (), layer=i))
             layers.append(layer)
-        built[stage] = nn.Sequential(*layers)
+        built[stage] = Stage(*layers)
     return built

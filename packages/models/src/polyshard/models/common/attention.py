@@ -99,7 +99,6 @@ class Attention(nn.Module):
         self.head_dim = head_dim or hidden // num_heads
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.core = CoreAttention(causal=causal, dropout=dropout, window=window, core=core)
-        self.positions: torch.Tensor | None = None  # rotary positions of the tokens; None: 0..S-1
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -109,9 +108,12 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (N,): one logit per query head
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``documents``: the batch's documents (see :class:`Documents`): attention inside each, rotary
-        positions within each."""
+        positions within each. ``positions``: (S,) the tokens' rotary positions when they are not 0..S-1
+        (context parallelism's chunks); the documents' own positions take their place."""
         # (B, S, H) -> (B, N, S, D); N is whatever this rank holds. unflatten infers N from the last
         # dim alone, so an empty batch (B = 0) works too.
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # (B, S, N, D)
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         if self.rope_theta is not None:
-            positions = self.positions if documents is None else documents.positions
+            positions = positions if documents is None else documents.positions
             q = rotate(q, self.rope_theta, self.rope_scaling, positions)
             k = rotate(k, self.rope_theta, self.rope_scaling, positions)
         # Only what is set is passed, so a core that knows no documents or sinks (a user's) still fits.

@@ -37,9 +37,10 @@ class Block(nn.Module):
     second forward for the memory of every intermediate activation. ``"selective"`` also keeps the
     matmul and attention outputs and recomputes only the elementwise work (:mod:`polyshard.models.common.recompute`).
 
-    ``documents`` (None: one sequence per row) is the :class:`Documents` of the batch being run, set by the
-    caller around the forward (a pipeline sets each microbatch's); the forward reads it once, so a
-    recompute in backward sees the same documents whatever the attribute holds by then.
+    ``forward(x, documents, positions)``: ``documents`` (None: one sequence per row) are the
+    :class:`Documents` of the batch being run (a pipeline passes each microbatch's); ``positions`` the
+    tokens' rotary positions when they are not 0..S-1 (context parallelism's chunks). A recompute in
+    backward is handed the same arguments.
     """
 
     def __init__(
@@ -94,21 +95,25 @@ class Block(nn.Module):
             MLP(hidden, width, bias=bias) if activation == "gelu" else SwiGLU(hidden, width, bias=bias)
         )
         self.drop = nn.Dropout(dropout)
-        self.documents: Documents | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        documents = self.documents
+    def forward(
+        self, x: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         mode = self.checkpoint_activations
         if mode is not None and torch.is_grad_enabled():
             if mode == "selective":
                 return checkpoint(  # type: ignore[no-any-return]
-                    self._forward, x, documents, use_reentrant=False, context_fn=selective_contexts
+                    self._forward, x, documents, positions, use_reentrant=False, context_fn=selective_contexts
                 )
             # No context_fn for "full" (the default no-op): torch.compile traces checkpoint only without one.
-            return checkpoint(self._forward, x, documents, use_reentrant=False)  # type: ignore[no-any-return]
-        return self._forward(x, documents)
+            return checkpoint(self._forward, x, documents, positions, use_reentrant=False)  # type: ignore[no-any-return]
+        return self._forward(x, documents, positions)
 
-    def _forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        attended = self.attn(self.norm1(x)) if documents is None else self.attn(self.norm1(x), documents)
+    def _forward(
+        self, x: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Only what is set is passed, so an attention of a user's that takes neither still fits.
+        side = {k: v for k, v in (("documents", documents), ("positions", positions)) if v is not None}
+        attended = self.attn(self.norm1(x), **side)
         x = x + self.drop(attended)
         return x + self.drop(self.mlp(self.norm2(x)))  # type: ignore[no-any-return]

@@ -86,16 +86,18 @@ class MLA(nn.Module):
         self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_up = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden, bias=bias)
-        self.positions: torch.Tensor | None = None  # rotary positions of the tokens; None: 0..S-1 (cp sets them)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         if self.interleaved:
             x = deinterleave(x)
         return rotate(x, self.rope_theta, self.rope_scaling, positions)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        """``documents``: the batch's documents: attention inside each, rotary positions within each."""
-        positions = self.positions if documents is None else documents.positions
+    def forward(
+        self, x: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``documents``: the batch's documents: attention inside each, rotary positions within each;
+        ``positions``: (S,) the tokens' rotary positions when not 0..S-1 (as :class:`Attention`)."""
+        positions = positions if documents is None else documents.positions
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:

@@ -13,8 +13,8 @@ published checkpoints' ``eh_proj`` (embedding then hidden) and Megatron-Core do;
 hidden first, which is the same model with W's halves swapped.
 
 Loss: ``L = lambda / D * sum_k L_k``, each ``L_k`` the mean cross-entropy over its counted targets. The
-caller hands each depth's inputs and targets (B, S, D) and a loss function per microbatch
-(:attr:`MultiTokenPrediction.inputs`, ...); positions whose depth-k target does not exist (the row's last
+caller passes each microbatch's depth inputs and targets (B, S, D) and loss function to the forward
+(:class:`PredictionInputs`); positions whose depth-k target does not exist (the row's last
 k positions, or a token k ahead in another document) carry the ignore index. The loss is attached to the
 main output by :class:`AttachLoss` (its gradient flows in the main loss's backward), so a pipeline still
 passes one tensor and the reported loss stays the next-token one; :attr:`MultiTokenPrediction.loss_sums`
@@ -30,16 +30,29 @@ depths' blocks to its tp plan and has a ``mtp_depth`` setting; the trainer finds
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
 
 from polyshard.models.common.attach import AttachLoss
+from polyshard.models.common.documents import Documents
 from polyshard.models.common.mlp import norm_layer
 
 DepthLoss = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 """(depth k's outputs as the head gives them, its targets (B, S), k - 1) -> its mean loss."""
+
+
+@dataclass(frozen=True)
+class PredictionInputs:
+    """What the depths need beside the model's own input, per microbatch (training only)."""
+
+    inputs: torch.Tensor
+    """(B, S, D): token t[i+k] at [:, i, k-1]."""
+    targets: torch.Tensor
+    """(B, S, D): target t[i+k+1], or the ignore index."""
+    loss_fn: DepthLoss
 
 
 class PredictionDepth(nn.Module):
@@ -53,16 +66,22 @@ class PredictionDepth(nn.Module):
         self.block = block
         self.norm = norm_layer(norm, hidden, norm_eps)  # before the shared head (each depth its own, as released)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        documents: Documents | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         both = torch.cat([self.embed_norm(embedded), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2H)
-        return self.block(self.combine(both))  # type: ignore[no-any-return]  # (B, S, H)
+        return self.block(self.combine(both), documents, positions)  # type: ignore[no-any-return]  # (B, S, H)
 
 
 class MultiTokenPrediction(nn.Module):
     """D :class:`PredictionDepth` modules and the token embedding they share with the model (``embed``,
-    tied to it by the family). Inactive (no inputs set): nothing runs, the model is the plain one
-    (evaluation, generation). ``weight``: lambda; ``loss_scale``: each microbatch's share of the step
-    (1 / microbatches, as the pipeline divides the main loss)."""
+    tied to it by the family). Run only when its head is given :class:`PredictionInputs`: otherwise the
+    model is the plain one (evaluation, generation). ``weight``: lambda; ``loss_scale``: each
+    microbatch's share of the step (1 / microbatches, as the pipeline divides the main loss)."""
 
     def __init__(self, depths: list[PredictionDepth], vocab_size: int, hidden: int, *, weight: float = 0.3):
         super().__init__()
@@ -70,24 +89,24 @@ class MultiTokenPrediction(nn.Module):
         self.depths = nn.ModuleList(depths)
         self.weight = weight
         self.loss_scale = 1.0
-        # Set by the caller around each training forward (microbatch), cleared after:
-        self.inputs: torch.Tensor | None = None  # (B, S, D) token t[i+k] at [:, i, k-1]
-        self.targets: torch.Tensor | None = None  # (B, S, D) target t[i+k+1], or the ignore index
-        self.loss_fn: DepthLoss | None = None
         self.loss_sums: torch.Tensor | None = None  # (D,) each depth's loss summed over the step's microbatches
 
     def forward(
-        self, hidden: torch.Tensor, output: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        hidden: torch.Tensor,
+        output: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        prediction: PredictionInputs,
+        documents: Documents | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden``: the last block's output (B, S, H); ``output``: the model's own (logits or normed
-        hidden); ``head``: the shared head after a depth's norm. Returns ``output`` with the weighted MTP
-        loss attached when inputs are set, else ``output`` untouched."""
-        if self.inputs is None or self.targets is None or self.loss_fn is None:
-            return output
+        hidden); ``head``: the shared head after a depth's norm; ``documents`` / ``positions``: as the
+        model's blocks had them. Returns ``output`` with the weighted MTP loss attached."""
         losses = []
         for k, depth in enumerate(cast(list[PredictionDepth], self.depths)):
-            hidden = depth(hidden, self.embed(self.inputs[..., k]))
-            losses.append(self.loss_fn(head(depth.norm(hidden)), self.targets[..., k], k))
+            hidden = depth(hidden, self.embed(prediction.inputs[..., k]), documents, positions)
+            losses.append(prediction.loss_fn(head(depth.norm(hidden)), prediction.targets[..., k], k))
         stacked = torch.stack(losses)  # (D,)
         done = stacked.detach().double()
         self.loss_sums = done if self.loss_sums is None else self.loss_sums + done

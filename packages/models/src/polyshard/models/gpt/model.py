@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
-from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth
+from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth, PredictionInputs
 from polyshard.models.config import ModelConfig
 from polyshard.models.gpt.config import GPTConfig, gpt_config
 from polyshard.models.gpt.hf_gpt2 import GPT2
@@ -43,16 +43,18 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(vocab_size, hidden)
         self.pos = nn.Embedding(context_length, hidden) if learned else None
         self.drop = nn.Dropout(dropout)
-        self.positions: torch.Tensor | None = None  # the tokens' positions; None: 0..S-1 (see polyshard.cp)
-        # The batch's documents around a forward (document masking): positions restart at each document.
-        self.documents: Documents | None = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``positions``: (S,) the tokens' positions when not 0..S-1 (context parallelism's chunks);
+        ``documents``: the batch's documents, whose positions restart at each document."""
         x = self.tok(tokens)
         if self.pos is not None:
-            positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
-            if self.documents is not None:
-                positions = self.documents.positions  # (B, S): each token's position within its document
+            if documents is not None:
+                positions = documents.positions  # (B, S): each token's position within its document
+            elif positions is None:
+                positions = torch.arange(tokens.shape[1])
             x = x + self.pos(positions.to(tokens.device))
         return self.drop(x)  # type: ignore[no-any-return]  # nn.Module.__call__ returns Any in torch's stubs
 
@@ -64,8 +66,9 @@ class LMHead(nn.Module):
     a chunk of tokens at a time (``training.loss_chunks``), so the (B, S, V) logits never exist whole.
 
     ``mtp`` (``model.mtp_depth`` > 0): the multi-token prediction depths, run on the head's input after the
-    main output when the trainer has set their inputs (:mod:`polyshard.models.common.mtp`); they live in
-    this layer, so they run on the last pipeline stage beside the head they share.
+    main output when the forward is given their ``prediction`` inputs (:mod:`polyshard.models.common.mtp`),
+    with the batch's ``documents`` and ``positions`` as the blocks have them; they live in this layer, so
+    they run on the last pipeline stage beside the head they share.
     """
 
     def __init__(self, hidden: int, vocab_size: int, norm: str = "layer", norm_eps: float = 1e-5, logits: bool = True):
@@ -75,10 +78,16 @@ class LMHead(nn.Module):
         self.logits = logits
         self.mtp: MultiTokenPrediction | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        documents: Documents | None = None,
+        positions: torch.Tensor | None = None,
+        prediction: PredictionInputs | None = None,
+    ) -> torch.Tensor:
         out: torch.Tensor = self.proj(self.norm(x)) if self.logits else self.norm(x)
-        if self.mtp is not None:
-            out = self.mtp(x, out, self._head)
+        if self.mtp is not None and prediction is not None:
+            out = self.mtp(x, out, self._head, prediction, documents, positions)
         return out
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
@@ -167,11 +176,21 @@ class GPT(nn.Module):
             # nn.Module's attributes are typed Tensor | Module; proj and tok are an nn.Linear and an nn.Embedding.
             self.layers[-1].proj.weight = self.layers[0].tok.weight  # type: ignore[union-attr]
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        for layer in self.layers:
-            x = layer(x)
-        return x
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        documents: Documents | None = None,
+        positions: torch.Tensor | None = None,
+        prediction: PredictionInputs | None = None,
+    ) -> torch.Tensor:
+        """(B, S) tokens -> (B, S, V) logits (or normed hidden states with chunked loss). ``documents``:
+        the packed rows' documents; ``positions``: (S,) positions when not 0..S-1 (context parallelism);
+        ``prediction``: multi-token prediction's inputs, targets and loss (training only)."""
+        embedding, *blocks, head = self.layers
+        x = embedding(tokens, documents, positions)
+        for block in blocks:
+            x = block(x, documents, positions)
+        return head(x, documents, positions, prediction)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def generate(

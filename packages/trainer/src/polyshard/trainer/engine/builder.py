@@ -57,7 +57,7 @@ from polyshard.ep import apply_expert_parallel, expert_parameters, share_routing
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.models import build_model, layer_of, sequence_length, spec_of, tied_names
 from polyshard.models.common.moe import MoELayer
-from polyshard.pp import PipelineExecutor, Schedule, make_schedule
+from polyshard.pp import PipelineExecutor, Schedule, Stage, make_schedule
 from polyshard.tp import mark_sequence_parallel
 from polyshard.tp import (
     parallelize as tp_parallelize,
@@ -181,27 +181,24 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
     model.layers = nn.ModuleDict({str(i): cast(nn.ModuleList, full.layers)[i] for i in owned})
     del full, skeleton
+    positions = position_ids(sequence_length(config.model), mesh.group("cp"), device) if par.cp > 1 else None
     if par.cp > 1:
         ulysses_groups = None
         if par.cp_style == "ulysses+ring" and par.cp_ulysses is not None:  # collective: every rank, same order
             timeout = datetime.timedelta(seconds=par.timeout_s)
             ulysses_groups = ulysses_ring_groups(mesh.layout.groups("cp"), par.cp_ulysses, timeout=timeout)
-        apply_context_parallel(
-            model, mesh.group("cp"), par.cp_style, sequence_length(config.model), device, ulysses_groups=ulysses_groups
-        )
+        apply_context_parallel(model, mesh.group("cp"), par.cp_style, ulysses_groups=ulysses_groups)
     aliases = tied_names(config.model)
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
-        positions = None
         if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
-            positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
             share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
         if par.tp > 1 and par.sequence_parallel:
             _route_sequence_shards(model, config, mesh, positions, device)
-    stages = {s: nn.Sequential(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
+    stages = {s: Stage(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
     wrappers = {s: _wrap_data_parallel(stage, config, mesh) for s, stage in stages.items()}
@@ -233,6 +230,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         _tied_group(config, mesh, schedule),
         pipeline_layers=bounds[-1].stop,
         mtp_loss_fns=mtp_loss_fns,
+        positions=positions,
     )
 
 

@@ -5,9 +5,10 @@
 * every :class:`~polyshard.models.common.Attention` gets a :class:`ContextParallelCore` instead of
   its ``CoreAttention`` (ring or all-gather attention over the cp group), or for Ulysses an
   :class:`UlyssesCore` that keeps the model's own core and runs it on whole sequences of the heads
-  the all-to-all hands this rank (over a ring for the 2-D scheme), and the global positions of this
-  rank's tokens for its rotary embeddings;
-* the token embedding gets the same positions for its learned position table (GPT-2);
+  the all-to-all hands this rank (over a ring for the 2-D scheme);
+* the global positions of this rank's tokens (:func:`polyshard.cp.position_ids`) reach the attentions'
+  rotary embeddings and the token embedding's learned position table (GPT-2) with every step, as the
+  ``positions`` argument (the engine's ``positions``, a side input of every stage forward);
 * :func:`local_tokens` keeps this rank's two load-balanced chunks of a batch's inputs and targets
   (chunks r and 2 cp - 1 - r of 2 cp): every cp rank reads the same examples.
 
@@ -22,9 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from polyshard.cp import context_parallel_attention, position_ids, ring_attention, shard_sequence, ulysses_attention
+from polyshard.cp import context_parallel_attention, ring_attention, shard_sequence, ulysses_attention
 from polyshard.models.common import MLA, Attention, CoreAttention
-from polyshard.models.gpt import Embedding
 
 
 class ContextParallelCore(nn.Module):
@@ -102,14 +102,13 @@ def apply_context_parallel(
     model: nn.Module,
     group: dist.ProcessGroup,
     style: str,
-    sequence_length: int,
-    device: torch.device | str,
     *,
     ulysses_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
 ) -> None:
-    """Swap every attention's inner product for the cp one and give positions to the layers that use them.
-    ``ulysses_groups``: this rank's (all-to-all group, ring group) for style 'ulysses+ring'."""
-    positions = position_ids(sequence_length, group, device)
+    """Swap every attention's inner product for the cp one. The positions of this rank's chunks
+    (:func:`polyshard.cp.position_ids`) reach the embedding and the attentions with every step, as an
+    argument (the engine's ``positions``). ``ulysses_groups``: this rank's (all-to-all group, ring group)
+    for style 'ulysses+ring'."""
     for module in model.modules():
         if isinstance(module, (Attention, MLA)):  # MLA: its q/k and v differ in head dims, as the cores allow
             core = module.core
@@ -124,9 +123,6 @@ def apply_context_parallel(
                 module.core = ContextParallelCore(  # type: ignore[assignment]
                     group, causal=core.causal, style=style, window=core.window
                 )
-            module.positions = positions
-        elif isinstance(module, Embedding):
-            module.positions = positions
 
 
 def local_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

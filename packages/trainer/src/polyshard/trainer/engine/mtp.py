@@ -21,18 +21,17 @@ from the row every rank holds: no exchange at chunk borders and nothing masked t
 end, as without cp). The depths' attention runs over cp like the blocks'.
 
 Each depth's loss is the mean over its counted targets of the global batch, divided as the main loss
-is (:func:`polyshard.trainer.tasks.loss.global_token_mean`, one count per depth).
+is (:func:`polyshard.trainer.tasks.loss.tokens_per_microbatch`, one count per depth).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from polyshard.models.common.mtp import MultiTokenPrediction
+from polyshard.models.common.mtp import MultiTokenPrediction, PredictionInputs
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
 
 
@@ -64,50 +63,19 @@ def prediction_modules(stages: Mapping[int, nn.Module]) -> dict[int, MultiTokenP
     }
 
 
-class StagePrediction:
-    """Each microbatch's shifted tokens and targets, set on the prediction module around its forwards."""
+def microbatch_predictions(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    losses: Sequence[TokenMeanLoss],
+    counts: Sequence[float | None],
+    num_microbatches: int,
+) -> list[PredictionInputs]:
+    """Each microbatch's :class:`PredictionInputs` for the last stage's head: its chunk of the shifted rows
+    (the executor's microbatch k is chunk k of the batch along dim 0) and a loss per depth that divides
+    by ``counts[k]``, the step's counted tokens per microbatch of depth k (:func:`tokens_per_microbatch`)."""
 
-    def __init__(
-        self,
-        modules: Mapping[int, MultiTokenPrediction],
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        losses: Sequence[TokenMeanLoss],
-        num_microbatches: int,
-    ):
-        self.modules = modules
-        # the executor's microbatch k is chunk k of the batch along dim 0; so are the shifted rows
-        self.parts = list(zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches)))
-        self.losses = losses
+    def loss(outputs: torch.Tensor, wanted: torch.Tensor, depth: int) -> torch.Tensor:
+        return losses[depth](outputs, wanted, counts[depth])
 
-    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
-        return self.losses[depth](outputs, targets)
-
-    @contextlib.contextmanager
-    def around_forward(self, stage: int, microbatch: int) -> Iterator[None]:
-        module = self.modules.get(stage)
-        if module is None:
-            yield
-            return
-        module.inputs, module.targets = self.parts[microbatch]
-        module.loss_fn = self._loss
-        try:
-            yield
-        finally:
-            module.inputs = module.targets = module.loss_fn = None
-
-
-AroundForward = Callable[[int, int], contextlib.AbstractContextManager[None]]
-
-
-def both(first: AroundForward | None, second: AroundForward | None) -> AroundForward | None:
-    """One context entering ``first`` then ``second`` (either may be None)."""
-    if first is None or second is None:
-        return first or second
-
-    @contextlib.contextmanager
-    def around(stage: int, microbatch: int) -> Iterator[None]:
-        with first(stage, microbatch), second(stage, microbatch):
-            yield
-
-    return around
+    parts = zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches))
+    return [PredictionInputs(ahead, wanted, loss) for ahead, wanted in parts]

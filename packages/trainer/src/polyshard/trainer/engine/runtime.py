@@ -3,8 +3,8 @@ by :func:`polyshard.trainer.engine.builder.build_engine`)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -19,15 +19,16 @@ from polyshard.dp import (
 )
 from polyshard.mesh import Mesh, TensorPlacement
 from polyshard.models import layer_of, tied_names
-from polyshard.pp import PipelineExecutor, Timeline
+from polyshard.models.common.mtp import PredictionInputs
+from polyshard.pp import PipelineExecutor, SideInputs, Stage, Timeline
 from polyshard.tp import (
     is_sequence_parallel,
 )
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.context import local_tokens
-from polyshard.trainer.engine.documents import StageDocuments, documents_of
+from polyshard.trainer.engine.documents import documents_of, microbatch_documents
 from polyshard.trainer.engine.layout import global_names
-from polyshard.trainer.engine.mtp import StagePrediction, both, prediction_modules
+from polyshard.trainer.engine.mtp import microbatch_predictions, prediction_modules
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.tasks.loss import TokenMeanLoss
 
@@ -38,7 +39,7 @@ class Engine:
 
     config: Config
     mesh: Mesh
-    stages: dict[int, nn.Sequential]  # pipeline stage index -> the plain stage (nn.Sequential of layers)
+    stages: dict[int, Stage]  # pipeline stage index -> the plain stage (its layers, polyshard.pp.Stage)
     layer_ids: dict[int, range]  # pipeline stage index -> its global layer indices
     wrappers: dict[int, DataParallelWrapper]  # pipeline stage index -> its data-parallel wrapper
     optimizers: list[torch.optim.Optimizer | ZeroOptimizer]
@@ -52,6 +53,9 @@ class Engine:
     # (engine.mtp), and each depth's loss in the last training step (the global batch's, every rank alike)
     mtp_loss_fns: list[TokenMeanLoss] = field(default_factory=list)
     mtp_losses: list[float] = field(default_factory=list)
+    # Context parallelism: (S_local,) the positions of this rank's chunks in the sequence, every step's
+    # rotary (or learned) positions, passed to the stages with the step (engine.context)
+    positions: torch.Tensor | None = None
     _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
@@ -76,21 +80,29 @@ class Engine:
         targets: torch.Tensor,
         segments: torch.Tensor | None = None,
         shifted: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        tokens: float | None = None,
+        mtp_tokens: Sequence[float | None] = (),
     ) -> torch.Tensor | None:
         """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None.
         ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents).
-        ``shifted``: multi-token prediction's inputs and targets, this rank's chunks (see engine.mtp)."""
+        ``shifted``: multi-token prediction's inputs and targets, this rank's chunks (see engine.mtp).
+        ``tokens`` / ``mtp_tokens``: the counted tokens per microbatch of the global batch that the loss
+        and each depth's loss divide by (:func:`polyshard.trainer.tasks.loss.tokens_per_microbatch`;
+        None: each microbatch's own count)."""
         num_microbatches = self.executor.schedule.num_microbatches
-        around = self.around_forward(segments, num_microbatches)
+        prediction = None
         if shifted is not None and self.mtp_loss_fns:
-            modules = prediction_modules(self.stages)
-            around = both(
-                around, StagePrediction(modules, *shifted, self.mtp_loss_fns, num_microbatches).around_forward
-            )
+            counts = list(mtp_tokens) or [None] * len(self.mtp_loss_fns)
+            prediction = microbatch_predictions(*shifted, self.mtp_loss_fns, counts, num_microbatches)
+        loss_fn = self.executor.loss_fn
+        if tokens is not None and isinstance(loss_fn, TokenMeanLoss):
+            loss_fn = functools.partial(loss_fn, tokens_per_microbatch=tokens)
         result = self.executor.step(
             inputs if self.holds_first_stage else None,
             targets if self.holds_last_stage else None,
-            around_forward=around,
+            side_inputs=self.side_inputs(segments, num_microbatches, prediction),
+            loss_fn=loss_fn,
         )
         self.timeline = result.timeline
         return result.loss
@@ -101,15 +113,29 @@ class Engine:
         taken = [module.take_losses() for module in prediction_modules(self.stages).values()]
         return next((t for t in taken if t is not None), None)
 
-    def around_forward(
-        self, segments: torch.Tensor | None, num_microbatches: int = 1
-    ) -> Callable[[int, int], contextlib.AbstractContextManager[None]] | None:
-        """What the executor enters around each stage forward to set that microbatch's documents (None
-        without document masking)."""
-        if segments is None:
+    def side_inputs(
+        self,
+        segments: torch.Tensor | None,
+        num_microbatches: int = 1,
+        prediction: Sequence[PredictionInputs] | None = None,
+    ) -> SideInputs | None:
+        """What each stage forward takes beside its activation, per microbatch (a stage hands each layer
+        those it names; :mod:`polyshard.pp.stage`): the documents (``segments``: whole rows' document ids,
+        with document masking), context parallelism's positions, multi-token prediction's inputs. None
+        when there is none of them."""
+        parts: list[dict[str, Any]] = [{} for _ in range(num_microbatches)]
+        if self.positions is not None:
+            for part in parts:
+                part["positions"] = self.positions
+        if segments is not None:
+            documents = documents_of(segments.to(self.device), self.local_tokens)
+            for part, mine in zip(parts, microbatch_documents(documents, num_microbatches)):
+                part["documents"] = mine
+        for part, inputs in zip(parts, prediction or ()):
+            part["prediction"] = inputs
+        if not any(parts):
             return None
-        documents = documents_of(segments.to(self.device), self.local_tokens)
-        return StageDocuments(self.stages, documents, num_microbatches).around_forward
+        return lambda stage, microbatch: parts[microbatch]
 
     def finish_gradients(self) -> None:
         for wrapper in self.wrappers.values():

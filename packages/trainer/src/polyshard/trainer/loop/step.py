@@ -25,7 +25,7 @@ from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.tasks import task_of
-from polyshard.trainer.tasks.loss import global_token_mean
+from polyshard.trainer.tasks.loss import TokenMeanLoss, tokens_per_microbatch
 
 Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
 
@@ -92,12 +92,14 @@ def train_step(
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
     replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
     microbatches = engine.executor.schedule.num_microbatches
-    with contextlib.ExitStack() as means:
-        means.enter_context(global_token_mean(engine.executor.loss_fn, targets, replica_group, microbatches))
-        for k, loss_fn in enumerate(engine.mtp_loss_fns):
-            assert shifted is not None  # made above whenever there are depths
-            means.enter_context(global_token_mean(loss_fn, shifted[1][..., k], replica_group, microbatches))
-        local_loss = engine.forward_backward(inputs, targets, segments, shifted)
+    # The losses divide by the global batch's counted tokens (one all-reduce each), told through the call.
+    tokens = None
+    if isinstance(engine.executor.loss_fn, TokenMeanLoss):  # not the ViT's
+        tokens = tokens_per_microbatch(targets, replica_group, microbatches)
+    mtp_tokens: list[float | None] = []
+    if shifted is not None:  # made above whenever there are depths
+        mtp_tokens = [tokens_per_microbatch(shifted[1][..., k], replica_group, microbatches) for k in range(depths)]
+    local_loss = engine.forward_backward(inputs, targets, segments, shifted, tokens=tokens, mtp_tokens=mtp_tokens)
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     # One all-reduce over the world gives every rank both numbers (the squared norm's parts first, as

@@ -26,13 +26,14 @@ the loss is the plain per-microbatch mean, bit for bit as before. A global
 batch without a counted token (possible only with packed prompts longer than
 whole rows) divides by 1: loss 0 and zero gradients.
 
-Evaluation calls the loss outside a step: it is then the batch's own mean.
+The count reaches the loss as an argument: :func:`tokens_per_microbatch` works it out once per step
+and the engine calls the loss with it (``loss(logits, targets, tokens_per_microbatch=...)``).
+Evaluation calls the loss without it: it is then the batch's own mean.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,40 +45,27 @@ from polyshard.data.examples import IGNORE_INDEX as IGNORE_INDEX
 
 
 class TokenMeanLoss:
-    """``token_sum(logits, targets)`` (the summed loss of the counted tokens) divided by the counted
-    tokens per microbatch of the step's global batch (set by :func:`global_token_mean`), or outside a
-    step by the batch's own count."""
+    """``token_sum(logits, targets)`` (the summed loss of the counted tokens) divided by
+    ``tokens_per_microbatch``, the counted tokens per microbatch of the step's global batch
+    (:func:`tokens_per_microbatch`), or when not given by the batch's own count."""
 
     def __init__(self, token_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.token_sum = token_sum
-        self.tokens_per_microbatch: float | None = None
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        count = self.tokens_per_microbatch
+    def __call__(
+        self, logits: torch.Tensor, targets: torch.Tensor, tokens_per_microbatch: float | None = None
+    ) -> torch.Tensor:
+        count = tokens_per_microbatch
         if count is None:
             count = float((targets != IGNORE_INDEX).sum())
         return self.token_sum(logits, targets) / count
 
 
-@contextlib.contextmanager
-def global_token_mean(
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    targets: torch.Tensor,
-    replica_group: dist.ProcessGroup,
-    num_microbatches: int,
-) -> Iterator[None]:
-    """Within: ``loss_fn`` divides by the counted tokens of the global batch over (replicas x
-    microbatches). ``targets`` is this rank's part; one all-reduce of one number over
-    ``replica_group`` (dp x ep x cp) adds the parts up. A loss that is no :class:`TokenMeanLoss`
-    (the ViT's) is left as it is."""
-    if not isinstance(loss_fn, TokenMeanLoss):
-        yield
-        return
+def tokens_per_microbatch(targets: torch.Tensor, replica_group: dist.ProcessGroup, num_microbatches: int) -> float:
+    """The counted tokens of the global batch over (replicas x microbatches), what a
+    :class:`TokenMeanLoss` divides each microbatch's sum by. ``targets`` is this rank's part; one
+    all-reduce of one number over ``replica_group`` (dp x ep x cp) adds the parts up."""
     count = (targets != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     ops.all_reduce(count, replica_group)
     replicas = dist.get_world_size(replica_group)
-    loss_fn.tokens_per_microbatch = max(float(count), 1.0) / (replicas * num_microbatches)
-    try:
-        yield
-    finally:
-        loss_fn.tokens_per_microbatch = None
+    return max(float(count), 1.0) / (replicas * num_microbatches)
