@@ -97,11 +97,7 @@ def _run(config, masked=True, documents=DOCUMENTS):
     engine.forward_backward(local_inputs, local_targets, segments, tokens=tokens)
     engine.finish_gradients()
     grads = [(placement, grad.detach().clone()) for grad, placement in engine.gradients()[0]]
-    logits = engine.executor.forward_only(
-        local_inputs if engine.holds_first_stage else None,
-        lambda y: y.detach().clone(),
-        side_inputs=engine.side_inputs(segments),
-    )
+    logits = engine.forward_only(local_inputs, lambda y: y.detach().clone(), segments)
     return logits, grads, mesh.coords(), data_rank, evaluate(engine, inputs, targets, segments)[0]
 
 

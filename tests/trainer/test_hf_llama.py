@@ -103,7 +103,7 @@ def _import_and_score(config, folder, out):
     part = _tokens().chunk(config.parallel.dp * config.parallel.ep)[data_rank]
     for stage in engine.stages.values():
         stage.eval()
-    logits = engine.executor.forward_only(engine.local_tokens(part[:, :-1]), lambda y: y.clone())
+    logits = engine.forward_only(engine.local_tokens(part[:, :-1]), lambda y: y.clone())
     if logits is not None and config.parallel.cp > 1:
         logits = unshard_sequence(logits, 1, mesh.group("cp"))
     loss, _ = evaluate_batches(engine, [(part[:, :-1], part[:, 1:])])

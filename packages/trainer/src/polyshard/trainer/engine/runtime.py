@@ -4,9 +4,9 @@ by :func:`polyshard.trainer.engine.builder.build_engine`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from polyshard.trainer.engine.layout import global_names
 from polyshard.trainer.engine.mtp import microbatch_predictions, prediction_modules
 from polyshard.trainer.errors import TiedWeightError
 from polyshard.trainer.tasks.loss import TokenMeanLoss
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -106,6 +108,16 @@ class Engine:
         )
         self.timeline = result.timeline
         return result.loss
+
+    def forward_only(
+        self, inputs: torch.Tensor, on_output: Callable[[torch.Tensor], T], segments: torch.Tensor | None = None
+    ) -> T | None:
+        """The stages forward, without gradients, on this rank's part of a batch (``inputs``: its cp chunks)
+        as one microbatch, with its side inputs (cp's positions; the documents of ``segments``, whole
+        rows); ``on_output(last stage's output)`` on the rank holding the last stage, else None."""
+        return self.executor.forward_only(
+            inputs if self.holds_first_stage else None, on_output, side_inputs=self.side_inputs(segments)
+        )
 
     def take_mtp_losses(self) -> torch.Tensor | None:
         """Each prediction depth's loss summed over the step's microbatches on this rank (None: it holds

@@ -65,6 +65,5 @@ def _evaluate(
             totals[2] = n
         return totals
 
-    side = engine.side_inputs(segments)  # the whole batch is one microbatch here
-    result = engine.executor.forward_only(inputs if engine.holds_first_stage else None, score, side_inputs=side)
+    result = engine.forward_only(inputs, score, segments)  # the whole batch is one microbatch here
     return result if result is not None else torch.zeros(3, dtype=torch.float64)
