@@ -9,9 +9,9 @@ import pytest
 
 from polyshard.mesh import Mesh
 from polyshard.planner.activations import activation_bytes
-from polyshard.planner.auto import choose, overrides, prediction
+from polyshard.planner.auto import choose, laid_out, prediction
 from polyshard.planner.model_states import rank_model_states
-from polyshard.trainer.config import from_dict, load_config
+from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
@@ -29,7 +29,7 @@ def test_the_chosen_layout_goes_into_the_config_and_its_prediction_into_a_file(t
     best = plan.ranked[0]
     steps = [c.step_s for c in plan.ranked]
     assert steps == sorted(steps)
-    chosen = load_config(None, ['model.preset="tiny"', "training.global_batch_size=16", *overrides(best)])
+    chosen = from_dict(laid_out({"model": {"preset": "tiny"}, "training": {"global_batch_size": 16}}, best))
     assert chosen.parallel == best.config.parallel
     assert chosen.training.activation_checkpointing == best.config.training.activation_checkpointing
     validate(chosen, world_size=4)

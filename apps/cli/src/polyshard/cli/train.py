@@ -125,9 +125,9 @@ def _planned(
     """``settings`` laid out as the planner chose for ``nproc`` processes per node (printed with why),
     and the planner's prediction for that layout."""
     from polyshard.cli.plan import default_profile
-    from polyshard.planner.auto import choose, explain, overrides, prediction
+    from polyshard.planner.auto import choose, explain, laid_out, prediction
     from polyshard.planner.profile import load_profile
-    from polyshard.trainer import ConfigError, apply_overrides, from_dict
+    from polyshard.trainer import ConfigError, from_dict
 
     if nproc is None:
         raise ConfigError("--layout auto needs --nproc: the processes (per node) the planner lays the model out on")
@@ -138,7 +138,7 @@ def _planned(
     plan = choose(parsed, devices, load_profile(profile or default_profile()), devices_per_node=nproc)
     typer.echo(explain(plan))
     best = plan.ranked[0]
-    return apply_overrides(settings, overrides(best)), prediction(best)
+    return laid_out(settings, best), prediction(best)
 
 
 def _nodes(torchrun_args: list[str]) -> tuple[int, int]:

@@ -11,7 +11,8 @@ replaced; the rest of it (model, batch, precision) is kept.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
+from typing import Any
 
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.model_states import rank_model_states
@@ -44,15 +45,15 @@ def choose(
     return plan
 
 
-def overrides(chosen: Candidate) -> list[str]:
-    """``--set`` items that make a config run ``chosen``."""
-    par = chosen.config.parallel
-    # dp_shard = dp is sharding over all of dp, what None (no value a --set can write) means.
-    values = {key: getattr(par, key) for key in CHOSEN} | {"dp_shard": par.dp_shard or par.dp}
-    # cp_ulysses is None outside the 2-D cp scheme: left unset, as a --set cannot write None.
-    items = [f"parallel.{key}={json.dumps(value)}" for key, value in values.items() if value is not None]
-    items.append(f"training.activation_checkpointing={json.dumps(chosen.config.training.activation_checkpointing)}")
-    return items
+def laid_out(settings: Mapping[str, Any], chosen: Candidate) -> dict[str, Any]:
+    """``settings`` (a config's sections, as read from its file and ``--set``) with the layout ``chosen``
+    runs: its parallel sizes and styles, and its recompute. Values, not ``--set`` text: nothing is parsed
+    again."""
+    par, training = chosen.config.parallel, dict(settings.get("training", {}))
+    parallel = dict(settings.get("parallel", {})) | {key: getattr(par, key) for key in CHOSEN}
+    parallel["dp_shard"] = par.dp_shard
+    training["activation_checkpointing"] = chosen.config.training.activation_checkpointing
+    return {**settings, "parallel": parallel, "training": training}
 
 
 def prediction(chosen: Candidate) -> Prediction:
