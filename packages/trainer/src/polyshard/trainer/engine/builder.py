@@ -181,7 +181,6 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     # A family's model keeps its pipeline layers in an nn.ModuleList (models.spec); torch types it Tensor | Module.
     model.layers = nn.ModuleDict({str(i): cast(nn.ModuleList, full.layers)[i] for i in owned})
     del full, skeleton
-    positions = position_ids(sequence_length(config.model), mesh.group("cp"), device) if par.cp > 1 else None
     if par.cp > 1:
         ulysses_groups = None
         if par.cp_style == "ulysses+ring" and par.cp_ulysses is not None:  # collective: every rank, same order
@@ -194,7 +193,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
+        positions = None
         if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
+            positions = position_ids(sequence_length(config.model), mesh.group("cp"), device)
             share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
         if par.tp > 1 and par.sequence_parallel:
             _route_sequence_shards(model, config, mesh, positions, device)
@@ -230,7 +231,6 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         _tied_group(config, mesh, schedule),
         pipeline_layers=bounds[-1].stop,
         mtp_loss_fns=mtp_loss_fns,
-        positions=positions,
     )
 
 

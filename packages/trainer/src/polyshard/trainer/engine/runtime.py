@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
+from polyshard.cp import position_ids
 from polyshard.dp import (
     DataParallelWrapper,
     ZeroOptimizer,
@@ -55,9 +56,6 @@ class Engine:
     # (engine.mtp), and each depth's loss in the last training step (the global batch's, every rank alike)
     mtp_loss_fns: list[TokenMeanLoss] = field(default_factory=list)
     mtp_losses: list[float] = field(default_factory=list)
-    # Context parallelism: (S_local,) the positions of this rank's chunks in the sequence, every step's
-    # rotary (or learned) positions, passed to the stages with the step (engine.context)
-    positions: torch.Tensor | None = None
     _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
@@ -103,7 +101,7 @@ class Engine:
         result = self.executor.step(
             inputs if self.holds_first_stage else None,
             targets if self.holds_last_stage else None,
-            side_inputs=self.side_inputs(segments, num_microbatches, prediction),
+            side_inputs=self.side_inputs(segments, num_microbatches, prediction, length=inputs.shape[1]),
             loss_fn=loss_fn,
         )
         self.timeline = result.timeline
@@ -115,9 +113,8 @@ class Engine:
         """The stages forward, without gradients, on this rank's part of a batch (``inputs``: its cp chunks)
         as one microbatch, with its side inputs (cp's positions; the documents of ``segments``, whole
         rows); ``on_output(last stage's output)`` on the rank holding the last stage, else None."""
-        return self.executor.forward_only(
-            inputs if self.holds_first_stage else None, on_output, side_inputs=self.side_inputs(segments)
-        )
+        side = self.side_inputs(segments, length=inputs.shape[1])
+        return self.executor.forward_only(inputs if self.holds_first_stage else None, on_output, side_inputs=side)
 
     def take_mtp_losses(self) -> torch.Tensor | None:
         """Each prediction depth's loss summed over the step's microbatches on this rank (None: it holds
@@ -130,15 +127,20 @@ class Engine:
         segments: torch.Tensor | None,
         num_microbatches: int = 1,
         prediction: Sequence[PredictionInputs] | None = None,
+        *,
+        length: int | None = None,
     ) -> SideInputs | None:
         """What each stage forward takes beside its activation, per microbatch (a stage hands each layer
         those it names; :mod:`polyshard.pp.stage`): the documents (``segments``: whole rows' document ids,
-        with document masking), context parallelism's positions, multi-token prediction's inputs. None
-        when there is none of them."""
+        with document masking), context parallelism's positions (of this rank's ``length`` tokens of each
+        row: its chunks of rows of ``length`` x cp, whatever the rows' length), multi-token prediction's
+        inputs. None when there is none of them."""
         parts: list[dict[str, Any]] = [{} for _ in range(num_microbatches)]
-        if self.positions is not None:
+        cp = self.config.parallel.cp
+        if cp > 1 and length is not None:
+            positions = position_ids(length * cp, self.mesh.group("cp"), self.device)
             for part in parts:
-                part["positions"] = self.positions
+                part["positions"] = positions
         if segments is not None:
             documents = documents_of(segments.to(self.device), self.local_tokens)
             for part, mine in zip(parts, microbatch_documents(documents, num_microbatches)):
