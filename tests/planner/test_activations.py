@@ -49,6 +49,9 @@ CASES = [
     (4, {"preset": "llama-tiny"}, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}),
     (2, {"preset": "qwen3-tiny"}, {"tp": 2}),  # q/k norms, heads of 32 dims on a 64-wide stream
     (2, {"preset": "qwen2-moe-tiny"}, {"ep": 2}),  # routed experts of their own width, a gated shared expert
+    # tp does not split the routed experts: without SP every tp rank routes every token, with SP its shard
+    (2, {"preset": "qwen2-moe-tiny"}, {"tp": 2}),
+    (2, {"preset": "qwen2-moe-tiny"}, {"tp": 2, "sequence_parallel": True}),
     # a vocabulary whose logits outweigh the blocks: the chunked loss keeps none of them (else 2.5x off)
     (1, {"preset": "llama-tiny", "vocab_size": 8192}, {"loss_chunks": 4}),
     (2, {"preset": "llama-tiny", "vocab_size": 8192}, {"tp": 2, "loss_chunks": 4}),

@@ -13,7 +13,9 @@ hidden, f MLP width, n query heads, k·h/n key/value width, e bytes per element 
     q/k norm        (Qwen3) as RMSNorm over q and k: (2·(h + k·h/n) + n + k)·4              ... / tp
 
 Where ``model.head_dim`` is set, q's width is n·head_dim rather than h; an MoE block's f is an
-expert's width, and its shared experts' SwiGLU (every token) counts like a dense one.
+expert's width, and its shared experts' SwiGLU (every token) counts like a dense one. tp does not
+split the routed experts (ep does): without sequence parallelism each tp rank routes all its tokens,
+so their part is whole on every tp rank, and ÷ tp only under SP (each rank routes its shard).
 
 Multi-head latent attention (DeepSeek's MLA) keeps q and k n·(Dn + Dr) wide and v n·Dv, plus its latents:
 the q latent and the kv latent with its rotary key (each a matmul output and an RMSNorm's input, x·rstd
@@ -34,7 +36,7 @@ output, and recomputes the rest::
     attention       output and log-sum-exp h·e + n·4 (none under cp: the ring is recomputed) ... / tp
     MLP             GELU: f·e; SwiGLU: gate and up 2·f·e                                ... / tp
     row outputs     o_proj and the down projection before their reduction: 2·h·e, whole
-    experts         router logits E·e, each routed copy's up (and gate) and down: top_k·(2f + h)·e
+    experts         router logits E·e, each routed copy's up (and gate) and down: top_k·(2f + h)·e  (÷ tp under SP)
 
 The first layer keeps the token ids (int64); the head keeps its norm, its normed input and the loss's
 fp32 log-probabilities (vocabulary ÷ tp), or with ``training.loss_chunks`` > 1 only the targets (each
@@ -130,13 +132,14 @@ def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precisio
     arch = _architecture(model)
     if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
         attention += (2 * (q + kv) + n + model.kv_heads) * 4
+    routed = 0.0  # tp does not split the routed experts: each tp rank routes all its tokens (its shard under SP)
     if _routed(model, sparse):  # routed copies in and out, the experts' SwiGLU, router scores
         moe = moe_config(model)
-        mlp = 2 * moe.moe.top_k * h * e + 4 * moe.expert_width * e + moe.moe.num_experts * 4
-        mlp += 4 * moe.shared_width * e  # the shared experts' SwiGLU, every token
+        routed = 2 * moe.moe.top_k * h * e + 4 * moe.expert_width * e + moe.moe.num_experts * 4
+        mlp = 4 * moe.shared_width * e  # the shared experts' SwiGLU, every token, its columns split by tp
     else:
         mlp = (2 if arch is None or arch.activation == "gelu" else 4) * f * e
-    return (outside + (attention + mlp) / tp) / parallel.cp
+    return (outside + (attention + mlp) / tp + routed / shard) / parallel.cp
 
 
 def _checkpointed_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str) -> float:
@@ -157,7 +160,8 @@ def selective_bytes_per_token(
     up = 1 if arch is None or arch.activation == "gelu" else 2
     if _routed(model, sparse):  # the router's logits and the experts' matmuls on their routed copies
         moe = moe_config(model)
-        rows = h * e + moe.moe.num_experts * e + moe.moe.top_k * (up * moe.expert_width + h) * e
+        shard = parallel.tp if parallel.sequence_parallel else 1  # tp does not split them; SP splits the tokens
+        rows = (h * e + moe.moe.num_experts * e + moe.moe.top_k * (up * moe.expert_width + h) * e) / shard
         columns += up * moe.shared_width * e  # the shared experts' gate and up, split by tp
     else:
         columns += up * f * e
