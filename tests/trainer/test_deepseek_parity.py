@@ -4,8 +4,8 @@ whose head dims differ), a dense first block beside MoE blocks (sigmoid scores, 
 global load after each step, two groups, a shared expert). Each layout runs the real training loop (6 AdamW
 steps with weight decay, warmup, clipping) and is compared with one process: losses and pre-clip gradient
 norms, every gradient of the first step (as the optimizer reads it: reduced, clipped), every parameter and
-every router's selection bias after the last step. Whole tensors come from each rank's pieces by their
-placement records (tests/trainer/_pieces.py).
+every router's selection bias after the last step (tests/trainer/_layouts.py's runner: whole tensors from
+each rank's pieces by their placement records, tests/trainer/_pieces.py).
 
 Tolerances: DENSE_RTOL (test_e2e_parity) for the numbers, the ones below for the tensors: float32 sums
 taken in another order. The MoE model trains without balance losses (the selection bias balances it, from
