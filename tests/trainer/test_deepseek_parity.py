@@ -4,8 +4,8 @@ whose head dims differ), a dense first block beside MoE blocks (sigmoid scores, 
 global load after each step, two groups, a shared expert). Each layout runs the real training loop (6 AdamW
 steps with weight decay, warmup, clipping) and is compared with one process: losses and pre-clip gradient
 norms, every gradient of the first step (as the optimizer reads it: reduced, clipped), every parameter and
-every router's selection bias after the last step. Whole tensors come from each rank's pieces by their
-placement records (tests/trainer/_pieces.py).
+every router's selection bias after the last step (tests/trainer/_layouts.py's runner: whole tensors from
+each rank's pieces by their placement records, tests/trainer/_pieces.py).
 
 Tolerances: DENSE_RTOL (test_e2e_parity) for the numbers, the ones below for the tensors: float32 sums
 taken in another order. The MoE model trains without balance losses (the selection bias balances it, from
@@ -15,13 +15,12 @@ runs the same attention with every block dense; with experts it is tests/trainer
 
 from __future__ import annotations
 
-import pytest
-import torch
+import functools
 
-from polyshard.mesh import Mesh
+import pytest
+
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
+from tests.trainer._layouts import LONG, Tolerance, layout
 from tests.trainer._short import short_training
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS
 
@@ -66,62 +65,21 @@ def _config(corpus, model, **parallel):
     )
 
 
-class _FirstGradients(Hook):
-    """Keeps this rank's pieces of the first step's gradients, as the optimizer read them."""
-
-    def __init__(self) -> None:
-        self.engine = None
-        self.pieces: list = []
-
-    def before_zero_grad(self, step: int) -> None:
-        if step == 1:
-            self.pieces = gradient_pieces(self.engine)
-
-
-def _train(config, out):
-    mesh = Mesh(config.parallel.mesh_axes)
-    first = _FirstGradients()
-    trainer = Trainer(config, mesh, out, log=False, hooks=[first])
-    first.engine = trainer.engine
-    result = trainer.run()
-    return {
-        **where(mesh),
-        # losses alone would not see a gradient scaled by a constant (AdamW and clipping normalise it away)
-        "numbers": result.losses + result.grad_norms,
-        "grads": first.pieces,
-        "params": parameter_pieces(trainer.engine),
-        "buffers": buffer_pieces(trainer.engine),
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(distributed, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    return {model: distributed.run(1, _train, _config(corpus, model), out) for model in MODELS}
-
-
-LONG = pytest.mark.long
+TOLERANCE = Tolerance(numbers=DENSE_RTOL, grads=GRAD_TOL, params=PARAM_TOL, buffers=BIAS_TOL)
 LAYOUTS = [
-    pytest.param("deepseek", 2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
-    pytest.param("deepseek", 4, {"ep": 2, "pp": 2, "microbatches": 2}, id="ep2xpp2"),
-    pytest.param("deepseek", 4, {"cp": 2, "ep": 2}, id="cp2xep2"),
+    layout("dp2-zero3", model="deepseek"),
+    layout("ep2xpp2", model="deepseek"),
+    layout("cp2xep2", model="deepseek"),
     # Before: the blocks' norms under SP were not flagged, so each tp rank stepped them with its own sequence
     # shard's part of their gradient (4e-3 off after 6 steps); losses and gradient norms agreed to 4e-6
-    pytest.param("deepseek-dense", 2, {"tp": 2, "sequence_parallel": True}, id="dense-tp2-sp"),
-    pytest.param("deepseek", 2, {"tp": 2}, id="tp2", marks=LONG),
-    pytest.param("deepseek", 4, {"ep": 2, "tp": 2}, id="ep2xtp2", marks=LONG),
-]  # fmt: skip
+    layout("tp2-sp", model="deepseek-dense"),
+    layout("tp2", LONG, model="deepseek"),
+    layout("ep2xtp2", LONG, model="deepseek"),
+]
 
 
-@pytest.mark.parametrize("model, world, parallel", LAYOUTS)
-def test_deepseek_trains_as_on_one_process(distributed, corpus, reference, tmp_path, model, world, parallel):
-    results = distributed.run(world, _train, _config(corpus, model, **parallel), tmp_path)
-    numbers = results[0]["numbers"]
-    assert all(r["numbers"] == numbers for r in results)
-    assert numbers == pytest.approx(reference[model][0]["numbers"], rel=DENSE_RTOL)  # losses, pre-clip norms
-    assert numbers[STEPS - 1] < numbers[0]  # it learns
-    for key, tolerance in (("grads", GRAD_TOL), ("params", PARAM_TOL), ("buffers", BIAS_TOL)):
-        got, expected = assemble(results, key), assemble(reference[model], key)
-        assert set(got) == set(expected)  # every tensor, under the model's names
-        for name, value in expected.items():
-            torch.testing.assert_close(got[name], value, **tolerance, msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
+@pytest.mark.parametrize("model, name", LAYOUTS)
+def test_deepseek_trains_as_on_one_process(parity, corpus, tmp_path, model, name):
+    compared = parity.check(name, functools.partial(_config, corpus, model), TOLERANCE, tmp_path)
+    if model == "deepseek":  # both MoE blocks' selection bias, compared bit for bit
+        assert sum(n.endswith("router.bias") for n in compared.names["buffers"]) == 2

@@ -16,6 +16,7 @@ from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
+from tests.trainer._pieces import assemble, gradient_pieces, where
 
 VOCAB, CONTEXT, ROWS = 64, 24, 4
 # Documents per row, in tokens of the row's CONTEXT + 1 (inputs are the first CONTEXT). Under cp=2 the
@@ -78,8 +79,8 @@ def _reference(config):
 
 
 def _run(config, masked=True, documents=DOCUMENTS):
-    """One training step's forward/backward and an evaluation forward of the same batch on this rank:
-    (this rank's logits or None, [(placement, gradient)], where the rank sits, the evaluation loss)."""
+    """One training step's forward/backward and an evaluation forward of the same batch on this rank: its
+    logits (or None), its pieces of the gradients (tests/trainer/_pieces.py), where it sits, the evaluation loss."""
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, evaluate, split_batch
     from polyshard.trainer.tasks.loss import tokens_per_microbatch
@@ -96,18 +97,18 @@ def _run(config, masked=True, documents=DOCUMENTS):
     tokens = tokens_per_microbatch(local_targets, group, par.microbatches)
     engine.forward_backward(local_inputs, local_targets, segments, tokens=tokens)
     engine.finish_gradients()
-    grads = [(placement, grad.detach().clone()) for grad, placement in engine.gradients()[0]]
+    grads = gradient_pieces(engine)
     logits = engine.forward_only(local_inputs, lambda y: y.detach().clone(), segments)
-    return logits, grads, mesh.coords(), data_rank, evaluate(engine, inputs, targets, segments)[0]
+    val_loss = evaluate(engine, inputs, targets, segments)[0]
+    return {**where(mesh), "logits": logits, "grads": grads, "data_rank": data_rank, "val_loss": val_loss}
 
 
-def _assemble(results, config):
-    """Every rank's pieces -> (full logits (ROWS, CONTEXT, VOCAB), {name: full gradient})."""
+def _logits(results, config):
+    """Every rank's logits -> the full logits (ROWS, CONTEXT, VOCAB)."""
     par = config.parallel
-    sizes = dict(par.mesh_axes)
     logits = torch.full((ROWS, CONTEXT, VOCAB), float("nan"))
-    grads = {}
-    for piece, pairs, coords, data_rank, _ in results:
+    for result in results:
+        piece, coords, data_rank = result["logits"], result["coords"], result["data_rank"]
         if piece is not None:
             rows = ROWS // par.data_ranks
             seq = local_positions(CONTEXT, coords.get("cp", 0), par.cp) if par.cp > 1 else torch.arange(CONTEXT)
@@ -116,25 +117,20 @@ def _assemble(results, config):
                 slice(coords.get("tp", 0) * width, (coords.get("tp", 0) + 1) * width) if width < VOCAB else slice(None)
             )
             logits[data_rank * rows : (data_rank + 1) * rows, seq, vocab] = piece.float()
-        for placement, grad in pairs:
-            full = grads.setdefault(placement.name, torch.full(placement.tiled_shape, float("nan")))
-            full[placement.local_slices(sizes, coords)] = grad.float().reshape(placement.local_shape(sizes))
-    crop = {n: g[tuple(slice(0, s) for s in g.shape)] for n, g in grads.items()}
-    return logits, crop
+    return logits
 
 
 def _check_exact(config, results):
     reference_losses, reference_grads = _reference(config)
-    logits, grads = _assemble(results, config)
+    logits, grads = _logits(results, config), assemble(results, "grads")
     targets = _batch()["tokens"][:, 1:]
     losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(ROWS, CONTEXT)
     torch.testing.assert_close(losses, reference_losses, rtol=TOL, atol=TOL)
-    for *_, val_loss in results:  # the trainer's evaluation: the mean over the batch, on every rank
-        assert val_loss == pytest.approx(float(reference_losses.mean()), rel=TOL)
+    for result in results:  # the trainer's evaluation: the mean over the batch, on every rank
+        assert result["val_loss"] == pytest.approx(float(reference_losses.mean()), rel=TOL)
     assert set(grads) == set(reference_grads)
     for name, grad in grads.items():
-        ref = reference_grads[name]
-        torch.testing.assert_close(grad[tuple(slice(0, s) for s in ref.shape)], ref, rtol=TOL, atol=TOL, msg=name)
+        torch.testing.assert_close(grad.float(), reference_grads[name], rtol=TOL, atol=TOL, msg=name)
 
 
 # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
@@ -205,13 +201,12 @@ def test_one_document_per_row_matches_the_plain_causal_run(distributed, world, p
     # of O(1) values, well under TOL (1e-5). Ulysses runs the model's own cores on whole sequences: as without cp.
     exact = "cp" in parallel and parallel.get("cp_style") != "ulysses"
     for masked, plain in distributed.run(world, _masked_and_plain, _config(llama, **parallel)):
-        (masked_logits, masked_grads, *_), (plain_logits, plain_grads, *_) = masked, plain
+        masked_logits, plain_logits = masked["logits"], plain["logits"]
         assert (masked_logits is None) == (plain_logits is None)
-        assert len(masked_grads) == len(plain_grads) > 0
+        assert len(masked["grads"]) == len(plain["grads"]) > 0
         pairs = [(masked_logits, plain_logits, "logits")] if masked_logits is not None else []
-        pairs += [
-            (grad, plain_grad, placement.name) for (placement, grad), (_, plain_grad) in zip(masked_grads, plain_grads)
-        ]
+        for (name, grad, _), (_, plain_grad, _) in zip(masked["grads"], plain["grads"]):
+            pairs.append((grad, plain_grad, name))
         for mine, theirs, name in pairs:
             if exact:
                 assert torch.equal(mine, theirs), name

@@ -4,10 +4,12 @@ dp = 4 with dp_shard = 2 shards ZeRO over pairs of neighbouring data ranks and
 all-reduces each shard across the two pairs. The losses and gradient norms of
 the real training loop must equal one process's (as every layout of
 tests/trainer/test_e2e_parity.py does), for ZeRO-1/2/3 and composed with tp,
-pp, ep and cp; a checkpoint saved under it reshards bit for bit to layouts
-without it (and back), and training continues from it on them.
+pp, ep and cp (every gradient and parameter too, by tests/trainer/_layouts.py's
+runner); a checkpoint saved under it reshards bit for bit to layouts without it
+(and back), and training continues from it on them.
 """
 
+import functools
 import shutil
 
 import pytest
@@ -18,63 +20,36 @@ from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_reshard import reshard
 from polyshard.trainer.errors import ConfigError
 
-from .test_e2e_parity import DENSE_RTOL, MOE_RTOL
+from ._layouts import LAYOUTS, LONG, layout
+from .test_e2e_parity import DENSE_RTOL, MOE_RTOL, TOLERANCE, _numbers
 from .test_e2e_parity import _config as _parity_config
 from .test_e2e_parity import _train as _parity_train
 from .test_reshard import SAVE_AT, _assert_same_state, _files, _global_state, _reshard, _with_vocab
 from .test_reshard import _config as _reshard_config
 from .test_reshard import _train as _reshard_train
 
-
-@pytest.fixture(scope="module")
-def references(distributed, corpus, tmp_path_factory):
-    """kind -> one process's losses and gradient norms, run on first use (the MoE row is a long one)."""
-    out, cache = tmp_path_factory.mktemp("ref"), {}
-
-    def reference(kind):
-        if kind not in cache:
-            cache[kind] = distributed.run(1, _parity_train, _parity_config(corpus, kind), out)[0]
-        return cache[kind]
-
-    return reference
-
-
 HYBRID_LAYOUTS = [
-    pytest.param(4, "gpt", {"dp": 4, "dp_shard": 2, "zero_stage": 2}, id="dp4-shard2-zero2"),
-    pytest.param(4, "gpt", {"dp": 4, "dp_shard": 2, "zero_stage": 1}, id="dp4-shard2-zero1", marks=pytest.mark.long),
-    pytest.param(4, "gpt", {"dp": 4, "dp_shard": 2, "zero_stage": 3}, id="dp4-shard2-zero3", marks=pytest.mark.long),
-    pytest.param(
-        8, "gpt", {"dp": 4, "dp_shard": 2, "tp": 2, "zero_stage": 1}, id="dp4-shard2xtp2-zero1", marks=pytest.mark.long
-    ),
-    pytest.param(
-        4,
-        "gpt",
-        {"dp": 2, "dp_shard": 1, "pp": 2, "microbatches": 2, "zero_stage": 2},
-        id="dp2-shard1xpp2-zero2",
-        marks=pytest.mark.long,
-    ),
+    layout("dp4-shard2-zero2", model="gpt"),
+    layout("dp4-shard2-zero1", LONG, model="gpt"),
+    layout("dp4-shard2-zero3", LONG, model="gpt"),
+    layout("dp4-shard2xtp2-zero1", LONG, model="gpt"),
+    layout("dp2-shard1xpp2-zero2", LONG, model="gpt"),
     # Non-expert parameters shard over dp_shard x ep, experts over dp_shard; both replicate over dp_replicate.
-    pytest.param(
-        4,
-        "moe-gpt",
-        {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 1},
-        id="moe-dp2-shard1xep2",
-        marks=pytest.mark.long,
-    ),
+    layout("dp2-shard1xep2-zero1", LONG, model="moe-gpt"),
     # The shard group is dp_shard x cp: cp ranks hold the other tokens of the same examples.
-    pytest.param(
-        4, "gpt", {"dp": 2, "dp_shard": 1, "cp": 2, "zero_stage": 3}, id="dp2-shard1xcp2-zero3", marks=pytest.mark.long
-    ),
+    layout("dp2-shard1xcp2-zero3", LONG, model="gpt"),
 ]
 
 
-@pytest.mark.parametrize("world, kind, parallel", HYBRID_LAYOUTS)
-def test_hybrid_losses_match_one_process(distributed, corpus, references, tmp_path, world, kind, parallel):
-    config = _parity_config(corpus, kind, **parallel)
-    assert config.parallel.hybrid
-    got = distributed.run(world, _parity_train, config, tmp_path)[0]
-    rtol = MOE_RTOL if kind == "moe-gpt" else DENSE_RTOL
-    assert got == pytest.approx(references(kind), rel=rtol)
+@pytest.mark.parametrize("kind, name", HYBRID_LAYOUTS)
+def test_hybrid_layouts_train_as_on_one_process(parity, corpus, tmp_path, kind, name):
+    world, settings = LAYOUTS[name]
+    assert _parity_config(corpus, kind, **settings).parallel.hybrid
+    if kind == "gpt":
+        parity.check(name, functools.partial(_parity_config, corpus), TOLERANCE, tmp_path)
+    else:  # the aux loss is each data rank's own (see MOE_RTOL): losses and gradient norms
+        got = parity.run(world, _parity_config(corpus, kind, **settings), tmp_path, _parity_train)[0]
+        assert got == pytest.approx(_numbers(parity, corpus, "moe-gpt"), rel=MOE_RTOL)
 
 
 def test_dp_shard_is_checked(corpus):

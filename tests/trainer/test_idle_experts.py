@@ -16,17 +16,23 @@ expert gets its gradient row (zero for the idle one: AdamW still moves it); unde
 it alone).
 """
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
 from polyshard.mesh import Mesh
 from polyshard.models.common.moe import MoELayer, Routing
 from polyshard.trainer.config import from_dict
+from tests.trainer._layouts import Tolerance, layout
+from tests.trainer._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
+from tests.trainer.test_e2e_parity import DENSE_RTOL, GRAD_TOL
 
 STEPS = 4
 
 
-def _config(corpus, idle_experts="skip", plain=False, **parallel):
+def _config(corpus, idle_experts="skip", plain=False, bias=False, **parallel):
     # For the plain loop below: no clipping, every parameter decayed (one AdamW group), decay strong.
     training = {"grad_clip": 0.0, "weight_decay_params": "all", "weight_decay": 0.5} if plain else {}
     return from_dict(
@@ -40,9 +46,11 @@ def _config(corpus, idle_experts="skip", plain=False, **parallel):
                 "num_experts": 4,
                 "top_k": 2,
                 "aux_loss_weight": 0.0,  # the load-balancing loss differs by layout (see the e2e parity test)
-                # Without clipping (plain): no biases. A key bias has a zero gradient in exact maths (softmax
-                # ignores a shift per query), so its float32 noise would be all Adam sees, magnified to an update.
-                **({"bias": False} if plain else {}),
+                # No biases. A key bias has a zero gradient in exact maths (softmax ignores a shift per query), so
+                # its float32 noise is all Adam sees, magnified to an update: 1.0e-5 apart on ep2 at lr 1e-2, over
+                # the parameters' atol (and without clipping, plain, more). ``bias``: for the row that compares
+                # the experts alone.
+                "bias": bias and not plain,
             },
             "parallel": parallel,
             "training": {
@@ -77,113 +85,125 @@ def _avoid_expert_zero(router, active, hidden_positions=None):
     router.forward = forward
 
 
-def _expert_weights(engine, every=False):
-    """Global expert weights (name -> (E_local, ...) rows of this rank's experts); with ``every``, every
-    parameter this rank holds."""
-    out = {}
-    for index, stage in engine.stages.items():
-        names = engine.global_names(index)
-        if engine.config.parallel.zero_stage == 3:
-            full = engine.wrappers[index].full_parameters()  # collective over the dp group
-        else:
-            full = {n: p.detach() for n, p in stage.named_parameters()}
-        out.update({names[n]: t.clone() for n, t in full.items() if every or ".experts." in n})
-    return out
-
-
-def _run(config, chunks=None, every=False):
+def _train(config, out=None, chunks=None):
+    """The runner's worker (tests/trainer/_layouts.py): STEPS steps at lr 1e-2, the routers avoiding expert 0
+    from the second step on (with ``chunks``, only at the positions of these of each sequence's 4 chunks);
+    beside the compared pieces, every parameter before the first step and after it."""
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)
     torch.manual_seed(config.training.seed)
     engine = build_engine(config, mesh)
-    initial = _expert_weights(engine, every=True) if every else None
+    initial = parameter_pieces(engine)
     active = [False]
     for stage in engine.stages.values():
         for module in stage.modules():
             if isinstance(module, MoELayer):
                 hidden = None
-                if chunks is not None:  # avoid expert 0 only at the positions of these of 4 chunks
+                if chunks is not None:
                     length = config.model.context_length
                     positions = module.positions if module.positions is not None else torch.arange(length)
                     hidden = torch.isin(positions // (length // 4), torch.tensor(chunks))
                 _avoid_expert_zero(module.router, active, hidden)
     train_data, _ = make_loaders(config, mesh)
-    snapshots = []
+    losses, norms, first, after_first = [], [], [], []
+
+    def keep_first_gradients():
+        if not first:
+            first.extend(gradient_pieces(engine))
+
     for step in range(STEPS):
         active[0] = step >= 1
         inputs, targets = split_batch(config, train_data.next_batch())
-        train_step(engine, inputs, targets, lr=1e-2)
-        snapshots.append(_expert_weights(engine, every))
-    if every:
-        return mesh.coord("ep"), config.model.moe.num_experts // config.parallel.ep, initial, snapshots
-    return mesh.coord("ep"), config.model.moe.num_experts // config.parallel.ep, snapshots
+        loss, norm = train_step(engine, inputs, targets, 1e-2, keep_first_gradients)
+        losses.append(loss)
+        norms.append(norm)
+        if step == 0:
+            after_first = parameter_pieces(engine)
+    return {
+        **where(mesh),
+        "numbers": losses + norms,
+        "grads": first,
+        "params": parameter_pieces(engine),
+        "buffers": buffer_pieces(engine),
+        "initial": initial,
+        "after_first": after_first,
+    }
 
 
-LAYOUTS = [
-    pytest.param(2, {"ep": 2}, id="ep2"),
-    pytest.param(4, {"dp": 2, "ep": 2}, id="dp2xep2"),
-    pytest.param(4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1"),
-    pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
-]
+def _experts(results, key):
+    """The routed experts' whole weights (E, ...) by name, from every rank's ``key`` pieces."""
+    return {name: tensor for name, tensor in assemble(results, key).items() if ".experts." in name}
 
 
-@pytest.fixture(scope="module")
-def one_process(distributed, corpus):
-    _, _, snapshots = distributed.run(1, _run, _config(corpus))[0]
-    return snapshots
-
-
-def test_one_process_leaves_the_idle_expert_alone(one_process):
-    after_first, last = one_process[0], one_process[-1]
+def _idle_expert_stayed(results):
+    """Expert 0 came out of the later steps bitwise unchanged, in every MoE layer, and the others moved."""
+    after_first, last = _experts(results, "after_first"), _experts(results, "params")
     assert after_first.keys() == last.keys() and len(last) == 6  # w1, w2, w3 of two MoE layers
     for name, weights in last.items():
-        assert torch.equal(weights[0], after_first[name][0])  # expert 0: bitwise as after step 1
-        assert not torch.equal(weights[1], after_first[name][1])  # the others kept training
+        assert torch.equal(weights[0], after_first[name][0]), name  # expert 0: bitwise as after step 1
+        assert not torch.equal(weights[1], after_first[name][1]), name  # the others kept training
 
 
-@pytest.mark.parametrize("world, parallel", LAYOUTS)
-def test_every_layout_leaves_the_idle_expert_alone(distributed, corpus, one_process, world, parallel):
+def _idle_expert_trained(results):
+    """Expert 0 kept training after the first step (idle on some ranks only)."""
+    after_first, last = _experts(results, "after_first"), _experts(results, "params")
+    for name, weights in last.items():
+        assert not torch.equal(weights[0], after_first[name][0]), name
+
+
+# The layouts against one process: the aux-free model computes the same maths, so the losses and norms
+# agree as the e2e parity tests' (DENSE_RTOL) and the first step's gradients as theirs (GRAD_TOL). The
+# parameters match up to the order of float32 sums, which Adam can magnify on near-zero gradients to ~1e-5
+# of an lr-sized (1e-2) update (1.0e-6 seen); a wrong or misplaced expert, or one stepped when it should not
+# be, would be off by a whole update.
+TOLERANCE = Tolerance(numbers=DENSE_RTOL, grads=GRAD_TOL, params={"rtol": 1e-4, "atol": 1e-5})
+LAYOUTS = [layout("ep2"), layout("dp2xep2"), layout("dp2xep2-zero1"), layout("dp2-zero3")]
+
+
+def test_one_process_leaves_the_idle_expert_alone(parity, corpus):
+    _idle_expert_stayed(parity.reference(_config(corpus), _train))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_leaves_the_idle_expert_alone(parity, corpus, tmp_path, name):
     # Before: the idle expert's rows were stepped with the rest (decayed and moved by momentum).
-    for ep_rank, local, snapshots in distributed.run(world, _run, _config(corpus, **parallel)):
-        for name, weights in snapshots[-1].items():
-            if ep_rank == 0:
-                assert torch.equal(weights[0], snapshots[0][name][0]), name
-            rows = slice(ep_rank * local, (ep_rank + 1) * local)
-            # The other experts match one process up to the order of float32 sums, which Adam can
-            # magnify on near-zero gradients to ~1e-5 of an lr-sized (1e-2) update; a wrong or
-            # misplaced expert would be off by a whole update.
-            torch.testing.assert_close(weights, one_process[-1][name][rows], rtol=1e-4, atol=1e-5)
+    compared = parity.check(name, functools.partial(_config, corpus), TOLERANCE, tmp_path, worker=_train)
+    _idle_expert_stayed(compared.results)
 
 
 @pytest.mark.long
-def test_an_expert_idle_on_one_cp_rank_alone_still_trains(distributed, corpus):
+def test_an_expert_idle_on_one_cp_rank_alone_still_trains(parity, corpus, tmp_path):
     # Chunks 0 and 3 of each sequence (cp rank 0's under cp2) never route to expert 0: it is idle there but
     # not on cp rank 1, so it trains, as on one process. (Before: the idle check summed rows over dp only,
     # and cp rank 0 put back the rows cp rank 1 had stepped: the replicas of expert 0 diverged.)
-    config = _config(corpus, cp=2)
-    _, _, one = distributed.run(1, _run, _config(corpus), [0, 3])[0]
-    results = distributed.run(2, _run, config, [0, 3])
-    for _, _, snapshots in results:
-        for name, weights in snapshots[-1].items():
-            assert not torch.equal(weights[0], snapshots[0][name][0]), name  # expert 0 kept training
-            torch.testing.assert_close(weights, one[-1][name], rtol=1e-4, atol=1e-5)  # as above
+    # The experts alone, of the biased model, as before the runner: on the model without biases that the
+    # runner compares whole, one expert entry of 8192 lands 1.3e-5 from one process's, past this atol (the
+    # same Adam-magnified noise as above), and the tolerance stays.
+    worker = functools.partial(_train, chunks=(0, 3))
+    one = parity.reference(_config(corpus, bias=True), worker)
+    results = parity.run(2, _config(corpus, bias=True, cp=2), tmp_path, worker)
+    _idle_expert_trained(results)
+    got, want = _experts(results, "params"), _experts(one, "params")
+    assert got.keys() == want.keys() and len(want) == 6
+    for name, weights in want.items():
+        torch.testing.assert_close(got[name], weights, rtol=1e-4, atol=1e-5, msg=name)  # as TOLERANCE's
 
 
-def test_an_expert_idle_on_one_tp_rank_alone_still_trains_under_sequence_parallelism(distributed, corpus):
+# As TOLERANCE, but the tp all-reduces reorder more sums: 2.1e-5 seen on one entry of 8192 (an expert's w3,
+# |w| ~ 0.1: within atol + rtol x |w|), still 0.2% of one lr-sized (1e-2) update; a put-back or misplaced
+# expert is off by a whole update.
+SP_TOLERANCE = dataclasses.replace(TOLERANCE, params={"rtol": 1e-4, "atol": 2e-5})
+
+
+def test_an_expert_idle_on_one_tp_rank_alone_still_trains_under_sequence_parallelism(parity, corpus, tmp_path):
     # Under SP each tp rank routes its half of each sequence: chunks 0 and 1 (tp rank 0's) never route to
     # expert 0, so it is idle there but not on tp rank 1 and trains, as on one process (the idle check sums
     # the rows over tp too; over dp alone tp rank 0 would put back the rows tp rank 1 stepped).
-    config = _config(corpus, tp=2, sequence_parallel=True)
-    _, _, one = distributed.run(1, _run, _config(corpus), [0, 1])[0]
-    results = distributed.run(2, _run, config, [0, 1])
-    for _, _, snapshots in results:
-        for name, weights in snapshots[-1].items():
-            assert not torch.equal(weights[0], snapshots[0][name][0]), name  # expert 0 kept training
-            # As above, but the tp all-reduces reorder more sums: 1.2e-5 seen on one entry of 8192, still
-            # 0.2% of one lr-sized (1e-2) update; a put-back or misplaced expert is off by a whole update.
-            torch.testing.assert_close(weights, one[-1][name], rtol=1e-4, atol=2e-5)
+    worker = functools.partial(_train, chunks=(0, 1))
+    compared = parity.check("tp2-sp", functools.partial(_config, corpus), SP_TOLERANCE, tmp_path, worker=worker)
+    _idle_expert_trained(compared.results)
 
 
 # -- against a plain single-process AdamW ------------------------------------------------------------------
@@ -238,25 +258,23 @@ def _plain(config, initial):
 
 def _engine_and_plain(config):
     """On one process: the engine's run, and the plain loop from the engine's initial weights."""
-    one = _run(config, None, True)
-    return one, _plain(config, one[2])
+    one = _train(config)
+    return one, _plain(config, {name: tensor for name, tensor, _ in one["initial"]})
 
 
 def _against_plain(distributed, corpus, mode, world, parallel):
     """The engine on ``parallel`` and the plain loop from the same initial weights: every parameter."""
     one, (plain_steps, plain) = distributed.run(1, _engine_and_plain, _config(corpus, mode, plain=True))[0]
     config = _config(corpus, mode, plain=True, **parallel)
-    results = [one] if world == 1 else distributed.run(world, _run, config, None, True)
-    for ep_rank, local, _, snapshots in results:
-        for name, weights in snapshots[-1].items():
-            want = plain[name]
-            if ".experts." in name:
-                want = want[ep_rank * local : (ep_rank + 1) * local]
-            # The engine and the plain loop compute the same maths with float32 sums in another order
-            # (fused AdamW over stacked experts vs one tensor per expert, the loss's token mean, ep's
-            # all-to-all); Adam magnifies that on near-zero gradients to ~1e-5 of an lr-sized (1e-2)
-            # update. Stepping the idle expert or not differs by ~1e-3 (a whole update).
-            torch.testing.assert_close(weights, want, rtol=1e-4, atol=1e-5, msg=f"{mode} {parallel}: {name}")
+    results = [one] if world == 1 else distributed.run(world, _train, config)
+    params = assemble(results, "params")
+    assert params.keys() == plain.keys()
+    for name, weights in params.items():
+        # The engine and the plain loop compute the same maths with float32 sums in another order
+        # (fused AdamW over stacked experts vs one tensor per expert, the loss's token mean, ep's
+        # all-to-all); Adam magnifies that on near-zero gradients to ~1e-5 of an lr-sized (1e-2)
+        # update. Stepping the idle expert or not differs by ~1e-3 (a whole update).
+        torch.testing.assert_close(weights, plain[name], rtol=1e-4, atol=1e-5, msg=f"{mode} {parallel}: {name}")
     return plain_steps
 
 

@@ -1,5 +1,9 @@
 """training.loss_chunks: the head's projection and the cross-entropy in chunks of tokens train the same
-numbers as the whole logits, on one process and on tp (vocabulary-parallel) and pp (the last stage)."""
+numbers as the whole logits, on one process and on tp (vocabulary-parallel) and pp (the last stage):
+losses and pre-clip gradient norms, every gradient of the first step and every parameter after the last
+(tests/trainer/_layouts.py's runner, against the whole logits on one process)."""
+
+import functools
 
 import pytest
 import torch
@@ -8,13 +12,16 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.loop import train
+from tests.trainer._layouts import LONG, Tolerance, layout
 from tests.trainer._short import short_training
+from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
 STEPS = 4
 # Chunked sums and the vocabulary-parallel softmax take float32 sums in another order: ~1e-7 relative per
-# step, compounded over a few AdamW steps (the end-to-end parity tests' tolerance).
+# step, compounded over a few AdamW steps (the end-to-end parity tests' tolerance); the tensors' are theirs
+# too (test_e2e_parity's GRAD_TOL and PARAM_TOL, for the same reason).
 RTOL = 2e-5
+TOLERANCE = Tolerance(numbers=RTOL, grads=GRAD_TOL, params=PARAM_TOL)
 
 
 def _config(corpus, chunks, tie=False, **parallel):
@@ -42,39 +49,22 @@ def _config(corpus, chunks, tie=False, **parallel):
     )
 
 
-def _train(config, out):
-    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
-    return result.losses + result.grad_norms  # the norm sees a gradient the losses would not
-
-
-@pytest.fixture(scope="module")
-def whole(distributed, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("whole")
-    return {tie: distributed.run(1, _train, _config(corpus, 0, tie), out)[0] for tie in (False, True)}
-
-
 LAYOUTS = [
-    pytest.param(1, {}, False, id="one-process"),
-    pytest.param(1, {}, True, id="one-process-tied"),
-    pytest.param(2, {"tp": 2}, False, id="tp2"),
-    pytest.param(2, {"tp": 2, "sequence_parallel": True}, True, id="tp2-sp-tied"),
-    pytest.param(2, {"pp": 2, "microbatches": 2}, False, id="pp2"),
+    layout("one-process", model="untied"),
+    layout("one-process", model="tied"),
+    layout("tp2", model="untied"),
+    layout("tp2-sp", model="tied"),
+    layout("pp2-1f1b", model="untied"),
     # three uneven stages, the tied head's copy on the last: make test-long (the suite's time)
-    pytest.param(
-        3,
-        {"pp": 3, "microbatches": 2, "stage_layers": [2, 1, 1], "zero_stage": 1},
-        True,
-        id="pp3-tied",
-        marks=pytest.mark.long,
-    ),
+    layout("pp3-uneven-zero1", LONG, model="tied"),
 ]
 
 
-@pytest.mark.parametrize("world, parallel, tie", LAYOUTS)
-def test_chunked_loss_trains_the_numbers_of_the_whole_logits(distributed, corpus, whole, tmp_path, world, parallel,
-                                                             tie):  # fmt: skip
-    got = distributed.run(world, _train, _config(corpus, 3, tie, **parallel), tmp_path)[0]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(whole[tie]), rtol=RTOL, atol=0)
+@pytest.mark.parametrize("head, name", LAYOUTS)
+def test_chunked_loss_trains_the_numbers_of_the_whole_logits(parity, corpus, tmp_path, head, name):
+    tie = head == "tied"
+    chunked = functools.partial(_config, corpus, 3, tie)
+    parity.check(name, chunked, TOLERANCE, tmp_path, reference=_config(corpus, 0, tie))
 
 
 def test_chunks_need_a_language_model_and_a_head_zero3_leaves_whole(corpus):

@@ -1,21 +1,25 @@
 """Training parity for what Qwen3 and Qwen2-MoE add to the model: q/k norms (one weight per head dim,
 replicated over tp while its heads are split, so its gradient is summed over tp), a head dim of its own,
 q/k/v-only biases, and a gated shared expert split by tp beside ep's routed experts. Each layout runs the
-real training loop (6 AdamW steps with weight decay, warmup, clipping) and is compared with one process:
-losses and pre-clip gradient norms (a gradient of the q/k norms or the shared expert summed over the wrong
-ranks changes the norm at once).
+real training loop (6 AdamW steps with weight decay, warmup, clipping) and is compared with one process by
+tests/trainer/_layouts.py's runner: losses and pre-clip gradient norms, every gradient of the first step and
+every parameter after the last (a gradient of the q/k norms or the shared expert summed over the wrong ranks
+shows in that tensor at once).
 
-Tolerance: DENSE_RTOL (test_e2e_parity), float32 sums taken in another order. The MoE model trains
-without the auxiliary loss, so its layouts compute the same maths as one process (see MOE_RTOL there).
+Tolerance: test_e2e_parity's TOLERANCE, float32 sums taken in another order. The MoE model trains without
+the auxiliary loss, so its layouts compute the same maths as one process (see MOE_RTOL there).
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from polyshard.trainer.config import from_dict
+from tests.trainer._layouts import LONG, layout
 from tests.trainer._short import short_training
-from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS, _train
+from tests.trainer.test_e2e_parity import STEPS, TOLERANCE
 
 ARCH = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
 QWEN3 = {**ARCH, "qk_norm": True, "head_dim": 16, "mlp_hidden": 88}
@@ -38,34 +42,25 @@ def _config(corpus, model, **parallel):
     )
 
 
-@pytest.fixture(scope="module")
-def reference(distributed, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    return {model: distributed.run(1, _train, _config(corpus, model), out)[0] for model in MODELS}
-
-
-LONG = pytest.mark.long
 LAYOUTS = [
-    pytest.param("qwen3", 2, {"tp": 2}, id="qwen3-tp2"),
-    pytest.param("qwen3", 2, {"tp": 2, "sequence_parallel": True}, id="qwen3-tp2-sp"),
-    pytest.param("qwen3", 2, {"cp": 2}, id="qwen3-cp2"),
-    pytest.param("qwen3", 4, {"tp": 4}, id="qwen3-tp4-kv-replicated", marks=LONG),
-    pytest.param("qwen3", 2, {"pp": 2, "microbatches": 2}, id="qwen3-pp2", marks=LONG),
-    pytest.param("qwen3", 4, {"cp": 2, "tp": 2, "sequence_parallel": True}, id="qwen3-cp2xtp2-sp", marks=LONG),
-    pytest.param("qwen2-moe", 2, {"ep": 2}, id="qwen2-moe-ep2"),
-    pytest.param("qwen2-moe", 2, {"tp": 2}, id="qwen2-moe-tp2"),
-    pytest.param("qwen2-moe", 4, {"ep": 2, "tp": 2}, id="qwen2-moe-ep2xtp2", marks=LONG),
-    pytest.param("qwen2-moe", 4, {"ep": 2, "pp": 2, "microbatches": 2}, id="qwen2-moe-ep2xpp2", marks=LONG),
-    pytest.param("qwen2-moe", 4, {"dp": 2, "ep": 2, "zero_stage": 1}, id="qwen2-moe-dp2xep2-zero1", marks=LONG),
-]  # fmt: skip
+    layout("tp2", model="qwen3"),
+    layout("tp2-sp", model="qwen3"),
+    layout("cp2-ring", model="qwen3"),
+    layout("tp4", LONG, model="qwen3"),  # 2 kv heads on 4 ranks: replicated
+    layout("pp2-1f1b", LONG, model="qwen3"),
+    layout("cp2xtp2-sp", LONG, model="qwen3"),
+    layout("ep2", model="qwen2-moe"),
+    layout("tp2", model="qwen2-moe"),
+    layout("ep2xtp2", LONG, model="qwen2-moe"),
+    layout("ep2xpp2", LONG, model="qwen2-moe"),
+    layout("dp2xep2-zero1", LONG, model="qwen2-moe"),
+]
 
 
-@pytest.mark.parametrize("model, world, parallel", LAYOUTS)
-def test_qwen_layers_train_as_on_one_process(distributed, corpus, reference, tmp_path, model, world, parallel):
-    results = distributed.run(world, _train, _config(corpus, model, **parallel), tmp_path)
-    assert all(r == results[0] for r in results)
-    assert results[0] == pytest.approx(reference[model], rel=DENSE_RTOL)  # losses and pre-clip grad norms
-    assert results[0][STEPS - 1] < results[0][0]  # it learns
+@pytest.mark.parametrize("model, name", LAYOUTS)
+def test_qwen_layers_train_as_on_one_process(parity, corpus, tmp_path, model, name):
+    compared = parity.check(name, functools.partial(_config, corpus, model), TOLERANCE, tmp_path)
+    assert any(n.endswith("q_norm.weight") for n in compared.names["params"])  # the q/k norms are there
 
 
 @pytest.mark.parametrize(
