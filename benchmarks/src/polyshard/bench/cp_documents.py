@@ -30,7 +30,9 @@ from polyshard.cp import context_parallel_attention, shard_sequence
 from polyshard.mesh import init_distributed
 
 
-def measure(length: int, style: str, heads: int, kv_heads: int, head_dim: int, document: int, iters: int) -> dict[str, object]:
+def measure(
+    length: int, style: str, heads: int, kv_heads: int, head_dim: int, document: int, iters: int
+) -> dict[str, object]:
     cp, device = dist.get_world_size(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(length)
     q, k, v, grad = (torch.randn(1, h, length, head_dim, generator=g) for h in (heads, kv_heads, kv_heads, heads))
