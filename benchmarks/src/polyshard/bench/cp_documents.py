@@ -20,31 +20,32 @@ import resource
 import statistics
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from polyshard.bench.attention_cores import _rss_bytes, _segments
 from polyshard.collectives import ops
-from polyshard.cp import context_parallel_attention, shard_sequence
+from polyshard.cp import Style, context_parallel_attention, shard_sequence
 from polyshard.mesh import init_distributed
 
 
 def measure(
-    length: int, style: str, heads: int, kv_heads: int, head_dim: int, document: int, iters: int
+    length: int, style: Style, heads: int, kv_heads: int, head_dim: int, document: int, iters: int
 ) -> dict[str, object]:
     cp, device = dist.get_world_size(), torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(length)
     q, k, v, grad = (torch.randn(1, h, length, head_dim, generator=g) for h in (heads, kv_heads, kv_heads, heads))
     segments = _segments(length, document, seed=length)
-    local = [shard_sequence(t, 2, None).to(device).requires_grad_() for t in (q, k, v)]
+    q_local, k_local, v_local = (shard_sequence(t, 2, None).to(device).requires_grad_() for t in (q, k, v))
     local_grad, local_segments = shard_sequence(grad, 2, None).to(device), shard_sequence(segments, 1, None).to(device)
     del q, k, v, grad
 
     def step() -> float:
         dist.barrier()
         start = time.perf_counter()
-        out = context_parallel_attention(*local, None, style=style, segments=local_segments)  # type: ignore[arg-type]
+        out = context_parallel_attention(q_local, k_local, v_local, None, style=style, segments=local_segments)
         out.backward(local_grad)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -86,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     init_distributed()
     try:
-        record = measure(args.length, args.style, args.heads, args.kv_heads, args.head_dim, args.document, args.iters)
+        record = measure(
+            args.length, cast(Style, args.style), args.heads, args.kv_heads, args.head_dim, args.document, args.iters
+        )
         if dist.get_rank() == 0:
             print(json.dumps(record))
         dist.barrier()
