@@ -21,9 +21,8 @@ weighted over its own keys only. Two partial results (o1, l1), (o2, l2) over dis
 combine as ``l = log(exp(l1) + exp(l2))``, ``o = o1 exp(l1 - l) + o2 exp(l2 - l)``, which is the
 attention over the union of the key sets.
 
-Document masking (``segments``: each token's document within its row, non-decreasing): a query sees a
-key only in its own document. :func:`document_hidden` gives a block's mask; a block it hides entirely
-is skipped like the blocks above the causal diagonal, and a query row a block hides entirely gets
+Masked blocks (documents, windows: ``hidden``, which :func:`polyshard.cp.blocksparse.block_hidden` gives
+and whose planning skips the blocks it would hide entirely): a query row a block hides entirely gets
 lse = -inf and a zero output there, which the merge then weighs by exp(-inf) = 0: it adds nothing and
 no NaN appears (every query sees at least itself, so its final lse is finite).
 """
@@ -71,18 +70,6 @@ def plan_blocks(
     return blocks
 
 
-def document_hidden(query_segments: torch.Tensor, key_segments: torch.Tensor, diagonal: bool) -> torch.Tensor | None:
-    """The keys of one block hidden from each query, (B, 1, 1, Q, T) bool, from the documents of the query
-    rows (B, Q) and key rows (B, T): another document, or (``diagonal``) a later token. None when the
-    block hides all of them: skip it."""
-    hidden = query_segments.unsqueeze(-1) != key_segments.unsqueeze(-2)  # (B, Q, 1) != (B, 1, T)
-    if diagonal:
-        hidden |= torch.ones(hidden.shape[-2:], dtype=torch.bool, device=hidden.device).triu(1)
-    if bool(hidden.all()):
-        return None
-    return hidden[:, None, None]
-
-
 def window_hidden(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """(Q, T) bool: keys at least ``window`` positions before the query, which a sliding window of
     ``window`` tokens (the query itself and the ``window - 1`` before it, as Mistral, gpt-oss and
@@ -113,37 +100,11 @@ def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -
     return -(torch.exp(sink - lse) * delta).sum(dim=(0, 3)).reshape(-1)
 
 
-def hidden_keys(
-    block: Block,
-    window: int | None,
-    query_segments: torch.Tensor | None,
-    key_segments: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[bool, torch.Tensor | None]:
-    """(whether to compute ``block``, its mask): None when only the causal diagonal (``block.diagonal``)
-    masks it, else the keys hidden from each query, (Q, T) or with documents (B, 1, 1, Q, T), causal
-    triangle included. ``query_segments`` (B, Q) and ``key_segments`` (B, T): the block's documents."""
-    hidden = None
-    rows = block.rows.stop - block.rows.start if block.rows.stop is not None else None
-    if window is not None and rows is not None and block.offset + rows - 1 >= window:  # the window cuts in
-        position = torch.arange(rows, device=device)
-        hidden = window_hidden(position + block.offset, position, window)
-        if block.diagonal:
-            hidden |= torch.ones_like(hidden).triu(1)
-    if query_segments is None or key_segments is None:
-        return True, hidden
-    documents = document_hidden(query_segments, key_segments, block.diagonal)
-    if documents is None:
-        return False, None
-    hidden = documents if hidden is None else documents | hidden
-    return not bool(hidden.all()), hidden
-
-
 def _scores(
     q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool, hidden: torch.Tensor | None = None
 ) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, K, G, Q, D) @ (B, K, 1, D, T) -> (B, K, G, Q, T)
-    if hidden is not None:  # a document mask: the causal triangle is in it already
+    if hidden is not None:  # a block's mask: the causal triangle, window and documents are in it already
         return scores.masked_fill(hidden, float("-inf"))
     if diagonal:
         hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
@@ -159,10 +120,10 @@ def block_forward(
     diagonal: bool,
     hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of float32 ``q`` over one block's keys: (out, lse), both float32. ``hidden``: a
-    document mask (:func:`document_hidden`); a row it hides entirely gets out 0 and lse -inf."""
+    """Softmax attention of float32 ``q`` over one block's keys: (out, lse), both float32. ``hidden``: the
+    block's mask (:func:`polyshard.cp.blocksparse.block_hidden`); a row it hides entirely gets out 0 and lse -inf."""
     scores = _scores(q, k, scale, diagonal, hidden)
-    lse = torch.logsumexp(scores, dim=-1)  # (B, K, G, Q); finite without a document mask: every row sees a key
+    lse = torch.logsumexp(scores, dim=-1)  # (B, K, G, Q); finite without a mask: every row sees a key
     if hidden is not None:  # a fully hidden row: exp(-inf - 0) = 0 rather than exp(-inf + inf) = NaN
         probs = torch.exp(scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1))
         return probs @ v, lse
@@ -187,7 +148,7 @@ def block_backward(
     recomputed ``probs`` are the final attention weights restricted to this block; ``delta`` is
     ``rowsum(dout * out)`` of the final output. Returns dq (B, K, G, Q, D) and dk, dv summed over
     the G query heads that share each key/value head: (B, K, 1, T, D), (B, K, 1, T, E). ``hidden``: the
-    block's document mask, as in the forward (the final lse is finite, so hidden keys get probability 0).
+    block's mask, as in the forward (the final lse is finite, so hidden keys get probability 0).
     """
     probs = torch.exp(_scores(q, k, scale, diagonal, hidden) - lse.unsqueeze(-1))  # (B, K, G, Q, T)
     dv = (probs.transpose(-1, -2) @ dout).sum(dim=2, keepdim=True)  # (B, K, G, T, Q) @ (.., Q, E)

@@ -8,15 +8,19 @@ chunks of C), D query/key head dim, E value head dim; cp ranks in the group.
 Forward (rank r, steps s = 0 .. cp-1): at step s the rank holds the keys and values of rank
 src = (r - s) mod cp. Before computing, it posts the send of that block to rank r+1 and the
 receive of the next one from rank r-1, so the transfer runs during the compute; it then computes
-the blocks :func:`~polyshard.cp.blocks.plan_blocks` lists and merges each into a float32
-(out, lse) accumulator with the log-sum-exp rule; then it waits for the next block. cp - 1
-transfers of K and V (packed into one buffer) per rank.
+the (query chunk, key chunk) pairs :func:`~polyshard.cp.blocks.plan_blocks` lists and merges them into a
+float32 (out, lse) accumulator with the log-sum-exp rule; then it waits for the next block. cp - 1
+transfers of K and V (packed into one buffer) per rank. Inside a pair the work is block-sparse
+(:mod:`polyshard.cp.blocksparse`): its queries and keys are cut into blocks of ``block`` tokens (256), and
+only the (query block, key block) pairs that hold a visible key are computed, each merged into the same
+accumulator; the blocks above the causal diagonal, outside a window or between two documents are never
+touched, and the largest score matrix is block x block, not C x C.
 
-Backward: the same ring again, with the K/V blocks re-sent (the forward keeps only q, k, v, out and
-lse, not the blocks it received or any attention matrix). Each block's probabilities are recomputed
-from the saved lse; dQ accumulates locally, while the float32 dK/dV of the block a rank holds
-travels with it: rank r adds its contribution to the partial sum received from rank r-1 and
-passes it on to rank r+1. After cp steps each partial sum has visited every rank and one last
+Backward: the same ring again, with the K/V blocks re-sent (the forward keeps only q, k, v, out, lse
+and its plans, not the blocks it received or any attention matrix). Each planned block's
+probabilities are recomputed from the saved lse; dQ accumulates locally, while the float32 dK/dV of
+the block a rank holds travels with it: rank r adds its contribution to the partial sum received from
+rank r-1 and passes it on to rank r+1. After cp steps each partial sum has visited every rank and one last
 hop brings it home. cp - 1 K/V transfers and cp dK/dV transfers per rank; each dK/dV transfer
 is posted when its block is done and waited for one step later, behind the next block's compute.
 
@@ -33,18 +37,23 @@ the keys of chunk 0, all visible; "diag" means the causal triangle; "skip" is ne
               q3 x k1 full, q3 x k2 full,         q1 x k0 full, q2 x k0 full,
               q0 x k1 skip, q0 x k2 skip          q1 x k3 skip, q2 x k3 skip
 
-Each rank computes two diagonal and three full C x C blocks: the same work on both ranks.
+Each rank computes two diagonal and three full C x C pairs: the same work on both ranks (each pair
+then walked in blocks of ``block`` tokens, the diagonal pairs' blocks above the diagonal skipped).
 
 Document masking (``segments``, each local token's document within its row): the block's document
-ids travel with its K/V (a second, small int64 transfer in the same exchange); the forward keeps the
-ids of every block it saw, so the backward needs no extra transfer. A block whose queries and keys
-share no document is skipped in both passes; the others are masked (:mod:`polyshard.cp.blocks`).
+ids travel with its K/V (a second, small int64 transfer in the same exchange). Each pair's plan judges
+its key/value blocks by their documents: a (query block, key block) whose documents do not overlap is
+skipped, one inside a single shared document runs unmasked, and the rest get a block x block mask. The
+forward keeps every step's plan, so the backward needs no extra transfer and computes exactly the blocks
+the forward did.
 
-Sliding windows (``window``, causal only): a block whose keys all lie ``window`` or more tokens before
-its first query is skipped in both passes (:func:`~polyshard.cp.blocks.plan_blocks`); a block the window
-cuts into is masked by it. Sinks (``sinks``, one logit per query head): folded into the final (out, lse)
-once, after the last step, as a block with output 0; the backward's probabilities are recomputed from
-that lse, and each rank's sink gradient comes from its own query rows.
+Sliding windows (``window``, causal only): a chunk pair whose keys all lie ``window`` or more tokens
+before its first query is skipped whole (:func:`~polyshard.cp.blocks.plan_blocks`), and inside a pair so
+is every key block wholly outside the window; a block the window cuts into is masked by it.
+
+Sinks (``sinks``, one logit per query head): folded into the final (out, lse) once, after the last step,
+as a block with output 0; the backward's probabilities are recomputed from that lse, and each rank's
+sink gradient comes from its own query rows.
 
     backward  rank 0                              rank 1
     step 0    own blocks -> dQ, and dK/dV of      own blocks -> dQ, and dK/dV of
@@ -64,18 +73,21 @@ import torch.distributed as dist
 from polyshard.collectives import PendingExchange, post_exchange
 from polyshard.collectives.ledger import group_ranks
 from polyshard.cp.blocks import (
-    Block,
     add_sinks,
     block_backward,
     block_forward,
     grouped_kv,
     grouped_query,
-    hidden_keys,
     merge_into,
     plan_blocks,
     sink_gradient,
     ungrouped,
 )
+from polyshard.cp.blocksparse import BLOCK, BlockPlan, Visibility, plan_sparse_blocks
+
+Pair = tuple[slice, slice, Visibility, BlockPlan]
+"""One (query chunk, key chunk) pair a step computes: its local query rows and key rows, what each query
+sees there, and the key/value blocks inside it that hold a visible key."""
 
 
 def _pack(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -126,27 +138,22 @@ class RingAttention(torch.autograd.Function):
         segments: torch.Tensor | None = None,
         window: int | None = None,
         sinks: torch.Tensor | None = None,
+        block: int = BLOCK,
     ) -> torch.Tensor:
         ring = _Ring(group)
-        chunk = q.shape[2] // 2
         q32 = grouped_query(q.float(), k.shape[1])  # (B, K, G, S, D)
         out = q32.new_zeros(q32.shape[:-1] + (v.shape[-1],))  # (B, K, G, S, E) float32
         lse = q32.new_full(q32.shape[:-1], float("-inf"))  # (B, K, G, S) float32
         travelling = [_pack(k, v)] if segments is None else [_pack(k, v), segments]  # K/V in the inputs' dtype
-        seen = []  # the document ids of each step's keys (B, S), kept for the backward
+        plans = []  # each step's pairs and blocks, kept for the backward (which then needs no document ids)
         for step in range(ring.size):
             pending, incoming = ring.pass_on(*travelling) if step < ring.size - 1 else (None, travelling)
             k_block, v_block = (grouped_kv(t.float()) for t in _unpack(travelling[0], k.shape, v.shape))
             key_segments = travelling[1] if segments is not None else None
-            seen += travelling[1:]
-            for block in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal, window):
-                rows, cols, diagonal = block.rows, block.cols, block.diagonal
-                compute, hidden = _hidden(block, window, segments, key_segments, q.device)
-                if not compute:
-                    continue
+            plans.append(_plan_step(ring, step, q.shape[2], causal, window, segments, key_segments, block))
+            for rows, cols, seen, plan in plans[-1]:
                 q_rows, k_cols, v_cols = q32[..., rows, :], k_block[..., cols, :], v_block[..., cols, :]
-                block_out, block_lse = block_forward(q_rows, k_cols, v_cols, scale, diagonal, hidden)
-                merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse, masked=hidden is not None)
+                _forward_pair(q_rows, k_cols, v_cols, seen, plan, scale, out[..., rows, :], lse[..., rows])
             if pending is not None:
                 pending.wait()
             travelling = incoming
@@ -154,16 +161,15 @@ class RingAttention(torch.autograd.Function):
             add_sinks(out, lse, sinks.float())
         # The float32 output, not the returned one: with bf16 inputs, rowsum(dO * O) in the backward
         # would otherwise start from a rounded O. For float32 inputs they are the same tensor.
-        ctx.save_for_backward(q, k, v, out, lse, sinks, *([torch.stack(seen)] if seen else []))
-        ctx.group, ctx.causal, ctx.scale, ctx.window = group, causal, scale, window
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.group, ctx.scale, ctx.plans = group, scale, plans
         return ungrouped(out).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse, sinks, *seen = ctx.saved_tensors
-        ring, causal, scale, window = _Ring(ctx.group), ctx.causal, ctx.scale, ctx.window
-        segments = seen[0][0] if seen else None  # (B, S): step 0's keys are this rank's own tokens
-        chunk, kv_heads = q.shape[2] // 2, k.shape[1]
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        ring, scale = _Ring(ctx.group), ctx.scale
+        kv_heads = k.shape[1]
         q32 = grouped_query(q.float(), kv_heads)
         dout32 = grouped_query(dout.float(), kv_heads)  # (B, K, G, S, E)
         delta = (dout32 * out).sum(dim=-1)  # rowsum(dO * O): (B, K, G, S)
@@ -176,26 +182,15 @@ class RingAttention(torch.autograd.Function):
             k_block, v_block = (grouped_kv(t.float()) for t in _unpack(kv, k.shape, v.shape))
             dk = torch.zeros_like(k_block)  # (B, K, 1, S, D): this block's dK, this rank's part
             dv = torch.zeros_like(v_block)
-            key_segments = seen[0][step] if seen else None
-            for block in plan_blocks(ring.rank, ring.source(step), ring.size, chunk, causal, window):
-                rows, cols, diagonal = block.rows, block.cols, block.diagonal
-                compute, hidden = _hidden(block, window, segments, key_segments, q.device)
-                if not compute:  # skipped in the forward too
-                    continue
-                dq_b, dk_b, dv_b = block_backward(
-                    q32[..., rows, :],
-                    k_block[..., cols, :],
-                    v_block[..., cols, :],
-                    dout32[..., rows, :],
-                    lse[..., rows],
-                    delta[..., rows],
+            for rows, cols, seen, plan in ctx.plans[step]:  # the forward's pairs and blocks, no others
+                _backward_pair(
+                    (q32[..., rows, :], k_block[..., cols, :], v_block[..., cols, :]),
+                    (dout32[..., rows, :], lse[..., rows], delta[..., rows]),
+                    seen,
+                    plan,
                     scale,
-                    diagonal,
-                    hidden,
+                    (dq[..., rows, :], dk[..., cols, :], dv[..., cols, :]),
                 )
-                dq[..., rows, :] += dq_b
-                dk[..., cols, :] += dk_b
-                dv[..., cols, :] += dv_b
             dkv = _pack(dk, dv)  # float32: partial sums keep full precision on their way round
             if dkv_pending is not None:
                 dkv_pending.wait()  # the ranks before this one in the ring: their part of this block's dK/dV
@@ -212,7 +207,7 @@ class RingAttention(torch.autograd.Function):
         # The sinks' gradient from this rank's query rows; the trainer sums it over cp like any replica's.
         dsinks = None if sinks is None else sink_gradient(sinks.float(), lse, delta).to(sinks.dtype)
         dq_out = ungrouped(dq).to(q.dtype)
-        return dq_out, dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, None, None, dsinks
+        return dq_out, dk_own.to(k.dtype), dv_own.to(v.dtype), None, None, None, None, None, dsinks, None
 
 
 def ring_attention(
@@ -225,22 +220,88 @@ def ring_attention(
     segments: torch.Tensor | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    *,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Ring attention of local (B, N, S, D) queries over (B, K, S, D) keys and (B, K, S, E) values
     of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E). ``segments``
     (B, S): the local tokens' documents, sharded alike; attention then stays inside each document.
-    ``window``: each query sees its last ``window`` tokens only; ``sinks`` (N,): per-head sink logits."""
-    return RingAttention.apply(q, k, v, group, causal, scale, segments, window, sinks)  # type: ignore[no-untyped-call,no-any-return]
+    ``window``: each query sees its last ``window`` tokens only; ``sinks`` (N,): per-head sink logits.
+    ``block``: tokens a side of the key/value blocks each chunk pair is walked in (the last may be shorter)."""
+    return RingAttention.apply(q, k, v, group, causal, scale, segments, window, sinks, block)  # type: ignore[no-untyped-call,no-any-return]
 
 
-def _hidden(
-    block: Block,
+def _plan_step(
+    ring: _Ring,
+    step: int,
+    local: int,
+    causal: bool,
     window: int | None,
     segments: torch.Tensor | None,
     key_segments: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[bool, torch.Tensor | None]:
-    """(whether to compute the block, its mask) from this rank's and the block's document ids."""
-    query_rows = None if segments is None else segments[:, block.rows]
-    key_cols = None if key_segments is None else key_segments[:, block.cols]
-    return hidden_keys(block, window, query_rows, key_cols, device)
+    block: int,
+) -> list[Pair]:
+    """The chunk pairs this rank computes at ``step`` (:func:`~polyshard.cp.blocks.plan_blocks`) and, in
+    each, the key/value blocks that hold a key some query sees
+    (:func:`~polyshard.cp.blocksparse.plan_sparse_blocks`). Positions are the pair's own: its keys start
+    at 0 and its queries ``offset`` later, all a causal mask and a window need. ``local``: this rank's 2C
+    tokens; ``segments`` and ``key_segments`` (B, 2C): the queries' and the keys' documents."""
+    pairs = []
+    for pair in plan_blocks(ring.rank, ring.source(step), ring.size, local // 2, causal, window):
+        seen = Visibility(
+            causal,
+            window,
+            None if segments is None else segments[:, pair.rows],
+            None if key_segments is None else key_segments[:, pair.cols],
+            query_start=pair.offset,
+        )
+        queries, keys = len(range(local)[pair.rows]), len(range(local)[pair.cols])
+        plan = plan_sparse_blocks(queries, keys, block, seen)
+        if plan.pairs:  # a pair whose queries and keys share no document: nothing at all
+            pairs.append((pair.rows, pair.cols, seen, plan))
+    return pairs
+
+
+def _forward_pair(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seen: Visibility,
+    plan: BlockPlan,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge each planned block of one chunk pair into the running (out, lse) of its query rows (views of
+    the step-spanning accumulators: the log-sum-exp merge does not care which step or block came first)."""
+    for rows, cols, hidden in seen.blocks(plan, q.shape[-2], k.shape[-2], q.device):
+        block_out, block_lse = block_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, False, hidden)
+        merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse, masked=hidden is not None)
+
+
+def _backward_pair(
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    seen: Visibility,
+    plan: BlockPlan,
+    scale: float,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """Add each planned block's dQ, dK, dV of one chunk pair into ``grads`` (views of dq, dk, dv);
+    ``rows_state``: the pair's query rows of dout, the final lse and delta."""
+    (q, k, v), (dout, lse, delta), (dq, dk, dv) = qkv, rows_state, grads
+    for rows, cols, hidden in seen.blocks(plan, q.shape[-2], k.shape[-2], q.device):
+        dq_b, dk_b, dv_b = block_backward(
+            q[..., rows, :],
+            k[..., cols, :],
+            v[..., cols, :],
+            dout[..., rows, :],
+            lse[..., rows],
+            delta[..., rows],
+            scale,
+            False,
+            hidden,
+        )
+        dq[..., rows, :] += dq_b
+        dk[..., cols, :] += dk_b
+        dv[..., cols, :] += dv_b
