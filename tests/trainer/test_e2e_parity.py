@@ -148,7 +148,7 @@ LLAMA_LAYOUTS = [
     layout("dp2"),
     layout("tp2"),  # GQA: one kv head per tp rank
     layout("tp4-sp"),  # 2 kv heads on 4 ranks: replicated
-    layout("tp4"),
+    layout("tp4", LONG),  # tp4-sp (the same 2 kv heads replicated) stays in make test
     layout("tp2-sp"),
     layout("pp2-1f1b"),
     layout("dp2-zero3"),
@@ -238,7 +238,13 @@ def test_activation_checkpointing_changes_no_number(parity, corpus, tmp_path):
     parity.check("tp2", functools.partial(_checkpointed, corpus), TOLERANCE, tmp_path, reference=_config(corpus))
 
 
-MOE_LAYOUTS = [layout("ep2"), layout("dp2xep2"), layout("ep2xpp2"), layout("dp2xep2-zero1", LONG), layout("tp2")]
+MOE_LAYOUTS = [
+    layout("ep2"),
+    layout("dp2xep2", LONG),
+    layout("ep2xpp2"),
+    layout("dp2xep2-zero1", LONG),
+    layout("tp2"),
+]  # dp x ep: tests/ep/test_dp_ep.py
 
 
 @pytest.mark.parametrize("name", MOE_LAYOUTS)
@@ -260,7 +266,7 @@ MOE_CP_LAYOUTS = [
     layout("cp2-ring"),
     layout("cp2xep2"),  # ~4 s once the module's 4-rank pool runs
     layout("cp2xep2-allgather", LONG),
-    layout("cp2xep2-ulysses"),
+    layout("cp2xep2-ulysses", LONG),  # cp2xep2 (ring) stays in make test
     layout("cp2xep2-zero1", LONG),
     layout("dp2xcp2xep2", LONG),
     # microbatches: each one's aux loss is its own (as without cp), over its tokens on both cp ranks
@@ -423,7 +429,9 @@ def _evaluate_in_order(config, tokens):
 @pytest.mark.parametrize(
     "kind, world, parallel",
     [
-        pytest.param("gpt", 8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2"),
+        pytest.param(
+            "gpt", 8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long
+        ),  # eight processes on two cores (30 s); the MoE row keeps an uneven split in make test
         pytest.param("moe-gpt", 4, {"dp": 2, "ep": 2}, id="moe-dp2xep2"),
     ],
 )
