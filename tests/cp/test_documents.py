@@ -9,13 +9,11 @@ import polyshard.cp.ring
 from polyshard.cp import ContextParallelError, context_parallel_attention, shard_sequence, unshard_sequence
 from polyshard.models.common import document_mask
 
+from ._dense import segments_of
+
 # As tests/cp/test_parity.py: float32 per-block softmaxes merged by log-sum-exp add the same terms in
 # another order than one softmax: a few float32 ulps of O(1) values, well under 1e-5.
 TOL = 1e-5
-
-
-def _segments(lengths):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
 
 
 def _parity(style, lengths, heads=4, kv_heads=2, dim=8):
@@ -25,7 +23,7 @@ def _parity(style, lengths, heads=4, kv_heads=2, dim=8):
     q, k, v, grad_out = (
         torch.randn(len(lengths), h, seq, dim, generator=g) for h in (heads, kv_heads, kv_heads, heads)
     )
-    segments = _segments(lengths)
+    segments = segments_of(lengths)
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, attn_mask=document_mask(segments, segments, True), enable_gqa=True)

@@ -5,48 +5,21 @@ cp 3; and it computes only the blocks that hold a visible key, in the forward an
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import polyshard.cp.ring as ring
-from polyshard.cp import shard_sequence, unshard_sequence
-from polyshard.models.common.cores import dense_attention
+
+from ._dense import against_dense
 
 # As tests/cp/test_parity.py: float32 per-block softmaxes merged by log-sum-exp (and dK/dV summed round the
 # ring, dsinks summed over ranks) add the same terms in another order: a few float32 ulps, well under 1e-5.
 TOL = 1e-5
 
 
-def _segments(lengths):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+def _parity(lengths, window, use_sinks, block):
+    def attend(q, k, v, segments, window, sinks):  # the default scale, blocks of ``block`` inside each chunk
+        return ring.ring_attention(q, k, v, None, True, q.shape[-1] ** -0.5, segments, window, sinks, block=block)
 
-
-def _parity(lengths, window, use_sinks, block, heads=4, kv_heads=2, dim=8):
-    seq = sum(lengths[0])
-    g = torch.Generator().manual_seed(0)
-    q, k, v, grad_out = (
-        torch.randn(len(lengths), h, seq, dim, generator=g) for h in (heads, kv_heads, kv_heads, heads)
-    )
-    sinks = torch.randn(heads, generator=g) if use_sinks else None
-    segments = _segments(lengths)
-
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    ref = dense_attention(*full, window=window, segments=segments, sinks=ref_sinks)
-    ref.backward(grad_out)
-
-    local = [shard_sequence(t, 2, None).detach().requires_grad_() for t in (q, k, v)]
-    my_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    local_segments = shard_sequence(segments, 1, None)
-    out = ring.ring_attention(
-        *local, None, True, dim**-0.5, local_segments, window, my_sinks, block=block
-    )  # the default scale
-    out.backward(shard_sequence(grad_out, 2, None))
-    ours = [unshard_sequence(t, 2, None) for t in [out.detach()] + [t.grad for t in local]]
-    refs = [ref.detach()] + [t.grad for t in full]
-    if sinks is not None:  # each rank has the gradient of its own query rows: summed, the whole one
-        dist.all_reduce(my_sinks.grad)
-        ours, refs = ours + [my_sinks.grad], refs + [ref_sinks.grad]
-    return ours, refs
+    return against_dense(attend, lengths, window, use_sinks)
 
 
 # Chunks of 12 tokens: cp 2 over S = 48, cp 3 over S = 72. Blocks of 4 (three per chunk) on cp 2 and of 5 on

@@ -20,14 +20,12 @@ from polyshard.cp import (
 )
 from polyshard.models.common import document_mask
 
+from ._dense import segments_of
+
 # float32. Ulysses runs SDPA itself on whole sequences: the same kernel as the reference on the same
 # numbers, only on fewer heads, so differences are at most a few ulps (0 seen on most cases). The 2-D
 # scheme merges ring blocks by log-sum-exp: as tests/cp/test_parity.py, a few float32 ulps, under 1e-5.
 TOL = 1e-5
-
-
-def _segments(lengths):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
 
 
 def _parity(style, heads, kv_heads, *, causal=True, dim=8, value_dim=8, chunk=2, batch=1, lengths=None, ulysses=0):
@@ -39,7 +37,7 @@ def _parity(style, heads, kv_heads, *, causal=True, dim=8, value_dim=8, chunk=2,
     k = torch.randn(batch, kv_heads, seq, dim, generator=g)
     v = torch.randn(batch, kv_heads, seq, value_dim, generator=g)
     grad_out = torch.randn(batch, heads, seq, value_dim, generator=g)
-    segments = None if lengths is None else _segments(lengths)
+    segments = None if lengths is None else segments_of(lengths)
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     mask = None if segments is None else document_mask(segments, segments, causal)

@@ -4,46 +4,22 @@ cp 3, and the blocks the ring skips outside a window."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import polyshard.cp.ring
-from polyshard.cp import ContextParallelError, context_parallel_attention, shard_sequence, unshard_sequence
-from polyshard.models.common.cores import dense_attention
+from polyshard.cp import ContextParallelError, context_parallel_attention
+
+from ._dense import against_dense
 
 # As tests/cp/test_parity.py: float32 per-block softmaxes merged by log-sum-exp (and dK/dV summed round the
 # ring, dsinks summed over ranks) add the same terms in another order: a few float32 ulps, well under 1e-5.
 TOL = 1e-5
 
 
-def _segments(lengths):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+def _parity(style, lengths, window, use_sinks):
+    def attend(q, k, v, segments, window, sinks):
+        return context_parallel_attention(q, k, v, style=style, segments=segments, window=window, sinks=sinks)
 
-
-def _parity(style, lengths, window, use_sinks, heads=4, kv_heads=2, dim=8):
-    seq = sum(lengths[0])
-    g = torch.Generator().manual_seed(0)
-    q, k, v, grad_out = (
-        torch.randn(len(lengths), h, seq, dim, generator=g) for h in (heads, kv_heads, kv_heads, heads)
-    )
-    sinks = torch.randn(heads, generator=g) if use_sinks else None
-    segments = None if lengths is None else _segments(lengths)
-
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    ref = dense_attention(*full, window=window, segments=segments, sinks=ref_sinks)
-    ref.backward(grad_out)
-
-    local = [shard_sequence(t, 2, None).detach().requires_grad_() for t in (q, k, v)]
-    my_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    local_segments = shard_sequence(segments, 1, None)
-    out = context_parallel_attention(*local, style=style, segments=local_segments, window=window, sinks=my_sinks)
-    out.backward(shard_sequence(grad_out, 2, None))
-    ours = [unshard_sequence(t, 2, None) for t in [out.detach()] + [t.grad for t in local]]
-    refs = [ref.detach()] + [t.grad for t in full]
-    if sinks is not None:  # each rank has the gradient of its own query rows: summed, the whole one
-        dist.all_reduce(my_sinks.grad)
-        ours, refs = ours + [my_sinks.grad], refs + [ref_sinks.grad]
-    return ours, refs
+    return against_dense(attend, lengths, window, use_sinks)
 
 
 # cp 2: S = 12, chunks of 3; cp 3: S = 18, chunks of 3 (an odd number of ranks). A row that is one
