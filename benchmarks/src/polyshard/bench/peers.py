@@ -49,7 +49,9 @@ import logging
 import math
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -69,7 +71,7 @@ from polyshard.trainer.engine.optim import param_groups
 from polyshard.trainer.loop import train_step
 
 GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")
-PRESETS = ("tiny", "small")
+MODES = ("eager", "compiled")
 # The composed layouts measured at each world size.
 LAYOUTS: dict[int, list[dict[str, int]]] = {
     2: [{"dp": 2}, {"tp": 2}, {"pp": 2}],
@@ -77,6 +79,84 @@ LAYOUTS: dict[int, list[dict[str, int]]] = {
     8: [{"dp": 2, "tp": 2, "pp": 2}],
 }
 GLOBAL_BATCH, MICROBATCHES, LR, CHECK_STEPS = 16, 4, 1e-3, 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the composed rows train: a ``[model]`` table and its batch.
+
+    ``rows_per_data_rank``: each data rank's rows (None: a global batch of :data:`GLOBAL_BATCH` rows,
+    split over the data ranks). ``microbatches``: 1F1B's on the pp axis. ``sequence_parallel``: tp
+    layouts run with sequence parallelism, and the peer with torchtitan's Llama plan (sequence-parallel
+    norms, the loss computed on vocabulary-sharded logits). ``max_steps`` / ``check_steps`` /
+    ``warmup``: a real shape's step takes seconds on a CPU, so it times fewer steps."""
+
+    model: dict[str, Any]
+    rows_per_data_rank: int | None = None
+    microbatches: int = MICROBATCHES
+    sequence_parallel: bool = False
+    max_steps: int | None = None
+    check_steps: int = CHECK_STEPS
+    warmup: int = 2
+
+    def global_batch(self, data_ranks: int) -> int:
+        return GLOBAL_BATCH if self.rows_per_data_rank is None else self.rows_per_data_rank * data_ranks
+
+
+# Llama 3's architecture as torchtitan's llama3 model builds it (untied head, RMSNorm eps 1e-5, rotary
+# theta 5e5 with Llama 3.1's frequency scaling).
+_LLAMA3 = {
+    "norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "norm_eps": 1e-5,
+    "rope_theta": 500000.0, "rope_scale_factor": 8.0, "rope_low_freq_factor": 1.0,
+    "rope_high_freq_factor": 4.0, "rope_original_context": 8192,
+}  # fmt: skip
+SHAPES: dict[str, Shape] = {
+    "tiny": Shape({"preset": "tiny"}),
+    "small": Shape({"preset": "small"}),
+    # Llama's architecture at the tiny width, tp with sequence parallelism: the real shapes' plan, small.
+    "llama-tiny": Shape({"preset": "llama-tiny"}, sequence_parallel=True),
+    # torchtitan's llama3 "debugmodel" at its own training shape: 2,048-token rows, 8 per data rank,
+    # 1F1B with 8 microbatches, tp with sequence parallelism and loss parallel.
+    "titan-debug": Shape(
+        _LLAMA3
+        | {
+            "hidden": 256,
+            "num_layers": 6,
+            "num_heads": 16,
+            "num_kv_heads": 16,
+            "mlp_hidden": 768,
+            "vocab_size": 2048,
+            "context_length": 2048,
+        },
+        rows_per_data_rank=8,
+        microbatches=8,
+        sequence_parallel=True,
+        max_steps=3,
+        check_steps=2,
+        warmup=1,
+    ),
+    # A wider Llama with a 32K vocabulary (the head and loss are a third of the work): hidden 1024, GQA,
+    # 512-token rows so that 8 rows per data rank take seconds, not minutes, on 2 CPU cores.
+    "h1024-32k": Shape(
+        _LLAMA3
+        | {
+            "hidden": 1024,
+            "num_layers": 4,
+            "num_heads": 16,
+            "num_kv_heads": 8,
+            "mlp_hidden": 2816,
+            "vocab_size": 32768,
+            "context_length": 512,
+        },
+        rows_per_data_rank=8,
+        microbatches=8,
+        sequence_parallel=True,
+        max_steps=3,
+        check_steps=2,
+        warmup=1,
+    ),
+}
+PRESETS = tuple(SHAPES)
 # Both sides run float32 on the same batches; they differ in the order sums are taken (dp's
 # reduce-scatter, tp's split matmuls and all-reduces, the vocabulary-parallel loss against the
 # gathered logits), ~1e-7 relative per step, compounded through AdamW over a few steps: the
@@ -94,27 +174,33 @@ def layout_name(layout: dict[str, int]) -> str:
 def composed_config(
     layout: dict[str, int], preset: str = "tiny", grad_clip: float = 1.0, compiled: bool = False
 ) -> Config:
-    """The trainer config both sides train: ``preset``'s GPT, ZeRO-3 on dp, 1F1B with 4 microbatches on pp,
-    the gradient norm clipped to ``grad_clip`` (the trainer's default 1.0), blocks compiled if ``compiled``."""
+    """The trainer config both sides train: the shape ``preset``'s model and batch (:data:`SHAPES`), ZeRO-3
+    on dp, 1F1B on pp, sequence parallelism on tp where the shape says, the gradient norm clipped to
+    ``grad_clip`` (the trainer's default 1.0), blocks compiled if ``compiled``."""
+    shape = SHAPES[preset]
     parallel: dict[str, Any] = dict(layout)
     if layout.get("dp", 1) > 1:
         parallel["zero_stage"] = 3  # the peer's fully_shard is ZeRO-3
     if layout.get("pp", 1) > 1:
-        parallel |= {"schedule": "1f1b", "microbatches": MICROBATCHES}
-    training = {"global_batch_size": GLOBAL_BATCH, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
+        parallel |= {"schedule": "1f1b", "microbatches": shape.microbatches}
+    if layout.get("tp", 1) > 1 and shape.sequence_parallel:
+        parallel["sequence_parallel"] = True
+    batch = shape.global_batch(layout.get("dp", 1))
+    training = {"global_batch_size": batch, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
     training["grad_clip"] = grad_clip
     training["compile"] = compiled
-    return from_dict({"model": {"preset": preset}, "parallel": parallel, "training": training})
+    return from_dict({"model": dict(shape.model), "parallel": parallel, "training": training})
 
 
 def batches(config: Config, data_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` steps' batches: random tokens, this data rank's rows of each global batch."""
     model, par = config.model, config.parallel
-    rows = GLOBAL_BATCH // par.data_ranks
+    batch = config.training.global_batch_size
+    rows = batch // par.data_ranks
     out = []
     for step in range(count):
         g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, output_width(model), (GLOBAL_BATCH, sequence_length(model) + 1), generator=g)
+        tokens = torch.randint(0, output_width(model), (batch, sequence_length(model) + 1), generator=g)
         mine = tokens[data_rank * rows : (data_rank + 1) * rows]
         out.append((mine[:, :-1].contiguous(), mine[:, 1:].contiguous()))
     return out
@@ -182,21 +268,59 @@ class Peer:
             self.schedule = Schedule1F1B(stage, n_microbatches=par.microbatches, loss_fn=self.loss_fn)
 
     def _tensor_parallel(self, layer_ids: range) -> None:
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        """torchtitan's Llama plan on our module names: q/k/v and the MLP's inputs by columns, o and its
+        output by rows, the embedding split along the vocabulary, the head by columns. With sequence
+        parallelism (``parallel.sequence_parallel``): the norms run on sequence shards, the attention and
+        MLP gather their input, the row-parallel outputs reduce-scatter back to sequence shards, and the
+        head's logits stay split along the vocabulary for ``loss_parallel``; without, the head's logits
+        are gathered for a plain cross-entropy."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+            parallelize_module,
+        )
 
         tp_mesh = self.device_mesh["tp"]
+        sp = self.config.parallel.sequence_parallel
+        rows = Shard(1) if sp else Replicate()  # the layout of activations between tp regions
         last = self.config.model.num_layers + 1
         for index, layer in zip(layer_ids, self.stage):
-            if index == 0:  # the token embedding split along the vocabulary (torchtitan's RowwiseParallel)
-                plan: dict[str, Any] = {"tok": RowwiseParallel(input_layouts=Replicate())}
-            elif index == last:  # the head by columns (vocabulary), logits gathered for the loss
-                plan = {"proj": ColwiseParallel(output_layouts=Replicate())}
+            plan: dict[str, Any]
+            if index == 0:
+                plan = {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=rows)}
+            elif index == last:
+                if sp:
+                    head = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+                    plan = {"norm": SequenceParallel(), "proj": head}
+                else:
+                    plan = {"proj": ColwiseParallel(output_layouts=Replicate())}
             else:
                 plan = {f"attn.{p}_proj": ColwiseParallel() for p in "qkv"}
-                plan |= {"attn.o_proj": RowwiseParallel(), "mlp.fc_in": ColwiseParallel()}
-                plan |= {"mlp.fc_out": RowwiseParallel()}
+                plan["attn.o_proj"] = RowwiseParallel(output_layouts=rows)
+                if hasattr(layer.mlp, "gate_proj"):  # SwiGLU
+                    plan |= {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel()}
+                    plan["mlp.down_proj"] = RowwiseParallel(output_layouts=rows)
+                else:
+                    plan |= {"mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel(output_layouts=rows)}
+                if sp:
+                    plan |= {"norm1": SequenceParallel(), "norm2": SequenceParallel()}
+                    for name in ("attn", "mlp"):  # each gathers its sequence-sharded input
+                        plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             parallelize_module(layer, tp_mesh, plan)
+
+    @contextmanager
+    def _loss_context(self) -> Iterator[None]:
+        """torchtitan's ``loss_parallel`` around forward and backward when the head's logits stay split."""
+        if self.config.parallel.tp > 1 and self.config.parallel.sequence_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                yield
+        else:
+            yield
 
     def _compile_blocks(self, layer_ids: range) -> None:
         """torchtitan's per-block compile: each transformer block's ``__call__`` compiled whole
@@ -206,6 +330,13 @@ class Peer:
         for index, layer in zip(layer_ids, self.stage):
             if index not in (0, last):  # the embedding and the head stay eager, as ours do
                 layer.compile(fullgraph=True)
+            elif index == 0 and self.config.parallel.tp > 1 and self.config.parallel.sequence_parallel:
+                # torch 2.13 on CPU/gloo: a compiled block whose input is the embedding's asynchronous
+                # reduce-scatter (RowwiseParallel's output, still in flight) hands a plain tensor back to
+                # that redistribute's backward, which fails ("'Tensor' object has no attribute
+                # '_local_tensor'"). Waiting for it in eager first (one copy of the block's input) is the
+                # smallest change that lets the peer run.
+                layer.register_forward_hook(lambda module, inputs, output: output.clone())
 
     def _fully_shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -222,15 +353,18 @@ class Peer:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        if self.schedule is None:
-            loss: torch.Tensor | None = self.loss_fn(self.stage(inputs), targets)
-            assert loss is not None
-            loss.backward()
-        else:
-            losses: list[torch.Tensor] = []
-            args = (inputs,) if self.first else ()
-            self.schedule.step(*args, target=targets if self.last else None, losses=losses)
-            loss = torch.stack(losses).mean() if self.last else None  # Schedule1F1B scales grads by 1/m
+        with self._loss_context():
+            if self.schedule is None:
+                loss: torch.Tensor | None = self.loss_fn(self.stage(inputs), targets)
+                assert loss is not None
+                loss.backward()
+            else:
+                losses: list[torch.Tensor] = []
+                args = (inputs,) if self.first else ()
+                self.schedule.step(*args, target=targets if self.last else None, losses=losses)
+                loss = torch.stack(losses).mean() if self.last else None  # Schedule1F1B scales grads by 1/m
+        if loss is not None and hasattr(loss, "full_tensor"):  # loss_parallel's loss: a replicated DTensor
+            loss = loss.full_tensor()
         self._clip(self.config.training.grad_clip)
         self.optimizer.step()
         # The loss of the global batch, the same on every rank: the last stage's tp rank 0 of each
@@ -275,22 +409,30 @@ def composed_case(
     layout: dict[str, int],
     steps: int,
     *,
-    check_steps: int = CHECK_STEPS,
+    check_steps: int | None = None,
     preset: str = "tiny",
     device: torch.device | str = "cpu",
-    warmup: int = 2,
+    warmup: int | None = None,
     grad_clip: float = 1.0,
     compiled: bool = False,
 ) -> Record:
-    """Ours against the torch-native composition on ``layout`` (its product must be the world size)."""
+    """Ours against the torch-native composition on ``layout`` (its product must be the world size).
+    ``steps`` timed steps (at most the shape's ``max_steps``); ``check_steps`` and ``warmup`` default to
+    the shape's."""
     device = torch.device(device)
+    shape = SHAPES[preset]
+    steps = min(steps, shape.max_steps or steps)
+    check_steps = shape.check_steps if check_steps is None else check_steps
+    warmup = shape.warmup if warmup is None else warmup
     config = composed_config(layout, preset, grad_clip, compiled)
-    m = config.model
+    m, par = config.model, config.parallel
     case = (
         f"GPT-{preset} {layout_name(layout)}"
         + (" ZeRO-3" if layout.get("dp", 1) > 1 else "")
-        + (f" 1F1B m={MICROBATCHES}" if layout.get("pp", 1) > 1 else "")
-        + f" (H={m.hidden} L={m.num_layers} S={sequence_length(m)} B={GLOBAL_BATCH})"
+        + (" SP" if par.tp > 1 and par.sequence_parallel else "")
+        + (f" 1F1B m={par.microbatches}" if layout.get("pp", 1) > 1 else "")
+        + f" (H={m.hidden} L={m.num_layers} V={output_width(m)} S={sequence_length(m)}"
+        + f" B={config.training.global_batch_size})"
         + (" compiled" if compiled else "")
     )
     ours = Ours(config, device)
@@ -390,17 +532,30 @@ def strategy_rows(groups: Sequence[str], steps: int, device: torch.device | str 
 def measure(
     groups: Sequence[str],
     steps: int,
-    preset: str = "tiny",
+    presets: Sequence[str] = ("tiny",),
     device: torch.device | str = "cpu",
-    compiled: bool = False,
+    modes: Sequence[str] = ("eager",),
 ) -> list[Record]:
-    """Every row for this world size (call on every rank; every rank returns the same records)."""
+    """Every row for this world size (call on every rank; every rank returns the same records): the
+    strategy rows, then each preset's composed layouts in each mode (eager, compiled)."""
     n = dist.get_world_size()
     rows = strategy_rows(groups, steps, device)
     if "composed" in groups:
-        layouts = LAYOUTS.get(n, [])
-        rows += [composed_case(lay, steps, preset=preset, device=device, compiled=compiled) for lay in layouts]
+        for preset in presets:
+            for mode in modes:
+                compiled = mode == "compiled"
+                for lay in LAYOUTS.get(n, []):
+                    rows.append(composed_case(lay, steps, preset=preset, device=device, compiled=compiled))
     return [r | {"world_size": n} for r in rows]
+
+
+def split_choices(text: str, option: str, choices: Sequence[str]) -> list[str]:
+    """``text``'s comma-separated names, each one of ``choices`` (a ValueError naming ``option`` if not)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in choices]
+    if unknown or not names:
+        raise ValueError(f"{option}: unknown {unknown or 'empty'}; choose from {list(choices)}, comma-separated")
+    return names
 
 
 def _mib(value: int | None) -> str:
@@ -453,19 +608,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per side (after 2 warm-up steps)")
     parser.add_argument("--only", default=",".join(GROUPS), help="comma-separated subset of " + ", ".join(GROUPS))
-    parser.add_argument("--preset", default="tiny", choices=PRESETS, help="the composed jobs' GPT")
+    parser.add_argument(
+        "--preset", default="tiny", help="the composed jobs' shapes, comma-separated: " + ", ".join(PRESETS)
+    )
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
-    parser.add_argument("--compile", action="store_true", help="compile both sides' blocks in the composed rows")
+    parser.add_argument(
+        "--modes", default="eager", help="the composed jobs' blocks: eager, compiled (both sides), or eager,compiled"
+    )
     args = parser.parse_args(argv)
-    groups = [g.strip() for g in args.only.split(",") if g.strip()]
-    unknown = [g for g in groups if g not in GROUPS]
-    if unknown or args.steps < 1:
-        parser.error(f"--only takes {', '.join(GROUPS)} (got {unknown}); --steps >= 1")
+    try:
+        groups = split_choices(args.only, "--only", GROUPS)
+        presets = split_choices(args.preset, "--preset", PRESETS)
+        modes = split_choices(args.modes, "--modes", MODES)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: give at least 1 timed step")
 
     def run(ctx: DistributedContext) -> list[Record]:
         torch.set_num_threads(1)  # ranks share the machine's cores
         quiet_peer_warnings()
-        return measure(groups, args.steps, args.preset, ctx.device, compiled=args.compile)
+        return measure(groups, args.steps, presets, ctx.device, modes)
 
     def report(records: list[Record]) -> None:
         print(format_report(records), flush=True)

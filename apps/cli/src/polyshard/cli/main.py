@@ -210,15 +210,20 @@ def bench_peers(
     only: str = typer.Option(
         "dp,tp,pp,ep,cp,composed", "--only", help="Comma-separated groups: dp, tp, pp, ep, cp, composed."
     ),
-    preset: str = typer.Option("tiny", "--preset", help="The composed jobs' GPT: tiny or small."),
+    preset: str = typer.Option(
+        "tiny",
+        "--preset",
+        help="The composed jobs' shapes, comma-separated: tiny, small, titan-debug (torchtitan's Llama debug model "
+        "at 2,048-token rows), h1024-32k.",
+    ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
-    compiled: bool = typer.Option(
-        False, "--compile", help="Compile both sides' transformer blocks in the composed rows (torchtitan's way)."
+    modes: str = typer.Option(
+        "eager", "--modes", help="The composed jobs' blocks: eager, compiled (both sides, torchtitan's way), or both."
     ),
 ) -> None:
     """Every strategy against its PyTorch peer, and the GPT composed on dp/tp/pp against fully_shard +
     parallelize_module + pipelining: one table of median step times, bytes held per rank, ratios, matches."""
-    from polyshard.bench.peers import GROUPS, LAYOUTS, PRESETS
+    from polyshard.bench.peers import GROUPS, LAYOUTS, MODES, PRESETS, split_choices
 
     if nproc not in LAYOUTS:
         raise typer.BadParameter(
@@ -231,13 +236,13 @@ def bench_peers(
         )
     if steps < 1:
         raise typer.BadParameter(f"{steps}; give at least 1 timed step", param_hint="--steps")
-    groups = [g.strip() for g in only.split(",") if g.strip()]
-    unknown = [g for g in groups if g not in GROUPS]
-    if unknown or not groups:
-        raise typer.BadParameter(f"unknown groups {unknown}; choose from {list(GROUPS)}", param_hint="--only")
-    if preset not in PRESETS:
-        raise typer.BadParameter(f"{preset!r}; choose one of {list(PRESETS)}", param_hint="--preset")
-    args = ["--steps", str(steps), "--only", ",".join(groups), "--preset", preset] + (["--compile"] if compiled else [])
+    chosen = {}
+    for option, text, choices in (("--only", only, GROUPS), ("--preset", preset, PRESETS), ("--modes", modes, MODES)):
+        try:
+            chosen[option] = ",".join(split_choices(text, option, choices))
+        except ValueError as err:
+            raise typer.BadParameter(str(err).removeprefix(f"{option}: "), param_hint=option) from None
+    args = ["--steps", str(steps)] + [part for option, value in chosen.items() for part in (option, value)]
     if json_path is not None:
         args += ["--json", str(json_path.resolve())]
     raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
