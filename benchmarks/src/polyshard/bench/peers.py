@@ -12,15 +12,19 @@ torch.distributed.pipelining's; ``polyshard.bench.ep``: the expert-parallel MoE 
 layer on one process; ``polyshard.bench.cp``: ring attention vs one process's SDPA), on the world
 group, with their shapes, warm-up and interleaving.
 
-Composed rows train the trainer's GPT (the ``tiny`` preset unless ``--preset`` says otherwise) on a
-layout (dp2, tp2, pp2 at 2 ranks; dp2 x tp2, tp2 x pp2, dp2 x pp2 at 4; dp2 x tp2 x pp2 at 8):
+Composed rows train the trainer's GPT on a layout (dp2, tp2, pp2 at 2 ranks; dp2 x tp2, tp2 x pp2,
+dp2 x pp2 at 4; dp2 x tp2 x pp2 at 8), at each shape ``--preset`` names (:data:`SHAPES`: the small
+``tiny``, ``small`` and ``llama-tiny``; the real ``titan-debug``, torchtitan's Llama 3 debug model at
+2,048-token rows, 8 per data rank, and ``h1024-32k``), eager or compiled (``--modes``):
 
 * ours: :func:`polyshard.trainer.engine.builder.build_engine` and
   :func:`polyshard.trainer.loop.train_step`, exactly as ``polyshard train`` steps
   (ZeRO-3 on the dp axis, 1F1B on the pp axis, the global-norm clip, AdamW);
 * the peer: the torch-native composition torchtitan uses, on a ``DeviceMesh`` of the same shape and
   rank order: ``parallelize_module`` (Colwise/Rowwise on q/k/v/o and the MLP, the embedding split
-  along the vocabulary, the head by columns) -> ``fully_shard`` per layer and per stage ->
+  along the vocabulary, the head by columns; for the Llama shapes torchtitan's plan with sequence-
+  parallel norms and ``loss_parallel``, and ours with ``parallel.sequence_parallel``) -> ``fully_shard``
+  per layer and per stage ->
   ``PipelineStage`` + ``Schedule1F1B``, ``clip_grad_norm_``'s maths on DTensors (the pipeline's
   partial norms summed over pp, as torchtitan does) and ``torch.optim.AdamW``.
 
