@@ -14,7 +14,9 @@ scheduled). An interleaved A/B median (``time_interleaved``) is printed beside t
 Cases: ``composed`` (the composed GPT-tiny pp2 1F1B m=4 row of ``polyshard bench peers``: ours
 :func:`~polyshard.trainer.loop.train_step`, the peer ``PipelineStage`` + ``Schedule1F1B``),
 ``pp:<schedule>`` (``polyshard bench pp``'s row for gpipe, 1f1b, interleaved, zb-v or dualpipev),
-``zero1`` (``polyshard bench dp``'s ZeRO-1 row against DDP + ``ZeroRedundancyOptimizer``).
+``zero1`` (``polyshard bench dp``'s ZeRO-1 row against DDP + ``ZeroRedundancyOptimizer``),
+``ab:packed`` (ours on the composed row against ours with its one-rank gradient buckets packed and
+all-reduced as before they were solo; ``polyshard.dp.buckets``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,32 @@ def composed_sides() -> tuple[Step, Step]:
     data_rank = ours.mesh.group_rank(config.parallel.batch_axes)
     data = peers.batches(config, data_rank, 1)[0]
     return lambda: ours.step(*data), lambda: peer.step(*data)
+
+
+def packed_sides() -> tuple[Step, Step]:
+    """An A/B of ours on the composed pp2 row: as it is (dp=1, so its gradient buckets are solo and leave
+    the gradients in ``p.grad``) against the same engine with every bucket packed, all-reduced over the
+    one rank and unpacked, as before solo buckets (printed in the "peer" columns)."""
+    from polyshard.bench import peers
+    from polyshard.dp import buckets
+
+    config = peers.composed_config({"pp": 2})
+    device = torch.device("cpu")
+    ours = peers.Ours(config, device)
+    plain_init = buckets.Bucket.__init__
+
+    def packed_init(self: buckets.Bucket, *args: Any, **kwargs: Any) -> None:
+        plain_init(self, *args, **kwargs)
+        self.solo = False
+
+    buckets.Bucket.__init__ = packed_init  # type: ignore[method-assign]
+    try:
+        packed = peers.Ours(config, device)
+    finally:
+        buckets.Bucket.__init__ = plain_init  # type: ignore[method-assign]
+    data_rank = ours.mesh.group_rank(config.parallel.batch_axes)
+    data = peers.batches(config, data_rank, 1)[0]
+    return lambda: ours.step(*data), lambda: packed.step(*data)
 
 
 def pp_sides(name: str) -> tuple[Step, Step]:
@@ -106,7 +134,9 @@ def sides(case: str) -> tuple[Step, Step]:
         return pp_sides(case[3:])
     if case == "zero1":
         return zero1_sides()
-    raise SystemExit(f"--case takes composed, pp:<schedule> or zero1, not {case!r}")
+    if case == "ab:packed":
+        return packed_sides()
+    raise SystemExit(f"--case takes composed, pp:<schedule>, zero1 or ab:packed, not {case!r}")
 
 
 def op_profile(step: Step, steps: int) -> dict[str, Any]:
@@ -121,7 +151,10 @@ def op_profile(step: Step, steps: int) -> dict[str, Any]:
         wall = (time.perf_counter() - start) / steps
     table: dict[str, tuple[float, float]] = {}
     for event in prof.key_averages():
-        table[event.key] = (event.count / steps, event.self_cpu_time_total / steps)
+        # record_function ranges (torch pipelining's "PP:1F3", "Optimizer.step#AdamW.step") are not
+        # operators: their self time is the Python inside them, which "python" below counts
+        if not getattr(event, "is_user_annotation", False):
+            table[event.key] = (event.count / steps, event.self_cpu_time_total / steps)
     ops_us = sum(us for _, us in table.values())
     return {"ops": table, "wall_us": wall * 1e6, "ops_us": ops_us}
 
