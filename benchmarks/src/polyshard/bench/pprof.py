@@ -22,7 +22,6 @@ all-reduced as before they were solo; ``polyshard.dp.buckets``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -115,9 +115,9 @@ class Bucket:
         """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
         if self.solo:
             self.present = [p.grad is not None for p in self.params]
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if self.divide_by != 1 and grads:
-                torch._foreach_div_(grads, float(self.divide_by))
+            held = [p.grad for p in self.params if p.grad is not None]
+            if self.divide_by != 1 and held:
+                torch._foreach_div_(held, float(self.divide_by))
             return
         buffer = cast(GradBuffer, self.buffer)  # launch() made it
         cast(Any, self.work).wait()
