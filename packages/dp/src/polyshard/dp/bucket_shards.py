@@ -100,7 +100,23 @@ class BucketShards:
             for bucket, full, work in pending:
                 work.wait()
                 for index, p in enumerate(bucket.params):
-                    p.copy_(bucket.layout.unpack(full, index))
+                    self._write_gathered(p, bucket, full, index)
+
+    def _write_gathered(self, p: nn.Parameter, bucket: Bucket, full: torch.Tensor, index: int) -> None:
+        """Copy parameter ``index`` of an all-gathered flat bucket into ``p``: straight from the grid's
+        row blocks into ``p``'s storage seen as (n, shard_numel) when that storage holds the padded rows
+        (dim 0 divides by n, or the padded home of fp32 ZeRO); else through ``unpack``, whose reshape
+        of the strided row blocks is itself a copy (a second copy of the whole model every step:
+        ``polyshard.bench.pprof --case zero1``)."""
+        spec, offset = bucket.layout.specs[index], bucket.layout.offsets[index]
+        piece = full.view(spec.n, bucket.layout.shard_numel)[:, offset : offset + spec.shard_numel]
+        home = self._homes.get(id(p))
+        if home is not None and home.data_ptr() == p.data_ptr() and home.dtype == p.dtype:
+            home.view(spec.n, spec.shard_numel).copy_(piece)
+        elif p.is_contiguous() and p.numel() == spec.padded_numel:
+            p.view(spec.n, spec.shard_numel).copy_(piece)
+        else:
+            p.copy_(bucket.layout.unpack(full, index))
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors this rank holds for parameters and gradients (for :func:`polyshard.dp.bytes_held`)."""

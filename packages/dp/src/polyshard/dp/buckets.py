@@ -48,6 +48,13 @@ class Bucket:
     reduction and keeps only the shard. With a ``replicate_group`` (hybrid
     sharding) the reduce-scattered shard is then all-reduced across it, so it
     sums every replica's gradients too (``divide_by`` counts both groups).
+
+    A bucket with nothing to reduce (a group of one rank, no replicas: the data-parallel wrapper of
+    a pipeline or tensor-parallel layout without dp) whose gradients are already in the reduce dtype
+    is *solo*: it packs nothing and leaves each gradient where autograd put it (``p.grad``), only
+    dividing it by ``divide_by`` when that is not 1. Packing would copy every gradient into a flat
+    buffer, all-reduce it over the one rank and read it back, per step (the composed pp2 row of
+    ``polyshard bench peers``: 136 parameters, ~2.6 ms of a 83 ms step; ``polyshard.bench.pprof``).
     """
 
     def __init__(
@@ -75,6 +82,12 @@ class Bucket:
         self.present: list[bool] = [False] * len(self.params)  # did any rank produce each gradient
         self.work: Any = None  # the in-flight reduction's handle
         self.launched = False
+        self.solo = (
+            n == 1
+            and dist.get_world_size(group) == 1
+            and replicate_group is None
+            and all(p.dtype == reduce_dtype for p in self.params)
+        )
 
     @property
     def complete(self) -> bool:
@@ -82,6 +95,9 @@ class Bucket:
 
     def launch(self) -> None:
         """Pack the gradients (missing ones count as zeros, and are flagged so) and start the reduction."""
+        self.launched = True
+        if self.solo:  # nothing to reduce: the gradients stay in p.grad (see the class docstring)
+            return
         device = self.params[0].device
         if self.buffer is None:
             self.buffer = GradBuffer(self.layout, self.reduce_dtype, device)
@@ -94,10 +110,15 @@ class Bucket:
         else:
             self._landing = torch.empty(self.buffer.row_numel, dtype=self.reduce_dtype, device=device)
             self.work = ops.reduce_scatter_flat(self._landing, self.buffer.data, self.group, async_op=True)
-        self.launched = True
 
     def wait(self) -> None:
         """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
+        if self.solo:
+            self.present = [p.grad is not None for p in self.params]
+            held = [p.grad for p in self.params if p.grad is not None]
+            if self.divide_by != 1 and held:
+                torch._foreach_div_(held, float(self.divide_by))
+            return
         buffer = cast(GradBuffer, self.buffer)  # launch() made it
         cast(Any, self.work).wait()
         self.work = None
@@ -125,6 +146,9 @@ class Bucket:
     def grad_shard(self, index: int) -> torch.Tensor | None:
         """This rank's reduced, averaged rows of parameter ``index`` (the whole gradient at stage 0);
         None when no rank produced a gradient for it this step."""
+        if self.solo:
+            grad = self.params[index].grad if self.present[index] else None
+            return grad if grad is None or self.stage == 0 else grad.view(self.layout.specs[index].shard_shape)
         if self.reduced is None or not self.present[index]:
             return None
         if self.stage == 0:

@@ -138,7 +138,9 @@ class DataParallel(BucketShards, nn.Module):
         self.queues = list(queues.values())
         self._where = {id(p): (b, i) for q in self.queues for b in q for i, p in enumerate(b.params)}
         for position, queue in enumerate(self.queues):
-            for bucket in queue:
+            # A solo bucket (nothing to reduce, see polyshard.dp.buckets) needs no hook: finish_grad_sync
+            # launches it, and a second backward before that only adds to p.grad, as on one process.
+            for bucket in (b for b in queue if not b.solo):
                 for p in bucket.params:
                     weak_grad_hook(p, self._on_grad_ready, position)  # weakly: see polyshard.dp.grad_hooks
 

@@ -11,7 +11,8 @@ Two accountings of the same thing:
 
 * :func:`model_state_bytes`, what polyshard's engine holds at the optimizer step, to the byte, from
   the shapes a rank holds (:func:`holdings`): each parameter's dim 0 padded to a multiple of N for
-  ZeRO (:class:`polyshard.dp.ShardSpec`), one presence flag per parameter in every gradient row,
+  ZeRO (:class:`polyshard.dp.ShardSpec`), one presence flag per parameter in every gradient row
+  (none where a gradient has nothing to reduce: one replica, fp32, stages 0-2),
   AdamW's float32 ``step`` per parameter, gradients reduced in fp32 also under bf16, and fp32
   master copies where the optimizer steps them (ZeRO-1/2 always; at ZeRO-3 under fp32 the
   master *is* the local shard). Under ``training.optimizer = "muon"`` the blocks' matrices keep one
@@ -105,8 +106,11 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
         rows = ShardSpec(h.shape, n).shard_numel
         numel += count * math.prod(h.shape)
         shard += count * rows
-        flags += count
-        grad_rows += count * n * (rows + 1)  # ZeRO-1 keeps every rank's row of the bucket
+        # A gradient with nothing to reduce (one replica, already fp32, stages 0-2) stays in p.grad: no
+        # bucket, no presence flag (polyshard.dp.buckets, "solo")
+        flag = 0 if h.replicas == 1 and precision != "bf16" and zero_stage < 3 else 1
+        flags += count * flag
+        grad_rows += count * n * (rows + flag)  # ZeRO-1 keeps every rank's row of the bucket
         padded += count * n * rows
         elems = count * (rows if zero_stage >= 1 else math.prod(h.shape))
         moments = 4 if h.muon else 8  # Muon's momentum buffer, or AdamW's exp_avg and exp_avg_sq
