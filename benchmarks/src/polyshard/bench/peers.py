@@ -2,7 +2,7 @@
 mesh against the torch-native composition, in one run, one table.
 
     polyshard bench peers --nproc 2 --json peers.json
-    polyshard bench peers --nproc 2 --only composed --compile   # both sides' blocks compiled
+    polyshard bench peers --nproc 2 --only composed --modes compiled   # both sides' blocks compiled
     python -m torch.distributed.run --nproc-per-node 4 -m polyshard.bench.peers --steps 10
 
 Strategy rows come from each package's own benchmark, called as a function (``polyshard.bench.dp``:
@@ -37,11 +37,11 @@ parameters, gradients and optimizer state after a step (``polyshard.dp.bytes_hel
 local shards of the peer's DTensors). A peer that cannot be built or run here is reported as
 ``peer unavailable: <the exception>`` beside ours.
 
-With ``--compile`` the composed rows compile both sides' transformer blocks, one compiled unit per
+With ``--modes compiled`` the composed rows compile both sides' transformer blocks, one compiled unit per
 block: ours with ``training.compile`` (Block.forward compiled, our collectives eager between graph
 pieces), the peer as torchtitan does (``module.compile(fullgraph=True)`` on each block after
 ``parallelize_module`` and before ``fully_shard``, so DTensor's collectives are traced into the block's
-graph). The first ``--check-steps`` steps compile (both sides, untimed) and are compared loss by loss
+graph). The first check steps compile (both sides, untimed) and are compared loss by loss
 with the compiled tolerance. The strategy rows are each package's own eager benchmark either way.
 """
 
