@@ -115,6 +115,22 @@ _LLAMA3 = {
     "rope_theta": 500000.0, "rope_scale_factor": 8.0, "rope_low_freq_factor": 1.0,
     "rope_high_freq_factor": 4.0, "rope_original_context": 8192,
 }  # fmt: skip
+
+
+def _real_shape(**model: Any) -> Shape:
+    """A Llama 3 of these sizes as torchtitan trains it: 8 rows per data rank, 1F1B with 8 microbatches,
+    tp with sequence parallelism; 2 compared steps (its warm-up), then at most 3 timed."""
+    return Shape(
+        _LLAMA3 | model,
+        rows_per_data_rank=8,
+        microbatches=8,
+        sequence_parallel=True,
+        max_steps=3,
+        check_steps=2,
+        warmup=0,
+    )
+
+
 SHAPES: dict[str, Shape] = {
     "tiny": Shape({"preset": "tiny"}),
     "small": Shape({"preset": "small"}),
@@ -122,43 +138,13 @@ SHAPES: dict[str, Shape] = {
     "llama-tiny": Shape({"preset": "llama-tiny"}, sequence_parallel=True),
     # torchtitan's llama3 "debugmodel" at its own training shape: 2,048-token rows, 8 per data rank,
     # 1F1B with 8 microbatches, tp with sequence parallelism and loss parallel.
-    "titan-debug": Shape(
-        _LLAMA3
-        | {
-            "hidden": 256,
-            "num_layers": 6,
-            "num_heads": 16,
-            "num_kv_heads": 16,
-            "mlp_hidden": 768,
-            "vocab_size": 2048,
-            "context_length": 2048,
-        },
-        rows_per_data_rank=8,
-        microbatches=8,
-        sequence_parallel=True,
-        max_steps=3,
-        check_steps=2,
-        warmup=0,
+    "titan-debug": _real_shape(
+        hidden=256, num_layers=6, num_heads=16, num_kv_heads=16, mlp_hidden=768, vocab_size=2048, context_length=2048
     ),
     # A wider Llama with a 32K vocabulary (the head and loss are a third of the work): hidden 1024, GQA,
     # 512-token rows so that 8 rows per data rank take seconds, not minutes, on 2 CPU cores.
-    "h1024-32k": Shape(
-        _LLAMA3
-        | {
-            "hidden": 1024,
-            "num_layers": 4,
-            "num_heads": 16,
-            "num_kv_heads": 8,
-            "mlp_hidden": 2816,
-            "vocab_size": 32768,
-            "context_length": 512,
-        },
-        rows_per_data_rank=8,
-        microbatches=8,
-        sequence_parallel=True,
-        max_steps=3,
-        check_steps=2,
-        warmup=0,
+    "h1024-32k": _real_shape(
+        hidden=1024, num_layers=4, num_heads=16, num_kv_heads=8, mlp_hidden=2816, vocab_size=32768, context_length=512
     ),
 }
 PRESETS = tuple(SHAPES)

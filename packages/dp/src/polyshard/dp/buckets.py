@@ -83,8 +83,7 @@ class Bucket:
         self.work: Any = None  # the in-flight reduction's handle
         self.launched = False
         self.solo = (
-            n == 1
-            and dist.get_world_size(group) == 1
+            dist.get_world_size(group) == 1
             and replicate_group is None
             and all(p.dtype == reduce_dtype for p in self.params)
         )
