@@ -96,7 +96,7 @@ CASES = {
     # through peers); the composed GPT rows are peers' own.
     "peers": (
         ["--nproc", "2", "--steps", "1", "--only", "composed"],
-        [rf"^GPT-tiny {lay} \(H=64 L=4 S=64 B=16\){PEERS_ROW}" for lay in ("dp2 ZeRO-3", "tp2", "pp2 1F1B m=4")]
+        [rf"^GPT-tiny {lay} \(H=64 L=4 V=256 S=64 B=16\){PEERS_ROW}" for lay in ("dp2 ZeRO-3", "tp2", "pp2 1F1B m=4")]
         + [r"^3 comparisons: ratio median \d+\.\d+, .*; 0 mismatched$"],
     ),
 }
