@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.collectives import ops
-from polyshard.dp.flat import FlatLayout, GradBuffer
+from polyshard.dp.flat import FlatLayout, GradBuffer, shares_storage
 
 
 def assign_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
@@ -106,9 +106,8 @@ class Bucket:
         if self.stage == 0:
             self._landing = self.buffer.data
             self.work = ops.all_reduce(self.buffer.data, self.group, async_op=True)
-        else:
-            self._landing = torch.empty(self.buffer.row_numel, dtype=self.reduce_dtype, device=device)
-            self.work = ops.reduce_scatter_flat(self._landing, self.buffer.data, self.group, async_op=True)
+        else:  # the buffer's other rows are not read again this step: the reduction may overwrite them
+            self._landing, self.work = ops.reduce_scatter_flat_in_place(self.buffer.data, self.group, async_op=True)
 
     def wait(self) -> None:
         """Finish the reduction and turn the sum into the average; a gradient no rank produced stays None."""
@@ -124,7 +123,10 @@ class Bucket:
         if self.replicate_group is not None:
             # Hybrid sharding: the shard (presence flags included) sums over the other replicas' shards.
             ops.all_reduce(cast(torch.Tensor, self._landing), self.replicate_group)
-        grads, self.present = buffer.split(cast(torch.Tensor, self._landing))
+        landing = cast(torch.Tensor, self._landing)
+        if self.stage == 2 and shares_storage(landing, buffer.data):
+            landing = landing.clone()  # stage 2 frees the buffer below: its row (a view of it on gloo) moves out
+        grads, self.present = buffer.split(landing)
         self._landing = None
         grads.div_(self.divide_by)
         if self.stage == 0:
@@ -134,9 +136,11 @@ class Bucket:
                     p.grad = self.layout.unpack(grads, index)
             return
         if self.stage == 1:
-            # Keep only the full buffer: this rank's rows of it become the reduced shard.
+            # Keep only the full buffer: this rank's rows of it become the reduced shard (on gloo the
+            # reduction already left them there, see reduce_scatter_flat_in_place).
             mine = buffer.grid[self.rank]
-            mine.copy_(grads)
+            if grads.data_ptr() != mine.data_ptr():
+                mine.copy_(grads)
             self.reduced = mine
         else:
             self.reduced = grads

@@ -160,6 +160,11 @@ def rows_view(param: torch.Tensor, spec: ShardSpec, rank: int, home: torch.Tenso
     return home[rank * spec.shard_numel : (rank + 1) * spec.shard_numel].view(spec.shard_shape)
 
 
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is a view into ``b``'s memory (keeping ``a`` keeps all of ``b`` alive)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def padded_home(param: torch.nn.Parameter, spec: ShardSpec) -> torch.Tensor:
     """Move ``param`` into new storage of ``spec.padded_shape``'s numel (its value first, zeros after)
     and return that storage as a flat tensor, so :func:`rows_view` can cut every rank's rows from it."""

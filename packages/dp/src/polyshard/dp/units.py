@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.collectives import ops
-from polyshard.dp.flat import FlatLayout, GradBuffer, master_rows, shard_record, write_rows
+from polyshard.dp.flat import FlatLayout, GradBuffer, master_rows, shard_record, shares_storage, write_rows
 from polyshard.mesh import Replicate, TensorPlacement, get_placement, set_placement
 
 
@@ -123,8 +123,8 @@ class Unit:
         buffer.pack([p.grad for p in self.params])
         for p in self.params:
             p.grad = None
-        out = torch.empty(buffer.row_numel, dtype=self.reduce_dtype, device=self.local.device)
-        self._reduce = (ops.reduce_scatter_flat(out, buffer.data, self.group, async_op=True), buffer, out)
+        out, work = ops.reduce_scatter_flat_in_place(buffer.data, self.group, async_op=True)
+        self._reduce = (work, buffer, out)
         self.launched = True
         self.free()
 
@@ -135,6 +135,8 @@ class Unit:
         self._reduce = None
         if self.replicate_group is not None:  # hybrid sharding: sum the shard (and flags) over the replicas
             ops.all_reduce(out, self.replicate_group)
+        if shares_storage(out, buffer.data):
+            out = out.clone()  # this rank's row is a view of the whole buffer on gloo: keep the row alone
         grads, present = buffer.split(out)
         grads.div_(self.n * self.replicas)
         self.grad_shard = grads if self.grad_shard is None else self.grad_shard.add_(grads)
