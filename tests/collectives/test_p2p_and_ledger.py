@@ -131,3 +131,30 @@ def _all_to_all_wire():
 def test_ledger_all_to_all_counts_rows_to_others(distributed):
     # Rank 0 sends 5 rows to rank 1; rank 1 sends 4 rows to rank 0; a row is 2 float32 = 8 bytes.
     assert distributed.run(2, _all_to_all_wire) == [40.0, 32.0]
+
+
+def _reduce_scatter_in_place():
+    # Rank r gives a flat buffer of n pieces of 3: piece j holds (r + 1) * (j + 1) + [0, 0.5, 0.25].
+    n, r = dist.get_world_size(), dist.get_rank()
+    buffer = torch.cat([(r + 1) * (j + 1) + torch.tensor([0.0, 0.5, 0.25]) for j in range(n)])
+    with CommLedger() as ledger:
+        piece, work = ops.reduce_scatter_flat_in_place(buffer, async_op=True)
+        assert work is not None
+        work.wait()
+    expected = ops.reduce_scatter(torch.cat([(r + 1) * (j + 1) + torch.tensor([0.0, 0.5, 0.25]) for j in range(n)]))
+    aliased = piece.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    blocking, none = ops.reduce_scatter_flat_in_place(torch.ones(2 * n))
+    return piece.tolist(), expected.tolist(), aliased, ledger.total("reduce_scatter"), blocking.tolist(), none
+
+
+def test_reduce_scatter_flat_in_place_sums_this_ranks_piece(distributed):
+    # 3 ranks: piece r sums (k + 1) * (r + 1) over the ranks k (6 * (r + 1)) plus 3 times the offsets, as
+    # the plain reduce-scatter does; the ledger records a reduce-scatter of the whole buffer; on gloo the
+    # piece is a view of the buffer (no copies).
+    for r, (piece, expected, aliased, recorded, blocking, none) in enumerate(
+        distributed.run(3, _reduce_scatter_in_place)
+    ):
+        assert piece == expected == [6.0 * (r + 1), 6.0 * (r + 1) + 1.5, 6.0 * (r + 1) + 0.75]
+        assert aliased, "on gloo the summed piece is the buffer's own row"
+        assert recorded == 3 * 3 * 4
+        assert blocking == [3.0, 3.0] and none is None
