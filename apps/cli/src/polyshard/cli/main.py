@@ -213,8 +213,8 @@ def bench_peers(
     preset: str = typer.Option(
         "tiny",
         "--preset",
-        help="The composed jobs' shapes, comma-separated: tiny, small, titan-debug (torchtitan's Llama debug model "
-        "at 2,048-token rows), h1024-32k.",
+        help="The composed jobs' shapes, comma-separated: tiny, small, llama-tiny (tp with sequence parallelism), "
+        "titan-debug (torchtitan's Llama debug model at 2,048-token rows), h1024-32k (hidden 1,024, 32K vocabulary).",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
     modes: str = typer.Option(
