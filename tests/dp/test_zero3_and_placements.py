@@ -7,7 +7,7 @@ import torch.distributed as dist
 from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer
 from polyshard.mesh import Replicate, Shard, get_placement, shard_tensor
 
-from ._helpers import adamw, local_step_loss, make_model
+from ._helpers import adamw, batch, local_rows, local_step_loss, make_model
 
 
 def _lifecycle():
@@ -155,3 +155,51 @@ def test_an_unused_prefetch_does_not_serve_stale_parameters(distributed):
         assert set(per_param) == {"weight", "bias"}  # block 2 ran and its parameters were seen
         for name, (gathered, expected) in per_param.items():
             assert torch.equal(gathered, expected), name
+
+
+def _kept_block(steps: int):
+    """The last block kept gathered while a loss term outside the forward reads its weight (as the chunked
+    loss reads the head's): per step two microbatches' forwards, then one backward of their sum (GPipe's
+    order), on this rank's rows; one process's model takes the same steps on the whole batch."""
+    from polyshard.collectives import CommLedger
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    reference, base = make_model(), make_model()
+    ref_opt = adamw(reference.parameters())
+    model = FullyShardedDataParallel(base, group=dist.group.WORLD, keep_gathered=[base[2]])
+    opt = ZeroOptimizer(adamw(model.parameters()), model)
+
+    def loss_of(net, head, x, y):  # the mean over the batch, and a penalty read from the head's weight
+        return torch.nn.functional.mse_loss(net(x), y) + 1e-2 * (head.weight**2).sum()
+
+    gathered, gathers = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        ref_loss = sum(loss_of(reference, reference[2][0], xm, ym) for xm, ym in zip(x.chunk(2), y.chunk(2))) / 2
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = [local_rows(t, rank, n) for t in (x, y)]
+        with CommLedger() as ledger:
+            # each rank's mean over its rows; the average over ranks of the two halves is the reference's
+            losses = [loss_of(model, base[2][0], xm, ym) for xm, ym in zip(mine[0].chunk(2), mine[1].chunk(2))]
+            gathered.append(model.block_units[2].gathered)  # after both forwards: still whole
+            (sum(losses) / 2).backward()
+            opt.step()
+        gathers.append(ledger.calls("all_gather"))
+        gathered.append(model.block_units[2].gathered)  # after the step: freed
+        opt.zero_grad()
+    full = model.full_parameters()
+    differences = {name: float((full[name] - p).abs().max()) for name, p in reference.named_parameters()}
+    return gathered, gathers, differences
+
+
+def test_a_kept_block_stays_gathered_until_its_gradients_are_reduced(distributed):
+    # 3 ranks: dims 30 and 7 do not divide by 3, so the padded rows are in every gather and reduction.
+    for gathered, gathers, differences in distributed.run(3, _kept_block, 3):
+        assert gathered == [True, False] * 3
+        # Blocks 0 and 1 are gathered in each forward and again in the backward (2 x 2 + 2); the kept
+        # block once, at the first forward; the optimizer step gathers nothing.
+        assert gathers == [7] * 3
+        # float32 sums over 3 ranks' rows in another order, through 3 AdamW steps: rounding only
+        assert max(differences.values()) < 1e-6, differences

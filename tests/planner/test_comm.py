@@ -19,7 +19,10 @@ def _wire_by_group(parallel):
     model = {"preset": parallel.pop("preset", "tiny"), "kind": parallel.pop("kind", "gpt")}
     if "capacity" in parallel:  # an MoE's
         model["moe"] = {"capacity_factor": parallel.pop("capacity")}
-    config = from_dict({"model": model, "parallel": parallel, "training": {"global_batch_size": 8}})
+    if "tie" in parallel:
+        model["tie_embeddings"] = parallel.pop("tie")
+    training = {"global_batch_size": 8, "loss_chunks": parallel.pop("loss_chunks", 0)}
+    config = from_dict({"model": model, "parallel": parallel, "training": training})
     mesh = Mesh(config.parallel.mesh_axes)
     engine = build_engine(config, mesh)
     tokens = torch.randint(0, 256, (8 // config.parallel.data_ranks, 65))
@@ -51,6 +54,11 @@ LAYOUTS = [
     (2, {"dp": 2}),
     (2, {"dp": 2, "zero_stage": 1}),
     (2, {"dp": 2, "zero_stage": 3, "microbatches": 2}),
+    # ZeRO-3 gathers a weight tied within the stage (the root unit) once a microbatch, and with the
+    # chunked loss the head too (kept gathered from its forward through its backward)
+    (2, {"dp": 2, "zero_stage": 3, "microbatches": 2, "tie": True}),
+    (2, {"dp": 2, "zero_stage": 3, "microbatches": 2, "loss_chunks": 2}),
+    (4, {"dp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2, "loss_chunks": 2}),  # 1F1B: once per microbatch
     (2, {"tp": 2}),
     (2, {"tp": 2, "sequence_parallel": True}),
     (2, {"pp": 2, "microbatches": 4}),

@@ -76,6 +76,9 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     # two axes
     "dp2xtp2": (4, {"dp": 2, "tp": 2}),
     "dp2xpp2-zero2": (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 2}),
+    # GPipe: both microbatches' forwards run before either backward, so a ZeRO-3 unit kept gathered
+    # from forward to backward (the chunked loss's head) waits for two backwards
+    "dp2xpp2-gpipe-zero3": (4, {"dp": 2, "pp": 2, "microbatches": 2, "schedule": "gpipe", "zero_stage": 3}),
     "tp2xpp2": (4, {"tp": 2, "pp": 2, "microbatches": 2}),
     # split backward over tp's matmul Functions, which compute their weight gradients in B: W reuses them
     "tp2xpp2-zbh1": (4, {"tp": 2, "pp": 2, "microbatches": 2, "schedule": "zb-h1"}),

@@ -12,6 +12,13 @@ Parameters not in any block (e.g. embedding and head) form the root unit: it
 is gathered when the forward starts and freed at the end of backward. Per
 step that is two all-gathers and one reduce-scatter of every block's
 parameters (3 x parameter volume), one all-gather less for the root.
+
+A block in ``keep_gathered`` (FSDP2's ``reshard_after_forward=False``) is not
+freed after its forward: it stays gathered until the backward of every
+forward it ran has reduced its gradients, one all-gather less per microbatch.
+That is what a block whose weights are read after its forward needs: the
+output head whose projection the chunked loss applies itself
+(``training.loss_chunks``), in the loss's forward and again in its backward.
 Gradient accumulation: every backward reduce-scatters and the shards add up,
 so the full gradients are never kept.
 
@@ -57,6 +64,7 @@ class FullyShardedDataParallel(nn.Module):
         axis: str | tuple[str, ...] = "dp",
         replicate_group: dist.ProcessGroup | None = None,
         replicate_axis: str | tuple[str, ...] | None = None,
+        keep_gathered: Sequence[nn.Module] = (),
     ):
         super().__init__()
         self.module, self.group, self.mixed_precision, self.prefetch = module, group, mixed_precision, prefetch
@@ -67,6 +75,13 @@ class FullyShardedDataParallel(nn.Module):
         broadcast_and_check(states, group, self.replicate_group)
         blocks = list(module.children()) if blocks is None else list(blocks)
         self.block_units = self._make_units(named, blocks, axis)
+        kept = {id(b) for b in keep_gathered}
+        if kept - {id(b) for b in blocks}:
+            raise ValueError("keep_gathered names a module that is not one of the blocks")
+        # A block whose parameters all went to the root (shared ones) has no unit of its own: nothing to keep.
+        self._kept = [u for u, b in zip(self.block_units, self._unit_blocks) if id(b) in kept]
+        for unit in self._kept:
+            unit.keep = True
         claimed = {id(p) for u in self.block_units for p in u.params}
         rest = [(n, p) for n, p in named if id(p) not in claimed]
         self.root = self._unit(rest, axis) if rest else None
@@ -105,6 +120,7 @@ class FullyShardedDataParallel(nn.Module):
             for p in {id(p): p for p in block.parameters()}.values():
                 users[id(p)] = users.get(id(p), 0) + 1
         units: list[Unit] = []
+        self._unit_blocks: list[nn.Module] = []  # the block of each unit
         seen = {key for key, count in users.items() if count > 1}
         for block in blocks:
             members = [(name_of[id(p)], p) for p in block.parameters() if id(p) in name_of and id(p) not in seen]
@@ -113,6 +129,7 @@ class FullyShardedDataParallel(nn.Module):
             seen.update(id(p) for _, p in members)
             position = len(units)
             units.append(self._unit(members, axis))
+            self._unit_blocks.append(block)
             block.register_forward_pre_hook(lambda mod, args, i=position: self._pre_forward(i))
             block.register_forward_hook(lambda mod, args, out, i=position: self._post_forward(i, out))
         return units
@@ -121,9 +138,18 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.mixed_precision is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mixed_precision.param_dtype)
+        self._free_kept(waiting=False)  # left gathered by a forward without backward (an evaluation)
         if self.root is not None:
             self.root.gather()
         return self.module(*args, **kwargs)
+
+    def _free_kept(self, *, waiting: bool) -> None:
+        """Free the kept blocks no backward waits for; with ``waiting``, every kept block (the step's end:
+        one backward over several forwards, or a recomputed forward, leaves counts no backward will take)."""
+        for unit in self._kept:
+            if waiting or unit.awaiting_backward == 0:
+                unit.awaiting_backward = 0
+                unit.free()
 
     def _pre_forward(self, i: int) -> None:
         self.block_units[i].gather()
@@ -131,9 +157,13 @@ class FullyShardedDataParallel(nn.Module):
             self.block_units[i + 1].start_gather()
 
     def _post_forward(self, i: int, output: object) -> None:
-        self.block_units[i].free()
+        unit = self.block_units[i]
+        if not unit.keep:
+            unit.free()
         if not torch.is_grad_enabled():
-            return
+            return  # a kept block stays gathered for the caller; the next forward or step frees it
+        if unit.keep:
+            unit.awaiting_backward += 1
         tensors = [t for t in _tensors(output) if t.requires_grad]
         fired: list[bool] = []
 
@@ -191,9 +221,11 @@ class FullyShardedDataParallel(nn.Module):
         yield
 
     def finish_grad_sync(self) -> None:
-        """Each backward finishes its own reductions; only unused prefetches can be left to drop."""
+        """Each backward finishes its own reductions; only unused prefetches can be left to drop, and a
+        kept block still gathered (the optimizer step rewrites the rows it came from)."""
         for unit in self.reduce_order:
             unit.drop_prefetch()
+        self._free_kept(waiting=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -68,6 +68,10 @@ class Unit:
         self.launched = False
         self.grad_shard: torch.Tensor | None = None  # (shard_numel,) averaged, summed over backwards
         self.present = [False] * len(self.params)  # did any rank produce each gradient this step
+        # Kept gathered after forward (FullyShardedDataParallel's keep_gathered): the forwards whose
+        # backward has not yet reduced this unit's gradients; it is freed when none is left.
+        self.keep = False
+        self.awaiting_backward = 0
 
     # -- parameters ---------------------------------------------------------------
     def start_gather(self) -> None:
@@ -126,7 +130,10 @@ class Unit:
         out, work = ops.reduce_scatter_flat_in_place(buffer.data, self.group, async_op=True)
         self._reduce = (work, buffer, out)
         self.launched = True
-        self.free()
+        if self.awaiting_backward:
+            self.awaiting_backward -= 1
+        if not self.awaiting_backward:
+            self.free()
 
     def wait_reduce(self) -> None:
         """Finish the reduce-scatter and add the average into ``grad_shard`` (gradient accumulation)."""

@@ -43,7 +43,7 @@ from polyshard.dp import ShardSpec
 from polyshard.models import output_width, sequence_length, spec_of, tied_names
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size
-from polyshard.planner.model_states import holdings, stage_bounds
+from polyshard.planner.model_states import gathered_once, holdings, stage_bounds
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
 from polyshard.trainer.tasks import LANGUAGE, task_of
@@ -207,6 +207,12 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
             entry[0] += count * (math.prod(held.shape) + 1)
             entry[1] += count * n * ShardSpec(held.shape, n).shard_numel
             entry[2] += count * n
+    once: dict[tuple[int, int], float] = {}  # ZeRO-3's padded rows gathered once a microbatch (gathered_once)
+    if par.zero_stage == 3:
+        for held, count in gathered_once(config, pp_rank).items():
+            if held.replicas > 1:
+                key = (held.replicas, held.shard_ranks)
+                once[key] = once.get(key, 0.0) + count * key[1] * ShardSpec(held.shape, key[1]).shard_numel
     out = []
     for (replicas, n), (whole, padded, flags) in sizes.items():
         copies = replicas // n  # hybrid sharding's replicas of each shard (1 without it)
@@ -217,9 +223,10 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         elif par.zero_stage in (1, 2):
             out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
             out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "step"))
-        else:
-            phases = ("forward", "backward")
-            out += [Traffic(shard_axis, "all_gather", n, weight * padded, 1, phase) for phase in phases]
+        else:  # gathered before each forward and again before each backward, but once for some
+            again = padded - once.get((replicas, n), 0.0)
+            out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "forward"))
+            out.append(Traffic(shard_axis, "all_gather", n, weight * again, 1, "backward"))
             out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
         if copies > 1:  # each rank's reduced row (1/n of the buffer, flags included) summed over the copies
             out.append(Traffic("dp_replicate", "all_reduce", copies, 4 * (padded + flags) / n, 1, reduce_phase))

@@ -224,6 +224,30 @@ def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
     return held
 
 
+def gathered_once(config: Config, pp_rank: int) -> Counter[Held]:
+    """The parameters of :func:`holdings` that ZeRO-3 gathers once per microbatch rather than twice
+    (before the forward and again before the backward): the root unit's, a weight tied within one stage
+    (gathered when the stage's forward starts, kept through its backward), and with
+    ``training.loss_chunks`` > 1 the head's, which stays gathered for the chunked loss
+    (``FullyShardedDataParallel(keep_gathered=...)``). Under a schedule that alternates the last stage's
+    forwards and backwards (1F1B and the like) that is once per microbatch; GPipe runs every forward first
+    and gathers the kept head once per step, one gather fewer per further microbatch than counted here."""
+    shapes = global_shapes(config.model)
+    bounds = stage_bounds(config)
+    head = bounds[-1][-1]
+    aliases = tied_names(config.model)
+    records = _records(config)
+    par = config.parallel
+    once: Counter[Held] = Counter()
+    for stage in stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]:
+        layers = bounds[stage]
+        names = {n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) in layers}
+        if config.training.loss_chunks > 1 and head in layers:
+            names |= {n for n in shapes if layer_of(n) == head}
+        once.update(_held(config, records[n]) for n in names)
+    return once
+
+
 def stage_bounds(config: Config) -> list[range]:
     """:func:`pipeline_bounds` of ``config`` (cached by the model and the split)."""
     par = config.parallel

@@ -100,7 +100,9 @@ def _no_sync_all(wrappers: Sequence[DataParallelWrapper]) -> Callable[[], contex
     return context
 
 
-def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> DataParallelWrapper:
+def _wrap_data_parallel(
+    stage: nn.Sequential, config: Config, mesh: Mesh, head: nn.Module | None = None
+) -> DataParallelWrapper:
     par = config.parallel
     mp = None
     if config.training.precision == "bf16":
@@ -121,6 +123,9 @@ def _wrap_data_parallel(stage: nn.Sequential, config: Config, mesh: Mesh) -> Dat
             axis=shard_axes,
             replicate_group=replicate_group,
             replicate_axis=replicate_axis,
+            # The chunked loss multiplies by the head's weight after the head's forward and again in its
+            # backward: the head stays gathered from its forward until its gradients are reduced.
+            keep_gathered=[head] if head is not None and config.training.loss_chunks > 1 else [],
         )
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
@@ -202,14 +207,17 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     stages = {s: Stage(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
-    wrappers = {s: _wrap_data_parallel(stage, config, mesh) for s, stage in stages.items()}
+    head = _last_layer(stages, schedule.num_stages)
+    wrappers = {
+        s: _wrap_data_parallel(stage, config, mesh, head if any(m is head for m in stage) else None)
+        for s, stage in stages.items()
+    }
     if config.training.compile:
         # After every strategy has replaced its modules and set its hooks: only block forwards compile.
         compile_blocks(stages.values(), retain_graph=par.schedule in SPLIT_BACKWARD)
     optimizers = [
         build_optimizer(w, config, global_names(stages[s], bounds[s], aliases), mesh) for s, w in wrappers.items()
     ]
-    head = _last_layer(stages, schedule.num_stages)
     executor = PipelineExecutor(
         cast(Mapping[int, nn.Module], wrappers),  # DataParallel and FullyShardedDataParallel are nn.Modules
         schedule,

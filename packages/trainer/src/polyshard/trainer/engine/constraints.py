@@ -56,7 +56,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
 
 def _check_loss_chunks(config: Config) -> None:
     """training.loss_chunks projects a language model's hidden states inside the loss, with the head's
-    weight: that weight must be whole on the rank when the loss runs, which ZeRO-3 does not keep it."""
+    weight (under ZeRO-3 the head stays gathered from its forward through its backward for it)."""
     chunks = config.training.loss_chunks
     if chunks <= 1:
         return
@@ -64,11 +64,6 @@ def _check_loss_chunks(config: Config) -> None:
         raise ConfigError(
             f"training.loss_chunks={chunks} chunks a language model's head and loss; model.kind="
             f"{config.model.kind!r} classifies, set loss_chunks = 0"
-        )
-    if config.parallel.zero_stage == 3:
-        raise ConfigError(
-            f"training.loss_chunks={chunks} multiplies by the head's weight inside the loss, after ZeRO-3 has "
-            "freed it; use parallel.zero_stage <= 2 or training.loss_chunks = 0"
         )
 
 
