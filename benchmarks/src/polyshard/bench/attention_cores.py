@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 
 VARIANTS = ("causal-sdpa", "dense-mask", "blocksparse")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def _segments(length: int, document: int, seed: int):  # type: ignore[no-untyped-def]
@@ -47,6 +41,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
     import torch
     import torch.nn.functional as F
 
+    from polyshard.bench.peak_memory import PeakGrowth
     from polyshard.models.common import Attention, Documents, document_mask, document_positions
     from polyshard.models.common.cores import BLOCK, Visibility, plan_sparse_blocks
 
@@ -68,24 +63,14 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
         layer.core.forward = dense  # type: ignore[method-assign,assignment]
     plan = plan_sparse_blocks(length, length, BLOCK, Visibility(causal=True, segments=segments.cpu()))
     causal = plan_sparse_blocks(length, length, BLOCK, Visibility(causal=True))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-    start = time.perf_counter()
-    layer(x, documents).sum().backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    with PeakGrowth(device) as peak:
+        start = time.perf_counter()
+        layer(x, documents).sum().backward()
     seconds = time.perf_counter() - start
     return {
         "variant": variant,
         "length": length,
-        "peak_mib": round(peak / 2**20, 1),
+        "peak_mib": round(peak.bytes / 2**20, 1),
         "seconds": round(seconds, 2),
         "blocks_skipped": round(plan.skipped / plan.total, 3),
         "causal_blocks_skipped": round(causal.skipped / plan.total, 3),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,7 +24,8 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from polyshard.bench.attention_cores import _rss_bytes, _segments
+from polyshard.bench.attention_cores import _segments
+from polyshard.bench.peak_memory import PeakGrowth
 from polyshard.collectives import ops
 from polyshard.cp import Style, context_parallel_attention, shard_sequence
 from polyshard.mesh import init_distributed
@@ -51,19 +51,10 @@ def measure(
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
-    times = [step()]
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    with PeakGrowth(device) as peak:
+        times = [step()]
     times += [step() for _ in range(iters - 1)]
-    worst = torch.tensor([float(peak), statistics.median(times)], dtype=torch.float64)
+    worst = torch.tensor([float(peak.bytes), statistics.median(times)], dtype=torch.float64)
     ops.all_reduce(worst, None, op=dist.ReduceOp.MAX)
     return {
         "style": style,
