@@ -136,3 +136,46 @@ def test_expert_params_reduce_over_their_own_group(distributed):
         assert set(grads) == {"shared.weight", "shared.bias", "expert.weight", "expert.bias"}
         for name, (grad, expected) in grads.items():
             torch.testing.assert_close(grad, expected, **EXACT_ENOUGH, msg=name)
+
+
+class _WithSpare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = make_model()
+        self.spare = nn.Linear(3, 3)  # no rank uses it: its gradient stays None
+
+    def forward(self, x):
+        return self.trunk(x)
+
+
+def _solo():
+    from polyshard.collectives import CommLedger
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # every rank joins every new group's creation
+    reference, base = make_model(), _WithSpare()
+    # The last block's gradients divided by 2 (as experts' are by every replica), the rest by the group's 1.
+    sets = [ParamSet(list(base.trunk[2].parameters()), alone, divide_by=2)]
+    model = DataParallel(base, group=alone, param_sets=sets)
+    x, y = (local_rows(t, rank, world) for t in batch(0))
+    nn.functional.mse_loss(reference(x), y).backward()
+    with CommLedger() as ledger:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        model.finish_grad_sync()
+    buckets = model.buckets()
+    expected = {f"trunk.{n}": p.grad / (2 if n.startswith("2.") else 1) for n, p in reference.named_parameters()}
+    grads = {n: (p.grad, model.grad_shard(p)) for n, p in model.module.named_parameters()}
+    return [b.solo for b in buckets], [b.buffer for b in buckets], ledger.calls("all_reduce"), grads, expected
+
+
+def test_a_one_rank_group_reduces_nothing_and_leaves_each_gradient_in_place(distributed):
+    # A pipeline or tensor-parallel layout without dp: every bucket is solo, packs nothing, runs no
+    # collective, and each gradient is autograd's own (divided where its set says), bit for bit.
+    for solo, buffers, all_reduces, grads, expected in distributed.run(2, _solo):
+        assert all(solo) and buffers == [None] * len(buffers) and all_reduces == 0
+        assert grads.pop("spare.weight") == (None, None) and grads.pop("spare.bias") == (None, None)
+        assert set(grads) == set(expected)
+        for name, (grad, shard) in grads.items():
+            assert shard is grad, name  # the reduced gradient is p.grad itself, not a copy
+            assert torch.equal(grad, expected[name]), name
