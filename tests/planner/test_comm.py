@@ -62,6 +62,11 @@ LAYOUTS = [
     (2, {"tp": 2}),
     (2, {"tp": 2, "sequence_parallel": True}),
     (2, {"pp": 2, "microbatches": 4}),
+    # a tied embedding and head on the two ends: their gradients summed over pp, as this rank holds them
+    # (whole, or its ZeRO rows) with the count of copies that had none
+    (2, {"pp": 2, "microbatches": 2, "tie": True}),
+    (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 1, "tie": True}),
+    (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 3, "tie": True}),
     (4, {"dp": 2, "tp": 2}),
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),

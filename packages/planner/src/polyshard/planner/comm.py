@@ -40,10 +40,10 @@ from dataclasses import dataclass
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.models import output_width, sequence_length, spec_of, tied_names
+from polyshard.models import sequence_length, spec_of, tied_names
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size
-from polyshard.planner.model_states import gathered_once, holdings, stage_bounds
+from polyshard.planner.model_states import gathered_once, holdings, stage_bounds, tied_copy_elements
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
 from polyshard.trainer.tasks import LANGUAGE, task_of
@@ -238,8 +238,7 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     par, model = config.parallel, config.model
     out = _gradient_traffic(config, pp_rank)
     if tied_names(model) and par.pp > 1 and pp_rank in (0, par.pp - 1):
-        vocab = output_width(model) / par.tp
-        out.append(Traffic("pp", "all_reduce", 2, 4 * vocab * model.hidden, 1, "step"))
+        out += [Traffic("pp", "all_reduce", 2, 4 * elements, 1, "step") for elements in tied_copy_elements(config)]
     if par.sequence_parallel and par.tp > 1:  # norms and experts on sequence shards: their grads sum over tp
         norms = sum(
             c * math.prod(h.shape)

@@ -248,6 +248,20 @@ def gathered_once(config: Config, pp_rank: int) -> Counter[Held]:
     return once
 
 
+def tied_copy_elements(config: Config) -> list[int]:
+    """Per weight tied across two pipeline stages, the float32 elements ``Engine._sum_tied_copies``
+    all-reduces between its copies: the copy's gradient as this rank holds it (after tp; its ZeRO rows at
+    stages 1-3) and one count of the copies without a gradient."""
+    records = _records(config)
+    out = []
+    for name in sorted(set(tied_names(config.model).values())):
+        held = _held(config, records[name])
+        whole = math.prod(held.shape)
+        rows = ShardSpec(held.shape, held.shard_ranks).shard_numel if config.parallel.zero_stage else whole
+        out.append(rows + 1)
+    return out
+
+
 def stage_bounds(config: Config) -> list[range]:
     """:func:`pipeline_bounds` of ``config`` (cached by the model and the split)."""
     par = config.parallel
