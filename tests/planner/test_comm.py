@@ -54,8 +54,8 @@ LAYOUTS = [
     (2, {"dp": 2}),
     (2, {"dp": 2, "zero_stage": 1}),
     (2, {"dp": 2, "zero_stage": 3, "microbatches": 2}),
-    # ZeRO-3 gathers a weight tied within the stage (the root unit) once a microbatch, and with the
-    # chunked loss the head too (kept gathered from its forward through its backward)
+    # ZeRO-3 gathers the head (kept gathered from its forward through its backward) and a weight tied
+    # within the stage (the root unit) once a microbatch, with the chunked loss too
     (2, {"dp": 2, "zero_stage": 3, "microbatches": 2, "tie": True}),
     (2, {"dp": 2, "zero_stage": 3, "microbatches": 2, "loss_chunks": 2}),
     (4, {"dp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2, "loss_chunks": 2}),  # 1F1B: once per microbatch

@@ -72,7 +72,7 @@ def test_chunked_loss_trains_the_numbers_of_the_whole_logits(parity, corpus, tmp
 
 
 def test_chunks_need_a_language_model(corpus):
-    validate(_config(corpus, 4, dp=2, zero_stage=3))  # ZeRO-3 keeps the head gathered for the loss
+    validate(_config(corpus, 4, dp=2, zero_stage=3))  # ZeRO-3 keeps the head gathered through the loss
     vit = from_dict({"model": {"kind": "vit"}, "data": {"source": "digits"}, "training": {"loss_chunks": 2}})
     with pytest.raises(ConfigError, match="model.kind='vit' classifies"):
         validate(vit)

@@ -333,9 +333,11 @@ class Peer:
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = self.device_mesh["dp"]
-        reshard = self.config.parallel.pp == 1  # torchtitan keeps parameters gathered across microbatches
-        for layer in self.stage:
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+        # torchtitan: with pp, parameters stay gathered across microbatches; without, every layer but the
+        # last reshards after its forward (the last one's backward comes next), as ours keeps the head.
+        reshard = self.config.parallel.pp == 1
+        for index, layer in enumerate(self.stage):
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard and index < len(self.stage) - 1)
         fully_shard(self.stage, mesh=dp_mesh, reshard_after_forward=reshard)
 
     @staticmethod

@@ -16,9 +16,10 @@ parameters (3 x parameter volume), one all-gather less for the root.
 A block in ``keep_gathered`` (FSDP2's ``reshard_after_forward=False``) is not
 freed after its forward: it stays gathered until the backward of every
 forward it ran has reduced its gradients, one all-gather less per microbatch.
-That is what a block whose weights are read after its forward needs: the
-output head whose projection the chunked loss applies itself
-(``training.loss_chunks``), in the loss's forward and again in its backward.
+The trainer keeps the output head so (torchtitan's default for the last
+layers): its backward starts right after its forward, and the chunked loss
+(``training.loss_chunks``) multiplies by its weight after its forward and
+again in its backward.
 Gradient accumulation: every backward reduce-scatters and the shards add up,
 so the full gradients are never kept.
 

@@ -227,8 +227,8 @@ def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
 def gathered_once(config: Config, pp_rank: int) -> Counter[Held]:
     """The parameters of :func:`holdings` that ZeRO-3 gathers once per microbatch rather than twice
     (before the forward and again before the backward): the root unit's, a weight tied within one stage
-    (gathered when the stage's forward starts, kept through its backward), and with
-    ``training.loss_chunks`` > 1 the head's, which stays gathered for the chunked loss
+    (gathered when the stage's forward starts, kept through its backward), and the output head's, which
+    stays gathered from its forward until its gradients are reduced
     (``FullyShardedDataParallel(keep_gathered=...)``). Under a schedule that alternates the last stage's
     forwards and backwards (1F1B and the like) that is once per microbatch; GPipe runs every forward first
     and gathers the kept head once per step, one gather fewer per further microbatch than counted here."""
@@ -242,8 +242,9 @@ def gathered_once(config: Config, pp_rank: int) -> Counter[Held]:
     for stage in stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]:
         layers = bounds[stage]
         names = {n for a, n in aliases.items() if layer_of(a) in layers and layer_of(n) in layers}
-        if config.training.loss_chunks > 1 and head in layers:
+        if head in layers:  # the head's own parameters, and its copy of a weight tied to another stage's
             names |= {n for n in shapes if layer_of(n) == head}
+            names |= {n for a, n in aliases.items() if layer_of(a) == head and layer_of(n) not in layers}
         once.update(_held(config, records[n]) for n in names)
     return once
 

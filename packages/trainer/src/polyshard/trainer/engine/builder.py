@@ -123,9 +123,10 @@ def _wrap_data_parallel(
             axis=shard_axes,
             replicate_group=replicate_group,
             replicate_axis=replicate_axis,
-            # The chunked loss multiplies by the head's weight after the head's forward and again in its
-            # backward: the head stays gathered from its forward until its gradients are reduced.
-            keep_gathered=[head] if head is not None and config.training.loss_chunks > 1 else [],
+            # The output head stays gathered from its forward until its gradients are reduced (FSDP2's
+            # reshard_after_forward=False for the last layers, torchtitan's default): its backward starts
+            # right after, and the chunked loss multiplies by its weight after its forward and in backward.
+            keep_gathered=[head] if head is not None else [],
         )
     sets = []
     experts = expert_parameters(stage) if spec_of(config.model).has_experts else []
