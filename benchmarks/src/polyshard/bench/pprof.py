@@ -12,7 +12,8 @@ time less the operators' self time: Python between operators (and time the proce
 scheduled). An interleaved A/B median (``time_interleaved``) is printed beside them.
 
 Cases: ``composed`` (the composed GPT-tiny pp2 1F1B m=4 row of ``polyshard bench peers``: ours
-:func:`~polyshard.trainer.loop.train_step`, the peer ``PipelineStage`` + ``Schedule1F1B``),
+:func:`~polyshard.trainer.loop.train_step`, the peer ``PipelineStage`` + ``Schedule1F1B``;
+``composed:<shape>:<dp2|tp2|pp2>`` another of its rows, e.g. ``composed:titan-debug:tp2``),
 ``pp:<schedule>`` (``polyshard bench pp``'s row for gpipe, 1f1b, interleaved, zb-v or dualpipev),
 ``zero1`` (``polyshard bench dp``'s ZeRO-1 row against DDP + ``ZeroRedundancyOptimizer``),
 ``ab:packed`` (ours on the composed row against ours with its one-rank gradient buckets packed and
@@ -35,11 +36,13 @@ from polyshard.mesh import DistributedContext
 Step = Callable[[], object]
 
 
-def composed_sides() -> tuple[Step, Step]:
-    """The composed pp2 1F1B m=4 row of ``bench peers`` (2 ranks)."""
+def composed_sides(preset: str = "tiny", layout: str = "pp2") -> tuple[Step, Step]:
+    """A composed row of ``bench peers`` on 2 ranks: the shape ``preset`` on ``layout`` (dp2, tp2 or pp2)."""
     from polyshard.bench import peers
 
-    config = peers.composed_config({"pp": 2})
+    if preset not in peers.SHAPES or layout not in ("dp2", "tp2", "pp2"):
+        raise SystemExit(f"--case composed:<{'|'.join(peers.SHAPES)}>:<dp2|tp2|pp2>, not {preset!r}:{layout!r}")
+    config = peers.composed_config({layout[:2]: 2}, preset)
     device = torch.device("cpu")
     ours, peer = peers.Ours(config, device), peers.Peer(config, device)
     data_rank = ours.mesh.group_rank(config.parallel.batch_axes)
@@ -127,8 +130,8 @@ def zero1_sides() -> tuple[Step, Step]:
 
 
 def sides(case: str) -> tuple[Step, Step]:
-    if case == "composed":
-        return composed_sides()
+    if case == "composed" or case.startswith("composed:"):
+        return composed_sides(*case.split(":")[1:])
     if case.startswith("pp:"):
         return pp_sides(case[3:])
     if case == "zero1":
@@ -219,7 +222,7 @@ def format_rank(r: Record, top: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="composed", help="composed, pp:<schedule> or zero1")
+    parser.add_argument("--case", default="composed", help="composed[:<shape>:<layout>], pp:<schedule>, zero1")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per side")
     parser.add_argument("--iters", type=int, default=20, help="interleaved timed steps per side")
     parser.add_argument("--top", type=int, default=25, help="operators shown per rank")
