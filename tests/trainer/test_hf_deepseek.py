@@ -21,14 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from polyshard.checkpoint import Checkpoint, CheckpointError
-from polyshard.trainer.checkpointing.hugging_face import hf_state, model_settings, write_hf
+from polyshard.checkpoint import CheckpointError
+from polyshard.trainer.checkpointing.hugging_face import model_settings, write_hf
+from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
 
-ROUND_OFF = 1e-5
 SIZES = {
     "vocab_size": 300, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
     "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
@@ -88,9 +88,6 @@ LAYOUTS = [(f, m) for f in FAMILIES for m in MESHES]
     [pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long) for f, m in LAYOUTS],
 )
 def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
-    from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.run_export import consolidate
-
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
     if config.parallel.cp > 1:  # cp splits whole contexts: the rows of _tokens(), 12 tokens (a run may choose it)
@@ -98,22 +95,8 @@ def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus,
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
     hf_logits = _hf_logits(folder)
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    print(f"{family} {mesh}: max |logit - transformers'| = {(logits - hf_logits).abs().max():.3g}")
-    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
-    # Import then export, with no training between: the original tensors, bit for bit (the selection bias too).
-    step = next(tmp_path.glob("step_*"))
-    state = consolidate(step)
-    original = load_file(folder / "model.safetensors")
-    exported = hf_state(state, config.model)
-    assert exported.keys() == original.keys()
-    for key, tensor in exported.items():
-        assert torch.equal(tensor, original[key]), key
-    streamed = load_file(write_hf(Checkpoint(step), config.model, tmp_path / "streamed") / "model.safetensors")
-    assert streamed.keys() == exported.keys() and all(torch.equal(streamed[k], exported[k]) for k in streamed)
-    model = build_model(config.model)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(_tokens()[:, :-1]), hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert_scores_as_transformers(f"{family} {mesh}", config, logits, None, hf_logits)
+    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
 
 
 def test_the_settings_are_the_folders(folders, tmp_path):

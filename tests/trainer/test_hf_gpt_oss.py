@@ -20,15 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from polyshard.checkpoint import Checkpoint, CheckpointError
-from polyshard.trainer.checkpointing.hugging_face import HFSource, hf_state, model_settings, write_hf
+from polyshard.checkpoint import CheckpointError
+from polyshard.trainer.checkpointing.hugging_face import HFSource, model_settings, write_hf
 from polyshard.trainer.config import from_dict
+from tests.trainer._hf import assert_export_gives_the_folder_back, assert_scores_as_transformers
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
 
-ROUND_OFF = 1e-5
 ROPE = {
     "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
     "truncate": False, "original_max_position_embeddings": 4,
@@ -68,31 +68,12 @@ QUICK = {"one", "cp2"}
 
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES])
 def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, tmp_path, mesh):
-    from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.run_export import consolidate
-
     config = _config(folder, corpus, **MESHES[mesh])
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
     hf_logits = _hf_logits(folder)
-    hf_loss = float(torch.nn.functional.cross_entropy(hf_logits.flatten(0, 1), _tokens()[:, 1:].flatten()))
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    print(f"gpt-oss {mesh}: max |logit - transformers'| = {(logits - hf_logits).abs().max():.3g}")
-    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
-    assert [loss for loss, _ in results] == pytest.approx([hf_loss] * len(results), rel=ROUND_OFF)
-    # Import then export, with no training between: the original tensors, bit for bit.
-    step = next(tmp_path.glob("step_*"))
-    state = consolidate(step)
-    original = load_file(folder / "model.safetensors")
-    exported = hf_state(state, config.model)
-    assert exported.keys() == original.keys()
-    for key, tensor in exported.items():
-        assert torch.equal(tensor, original[key]), key
-    streamed = load_file(write_hf(Checkpoint(step), config.model, tmp_path / "streamed") / "model.safetensors")
-    assert streamed.keys() == exported.keys() and all(torch.equal(streamed[k], exported[k]) for k in streamed)
-    model = build_model(config.model)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(_tokens()[:, :-1]), hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert_scores_as_transformers(f"gpt-oss {mesh}", config, logits, [loss for loss, _ in results], hf_logits)
+    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
 
 
 def test_the_settings_are_the_folders(folder, tmp_path):

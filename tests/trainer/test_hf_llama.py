@@ -29,11 +29,11 @@ from polyshard.trainer.checkpointing.hugging_face import (
     write_hf,
 )
 from polyshard.trainer.config import from_dict
+from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
 from tests.trainer.test_hf import _asdict, _tokens
 
 transformers = pytest.importorskip("transformers")
 
-ROUND_OFF = 1e-5
 VOCAB = 300  # _tokens() draws from 300 tokens
 # Head dim 16 with theta 10000 gives wavelengths 6.3, 20, 63, 200, ...: with an original context of
 # 32 (bands at 32/4 = 8 and 32/1 = 32) the scaled Llama has frequencies kept, blended and divided.
@@ -144,30 +144,14 @@ QUICK = {"one", "tp2", "tied-tp2xpp2", "pp3-uneven", "scaled-tp2"}
     "layout", [name if name in QUICK else pytest.param(name, marks=pytest.mark.long) for name in LAYOUTS]
 )
 def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_path, layout):
-    from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.run_export import consolidate
-
     name, parallel = LAYOUTS[layout]
     folder = folders[name]
     config = _config(folder, corpus, **parallel)
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
     hf_logits = _hf_logits(folder)
-    hf_loss = float(torch.nn.functional.cross_entropy(hf_logits.flatten(0, 1), _tokens()[:, 1:].flatten()))
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    print(f"{layout}: max |logit - transformers'| = {(logits - hf_logits).abs().max():.3g}")
-    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
-    assert [loss for loss, _ in results] == pytest.approx([hf_loss] * len(results), rel=ROUND_OFF)
-    # Import then export, with no training between: the original tensors, bit for bit.
-    state = consolidate(next(tmp_path.glob("step_*")))
-    original = load_file(folder / "model.safetensors")
-    exported = hf_state(state, config.model)
-    assert exported.keys() == original.keys()
-    for key, tensor in exported.items():
-        assert torch.equal(tensor, original[key]), key
-    model = build_model(config.model)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(_tokens()[:, :-1]), hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert_scores_as_transformers(layout, config, logits, [loss for loss, _ in results], hf_logits)
+    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits, streamed=False)
 
 
 def test_the_settings_are_the_folders(folders):

@@ -21,23 +21,22 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from polyshard.checkpoint import Checkpoint, CheckpointError
+from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.hugging_face import (
     HFSource,
     check_matches,
     hf_config,
-    hf_state,
     model_settings,
     write_hf,
 )
 from polyshard.trainer.config import from_dict
+from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
 
-ROUND_OFF = 1e-5
 SIZES = {
     "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 16,
@@ -110,33 +109,13 @@ QUICK |= {("qwen3_moe_dense", "pp2"), ("qwen2_moe_step", "ep2xtp2")}
     [pytest.param(f, m, id=f"{f}-{m}", marks=() if (f, m) in QUICK else pytest.mark.long) for f, m in LAYOUTS],
 )
 def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tmp_path, family, mesh):
-    from polyshard.models import build_model
-    from polyshard.trainer.checkpointing.run_export import consolidate
-
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
     hf_logits = _hf_logits(folder)
-    hf_loss = float(torch.nn.functional.cross_entropy(hf_logits.flatten(0, 1), _tokens()[:, 1:].flatten()))
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    print(f"{family} {mesh}: max |logit - transformers'| = {(logits - hf_logits).abs().max():.3g}")
-    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
-    assert [loss for loss, _ in results] == pytest.approx([hf_loss] * len(results), rel=ROUND_OFF)
-    # Import then export, with no training between: the original tensors, bit for bit.
-    step = next(tmp_path.glob("step_*"))
-    state = consolidate(step)
-    original = load_file(folder / "model.safetensors")
-    exported = hf_state(state, config.model)
-    assert exported.keys() == original.keys() - ({"lm_head.weight"} if config.model.tie_embeddings else set())
-    for key, tensor in exported.items():
-        assert torch.equal(tensor, original[key]), key
-    # The same streamed from the checkpoint (polyshard export --format hf), one expert at a time.
-    streamed = load_file(write_hf(Checkpoint(step), config.model, tmp_path / "streamed") / "model.safetensors")
-    assert streamed.keys() == exported.keys() and all(torch.equal(streamed[k], exported[k]) for k in streamed)
-    model = build_model(config.model)
-    model.load_state_dict(state, strict=True)
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(_tokens()[:, :-1]), hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert_scores_as_transformers(f"{family} {mesh}", config, logits, [loss for loss, _ in results], hf_logits)
+    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
 
 
 def test_each_rank_reads_only_its_experts(folders, corpus):

@@ -1,0 +1,56 @@
+"""What every Hugging Face family's import test checks after importing a folder on some mesh and saving
+the run's checkpoint (``test_hf_llama._import_and_score``): the logits and loss transformers gives, and an
+export with no training between that gives the folder's tensors back, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polyshard.checkpoint import Checkpoint
+from polyshard.trainer.checkpointing.hugging_face import hf_state, write_hf
+from polyshard.trainer.config import Config
+from tests.trainer.test_hf import _tokens
+
+ROUND_OFF = 1e-5  # float32: the same sums as transformers', taken in another order
+
+
+def assert_scores_as_transformers(
+    label: str, config: Config, logits: torch.Tensor, losses: list[float] | None, hf_logits: torch.Tensor
+) -> None:
+    """``logits``, the whole (B, S, V) put back from every rank, and each rank's mean loss (None: not
+    compared) against transformers' on the same tokens."""
+    print(f"{label}: max |logit - transformers'| = {(logits - hf_logits).abs().max():.3g}")
+    torch.testing.assert_close(logits, hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
+    if losses is not None:
+        hf_loss = float(torch.nn.functional.cross_entropy(hf_logits.flatten(0, 1), _tokens()[:, 1:].flatten()))
+        assert losses == pytest.approx([hf_loss] * len(losses), rel=ROUND_OFF)
+
+
+def assert_export_gives_the_folder_back(
+    tmp_path: Path, folder: Path, config: Config, hf_logits: torch.Tensor, *, streamed: bool = True
+) -> None:
+    """The checkpoint in ``tmp_path`` (saved right after the import) exported: the folder's tensors bit
+    for bit (a tied head, which transformers' files may hold too, is written once); with ``streamed``
+    the same from ``polyshard export --format hf``'s path, one tensor at a time; and the consolidated
+    state in a one-process model scores as transformers does."""
+    from polyshard.models import build_model
+    from polyshard.trainer.checkpointing.run_export import consolidate
+
+    step = next(tmp_path.glob("step_*"))
+    state = consolidate(step)
+    original = load_file(folder / "model.safetensors")
+    exported = hf_state(state, config.model)
+    assert exported.keys() == original.keys() - ({"lm_head.weight"} if config.model.tie_embeddings else set())
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, original[key]), key
+    if streamed:
+        written = load_file(write_hf(Checkpoint(step), config.model, tmp_path / "streamed") / "model.safetensors")
+        assert written.keys() == exported.keys() and all(torch.equal(written[k], exported[k]) for k in written)
+    model = build_model(config.model)
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(_tokens()[:, :-1]), hf_logits, rtol=ROUND_OFF, atol=ROUND_OFF)
