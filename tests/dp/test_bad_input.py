@@ -78,6 +78,7 @@ def _bad_arguments():
         lambda: DataParallel(model, group=group, param_sets=[ParamSet([nn.Parameter(torch.zeros(2))], group)]),
         lambda: DataParallel(model, group=group, param_sets=[ParamSet([model[0][0].weight], group)] * 2),
         lambda: DataParallel(model, group=group, param_sets=[ParamSet([model[0][0].weight], group, divide_by=0)]),
+        lambda: FullyShardedDataParallel(make_model(), group=group, keep_gathered=[nn.Linear(2, 2)]),
     ]
     for attempt in attempts:
         try:
@@ -88,12 +89,13 @@ def _bad_arguments():
 
 
 def test_bad_arguments(distributed):
-    stage, cap, stranger, twice, divide = distributed.run(2, _bad_arguments)[0]
+    stage, cap, stranger, twice, divide, kept = distributed.run(2, _bad_arguments)[0]
     assert "FullyShardedDataParallel" in stage
     assert "bucket_cap_mb=0 must be positive" in cap
     assert "shape (2,) that is not a trainable parameter" in stranger
     assert "'0.0.weight' is listed in two ParamSets" in twice
     assert "divide_by=0 must be a positive integer" in divide
+    assert "keep_gathered names a module that is not one of the blocks" in kept
 
 
 def _second_backward_without_sync():

@@ -20,6 +20,7 @@ The trainer keeps the output head so (torchtitan's default for the last
 layers): its backward starts right after its forward, and the chunked loss
 (``training.loss_chunks``) multiplies by its weight after its forward and
 again in its backward.
+
 Gradient accumulation: every backward reduce-scatters and the shards add up,
 so the full gradients are never kept.
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.dp.checks import broadcast_and_check, replicas_of
+from polyshard.dp.errors import DataParallelError
 from polyshard.dp.flat import ShardSpec, shard_record
 from polyshard.dp.grad_hooks import weak_grad_hook
 from polyshard.dp.mixed_precision import MixedPrecision, cast_inputs, compute_dtype, reduce_dtype
@@ -75,14 +77,12 @@ class FullyShardedDataParallel(nn.Module):
         states = list(module.named_parameters()) + list(module.named_buffers())
         broadcast_and_check(states, group, self.replicate_group)
         blocks = list(module.children()) if blocks is None else list(blocks)
-        self.block_units = self._make_units(named, blocks, axis)
         kept = {id(b) for b in keep_gathered}
         if kept - {id(b) for b in blocks}:
-            raise ValueError("keep_gathered names a module that is not one of the blocks")
+            raise DataParallelError("keep_gathered names a module that is not one of the blocks; pass blocks of it")
+        self.block_units = self._make_units(named, blocks, axis, kept)
         # A block whose parameters all went to the root (shared ones) has no unit of its own: nothing to keep.
-        self._kept = [u for u, b in zip(self.block_units, self._unit_blocks) if id(b) in kept]
-        for unit in self._kept:
-            unit.keep = True
+        self._kept = [u for u in self.block_units if u.keep]
         claimed = {id(p) for u in self.block_units for p in u.params}
         rest = [(n, p) for n, p in named if id(p) not in claimed]
         self.root = self._unit(rest, axis) if rest else None
@@ -110,7 +110,11 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     def _make_units(
-        self, named: list[tuple[str, nn.Parameter]], blocks: list[nn.Module], axis: str | tuple[str, ...]
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        blocks: list[nn.Module],
+        axis: str | tuple[str, ...],
+        kept: set[int],
     ) -> list[Unit]:
         name_of = {id(p): n for n, p in named}
         # A parameter used by several blocks (a tied embedding and output head) must stay gathered from
@@ -121,7 +125,6 @@ class FullyShardedDataParallel(nn.Module):
             for p in {id(p): p for p in block.parameters()}.values():
                 users[id(p)] = users.get(id(p), 0) + 1
         units: list[Unit] = []
-        self._unit_blocks: list[nn.Module] = []  # the block of each unit
         seen = {key for key, count in users.items() if count > 1}
         for block in blocks:
             members = [(name_of[id(p)], p) for p in block.parameters() if id(p) in name_of and id(p) not in seen]
@@ -130,7 +133,7 @@ class FullyShardedDataParallel(nn.Module):
             seen.update(id(p) for _, p in members)
             position = len(units)
             units.append(self._unit(members, axis))
-            self._unit_blocks.append(block)
+            units[-1].keep = id(block) in kept  # keep_gathered
             block.register_forward_pre_hook(lambda mod, args, i=position: self._pre_forward(i))
             block.register_forward_hook(lambda mod, args, out, i=position: self._post_forward(i, out))
         return units
