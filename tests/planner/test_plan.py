@@ -75,6 +75,18 @@ def test_model_states_count_the_heaviest_pipeline_rank_and_the_tied_copy():
     assert f"heaviest pipeline rank holds {unique:,}" in describe(one_rank)
 
 
+def test_a_stage_holding_both_ends_of_a_tie_counts_the_tensor_once():
+    # Before: one stage printed the embedding twice (173,824 parameters on the stage, 141,056 in the model).
+    import re
+
+    config = from_dict({"model": {"preset": "tiny", "tie_embeddings": True}})
+    unique = sum(p.numel() for p in build_model(config.model).parameters())  # parameters() lists a tie once
+    printed = [int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) parameters\)", describe(config))]
+    assert printed == [unique]
+    untied = from_dict({"model": {"preset": "tiny"}})
+    assert unique < parameter_count(untied.model)  # the tie is there to be counted once
+
+
 def test_a_tied_head_weighs_in_the_pipeline_split():
     from polyshard.trainer.engine.layout import pipeline_bounds
 

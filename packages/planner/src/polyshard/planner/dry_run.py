@@ -12,10 +12,11 @@ pipeline simulator finds.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 
 from polyshard.cp import split_context_group
 from polyshard.mesh import MeshLayout
-from polyshard.models import active_parameter_count, build_model, parameter_count, spec_of, tied_names
+from polyshard.models import active_parameter_count, build_model, layer_of, parameter_count, spec_of, tied_names
 from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
@@ -46,22 +47,15 @@ def describe(config: Config) -> str:
     shapes = {n: p.shape for n, p in skeleton.named_parameters()}
     costs = layer_costs(shapes, tied_names(config.model))  # a tied head holds its copy of the embedding
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
+    bounds = pipeline_bounds(config, shapes)
+    per_stage, per_pp_rank = _held_counts(config, shapes, costs, bounds, schedule.rank_of)
     lines.append(f"pipeline ({par.schedule}, {par.microbatches} microbatches; layer 0 embeds, the last is the head):")
-    per_pp_rank: dict[int, int] = {}
-    for stage, layers in enumerate(pipeline_bounds(config, shapes)):
-        count = sum(costs[i] for i in layers)
-        per_pp_rank[schedule.rank_of(stage)] = per_pp_rank.get(schedule.rank_of(stage), 0) + count
+    for stage, layers in enumerate(bounds):
         lines.append(
             f"  stage {stage} on pp rank {schedule.rank_of(stage)}: layers {layers.start}-{layers.stop - 1} "
-            f"({count:,} parameters)"
+            f"({per_stage[stage]:,} parameters)"
         )
     num_params = parameter_count(config.model)
-    bounds = pipeline_bounds(config, shapes)
-    owner = {i: schedule.rank_of(stage) for stage, layers in enumerate(bounds) for i in layers}
-    for alias, name in tied_names(config.model).items():
-        first, last = int(name.split(".")[1]), int(alias.split(".")[1])
-        if owner[first] == owner[last]:  # one pipeline rank holds both: one tensor, not a copy
-            per_pp_rank[owner[last]] -= math.prod(shapes[name])
     heaviest = max(per_pp_rank.values())  # pipeline ranks hold unequal shares; the largest sets the need
     active = ""
     if spec_of(config.model).has_experts:  # what a token computes with: top_k of each sparse block's experts
@@ -96,6 +90,30 @@ def describe(config: Config) -> str:
         lines.append(f"  sent by pp rank {rank}: {axes or 'nothing'}")
     lines += lr_plot(config.training)
     return "\n".join(lines)
+
+
+def _held_counts(
+    config: Config,
+    shapes: Mapping[str, Sequence[int]],
+    costs: list[int],
+    bounds: list[range],
+    rank_of: Callable[[int], int],
+) -> tuple[list[int], dict[int, int]]:
+    """Parameters each stage and each pipeline rank holds. ``costs`` counts a tied head with its own copy
+    of the embedding; where one stage (or one rank) holds both ends of a tie it holds one tensor, so the
+    copy is taken off there. A tie across ranks keeps a copy on each, summed by their gradients."""
+    per_stage = [sum(costs[i] for i in layers) for layers in bounds]
+    per_pp_rank: dict[int, int] = {}
+    for stage, count in enumerate(per_stage):
+        per_pp_rank[rank_of(stage)] = per_pp_rank.get(rank_of(stage), 0) + count
+    stage_of = {i: stage for stage, layers in enumerate(bounds) for i in layers}
+    for alias, name in tied_names(config.model).items():
+        first, last = stage_of[layer_of(name)], stage_of[layer_of(alias)]
+        if first == last:
+            per_stage[last] -= math.prod(shapes[name])
+        if rank_of(first) == rank_of(last):
+            per_pp_rank[rank_of(last)] -= math.prod(shapes[name])
+    return per_stage, per_pp_rank
 
 
 def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str]:
