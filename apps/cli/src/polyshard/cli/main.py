@@ -31,6 +31,23 @@ app.command("prepare")(prepare_command)
 BENCHMARKED_PACKAGES: tuple[str, ...] = ("pp", "ep", "tp", "dp", "cp")
 
 
+def _print_versions(value: bool) -> None:
+    if value:
+        from polyshard.cli.version import versions_text
+
+        typer.echo(versions_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_versions, is_eager=True, help="Print each polyshard package's version."
+    ),
+) -> None:
+    """The options of polyshard itself, before any command."""
+
+
 @bench_app.command("comm")
 def bench_comm(
     nproc: int = typer.Option(4, "--nproc", min=1, help="Number of local processes."),
