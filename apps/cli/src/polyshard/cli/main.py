@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
+from polyshard.cli.families import RegistryHelp
 from polyshard.cli.launch import run_local
 from polyshard.cli.plan import plan_command
 from polyshard.cli.prepare import prepare_command
@@ -20,9 +21,9 @@ bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's 
 app.add_typer(bench_app, name="bench")
 app.command("schedule")(schedule_command)
 app.command("plan")(plan_command)
-app.command("train")(train)
+app.command("train", cls=RegistryHelp)(train)
 app.command("inspect")(inspect)
-app.command("export")(export)
+app.command("export", cls=RegistryHelp)(export)
 app.command("reshard")(reshard)
 app.command("generate")(generate)
 app.command("tokenizer")(tokenizer_command)

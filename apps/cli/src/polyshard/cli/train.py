@@ -10,6 +10,7 @@ import typer
 if TYPE_CHECKING:
     from polyshard.trainer import Prediction
 
+from polyshard.cli.families import HF_FAMILIES
 from polyshard.cli.launch import run_local
 
 
@@ -24,8 +25,8 @@ def train(
     init_from: str | None = typer.Option(
         None,
         "--init-from",
-        help="Start from this checkpoint (any mesh), or from a Hugging Face GPT-2 or Llama folder as hf:DIR; "
-        "the new run goes to --out.",
+        help="Start from this checkpoint (any mesh), or from a Hugging Face model folder as hf:DIR "
+        f"({HF_FAMILIES}); the new run goes to --out.",
     ),
     stop_at: int | None = typer.Option(
         None,

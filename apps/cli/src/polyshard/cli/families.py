@@ -1,0 +1,40 @@
+"""Help texts that name the model families the registry holds, read when the help is shown.
+
+The families come from ``polyshard.models``' registry (and any family a distribution registers
+through its entry point), so a help text never falls behind the code. Importing the registry
+imports torch (seconds), so a help text holds the placeholder :data:`HF_FAMILIES`, filled in only
+by a command that prints its help: ``polyshard train CONFIG`` and ``polyshard --version`` pay nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from typer.core import TyperCommand
+
+HF_FAMILIES = "{hf_families}"
+"""Stands for the Hugging Face families polyshard reads and writes, e.g. ``GPT-2, Llama, Qwen2, ...``."""
+
+
+def hf_family_titles() -> list[str]:
+    """Every registered family's Hugging Face counterparts, by title, in the registry's order."""
+    from polyshard.models.registry import SPECS
+
+    return [family.title for spec in SPECS.values() for family in spec.hf_families]
+
+
+class RegistryHelp(TyperCommand):
+    """A command whose options' help texts may hold :data:`HF_FAMILIES`, filled in from the registry when
+    the help is printed (its docstring names no family: ``polyshard --help`` lists it without asking)."""
+
+    def format_help(self, ctx: click.Context, formatter: Any) -> None:
+        titles = ", ".join(hf_family_titles())
+        templates = [(param, param.help) for param in self.params if HF_FAMILIES in (getattr(param, "help", "") or "")]
+        try:  # filled for this one print: the templates stay, so a family registered later shows next time
+            for param, text in templates:
+                param.help = text.replace(HF_FAMILIES, titles)  # type: ignore[attr-defined]
+            super().format_help(ctx, formatter)
+        finally:
+            for param, text in templates:
+                param.help = text  # type: ignore[attr-defined]
