@@ -89,9 +89,9 @@ def test_reshard_from_records_alone_to_another_mesh(tmp_path):
         torch.testing.assert_close(local["model/b"], B, rtol=0, atol=0)
         # Ranks 2 and 3 lie past the source's tp=2 mesh: they continue its ranks 0 and 1's generators.
         assert "rng/torch" in local
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
         write_resharded(source, tmp_path / "dst", {"tp": 4}, plans)
-    assert not list((tmp_path / "dst").glob(".tmp-*"))
+    assert not list((tmp_path / "dst").glob(".polyshard-tmp-*"))
 
 
 def test_export_streams_every_tensor_and_names_aliases(tmp_path):
@@ -134,7 +134,7 @@ def test_a_hugging_face_folder_is_written_tensor_by_tensor_and_read_back(tmp_pat
     assert weights.global_shape("model/k.weight") == (4, 6)
     torch.testing.assert_close(weights.read("model/k.weight", (1, 2), (2, 3), torch.float32), k[1:3, 2:5])
     torch.testing.assert_close(weights.read("model/q.weight", (0, 0), (4, 6), torch.float32), q)
-    with pytest.raises(CheckpointError, match="exists; give a new folder"):
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite to replace it, or give a new folder"):
         write_hf_folder(folder, {}, specs, produce)
     with pytest.raises(CheckpointError, match=r"missing \['gone'\], unexpected \['norm'\]"):
         HFWeights(folder, {"q.weight": locations["q.weight"], "x": TensorLocation("gone")})

@@ -61,7 +61,7 @@ def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes
     done = train(tmp_path, *SHORT, "--torchrun=--max-restarts=1", env={"POLYSHARD_FAULT": fault})
     assert done.returncode == 0, done.stderr
     assert "restart 1 of the worker group" in done.stdout
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # a half-written save was cleaned up
+    assert not list((tmp_path / "checkpoints").glob(".polyshard-tmp-*"))  # a half-written save was cleaned up
     _same_run(tmp_path, uninterrupted)
 
 
@@ -69,7 +69,7 @@ def test_a_worker_killed_mid_step_while_saving_or_after_is_restarted_and_resumes
 def test_a_killed_run_resumed_by_hand_equals_an_uninterrupted_one(uninterrupted, tmp_path):
     crashed = train(tmp_path, *SHORT, env={"POLYSHARD_FAULT": "save@6:1"})
     assert crashed.returncode != 0
-    assert (tmp_path / "checkpoints" / ".tmp-step_00000006").is_dir()  # the save it died in
+    assert [p.is_dir() for p in (tmp_path / "checkpoints").glob(".polyshard-tmp-step_00000006-*")] == [True]  # its save
     resumed = train(tmp_path, *SHORT, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     _same_run(tmp_path, uninterrupted)

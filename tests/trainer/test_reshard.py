@@ -345,7 +345,7 @@ def test_bad_targets_are_refused_before_anything_is_written(trained, tmp_path):
     with pytest.raises(CheckpointError, match="model must equal"):
         reshard(src, tmp_path / "c", other)
     reshard(src, tmp_path / "d", config)
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
         reshard(src, tmp_path / "d", config)
     assert latest_checkpoint(tmp_path / "a") is None and latest_checkpoint(tmp_path / "b") is None
 

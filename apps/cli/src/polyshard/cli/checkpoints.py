@@ -36,6 +36,7 @@ def export(
     max_shard_mb: float = typer.Option(
         5120.0, "--max-shard-mb", min=1.0, help="--format hf: weights above this many MiB go into several files."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a file (--format hf: folder) already at OUT."),
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads."""
@@ -50,14 +51,14 @@ def export(
         if format == "hf":
             tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
             model = saved_config(source).model  # streamed from the checkpoint, one tensor at a time
-            written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer)
+            written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer, overwrite=overwrite)
             note = export_note(model)
             if note:
                 typer.echo(f"note: {note}")
         else:
-            written = export_checkpoint(source, out)
+            written = export_checkpoint(source, out, overwrite=overwrite)
         typer.echo(f"wrote {written}")
-    except CheckpointError as err:
+    except (CheckpointError, OSError) as err:  # OSError: a full disk or a folder that turned read-only
         typer.echo(f"checkpoint error: {err}", err=True)
         raise typer.Exit(2) from err
 
@@ -131,6 +132,7 @@ def reshard(
         [], "--set", help="Other parallel settings of the target, e.g. --set parallel.microbatches=4 (repeatable)."
     ),
     max_block_mb: float = typer.Option(64.0, "--max-block-mb", help="Most tensor data held at once (MiB, about)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a DST/step_<N> folder already there."),
 ) -> None:
     """Lay a checkpoint out for another mesh: tp, pp, ep, dp and ZeRO all change; no process starts."""
     from polyshard.checkpoint import CheckpointError, open_checkpoint
@@ -154,8 +156,8 @@ def reshard(
         source = open_checkpoint(src, _report_skip)
         config = target_config(source, parse_mesh(mesh), parallel)
         # The Checkpoint verified every file's sha256 once; reshard reads through it.
-        report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20))
-    except (ConfigError, CheckpointError, MeshError, PlacementError) as err:
+        report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20), overwrite=overwrite)
+    except (ConfigError, CheckpointError, MeshError, PlacementError, OSError) as err:
         typer.echo(f"reshard error: {err}", err=True)
         raise typer.Exit(2) from err
     typer.echo(str(report))

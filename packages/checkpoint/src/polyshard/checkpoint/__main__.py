@@ -37,12 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     out = commands.add_parser("export", help="one safetensors file of the unsharded weights")
     out.add_argument("checkpoint", type=Path)
     out.add_argument("destination", type=Path)
+    out.add_argument("--overwrite", action="store_true", help="replace a file already there")
     reshard = commands.add_parser(
         "reshard", help="every tensor whole (replicated) on every rank of another mesh: the records need no model"
     )
     reshard.add_argument("checkpoint", type=Path)
     reshard.add_argument("destination", type=Path, help="folder to write step_<N>/ into")
     reshard.add_argument("--mesh", type=_mesh, required=True, help="e.g. dp=2 (axes and sizes)")
+    reshard.add_argument("--overwrite", action="store_true", help="replace a step_<N>/ folder already there")
     args = parser.parse_args(argv)
 
     def skipped(folder: Path, err: CheckpointError) -> None:
@@ -53,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             print(describe(source))
         elif args.command == "export":
-            print(f"wrote {export(source, args.destination)}")
+            print(f"wrote {export(source, args.destination, overwrite=args.overwrite)}")
         else:
             # No model is needed: every tensor (weights and optimizer state) whole on every target rank.
             plans = plans_from_records(dict.fromkeys((k for k in source.pieces if k != RNG), None), args.mesh, source)
-            print(write_resharded(source, args.destination, args.mesh, plans))
+            print(write_resharded(source, args.destination, args.mesh, plans, overwrite=args.overwrite))
     except (CheckpointError, OSError) as err:
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 2

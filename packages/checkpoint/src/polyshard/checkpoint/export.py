@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from polyshard.checkpoint.format import MODEL, CheckpointError
+from polyshard.checkpoint.output import check_destination, new_file, reading
 from polyshard.checkpoint.source import Checkpoint
 from polyshard.checkpoint.writer import StreamWriter
 
@@ -58,30 +59,31 @@ def export(
     aliases: Mapping[str, str] | None = None,
     *,
     max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write the consolidated weights of ``checkpoint`` to one safetensors file (a temporary file,
-    renamed when complete), one block at a time."""
+    """Write the consolidated weights of ``checkpoint`` to one safetensors file, one block at a time,
+    under a temporary name renamed when complete. An existing file is replaced only with ``overwrite``;
+    the checkpoint itself never (:mod:`polyshard.checkpoint.output`).
+    ``metadata`` (strings by name) goes into the header's ``__metadata__``: the model's settings, say."""
     destination = Path(destination)
-    if destination.is_dir():
+    if destination.is_dir() and not destination.is_symlink():
         raise CheckpointError(
             f"{destination} is a folder; give the file to write, e.g. {destination / 'model.safetensors'}"
         )
-    if not destination.parent.is_dir():
-        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
     source = _opened(checkpoint)
+    check_destination(destination, folder=False, overwrite=overwrite, protected=reading(source.folder))
     names = model_names(source, aliases)
-    tmp = destination.with_name(destination.name + ".tmp")
-    writer = StreamWriter(tmp, {name: (source.dtype(key), source.global_shape(key)) for name, key in names.items()})
-    try:
-        for name, key in names.items():
-            for block in blocks(source, key, max_block_bytes):
-                writer.write(name, block)
-        writer.close()
-        tmp.rename(destination)
-    except BaseException:
-        writer.abort()
-        tmp.unlink(missing_ok=True)  # never leave a half-written file behind
-        raise
+    with new_file(destination, overwrite=overwrite) as tmp:
+        writer = StreamWriter(tmp, {n: (source.dtype(k), source.global_shape(k)) for n, k in names.items()}, metadata)
+        try:
+            for name, key in names.items():
+                for block in blocks(source, key, max_block_bytes):
+                    writer.write(name, block)
+            writer.close()
+        except BaseException:
+            writer.abort()  # new_file removes the partial file
+            raise
     return destination
 
 

@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+from polyshard.checkpoint.errors import CheckpointError
+from polyshard.checkpoint.output import publish_folder
+from polyshard.checkpoint.untrusted import check_inside, read_json
 from polyshard.mesh import TensorPlacement
 
 FORMAT_VERSION = 1
@@ -44,6 +47,7 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/torch"
 MASTER = "master"  # optimizer state kept besides the moments: ZeRO's (and bf16's) fp32 master copy
 ASSETS = "assets"
 TOKENIZER = "tokenizer.json"  # the run's tokenizer, saved with each checkpoint so the weights keep their meaning
+INDEX_LIMIT = 1 << 30  # an index lists every tensor of every rank: about 1 MB a rank for the largest models
 
 
 def model_key(name: str) -> str:
@@ -70,10 +74,6 @@ DTYPE_NAMES = {
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
-
-
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
@@ -90,15 +90,19 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def publish(tmp: Path, final: Path, index: dict[str, Any]) -> None:
-    """Write ``index.json`` into the finished temporary folder ``tmp`` and rename it to ``final``."""
-    with open(tmp / "index.json", "w") as f:
+def write_index(folder: Path, index: dict[str, Any]) -> None:
+    """``index.json`` into a finished checkpoint folder (still under its temporary name), synced to disk."""
+    with open(folder / "index.json", "w") as f:
         json.dump(index, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+
+
+def publish(tmp: Path, final: Path, index: dict[str, Any], *, overwrite: bool = True) -> None:
+    """Write ``index.json`` into the finished temporary folder ``tmp`` and put it in place as ``final``
+    (:func:`polyshard.checkpoint.output.publish_folder`: a save of a step already saved replaces it)."""
+    write_index(tmp, index)
+    publish_folder(tmp, final, overwrite=overwrite)
 
 
 def read_index(folder: str | Path) -> dict[str, Any]:
@@ -106,10 +110,7 @@ def read_index(folder: str | Path) -> dict[str, Any]:
     index_path = folder / "index.json"
     if not index_path.is_file():
         raise CheckpointError(f"{index_path} is missing: {folder} is not a complete checkpoint")
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index_path} is not valid JSON: {err}") from err
+    index = read_json(folder, index_path, limit=INDEX_LIMIT)
     if not isinstance(index, dict) or index.get("format") != FORMAT_VERSION:
         found = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise CheckpointError(f"{index_path} has format {found}, expected {FORMAT_VERSION}")
@@ -131,15 +132,13 @@ def _check_index(folder: Path, index_path: Path, index: dict[str, Any]) -> None:
         raise bad(f"'mesh' is {mesh!r}, not axis sizes")
     if not isinstance(ranks, list) or index.get("world_size") != len(ranks) or len(ranks) != math.prod(mesh.values()):
         raise bad(f"'world_size' {index.get('world_size')!r}, the mesh {mesh} and the rank entries disagree")
-    inside = folder.resolve()
     for rank, entry in enumerate(ranks):
         if not isinstance(entry, dict) or not {"file", "sha256", "tensors"} <= set(entry):
             raise bad(f"rank {rank}'s entry lacks 'file', 'sha256' or 'tensors'")
         name = entry["file"]
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise bad(f"rank {rank}'s file {name!r} is not a bare file name inside the checkpoint folder")
-        if (folder / name).resolve().parent != inside:
-            raise bad(f"rank {rank}'s file {name!r} leads outside {folder}")
+        check_inside(folder, folder / name)
         if not isinstance(entry["tensors"], dict) or not isinstance(entry.get("extra", {}), dict):
             raise bad(f"rank {rank}'s 'tensors' or 'extra' is not a table")
     assets = index.get(ASSETS, {})
@@ -149,8 +148,7 @@ def _check_index(folder: Path, index_path: Path, index: dict[str, Any]) -> None:
     for name, digest in assets.items():
         if Path(name).name != name or name in ("", ".", "..") or name in rank_files or not isinstance(digest, str):
             raise bad(f"the asset {name!r} is not a bare file name with a sha256 digest")
-        if (folder / name).resolve().parent != inside:
-            raise bad(f"the asset {name!r} leads outside {folder}")
+        check_inside(folder, folder / name)
 
 
 def verify_files(folder: str | Path, index: dict[str, Any], ranks: list[int] | None = None) -> None:

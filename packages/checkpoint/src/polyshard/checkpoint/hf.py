@@ -4,7 +4,8 @@ A folder is ``config.json`` plus ``model.safetensors``, or shards named by
 ``model.safetensors.index.json`` (as ``save_pretrained`` writes them). This module knows no model
 family: the caller says where each of its tensors lives (:class:`TensorLocation`) and what
 ``config.json`` holds. The trainer's model families (``polyshard.models.<family>.hf``) do.
-Every file is untrusted input: the index may name only bare files inside the folder.
+Every file is untrusted input (:mod:`polyshard.checkpoint.untrusted`): JSON is read bounded, the index may
+name only bare files inside the folder, and no file may lead out of it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from safetensors import SafetensorError, safe_open
 
 from polyshard.checkpoint import mxfp4
 from polyshard.checkpoint.format import MASTER, MODEL, OPTIM, CheckpointError
+from polyshard.checkpoint.output import check_destination, new_folder
 from polyshard.checkpoint.source import Piece
+from polyshard.checkpoint.untrusted import check_inside, read_json
 from polyshard.checkpoint.writer import StreamWriter
 
 PREFIX = "hf:"  # --init-from hf:DIR
@@ -68,10 +71,7 @@ def read_config(folder: Path) -> tuple[dict[str, Any], Path]:
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder} holds no {CONFIG_FILE}; give a Hugging Face model folder")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    config = read_json(folder, path)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} holds {type(config).__name__}, not a JSON object")
     return config, path
@@ -81,20 +81,19 @@ def weight_files(folder: Path) -> dict[str, str]:
     """HF tensor name -> the file (a bare name inside ``folder``) that holds it."""
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{index} is not a safetensors index with a weight_map: {err}") from err
+        raw = read_json(folder, index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to files")
+            raise CheckpointError(f"{index}: not a safetensors index (its weight_map must map tensor names to files)")
         for file in set(weight_map.values()):
-            path = folder / str(file)
-            if not isinstance(file, str) or Path(file).name != file or path.is_symlink() or not path.is_file():
+            if not isinstance(file, str) or Path(file).name != file or not (folder / file).is_file():
                 raise CheckpointError(f"{index} names {file!r}; each file must be a bare name of a file in {folder}")
+            check_inside(folder, folder / file)
         return {str(name): file for name, file in weight_map.items()}
     single = folder / WEIGHTS_FILE
-    if not single.is_file() or single.is_symlink():
+    if not single.is_file():
         raise CheckpointError(f"{folder} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    check_inside(folder, single)
     with _opened(single) as f:
         return {name: WEIGHTS_FILE for name in f.keys()}
 
@@ -273,14 +272,10 @@ def _quantized(location: TensorLocation, files: Mapping[str, str]) -> TensorLoca
     return dataclasses.replace(location, mxfp4=True)
 
 
-def check_new_folder(destination: str | Path) -> Path:
-    """``destination`` as a folder to create: it must not exist, its parent must."""
-    destination = Path(destination)
-    if destination.exists():
-        raise CheckpointError(f"{destination} exists; give a new folder for the Hugging Face model")
-    if not destination.parent.is_dir():
-        raise CheckpointError(f"{destination.parent} does not exist; create it or choose another destination")
-    return destination
+def check_new_folder(destination: str | Path, *, overwrite: bool = False, protected: Iterable[Path] = ()) -> Path:
+    """``destination`` as a folder to create: new (or, with ``overwrite``, a folder to replace), in a folder
+    that exists, and outside everything ``protected`` (:func:`polyshard.checkpoint.output.check_destination`)."""
+    return check_destination(destination, folder=True, overwrite=overwrite, protected=protected)
 
 
 def write_hf_folder(
@@ -291,21 +286,21 @@ def write_hf_folder(
     *,
     max_shard_bytes: int = 5 << 30,
     files: Mapping[str, Path | str] | None = None,
+    overwrite: bool = False,
+    protected: Iterable[Path] = (),
 ) -> Path:
-    """Write a Hugging Face folder into ``destination``, which must not exist yet.
+    """Write a Hugging Face folder into ``destination``, which must not exist yet (``overwrite``: or is a
+    folder to replace; never one of ``protected``, the folders being read).
 
     ``tensors`` is every HF tensor's (dtype, shape) in file order; ``produce(name)`` returns one, or
     its row blocks in order (called once each, so only one tensor or block is held at a time). Up to
     ``max_shard_bytes`` they go into ``model.safetensors``, above it into
     ``model-00001-of-0000N.safetensors`` shards with ``model.safetensors.index.json``. ``files``
     (name -> a file to copy, or text) lands beside ``config.json``. The folder is built under a
-    temporary name and renamed, so it is whole or absent.
+    temporary name of ours and renamed, so it is whole or absent.
     """
-    destination = check_new_folder(destination)
-    tmp = destination.with_name(f".tmp-{destination.name}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an export that was killed
-    tmp.mkdir()
-    try:
+    destination = check_new_folder(destination, overwrite=overwrite, protected=protected)
+    with new_folder(destination, overwrite=overwrite) as tmp:
         for name, content in (files or {}).items():
             if isinstance(content, Path):
                 shutil.copyfile(content, tmp / name)
@@ -331,10 +326,6 @@ def write_hf_folder(
             total = sum(_nbytes(*spec) for spec in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        tmp.rename(destination)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return destination
 
 

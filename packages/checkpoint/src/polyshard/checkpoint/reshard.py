@@ -19,7 +19,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,11 +33,12 @@ from polyshard.checkpoint.format import (
     CheckpointError,
     copy_assets,
     make_index,
-    publish,
     rank_entry,
     rank_file,
     step_dir,
+    write_index,
 )
+from polyshard.checkpoint.output import check_destination, make_parents, new_folder, reading
 from polyshard.checkpoint.source import Checkpoint, CheckpointSource
 from polyshard.checkpoint.writer import StreamWriter
 from polyshard.mesh import MeshLayout, TensorPlacement
@@ -127,12 +127,15 @@ def write_resharded(
     settings: Mapping[str, Any] | None = None,
     *,
     max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    overwrite: bool = False,
 ) -> ReshardReport:
     """Write ``source`` as ``dst_root/step_N`` for ``mesh``, rank ``r`` holding ``plans[r]``.
 
     Each rank also gets the generator of the source rank at its coordinates (modulo the source
     mesh), the source's ``extra`` state and assets; ``settings`` is the target run's config table.
-    The folder appears only when complete; a failure leaves nothing behind.
+    The folder appears only when complete; a failure leaves nothing behind. ``step_N`` may replace
+    one already there only with ``overwrite``, and never the source or its run's checkpoints
+    (:mod:`polyshard.checkpoint.output`).
     """
     started = time.perf_counter()
     layout = MeshLayout(mesh)
@@ -140,13 +143,10 @@ def write_resharded(
         raise CheckpointError(f"{len(plans)} rank plans for a mesh {dict(mesh)} of {layout.world_size} ranks")
     sizes = layout.as_dict()
     final = step_dir(Path(dst_root), source.step)
-    if final.exists():
-        raise CheckpointError(f"{final} already exists; choose another destination or remove it")
-    tmp = final.parent / f".tmp-{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    check_destination(final, folder=True, overwrite=overwrite, protected=reading(source.folder), make_parents=True)
+    make_parents(final)
     entries, total, largest = [], 0, 0
-    try:
+    with new_folder(final, overwrite=overwrite) as tmp:
         for rank, rank_plan in enumerate(plans):
             coords = layout.coords(rank)
             plan = dict(rank_plan)
@@ -178,10 +178,7 @@ def write_resharded(
             resharded_from={"folder": str(source.folder), "mesh": source.mesh},
             **assets,
         )
-        publish(tmp, final, index)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint behind
-        raise
+        write_index(tmp, index)  # new_folder renames it into place; any failure leaves nothing behind
     return ReshardReport(
         final, source.step, source.mesh, index["mesh"], len(entries), total, largest, time.perf_counter() - started
     )

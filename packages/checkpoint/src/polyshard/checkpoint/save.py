@@ -6,7 +6,8 @@ Layout of ``<dir>/step_00000100/``::
     rank_00001.safetensors
     index.json               mesh, step, per-tensor placement records, a sha256 per file, extra state
 
-Every rank writes its file into ``.tmp-step_00000100``; once all are written
+Every rank writes its file into a temporary folder of ours beside it
+(``.polyshard-tmp-step_00000100-<random>``, :mod:`polyshard.checkpoint.output`); once all are written
 rank 0 writes the index and renames the folder into place, so a reader never
 sees a half-written checkpoint (the next save removes a temporary folder a
 killed save left behind). Nothing is pickled. The placement records
@@ -39,6 +40,7 @@ from polyshard.checkpoint.format import (
     step_dir,
     verify_files,
 )
+from polyshard.checkpoint.output import stale_temporaries, temporary_folder
 from polyshard.checkpoint.source import Checkpoint
 from polyshard.mesh import TensorPlacement
 
@@ -79,12 +81,13 @@ def save_checkpoint(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = step_dir(Path(root), step)
-    tmp = final.parent / f".tmp-{final.name}"
+    made = None
     if rank == 0:
-        for stale in Path(root).glob(".tmp-step_*"):  # left by a save that was killed midway
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in stale_temporaries(final.parent, "step_*"):  # left by a save that was killed midway
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier(group)
+        made = str(temporary_folder(final))  # a name of ours alone (output.py), handed to every rank
+    tmp = Path(_gather(made, group)[0])
     path = tmp / rank_file(rank)
     # clone(): safetensors refuses tensors that share memory (fp32 ZeRO masters are views of the
     # parameters at stages 1-2 and of the shards at stage 3).

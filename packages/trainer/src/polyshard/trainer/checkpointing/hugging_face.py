@@ -68,6 +68,7 @@ from polyshard.checkpoint.hf import (
     read_config,
     write_hf_folder,
 )
+from polyshard.checkpoint.output import reading
 from polyshard.data.tokenizer import FileTokenizer
 from polyshard.models import build_model
 from polyshard.models.hf_adapter import Family, setting
@@ -253,6 +254,8 @@ def write_hf(
     destination: str | Path,
     max_shard_bytes: int = 5 << 30,
     tokenizer: Path | None = None,
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write a Hugging Face folder into ``destination``, which must not exist yet: ``config.json`` and
     ``model.safetensors``, or above ``max_shard_bytes`` the shards ``model-00001-of-0000N.safetensors``
@@ -260,11 +263,14 @@ def write_hf(
     unsharded weights, or a checkpoint to stream them from one tensor at a time. With ``tokenizer``
     (the run's ``tokenizer.json``) the folder gets it too, with a ``tokenizer_config.json``, so
     ``AutoTokenizer.from_pretrained`` reads it; ``config.json``'s bos/eos ids are then its end-of-text
-    token (or none). It is built under a temporary name and renamed, so it is whole or absent."""
-    check_new_folder(destination)  # before any tensor is read
+    token (or none). It is built under a temporary name and renamed, so it is whole or absent; a folder
+    already there is replaced only with ``overwrite``, the checkpoint read never."""
+    protected = reading(state.folder) if isinstance(state, Checkpoint) else ()
+    check_new_folder(destination, overwrite=overwrite, protected=protected)  # before any tensor is read
     produce: Callable[[str], torch.Tensor | Iterator[torch.Tensor]]
     if isinstance(state, Checkpoint):
         source = state
+        _check_saved_shapes(source, model)
 
         def ours(name: str, expert: int | None) -> torch.Tensor:
             if expert is None:
@@ -291,4 +297,19 @@ def write_hf(
         config.update(bos_token_id=end, eos_token_id=end)
         files[TOKENIZER] = tokenizer
         files["tokenizer_config.json"] = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
-    return write_hf_folder(destination, config, specs, produce, max_shard_bytes=max_shard_bytes, files=files)
+    return write_hf_folder(
+        destination, config, specs, produce, max_shard_bytes=max_shard_bytes, files=files, overwrite=overwrite,
+        protected=protected,
+    )  # fmt: skip
+
+
+def _check_saved_shapes(source: Checkpoint, model: ModelConfig) -> None:
+    """Each tensor the checkpoint holds has the shape its saved config makes (an index whose config or
+    records were edited, 4 experts become 16, is named here rather than midway through the writing)."""
+    for name, expected in _shapes(model).items():
+        saved = source.global_shape(source.resolve(MODEL + name))
+        if tuple(saved) != expected:
+            raise CheckpointError(
+                f"{source.folder}/index.json: the saved config makes {MODEL + name!r} {list(expected)}, but the "
+                f"checkpoint holds it as {list(saved)}; the index was edited or does not belong to these files"
+            )

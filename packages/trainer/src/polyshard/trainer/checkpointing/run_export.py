@@ -10,7 +10,7 @@ import torch
 from polyshard.checkpoint import Checkpoint, CheckpointError
 from polyshard.checkpoint import consolidate as consolidate_weights
 from polyshard.checkpoint import export as export_weights
-from polyshard.models import tied_names
+from polyshard.models import export_metadata, tied_names
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.errors import ConfigError
 
@@ -38,13 +38,19 @@ def _aliases(source: Checkpoint) -> dict[str, str]:
     return tied_names(saved_config(source).model) if "config" in source.index else {}
 
 
+def _recorded(source: Checkpoint) -> dict[str, str]:
+    """The model's settings, recorded in the export so that :func:`polyshard.models.load` rebuilds it."""
+    return export_metadata(saved_config(source).model) if "config" in source.index else {}
+
+
 def consolidate(source: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
     """The unsharded weights the plain model loads with ``load_state_dict(strict=True)``."""
     source = source if isinstance(source, Checkpoint) else Checkpoint(source)
     return consolidate_weights(source, _aliases(source))
 
 
-def export(source: str | Path | Checkpoint, destination: str | Path) -> Path:
-    """One safetensors file of the plain model's weights (streamed; see :func:`polyshard.checkpoint.export`)."""
+def export(source: str | Path | Checkpoint, destination: str | Path, *, overwrite: bool = False) -> Path:
+    """One safetensors file of the plain model's weights (streamed; see :func:`polyshard.checkpoint.export`:
+    an existing file is replaced only with ``overwrite``, a file of the checkpoint never)."""
     source = source if isinstance(source, Checkpoint) else Checkpoint(source)
-    return export_weights(source, destination, _aliases(source))
+    return export_weights(source, destination, _aliases(source), overwrite=overwrite, metadata=_recorded(source))

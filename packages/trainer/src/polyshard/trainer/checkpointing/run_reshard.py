@@ -49,12 +49,18 @@ def target_config(source: Checkpoint, mesh: Mapping[str, int], overrides: Mappin
 
 
 def reshard(
-    src: str | Path | Checkpoint, dst_root: str | Path, config: Config, *, max_block_bytes: int = DEFAULT_BLOCK_BYTES
+    src: str | Path | Checkpoint,
+    dst_root: str | Path,
+    config: Config,
+    *,
+    max_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    overwrite: bool = False,
 ) -> ReshardReport:
     """Write the checkpoint ``src`` for ``config``'s mesh as ``dst_root/step_N``, without processes.
 
     The result is what a run on the new layout would have saved: its
-    ``--resume`` continues from it. The folder appears only when complete.
+    ``--resume`` continues from it. The folder appears only when complete, and replaces one already
+    there only with ``overwrite`` (never the source: :mod:`polyshard.checkpoint.output`).
     ``src`` may be a :class:`Checkpoint` the caller already opened (and so verified).
     """
     validate(config)
@@ -62,9 +68,14 @@ def reshard(
     if dataclasses.asdict(config.model) != dataclasses.asdict(saved_config(source).model):
         raise CheckpointError("resharding changes only the layout; the target config's model must equal the source's")
     plans = plan_ranks(config, source.params(), source.optim_state())
-    settings = dataclasses.asdict(config)
     return write_resharded(
-        source, dst_root, config.parallel.mesh_axes, plans, settings, max_block_bytes=max_block_bytes
+        source,
+        dst_root,
+        config.parallel.mesh_axes,
+        plans,
+        dataclasses.asdict(config),
+        max_block_bytes=max_block_bytes,
+        overwrite=overwrite,
     )
 
 
@@ -84,8 +95,9 @@ def _new_prediction_depth(source: CheckpointSource, key: str) -> bool:
     return False
 
 
-def load_into(engine: Engine, source: CheckpointSource) -> None:
-    """Fill a freshly built ``engine`` (any mesh) from ``source`` (any mesh): weights, optimizer state, RNG."""
+def load_into(engine: Engine, source: CheckpointSource, *, weights_only: bool = False) -> None:
+    """Fill a freshly built ``engine`` (any mesh) from ``source`` (any mesh): weights, optimizer state, RNG
+    (``weights_only``: the weights and buffers, for a model that only runs forward, e.g. an evaluation)."""
     layout = engine.mesh.layout
     sizes, coords = layout.as_dict(), layout.coords(engine.mesh.rank)
     tensors = {}
@@ -95,7 +107,7 @@ def load_into(engine: Engine, source: CheckpointSource) -> None:
         elif key != RNG:
             plan = Planned(local.placement, tuple(local.tensor.shape), local.tensor.dtype)
             tensors[key] = read_planned(source, key, plan, sizes, coords)
-    saved = source.optim_state()
+    saved = {} if weights_only else source.optim_state()
     for name, stepped, _, _ in optimizer_entries(engine):
         for state, (dtype, shape) in saved.get(name, {}).items():
             key = optim_key(name, state)
@@ -106,7 +118,7 @@ def load_into(engine: Engine, source: CheckpointSource) -> None:
             else:
                 plan = Planned(None, (), dtype)
             tensors[key] = read_planned(source, key, plan, sizes, coords)
-    rng = source.rng_piece(coords)
+    rng = None if weights_only else source.rng_piece(coords)
     if rng is not None:
         tensors[RNG] = source.read_piece(rng, RNG)
     load_state_tensors(engine, tensors)

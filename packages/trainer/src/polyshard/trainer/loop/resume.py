@@ -4,13 +4,14 @@ worker group, the newest checkpoint this same job wrote."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch.distributed as dist
 
 from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, open_checkpoint
+from polyshard.checkpoint.format import INDEX_LIMIT
+from polyshard.checkpoint.untrusted import read_json
 from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.run_export import saved_config
@@ -80,7 +81,7 @@ def saved_by_this_job(out: Path) -> bool:
     if latest is None or job_id() is None:
         return False
     try:
-        ranks = json.loads((latest / "index.json").read_text()).get("ranks", [])
+        ranks = read_json(latest, latest / "index.json", limit=INDEX_LIMIT).get("ranks", [])
         return bool(ranks) and ranks[0].get("extra", {}).get("job") == job_id()
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (OSError, ValueError, AttributeError, TypeError, CheckpointError):
         return False  # an unreadable index: the normal resume path reports it
