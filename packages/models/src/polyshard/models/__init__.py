@@ -1,7 +1,8 @@
 """polyshard.models: the model families polyshard trains, as plain PyTorch modules with no parallelism
 inside. :mod:`.common` holds the blocks every family shares; each family is a folder (:mod:`.gpt`,
 :mod:`.moe_gpt`, :mod:`.vit`) with its config, model, parallel plan, Hugging Face adapters and presets,
-declared by one :class:`ModelSpec` in :mod:`.registry`."""
+declared by one :class:`ModelSpec` in :mod:`.registry`. :func:`load` rebuilds a model that
+``polyshard export`` wrote (:mod:`.exported`)."""
 
 from polyshard.models.build import (
     active_parameter_count,
@@ -17,6 +18,7 @@ from polyshard.models.build import (
 )
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
+from polyshard.models.exported import export_metadata, load
 from polyshard.models.gpt.model import GPT
 from polyshard.models.registry import SPECS, register
 from polyshard.models.spec import BuildOptions, ModelSpec, ParallelSizes, layer_of
@@ -35,8 +37,10 @@ __all__ = [
     "active_share",
     "build_model",
     "check_model",
+    "export_metadata",
     "layer_generator",
     "layer_of",
+    "load",
     "output_width",
     "parameter_count",
     "register",
