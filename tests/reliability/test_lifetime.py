@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.docs.troubleshooting import assert_page_quotes
 from tests.reliability._jobs import (
     LONG,
     LOOPBACK,
@@ -77,6 +78,7 @@ def test_a_stopped_rank_fails_the_job_naming_the_collective_group_and_rank(tmp_p
         assert "rank 0:" in report and "on the dp group (ranks [0, 1])" in report  # op, group and its ranks
         assert any(op in report for op in ("all_reduce on", "all_gather on", "barrier on", "broadcast on"))
         assert "No heartbeat from rank 1" in report and "timeout_s=10" in report
+        assert_page_quotes("communication failure", report)  # the troubleshooting page's heading for it
         assert json.loads((tmp_path / "summary.json").read_text())["silent_ranks"] == [1]
         wait_for(lambda: not job_processes(tmp_path), 10, "every process of the job to end")
     finally:

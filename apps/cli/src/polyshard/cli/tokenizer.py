@@ -10,7 +10,8 @@ import typer
 def tokenizer_command(
     source: str = typer.Argument(..., help="'shakespeare', a .txt file or a folder of them (as data.source)."),
     out: Path = typer.Argument(..., help="The tokenizer.json to write."),
-    vocab_size: int = typer.Option(4096, "--vocab-size", min=257, help="Tokens: the 256 bytes plus merges."),
+    # No typer range: train_bpe says why below 257 fails, in one line (typer would print a usage box).
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="Tokens: the 256 bytes plus merges (257 or more)."),
 ) -> None:
     """Train a byte-level BPE (GPT-2's kind: every string round-trips) and save it as tokenizer.json;
     then train with --set data.tokenizer=OUT --set model.vocab_size=N (N at least --vocab-size)."""
