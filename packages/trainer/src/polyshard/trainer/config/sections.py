@@ -30,6 +30,7 @@ OPTIMIZERS = ("adamw", "muon")
 ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's kernels
 IDLE_EXPERTS = ("step", "skip")  # training.idle_experts: stepped with zero gradient, or left as they were
 DECAYED_PARAMS = ("matrices", "all")
+WANDB_MODES = ("online", "offline", "disabled")  # logging.wandb_mode: wandb.init's modes
 
 
 CP_STYLES = ("ring", "allgather", "ulysses", "ulysses+ring")
@@ -503,9 +504,26 @@ class LoggingConfig:
     tensorboard: bool = False
     """Also write each metrics record as TensorBoard scalars into <run>/tensorboard/ (rank 0); needs the
     tensorboard package: pip install 'polyshard-trainer[tensorboard]'."""
+    wandb: bool = False
+    """Also log the run to Weights & Biases (rank 0): the resolved config once, then each metrics record at
+    its step; the W&B run's id is kept in <run>/wandb_run.json, so --resume continues the same W&B run.
+    Needs the wandb package: pip install 'polyshard-trainer[wandb]'."""
+    wandb_project: str | None = None
+    """The W&B project; None: WANDB_PROJECT, else wandb's default ("uncategorized")."""
+    wandb_entity: str | None = None
+    """The W&B team or user the run belongs to; None: WANDB_ENTITY, else the logged-in user's default."""
+    wandb_run_name: str | None = None
+    """The W&B run's display name; None: WANDB_NAME, else one wandb makes up."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """Tags on the W&B run, e.g. ["llama", "tp2"]."""
+    wandb_mode: str | None = None
+    """online (sync as it runs), offline (files only, `wandb sync` later) or disabled; None: WANDB_MODE,
+    else online."""
 
     def __post_init__(self) -> None:
         _check_positive("logging.every", self.every)
+        if self.wandb_mode is not None:
+            _check_choice("logging.wandb_mode", self.wandb_mode, WANDB_MODES)
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"logging.peak_tflops={self.peak_tflops} must be > 0, or unset")
         if self.profile_steps is not None:

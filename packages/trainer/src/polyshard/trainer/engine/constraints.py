@@ -7,7 +7,6 @@ work, e.g. ``parallel.tp=4 does not divide model.num_heads=6; choose tp in
 
 from __future__ import annotations
 
-import importlib
 import shutil
 
 import torch
@@ -18,6 +17,7 @@ from polyshard.mesh import divisors
 from polyshard.models import check_model, sequence_length, spec_of
 from polyshard.models.hf_families import family_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
+from polyshard.trainer import extras
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks import task_of
@@ -231,14 +231,9 @@ def _check_logging(config: Config) -> None:
             f"1..{steps}, e.g. [{first}, {steps}]"
         )
     if logging.tensorboard:
-        try:
-            importlib.import_module("torch.utils.tensorboard")  # needs the tensorboard package (and protobuf)
-        except ImportError as err:
-            raise ConfigError(
-                f"logging.tensorboard = true needs the tensorboard package ({err}); install it with "
-                "pip install 'polyshard-trainer[tensorboard]' (or pip install tensorboard), or set "
-                "logging.tensorboard = false"
-            ) from err
+        extras.tensorboard()
+    if logging.wandb:
+        extras.wandb()
 
 
 def _check_compile(config: Config) -> None:

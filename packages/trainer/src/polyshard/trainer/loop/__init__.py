@@ -9,6 +9,7 @@ hooks.py       the :class:`Hook` points; the replica check and fault injection a
 plan_check.py  a planned run's prediction against what it measures (a hook)
 profiling.py   ``logging.profile_steps`` traces and the pipeline timeline (a hook)
 metrics.py     ``metrics.jsonl``, the progress line, MFU, ``loss.png``, TensorBoard
+wandb_run.py   ``logging.wandb``: the config and the metrics to Weights & Biases, continued on resume
 integrity.py   replica checksums and finite weights
 faults.py      ``POLYSHARD_FAULT`` kill points
 """

@@ -8,7 +8,8 @@ rank, and val_loss/accuracy when evaluated; for an MoE model each layer's ``moe/
 over the global step: tokens_per_expert, tokens_max, tokens_mean, max_over_mean, dropped_tokens, and
 bias_min/bias_max of a sigmoid router, see :mod:`polyshard.trainer.engine.balance`). With
 ``logging.tensorboard`` the same
-records go to ``tensorboard/`` as scalars too.
+records go to ``tensorboard/`` as scalars too, and with ``logging.wandb`` to Weights & Biases
+(:mod:`.wandb_run`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from polyshard.trainer.loop.wandb_run import WandbRun
 
 
 def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
@@ -40,11 +44,20 @@ class MetricsLog:
     """``metrics.jsonl``: one JSON record a line. ``resume_from=K`` keeps the records of steps up to K
     and drops later ones, written after the checkpoint the run resumes from, so the log of a run that
     crashed and resumed equals the log of one that did not; None starts a new log. With ``tensorboard``
-    each record also goes to :class:`TensorBoardScalars`."""
+    each record also goes to :class:`TensorBoardScalars`, and to ``wandb`` when given (it is closed here)."""
 
-    def __init__(self, out_dir: Path, *, enabled: bool, resume_from: int | None = None, tensorboard: bool = False):
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        enabled: bool,
+        resume_from: int | None = None,
+        tensorboard: bool = False,
+        wandb: WandbRun | None = None,
+    ):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
+        self.wandb = wandb
         self.scalars = TensorBoardScalars(out_dir, enabled=enabled and tensorboard, resume_from=resume_from)
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,9 +72,14 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             self.scalars.write(record)
+            if self.wandb is not None:
+                self.wandb.write(record)
 
     def close(self) -> None:
         self.scalars.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
     def records(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]

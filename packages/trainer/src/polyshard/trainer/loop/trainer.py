@@ -57,6 +57,7 @@ from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
+from polyshard.trainer.loop.wandb_run import WandbRun
 from polyshard.trainer.tasks import task_of
 
 T = TypeVar("T")
@@ -167,6 +168,7 @@ class Trainer:
             enabled=self.verbose,
             resume_from=self.start if resume else None,
             tensorboard=config.logging.tensorboard,
+            wandb=WandbRun(config, out, resume=resume) if self.verbose and config.logging.wandb else None,
         )
         self.progress = Progress(
             train.steps, enabled=self.verbose and config.logging.progress_bar, start_step=self.start
