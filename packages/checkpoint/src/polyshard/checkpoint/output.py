@@ -50,7 +50,7 @@ def check_destination(
 ) -> Path:
     """``destination`` checked before any work: a new file (``folder=False``) or folder, or with
     ``overwrite`` an existing one of the same kind; outside everything ``protected``. With
-    ``make_parents`` missing parent folders may be created (:func:`make_parents`), else they must exist."""
+    ``make_parents`` missing parent folders may be created (:func:`new_folder`), else they must exist."""
     destination = Path(destination)
     kind = "folder" if folder else "file"
     if destination.is_symlink():
@@ -89,12 +89,15 @@ def _check_parents(parent: Path, make: bool) -> None:
             raise CheckpointError(f"{parent} does not exist; create it or choose another destination")
 
 
-def make_parents(destination: Path) -> None:
-    """Create the folders above ``destination`` (checked by :func:`check_destination` with ``make_parents``)."""
+def _make_parents(destination: Path) -> list[Path]:
+    """Create the folders above ``destination`` (checked by :func:`check_destination` with ``make_parents``);
+    returns those it made, deepest first."""
+    made = [part for part in (destination.parent, *destination.parent.parents) if not part.exists()]
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise _cannot_write(destination, err) from err
+    return made
 
 
 @contextlib.contextmanager
@@ -117,15 +120,21 @@ def new_file(destination: Path, *, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def new_folder(destination: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def new_folder(destination: Path, *, overwrite: bool = False, make_parents: bool = False) -> Iterator[Path]:
     """A temporary folder of ours beside ``destination`` to fill; put in its place (see :func:`publish_folder`)
-    when the block ends without error, removed otherwise."""
+    when the block ends without error, removed otherwise, with the parents it made (``make_parents``)."""
+    made = _make_parents(destination) if make_parents else []
     tmp = temporary_folder(destination)
+    done = False
     try:
         yield tmp
         publish_folder(tmp, destination, overwrite=overwrite)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in [] if done else made:  # deepest first: each is empty once the one below it is gone
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 def temporary_folder(destination: Path) -> Path:

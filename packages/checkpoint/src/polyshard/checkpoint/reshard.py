@@ -38,7 +38,7 @@ from polyshard.checkpoint.format import (
     step_dir,
     write_index,
 )
-from polyshard.checkpoint.output import check_destination, make_parents, new_folder, reading
+from polyshard.checkpoint.output import check_destination, new_folder, reading
 from polyshard.checkpoint.source import Checkpoint, CheckpointSource
 from polyshard.checkpoint.writer import StreamWriter
 from polyshard.mesh import MeshLayout, TensorPlacement
@@ -144,9 +144,8 @@ def write_resharded(
     sizes = layout.as_dict()
     final = step_dir(Path(dst_root), source.step)
     check_destination(final, folder=True, overwrite=overwrite, protected=reading(source.folder), make_parents=True)
-    make_parents(final)
     entries, total, largest = [], 0, 0
-    with new_folder(final, overwrite=overwrite) as tmp:
+    with new_folder(final, overwrite=overwrite, make_parents=True) as tmp:
         for rank, rank_plan in enumerate(plans):
             coords = layout.coords(rank)
             plan = dict(rank_plan)
