@@ -114,3 +114,18 @@ def test_a_tampered_moe_index_names_the_tensor_and_the_file(tmp_path):
     assert "[4" in result.stderr and "[16" in result.stderr and "written incompletely" not in result.stderr
     _refused(_cli("reshard", run, tmp_path / "new", "--mesh", "dp=1"), "but [16] in this model")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("change", ["linked", "nested"])
+def test_train_refuses_a_folders_config_that_leads_out_or_nests_too_deeply(tmp_path, change):
+    (tmp_path / "hf").mkdir()
+    config = tmp_path / "hf" / "config.json"
+    if change == "linked":
+        (tmp_path / "outside.json").write_text(json.dumps({"model_type": "llama"}))
+        config.symlink_to(tmp_path / "outside.json")
+    else:
+        config.write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    (tmp_path / "c.toml").write_text('[model]\npreset = "tiny"\n[training]\nsteps = 1\n')
+    result = _cli("train", tmp_path / "c.toml", "--out", tmp_path / "run", "--init-from", f"hf:{tmp_path / 'hf'}")
+    _refused(result, "config.json leads outside" if change == "linked" else "config.json is JSON nested too deeply")
+    assert not (tmp_path / "run").exists()  # refused before anything started
