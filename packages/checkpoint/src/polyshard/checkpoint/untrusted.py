@@ -24,13 +24,24 @@ MAX_DEPTH = 64
 
 
 def check_inside(folder: Path, path: Path) -> None:
-    """``path`` (a file of ``folder``) resolves inside ``folder``; a link out of it is refused."""
-    target, inside = path.resolve(), Path(folder).resolve()
+    """``path`` (a file of ``folder``) resolves inside ``folder``; a link out of it is refused. A snapshot
+    of the Hugging Face cache (``models--org--name/snapshots/<commit>``) holds links into the model's
+    ``blobs/``: for it, inside is the model's cache folder (:mod:`polyshard.checkpoint.hf_cache`)."""
+    target, inside = path.resolve(), _model_cache_folder(Path(folder).resolve())
     if target == inside or not target.is_relative_to(inside):
         raise CheckpointError(
             f"{path} leads outside {folder} (to {target}); copy the file into the folder (no link out of a "
             "folder we read is followed)"
         )
+
+
+def _model_cache_folder(folder: Path) -> Path:
+    """``models--org--name`` for a folder ``models--org--name/snapshots/<commit>`` of a Hugging Face cache;
+    ``folder`` itself otherwise."""
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return repo
+    return folder
 
 
 def read_json(folder: Path, path: Path, *, limit: int = MAX_JSON_BYTES, fix: str = "") -> Any:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from polyshard.checkpoint import Checkpoint, CheckpointError, latest_checkpoint, open_checkpoint
 from polyshard.checkpoint.format import INDEX_LIMIT
+from polyshard.checkpoint.hf_cache import hf_folder
 from polyshard.checkpoint.untrusted import read_json
 from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.checkpointing import hugging_face as hf
@@ -58,8 +59,9 @@ def checkpoint_to_load(
         if dist.get_rank() == 0:
             print(f"skipping {folder}: {err}", flush=True)
 
-    if init_from is not None and str(init_from).startswith(hf.PREFIX):
-        return hf.HFSource(str(init_from)[len(hf.PREFIX) :], config)
+    folder = hf_folder(init_from)  # hf:DIR, or hf:org/name from the local Hugging Face cache
+    if folder is not None:
+        return hf.HFSource(folder, config)
     if init_from is not None:
         return open_checkpoint(init_from, skipped)
     if resume:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polyshard.checkpoint import CheckpointError, find_checkpoint, latest_checkpoint, read_index
+from polyshard.checkpoint import CheckpointError, find_checkpoint, hf_cache, latest_checkpoint, read_index
 from polyshard.models.settings import with_folder_settings
 from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource, model_settings
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
@@ -56,7 +56,7 @@ class Launch:
     """torchrun's --nnodes: (N, N), or (MIN, MAX) for an elastic job."""
     resume: bool = False
     init_from: str | None = None
-    """A checkpoint folder, or ``hf:DIR``; absolute."""
+    """A checkpoint folder, or ``hf:DIR`` (a model id from the cache resolved to its folder); absolute."""
     notes: list[str] = field(default_factory=list)
     """What the layout does that the user may not expect."""
     prediction: Prediction | None = None
@@ -105,7 +105,7 @@ def prepare_launch(
     low, high = nodes
     if resume and init_from is not None:
         raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
-    hf_folder = Path(init_from[len(PREFIX) :]) if init_from is not None and init_from.startswith(PREFIX) else None
+    hf_folder = hf_cache.hf_folder(init_from)  # hf:DIR, or hf:org/name from the local Hugging Face cache
     if init_from is not None and hf_folder is None:
         find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
     if out.exists() and not out.is_dir():
