@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from polyshard.checkpoint.errors import CheckpointError
+from polyshard.checkpoint.errors import CheckpointError as CheckpointError  # re-exported: the format's error
 from polyshard.checkpoint.output import publish_folder
 from polyshard.checkpoint.untrusted import check_inside, read_json
 from polyshard.mesh import TensorPlacement
