@@ -13,7 +13,7 @@ import pytest
 
 from polyshard.data.format import MANIFEST, SourceInfo, TokenizerInfo
 from polyshard.data.prepared import open_prepared
-from polyshard.planner.fits import check_fits
+from polyshard.planner.fits import WORKER_OVERHEAD, check_fits
 from polyshard.planner.search import memory_of
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data import check_language_data
@@ -126,9 +126,10 @@ def test_sane_sizes_still_parse():
 def test_the_memory_estimate_is_held_against_the_machines():
     config = from_dict({"parallel": {"dp": 2}})
     per_rank = memory_of(config).total
-    assert check_fits(config, 2, memory=(2.01 * per_rank, "host memory", True)) == per_rank
-    with pytest.raises(ConfigError, match=r"GiB per rank x 2 ranks = .* more than this machine's .* host memory"):
-        check_fits(config, 2, memory=(1.99 * per_rank, "host memory", True))  # two ranks share the host
+    with_process = per_rank + WORKER_OVERHEAD  # on a host, each rank's process holds its own share too
+    assert check_fits(config, 2, memory=(2.01 * with_process, "host memory", True)) == per_rank
+    with pytest.raises(ConfigError, match=r"GiB the worker process holds itself\) x 2 ranks = .* more than this"):
+        check_fits(config, 2, memory=(1.99 * with_process, "host memory", True))  # two ranks share the host
     check_fits(config, 2, memory=(1.01 * per_rank, "device memory per GPU", False))  # a device each
     with pytest.raises(ConfigError, match=r"--set training.global_batch_size=.*or pass --force"):
         check_fits(config, 2, memory=(0.99 * per_rank, "device memory per GPU", False))

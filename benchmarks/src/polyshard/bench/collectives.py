@@ -19,6 +19,7 @@ Run it under torchrun (``polyshard bench comm --nproc 4`` does this)::
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from polyshard.bench import timing as benchmark
+from polyshard.bench.arguments import at_least, positive
 from polyshard.collectives import ops
 from polyshard.collectives.ledger import bus_factor
 
@@ -39,9 +41,12 @@ def parse_size(text: str) -> int:
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
     number = text[:-1] if scale > 1 else text
     try:
-        value = int(float(number) * scale)
+        amount = float(number) * scale
     except ValueError as err:
         raise ValueError(f"cannot read size {text!r}; use bytes or a K/M/G suffix, e.g. 64K") from err
+    if not math.isfinite(amount):  # 'inf' and 'nan' read as floats
+        raise ValueError(f"size {text!r} is not a number of bytes; use bytes or a K/M/G suffix, e.g. 64K")
+    value = int(amount)
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
@@ -127,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ", ".join(OPS))
     parser.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), help="e.g. 4K,1M,16M")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--iters", type=positive, default=10)
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
     parser.add_argument("--backend", default=None, help="gloo or nccl (default: nccl with CUDA, else gloo)")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from polyshard.bench.arguments import positive
 from polyshard.cp import position_ids
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.models import build_model, output_width
@@ -59,7 +60,7 @@ def measure(seq_len: int, style: str, layers: int = 2) -> dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--seq-lens", type=positive, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--style", default="ring", choices=["ring", "allgather"])
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
     args = parser.parse_args(argv)

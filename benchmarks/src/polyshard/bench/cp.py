@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from polyshard.bench.arguments import positive
 from polyshard.bench.timing import Column, Record, comparison_record, run_bench, write_records
 from polyshard.collectives import CommLedger, ops
 from polyshard.cp.attention import Style, context_parallel_attention
@@ -225,12 +226,14 @@ def compare(
 def parser() -> argparse.ArgumentParser:
     """The flags of ``main``; ``polyshard bench cp`` checks them before any process starts."""
     parser = argparse.ArgumentParser(prog="polyshard bench cp", description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024], help="global sequence lengths")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--seq-lens", type=positive, nargs="+", default=[256, 512, 1024], help="global sequence lengths"
+    )
+    parser.add_argument("--heads", type=positive, default=8)
+    parser.add_argument("--kv-heads", type=positive, default=4)
+    parser.add_argument("--head-dim", type=positive, default=64)
     parser.add_argument("--full", action="store_true", help="non-causal attention")
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=positive, default=5)
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
     return parser
 

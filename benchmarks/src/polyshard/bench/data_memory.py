@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from polyshard.bench.arguments import positive
+
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
     "you were her she there been one all we their has would when if so no will more some what up out them into time "
@@ -77,7 +79,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "polyshard.cli.main", *args]
 
 
-def train(prepared: Path, out: Path, ranks: int, steps: int) -> Run:
+def train(prepared: Path, out: Path, ranks: int, steps: int, force: bool = False) -> Run:
     settings = [
         "model.hidden=64", "model.num_layers=2", "model.num_heads=4", "model.context_length=128",
         f"data.source={prepared}", f"parallel.dp={ranks}", f"training.steps={steps}",
@@ -89,7 +91,7 @@ def train(prepared: Path, out: Path, ranks: int, steps: int) -> Run:
     config.write_text("# polyshard bench data: every setting is a --set below\n")
     cmd = _cli(
         "train", str(config), "--out", str(out), "--nproc", str(ranks), *[a for s in settings for a in ("--set", s)]
-    )
+    ) + (["--force"] if force else [])
     start = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics, first = out / "metrics.jsonl", None
@@ -106,7 +108,12 @@ def train(prepared: Path, out: Path, ranks: int, steps: int) -> Run:
 
 
 def run(
-    sizes_mb: Sequence[float], ranks: Sequence[int], steps: int, folder: Path, log: Callable[[str], None]
+    sizes_mb: Sequence[float],
+    ranks: Sequence[int],
+    steps: int,
+    folder: Path,
+    log: Callable[[str], None],
+    force: bool = False,
 ) -> list[Run]:
     runs = []
     for size in sorted(sizes_mb):
@@ -122,7 +129,7 @@ def run(
             log(f"  prepared in {time.perf_counter() - start:.1f} s ({size / (time.perf_counter() - start):.0f} MB/s)")
             corpus.unlink()  # the prepared folder is what the runs read
         for n in ranks:
-            result = train(prepared, folder / f"run-{size:g}mb-{n}", n, steps)
+            result = train(prepared, folder / f"run-{size:g}mb-{n}", n, steps, force)
             result.megabytes = size
             log(f"  {size:g} MB on {n} ranks: peak RSS per rank up to {max(result.peak_rss) / 2**20:.0f} MiB, "
                 f"first step after {result.first_step_s:.1f} s")  # fmt: skip
@@ -159,17 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 50, 2048])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ranks", type=positive, nargs="+", default=[2, 8])
+    parser.add_argument("--steps", type=positive, default=5)
     parser.add_argument("--folder", type=Path, default=None, help="keep corpora and runs here (default: a temp folder)")
+    parser.add_argument("--force", action="store_true", help="train on more ranks than this machine holds")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.folder is not None:
         args.folder.mkdir(parents=True, exist_ok=True)
-        runs = run(args.sizes_mb, args.ranks, args.steps, args.folder, print)
+        runs = run(args.sizes_mb, args.ranks, args.steps, args.folder, print, args.force)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = run(args.sizes_mb, args.ranks, args.steps, Path(tmp), print)
+            runs = run(args.sizes_mb, args.ranks, args.steps, Path(tmp), print, args.force)
     print(report(runs))
     return 0
 

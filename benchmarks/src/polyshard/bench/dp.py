@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.bench.arguments import positive
 from polyshard.bench.timing import (
     Column,
     Record,
@@ -270,7 +271,7 @@ def parser() -> argparse.ArgumentParser:
     """The flags of ``main``; ``polyshard bench dp`` checks them before any process starts."""
     parser = argparse.ArgumentParser(prog="polyshard bench dp", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file")
-    parser.add_argument("--iters", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--iters", type=positive, default=10, help="timed steps per side")
     parser.add_argument("--memory", action="store_true", help="only the bytes held per rank (fp32 AdamW)")
     return parser
 

@@ -24,7 +24,7 @@ import copy
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.bench import ep_experts
+from polyshard.bench.arguments import at_least, positive
 from polyshard.bench.timing import (
     Record,
     comparison_record,
@@ -149,29 +150,16 @@ def parser() -> argparse.ArgumentParser:
     """The flags of ``main``; ``polyshard bench ep`` checks them before any process starts."""
     parser = argparse.ArgumentParser(prog="polyshard bench ep", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this JSON file (rank 0)")
-    parser.add_argument("--tokens", type=_positive, default=1024, help="tokens per rank")
-    parser.add_argument("--hidden", type=_positive, default=128)
-    parser.add_argument("--ffn", type=_positive, default=256)
-    parser.add_argument("--experts", type=_positive, default=8)
-    parser.add_argument("--iters", type=_positive, default=10)
+    parser.add_argument("--tokens", type=positive, default=1024, help="tokens per rank")
+    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--ffn", type=positive, default=256)
+    parser.add_argument("--experts", type=positive, default=8)
+    parser.add_argument("--iters", type=positive, default=10)
     one = "the one-process section (rank 0 alone): "
-    parser.add_argument("--experts-rows", type=_at_least(2), default=4096, help=one + "rows (the layer gets half)")
-    parser.add_argument("--experts-hidden", type=_positive, default=256, help=one + "hidden size")
-    parser.add_argument("--experts-ffn", type=_positive, default=704, help=one + "each expert's inner size")
+    parser.add_argument("--experts-rows", type=at_least(2), default=4096, help=one + "rows (the layer gets half)")
+    parser.add_argument("--experts-hidden", type=positive, default=256, help=one + "hidden size")
+    parser.add_argument("--experts-ffn", type=positive, default=704, help=one + "each expert's inner size")
     return parser
-
-
-def _at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value}: give at least {low}")
-        return value
-
-    return parse
-
-
-_positive = _at_least(1)
 
 
 def _one_process(args: argparse.Namespace) -> list[Record]:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from polyshard.bench.arguments import positive
 from polyshard.bench.timing import (
     Record,
     comparison_record,
@@ -188,11 +189,11 @@ def parser() -> argparse.ArgumentParser:
     """The flags of ``main``; ``polyshard bench pp`` checks them before any process starts."""
     parser = argparse.ArgumentParser(prog="polyshard bench pp", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--layers", type=positive, default=8)
+    parser.add_argument("--hidden", type=positive, default=1024)
+    parser.add_argument("--batch", type=positive, default=64)
+    parser.add_argument("--microbatches", type=positive, default=8)
+    parser.add_argument("--iters", type=positive, default=20)
     parser.add_argument("--schedules", default=",".join(PEERS))
     parser.add_argument(
         "--prefetch", type=int, default=None, help="post receives this many actions ahead (default: the executor's)"

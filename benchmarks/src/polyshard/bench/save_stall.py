@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from polyshard.bench.arguments import positive
 from polyshard.mesh import Mesh, init_distributed
 from polyshard.models import parameter_count
 from polyshard.trainer.config import from_dict
@@ -62,9 +63,9 @@ def measure(async_save: bool, folder: Path, shape: argparse.Namespace) -> tuple[
 def parser() -> argparse.ArgumentParser:
     """The flags of ``main`` (GPT-2-small's shape by default); ``polyshard bench checkpoint`` passes them."""
     parser = argparse.ArgumentParser(prog="polyshard bench checkpoint", description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--hidden", type=positive, default=768)
+    parser.add_argument("--layers", type=positive, default=12)
+    parser.add_argument("--heads", type=positive, default=12)
     return parser
 
 

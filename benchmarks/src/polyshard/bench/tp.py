@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from polyshard.bench.arguments import positive
 from polyshard.bench.timing import (
     Record,
     comparison_record,
@@ -122,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
         prog="polyshard bench tp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", default=None, help="write the records to this file (rank 0)")
-    parser.add_argument("--iters", type=int, default=10, help="timed steps per implementation")
+    parser.add_argument("--iters", type=positive, default=10, help="timed steps per implementation")
     return parser
 
 

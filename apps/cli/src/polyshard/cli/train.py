@@ -10,6 +10,7 @@ import typer
 if TYPE_CHECKING:
     from polyshard.trainer import Prediction
 
+from polyshard.cli.errors import fail
 from polyshard.cli.families import HF_FAMILIES
 from polyshard.cli.launch import run_local
 
@@ -42,7 +43,10 @@ def train(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
     force: bool = typer.Option(
-        False, "--force", help="Launch even when the planner's memory estimate is larger than this machine's memory."
+        False,
+        "--force",
+        help="Launch even when the planner's memory estimate is larger than this machine's memory, or there are "
+        "more processes than its cores and memory hold.",
     ),
     layout: str = typer.Option(
         "manual",
@@ -63,6 +67,7 @@ def train(
     ),
 ) -> None:
     """Train a model on an N-D mesh of processes (local by default, many nodes through torchrun's options)."""
+    from polyshard.planner.fits import check_processes
     from polyshard.trainer import CheckpointError, ConfigError, DataError, prepare_launch, read_settings
 
     if layout not in ("manual", "auto"):
@@ -75,6 +80,8 @@ def train(
     try:
         nodes = _nodes(torchrun)
         settings = read_settings(config, overrides)  # the file and --set, read once
+        if nproc is not None and not (force or dry_run):  # before the planner lays out that many processes
+            check_processes(nproc)
         prediction = None
         if layout == "auto":
             settings, prediction = _planned(settings, nproc, nodes, profile)
@@ -83,9 +90,7 @@ def train(
         )
         too_big = None if force else _memory_refusal(launch.config, launch.nproc, dry_run)
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts
-        kind = {ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input")
-        typer.echo(f"{kind} error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail({ConfigError: "config", CheckpointError: "checkpoint", DataError: "data"}.get(type(err), "input"), err)
     for note in launch.notes:
         typer.echo(f"note: {note}")
     if dry_run:
@@ -103,15 +108,16 @@ WORKER = "polyshard.trainer.runtime.worker"
 
 
 def _memory_refusal(config: Any, nproc: int, dry_run: bool) -> str | None:
-    """The planner's estimate against this machine's memory: a launch that cannot fit is refused (a
-    ConfigError naming the estimate and the fix); a dry run is refused only past any machine's memory, and
-    otherwise gets the reason back, to print under its plan."""
-    from polyshard.planner.fits import check_fits
+    """The planner's estimate and the process count against this machine's memory and cores: a launch that
+    cannot fit is refused (a ConfigError naming the estimate and the fix); a dry run is refused only past any
+    machine's memory, and otherwise gets the reason back, to print under its plan."""
+    from polyshard.planner.fits import check_fits, check_processes
     from polyshard.trainer import ConfigError
 
     if dry_run:
         check_fits(config, nproc, anywhere=True)  # a plan may be for a larger machine, not for no machine
     try:
+        check_processes(nproc)
         check_fits(config, nproc)
     except ConfigError as err:
         if not dry_run:
