@@ -6,8 +6,9 @@ import torch.distributed as dist
 
 from polyshard.dp import DataParallel, FullyShardedDataParallel, ZeroOptimizer
 from polyshard.mesh import Replicate, Shard, get_placement, shard_tensor
+from tests._bounds import AdamWDrift, reordered_sum
 
-from ._helpers import adamw, batch, local_rows, local_step_loss, make_model
+from ._helpers import LR, adamw, batch, local_rows, local_step_loss, make_model
 
 
 def _lifecycle():
@@ -166,6 +167,9 @@ def _kept_block(steps: int):
     n, rank = dist.get_world_size(), dist.get_rank()
     reference, base = make_model(), make_model()
     ref_opt = adamw(reference.parameters())
+    # Round-off on the longest chain of float32 sums: the forward's fan-ins with the bias (13, 31, 31), the
+    # backward's (7, 30, 30) and the batch's 24 rows, split over ranks and microbatches in another order.
+    drift = AdamWDrift(ref_opt, grad_rel=reordered_sum(13 + 31 + 31 + 7 + 30 + 30 + 24))
     model = FullyShardedDataParallel(base, group=dist.group.WORLD, keep_gathered=[base[2]])
     opt = ZeroOptimizer(adamw(model.parameters()), model)
 
@@ -178,6 +182,7 @@ def _kept_block(steps: int):
         ref_loss = sum(loss_of(reference, reference[2][0], xm, ym) for xm, ym in zip(x.chunk(2), y.chunk(2))) / 2
         ref_loss.backward()
         ref_opt.step()
+        drift.after_step()
         ref_opt.zero_grad()
         mine = [local_rows(t, rank, n) for t in (x, y)]
         with CommLedger() as ledger:
@@ -190,7 +195,11 @@ def _kept_block(steps: int):
         gathered.append(model.block_units[2].gathered)  # after the step: freed
         opt.zero_grad()
     full = model.full_parameters()
-    differences = {name: float((full[name] - p).abs().max()) for name, p in reference.named_parameters()}
+    # Each element's drift from the reference in units of its own round-off bound, and the bound's median.
+    differences = {
+        name: (float(((full[name] - p).abs() / drift.bound[p]).max()), float(drift.bound[p].median()))
+        for name, p in reference.named_parameters()
+    }
     return gathered, gathers, differences
 
 
@@ -201,5 +210,8 @@ def test_a_kept_block_stays_gathered_until_its_gradients_are_reduced(distributed
         # Blocks 0 and 1 are gathered in each forward and again in the backward (2 x 2 + 2); the kept
         # block once, at the first forward; the optimizer step gathers nothing.
         assert gathers == [7] * 3
-        # float32 sums over 3 ranks' rows in another order, through 3 AdamW steps: rounding only
-        assert max(differences.values()) < 1e-6, differences
+        # float32 sums over 3 ranks' rows in another order, through 3 AdamW steps: within the round-off
+        # bound (tests/_bounds.py) on every element; the bound's median stays a hundred times below one
+        # step (lr 1e-2), which a stale or unreduced kept block moves most elements by.
+        assert all(ratio <= 1 for ratio, _ in differences.values()), differences
+        assert all(median < LR / 100 for _, median in differences.values()), differences

@@ -26,8 +26,8 @@ def train(
     init_from: str | None = typer.Option(
         None,
         "--init-from",
-        help="Start from this checkpoint (any mesh), or from a Hugging Face model folder as hf:DIR "
-        f"({HF_FAMILIES}); the new run goes to --out.",
+        help=f"Start from this checkpoint (any mesh), or from a Hugging Face model ({HF_FAMILIES}): a folder as "
+        "hf:DIR, or a model id in the local Hugging Face cache as hf:org/name; the new run goes to --out.",
     ),
     stop_at: int | None = typer.Option(
         None,
