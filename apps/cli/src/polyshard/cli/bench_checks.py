@@ -107,7 +107,7 @@ def module_args(package: str, args: list[str]) -> argparse.Namespace:
     def refuse(message: str) -> None:
         fail("bench", f"{package}: {message}")
 
-    parser.error = refuse  # type: ignore[method-assign,assignment]  # argparse prints usage and exits
+    parser.error = refuse  # argparse's own prints its usage and exits
     parsed: argparse.Namespace = parser.parse_args(args)
     return parsed
 
@@ -121,18 +121,18 @@ def peer_memory(package: str, args: argparse.Namespace, nproc: int) -> None:
 
 def _pp(args: argparse.Namespace, nproc: int) -> float:
     # every layer's (hidden x hidden) weight is on some stage; each rank draws the (batch x hidden) x and y
-    return FLOAT32 * (args.layers * args.hidden**2 + 2 * nproc * args.batch * args.hidden)
+    return float(FLOAT32 * (args.layers * args.hidden**2 + 2 * nproc * args.batch * args.hidden))
 
 
 def _cp(args: argparse.Namespace, nproc: int) -> float:
     # the one-process reference holds the whole sequence's q, k, v and output
-    return FLOAT32 * max(args.seq_lens) * (2 * args.heads + 2 * args.kv_heads) * args.head_dim
+    return float(FLOAT32 * max(args.seq_lens) * (2 * args.heads + 2 * args.kv_heads) * args.head_dim)
 
 
 def _ep(args: argparse.Namespace, nproc: int) -> float:
     experts = args.experts * 3 * args.hidden * args.ffn  # each expert's SwiGLU weights, on some rank
     one = args.experts_rows * args.experts_hidden + 8 * 3 * args.experts_hidden * args.experts_ffn  # rank 0 alone
-    return FLOAT32 * (experts + nproc * args.tokens * args.hidden + one)
+    return float(FLOAT32 * (experts + nproc * args.tokens * args.hidden + one))
 
 
 _LEAST_BYTES: dict[str, Callable[[argparse.Namespace, int], float]] = {"pp": _pp, "cp": _cp, "ep": _ep}
