@@ -37,8 +37,8 @@ DOCUMENTS = _documents(40)
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory) -> FileTokenizer:
-    """A byte-level BPE with no end-of-text token, as `polyshard tokenizer` trains."""
-    path = train_bpe(DOCUMENTS, 300, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+    """A byte-level BPE with no end-of-text token (documents end with the separator)."""
+    path = train_bpe(DOCUMENTS, 300, tmp_path_factory.mktemp("bpe") / "tokenizer.json", end_of_text=None)
     return FileTokenizer(path)
 
 

@@ -92,7 +92,7 @@ def _the_tokenizer_travels_with_the_checkpoint(checkpoint, bpe, tmp_path, text):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     ours = load_tokenizer(str(bpe))
     assert hf_tokenizer.encode("the king is here") == ours.encode("the king is here")
-    assert json.loads((exported / "config.json").read_text())["eos_token_id"] is None  # a plain BPE has none
+    assert json.loads((exported / "config.json").read_text())["eos_token_id"] == ours.end_of_text == 299  # the last
     (moved / "tokenizer.json").write_text("{}")  # tampered with
     with pytest.raises(CheckpointError, match="tokenizer.json is missing or does not match its sha256"):
         Checkpoint(moved)

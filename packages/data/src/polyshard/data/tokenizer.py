@@ -7,8 +7,9 @@ the ``tokenizers`` library (``pip install tokenizers``; it comes with ``transfor
 round-trips exactly.
 
 ``end_of_text`` is the id of the token that ends a document (GPT-2's ``<|endoftext|>``, Llama's
-``</s>`` or ``<|end_of_text|>``), or None: the byte tokenizer and a BPE from :func:`train_bpe` have none.
-Fine-tuning data ends each response with it (:mod:`polyshard.data.encode`).
+``</s>`` or ``<|end_of_text|>``), or None: the byte tokenizer has none. A BPE from :func:`train_bpe`
+has GPT-2's, as its last id. Prepared text ends each document with it, and fine-tuning data each
+response (:mod:`polyshard.data.encode`): without one a response has no end to learn.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ BYTES = "bytes"
 FILE = "tokenizer.json"
 # Special tokens that end a document, by the names common tokenizers give them (first match wins).
 END_OF_TEXT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+END_OF_TEXT = END_OF_TEXT_NAMES[0]  # the one train_bpe adds, GPT-2's
 
 
 class Tokenizer(Protocol):
@@ -88,19 +90,28 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return FileTokenizer(path)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, destination: str | Path) -> Path:
-    """Train a byte-level BPE of ``vocab_size`` tokens (256 bytes + merges) on ``texts``; save it as
-    ``destination`` (a ``tokenizer.json``), written whole or not at all."""
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, destination: str | Path, *, end_of_text: str | None = END_OF_TEXT
+) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` tokens (256 bytes + merges + ``end_of_text``, a special
+    token with the last id, as GPT-2's; None: no such token) on ``texts``; save it as
+    ``destination`` (a ``tokenizer.json``), written whole or not at all. A small corpus may give fewer
+    merges, so fewer tokens: ``vocab_size`` is the most."""
     if vocab_size <= 256:
         raise DataError(f"a BPE vocabulary needs more than the 256 byte tokens; got vocab_size={vocab_size}")
+    if end_of_text is not None and end_of_text not in END_OF_TEXT_NAMES:
+        raise DataError(f"end_of_text={end_of_text!r}; choose one of {list(END_OF_TEXT_NAMES)}, the names read back")
     tokenizers = _tokenizers()
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    merged = vocab_size - (end_of_text is not None)  # the bytes and merges; the special token comes last
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=merged, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    if end_of_text is not None:  # added after training, so it takes the last id (GPT-2's 50256 is its last)
+        tokenizer.add_special_tokens([tokenizers.AddedToken(end_of_text, special=True)])
     destination = Path(destination)
     tmp = destination.with_name(destination.name + ".tmp")
     tokenizer.save(str(tmp))
