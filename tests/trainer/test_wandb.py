@@ -141,3 +141,12 @@ def test_a_state_file_that_is_not_ours_is_named(tmp_path):
     (tmp_path / STATE_FILE).write_text('{"id": 3}')
     with pytest.raises(ConfigError, match=f"{STATE_FILE} holds no W&B run id and last step; delete it"):
         WandbRun(load_config(None, ["logging.wandb=true"]), tmp_path, resume=True)
+
+
+def test_a_disabled_run_logs_nothing_and_records_no_id(tmp_path):
+    config = load_config(None, ["logging.wandb=true", 'logging.wandb_mode="disabled"'])
+    run = WandbRun(config, tmp_path, resume=False)
+    run.write({"step": 1, "loss": 2.5, "peak_memory_bytes_per_rank": [1, 2]})
+    run.close()
+    # An id that names no W&B run is not kept: a later --resume with W&B on starts a real run.
+    assert not (tmp_path / STATE_FILE).exists() and not (tmp_path / "wandb").exists()
