@@ -31,6 +31,9 @@ def test_profiles_round_trip_through_json_and_load_by_name(tmp_path):
     path.write_text('{"name": "x"}')
     with pytest.raises(ConfigError, match="not a polyshard profile"):
         load_profile(path)
+    path.write_text("[" * 100_000 + "]" * 100_000)  # nested past the parser's recursion: one line, no traceback
+    with pytest.raises(ConfigError, match="not a polyshard profile .RecursionError"):
+        load_profile(path)
 
 
 def test_link_fit_recovers_latency_and_bandwidth():

@@ -78,6 +78,8 @@ def test_peaks_from_the_datasheet_a_profile_and_a_measurement(tmp_path):
     profile.write_text(json.dumps({"matmul_tflops": {"1": {"64": 0.15, "256": 0.12}, "2": {"64": 0.1}}}))
     assert calibrated_peak(profile, 1) == 0.15 and calibrated_peak(profile, 3) == 0.1
     assert calibrated_peak(tmp_path / "none.json", 1) is None
+    profile.write_text("[" * 100_000 + "]" * 100_000)  # nested too deeply to parse: no profile, no traceback
+    assert calibrated_peak(profile, 1) is None
     assert CALIBRATION.name == "profile.json"
     state = torch.get_rng_state()
     assert measure_peak(torch.device("cpu"), torch.float32, budget_s=0.01, size=128) > 0

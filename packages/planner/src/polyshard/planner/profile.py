@@ -196,5 +196,5 @@ def load_profile(name_or_path: str | Path) -> Profile:
         )
     try:
         return Profile.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:  # Recursion: nested too deeply
         raise ConfigError(f"{path}: not a polyshard profile ({type(err).__name__}: {err})") from err

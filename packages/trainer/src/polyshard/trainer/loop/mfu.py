@@ -68,7 +68,7 @@ def calibrated_peak(path: Path, processes: int) -> float | None:
         tables = json.loads(path.read_text())["matmul_tflops"]
         nearest = min(tables, key=lambda k: abs(int(k) - processes))
         return max(float(rate) for rate in tables[nearest].values())
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deeply
         return None
 
 
