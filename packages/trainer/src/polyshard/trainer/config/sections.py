@@ -86,8 +86,11 @@ class ParallelConfig:
         _check_choice("parallel.cp_style", self.cp_style, CP_STYLES)
         self._check_cp_ulysses()
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
-        if not self.timeout_s > 0:
-            raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0 seconds (default 600)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # gloo and NCCL take it as a C++ duration
+            raise ConfigError(
+                f"parallel.timeout_s={self.timeout_s} must be in (0, {MAX_TIMEOUT_S:g}] seconds (default 600; a "
+                "collective that waits a week is a hang)"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
         self._check_dp_shard()
@@ -365,6 +368,13 @@ class TrainingConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"training.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
+        if self.sample_tokens > MAX_SAMPLE_TOKENS:  # each token is a forward pass over the whole row, on rank 0
+            raise ConfigError(
+                f"training.sample_tokens={self.sample_tokens} is past {MAX_SAMPLE_TOKENS:,}; the end-of-run sample "
+                f"is text to read: give 0..{MAX_SAMPLE_TOKENS} (0 disables it)"
+            )
+        if self.seed > MAX_SEED:  # torch seeds are 64-bit, and each layer's is seed x 1,000,003 + its index
+            raise ConfigError(f"training.seed={self.seed} is past {MAX_SEED:,}; give a seed in 0..{MAX_SEED}")
         if self.stop_at > self.steps:
             raise ConfigError(f"training.stop_at={self.stop_at} is past training.steps={self.steps}; give 1..steps")
 
@@ -444,6 +454,9 @@ class DataConfig:
 
 
 MAX_WEIGHT = 1e12  # a mixture weight; relative, so token counts fit and no sum of weights overflows
+MAX_SEED = 2**32 - 1  # training.seed: a 32-bit seed, as numpy's legacy one; larger overflowed in the workers
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # parallel.timeout_s: a week; 1e300 s overflowed the workers' C++ duration
+MAX_SAMPLE_TOKENS = 100_000  # training.sample_tokens: rank 0 keeps every token it generates (8 bytes each)
 MAX_MUON_NS_STEPS = 100  # Newton-Schulz iterations of Muon; 5 suffice (Jordan et al.), far more is a typo
 
 

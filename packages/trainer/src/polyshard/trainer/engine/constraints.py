@@ -65,6 +65,18 @@ def _check_loss_chunks(config: Config) -> None:
             f"training.loss_chunks={chunks} chunks a language model's head and loss; model.kind="
             f"{config.model.kind!r} classifies, set loss_chunks = 0"
         )
+    # Each chunk is a slice of the tokens one rank's microbatch holds: more chunks than tokens are empty
+    # slices that still cost a view and a checkpointed call each (1e9 of them grew a worker past 3.8 GB).
+    par = config.parallel
+    rows = max(1, config.training.global_batch_size // (par.data_ranks * par.microbatches))
+    positions = max(1, sequence_length(config.model) // par.cp)
+    if chunks > rows * positions:
+        cp = f" / cp={par.cp}" if par.cp > 1 else ""
+        raise ConfigError(
+            f"training.loss_chunks={chunks} is more than the {rows * positions:,} tokens a rank's microbatch holds "
+            f"({rows} rows of global_batch_size / (dp x ep x microbatches) x {positions} positions, "
+            f"model.context_length{cp}); choose loss_chunks in 0..{rows * positions}"
+        )
 
 
 def layout_notes(config: Config) -> list[str]:
