@@ -98,10 +98,16 @@ def test_an_index_that_leads_out_or_nests_too_deeply_is_one_line_everywhere(tmp_
     else:
         (step / "index.json").write_text("[" * 100_000 + "]" * 100_000)
         message = "index.json is JSON nested too deeply"
-    for command in (["inspect", step], ["export", step, tmp_path / "w.safetensors"], ["reshard", step, "x"]):
-        if command[0] == "reshard":
-            command += ["--mesh", "dp=1"]
+    (tmp_path / "c.toml").write_text('[model]\npreset = "tiny"\n[training]\nsteps = 1\n')
+    commands = [
+        ["inspect", step],
+        ["export", step, tmp_path / "w.safetensors"],
+        ["reshard", step, "x", "--mesh", "dp=1"],
+        ["train", tmp_path / "c.toml", "--out", tmp_path / "new", "--init-from", step],  # before any process
+    ]
+    for command in commands:
         _refused(_cli(*command), message)
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_tampered_moe_index_names_the_tensor_and_the_file(tmp_path):

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,8 @@ from polyshard.checkpoint.format import (
 from polyshard.checkpoint.output import stale_temporaries, temporary_folder
 from polyshard.checkpoint.source import Checkpoint
 from polyshard.mesh import TensorPlacement
+
+_Opened = TypeVar("_Opened")
 
 
 @dataclass(frozen=True)
@@ -129,32 +131,37 @@ def open_checkpoint(path: str | Path, on_skip: Callable[[Path, CheckpointError],
     (or its ``checkpoints/``) the newest *valid* one is taken, and each newer one that fails
     verification is reported to ``on_skip(folder, error)`` and passed over, so a corrupt last save
     does not lose the run."""
-    path = Path(path)
+    return _newest_valid(Path(path), Checkpoint, on_skip)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A step folder, or the newest complete one under a run folder or its ``checkpoints/`` folder whose
+    index reads (cheap: no sha256 is computed), so a launcher can refuse a damaged one before any process
+    starts; the workers' :func:`open_checkpoint` verifies the files."""
+
+    def readable(folder: Path) -> Path:
+        read_index(folder)
+        return folder
+
+    return _newest_valid(Path(path), readable)
+
+
+def _newest_valid(
+    path: Path, opened: Callable[[Path], _Opened], on_skip: Callable[[Path, CheckpointError], None] | None = None
+) -> _Opened:
     if (path / "index.json").exists():
-        return Checkpoint(path)
+        return opened(path)
     for root in (path, path / "checkpoints"):
         done = complete_checkpoints(root)
         for folder in reversed(done):
             try:
-                return Checkpoint(folder)
+                return opened(folder)
             except CheckpointError as err:
                 if on_skip is not None:
                     on_skip(folder, err)
                 last = err
         if done:
             raise CheckpointError(f"no checkpoint under {root} is valid; the oldest failed with: {last}")
-    raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A step folder, or the newest complete one under a run folder or its ``checkpoints/`` folder."""
-    path = Path(path)
-    if (path / "index.json").exists():
-        return path
-    for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found
     raise CheckpointError(f"{path} holds no complete checkpoint (no index.json in it or under it)")
 
 
