@@ -16,6 +16,7 @@ import pytest
 
 from polyshard.data.errors import DataError
 from polyshard.data.format import DOCS, MANIFEST, MASK, TOKENS, held_out, read_manifest
+from polyshard.data.interrupted import kept
 from polyshard.data.output import PROGRESS, TEMP_SUFFIX
 from polyshard.data.prepare import prepare
 from polyshard.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, train_bpe
@@ -240,7 +241,14 @@ def test_an_interrupted_run_resumes_to_the_same_folder(tmp_path, bpe, monkeypatc
     tokenized = []
     call = encode.Encoder.__call__
     monkeypatch.setattr(encode.Encoder, "__call__", lambda self, chunk: tokenized.append(chunk) or call(self, chunk))
-    prepare(source, out, bpe.path, val_fraction=0.2, chunk_bytes=150, shard_tokens=120, progress=False, workers=1)
+    done, notes = kept(out), []  # what the last record holds, not the 4th chunk written after it
+    options = {"val_fraction": 0.2, "chunk_bytes": 150, "shard_tokens": 120, "progress": False, "workers": 1}
+    prepare(source, out, bpe.path, **options, note=notes.append)
+    assert done is not None and 0 < done.documents < len(DOCUMENTS)
+    assert notes == [
+        f"resuming an interrupted prepare of {out}: {done} were done and are kept; the source is read again "
+        "from the start (to hash it) and tokenized from where it stopped"
+    ]
     resumed_parts = sum(len(c.parts) for c in tokenized)
     assert 0 < resumed_parts < len(DOCUMENTS)  # only what came after the last record was tokenized
     prepare(source, whole, bpe.path, val_fraction=0.2, chunk_bytes=150, shard_tokens=120, progress=False, workers=1)

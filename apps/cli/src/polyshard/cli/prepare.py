@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from polyshard.cli.launch import INTERRUPTED
+
 
 def prepare_command(
     source: str = typer.Argument(
@@ -40,9 +42,22 @@ def prepare_command(
             source, out, tokenizer, kind=kind, split_on=split_on, text_field=text_field, prompt_field=prompt_field,
             response_field=response_field, separator=separator, val_fraction=val_fraction, seed=seed,
             workers=workers, shard_tokens=shard_tokens, overwrite=overwrite, progress=not quiet,
-            max_document_bytes=max_document_mb << 20,
+            max_document_bytes=max_document_mb << 20, note=lambda line: typer.echo(line, err=True),
         )  # fmt: skip
     except DataError as err:
         typer.echo(f"data error: {err}", err=True)
         raise typer.Exit(2) from err
+    except KeyboardInterrupt:  # Ctrl-C: what is kept, and that the same command resumes
+        typer.echo(interrupted(out), err=True)
+        raise typer.Exit(INTERRUPTED) from None
     typer.echo(summary(manifest, str(out)))
+
+
+def interrupted(out: Path) -> str:
+    """The line a prepare stopped by Ctrl-C ends with."""
+    from polyshard.data.interrupted import kept
+
+    done = kept(out)
+    if done is None or not done.documents:
+        return "interrupted: no documents were written yet; run the same command again to start over"
+    return f"interrupted: {done} are kept in {done.folder}; run the same command again to resume from there"

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             text_field=args.text_field, prompt_field=args.prompt_field, response_field=args.response_field,
             separator=args.separator, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
             shard_tokens=args.shard_tokens, overwrite=args.overwrite, progress=not args.quiet,
-            max_document_bytes=args.max_document_mb << 20,
+            max_document_bytes=args.max_document_mb << 20, note=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)

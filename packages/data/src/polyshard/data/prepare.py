@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import shutil
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from polyshard.data.format import (
     token_dtype,
     tokenizer_info,
 )
+from polyshard.data.interrupted import Kept
 from polyshard.data.locate import open_source
 from polyshard.data.output import PROGRESS, check_out, ours, publish, temp_of, write_error
 from polyshard.data.progress import Progress
@@ -68,6 +69,7 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     max_document_bytes: int = DOCUMENT_LIMIT,
+    note: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Tokenize ``source`` into the prepared dataset ``out`` and return its manifest.
 
@@ -78,6 +80,7 @@ def prepare(
     ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
     that every worker gets several tasks) changes the speed and the memory held, never the output.
     A document longer than ``max_document_bytes`` is refused, named, so memory stays bounded.
+    ``note`` receives a line when the run resumes an interrupted one (what was already done).
     A :class:`DataError` names the file and the fix on bad input, a full disk or a folder that cannot be written.
     """
     fields = Fields(kind, split_on, text_field, prompt_field, response_field, max_document_bytes)
@@ -103,6 +106,12 @@ def prepare(
         masked = kind == "pairs"
         writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
         cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
+        if cursor != START and note is not None:
+            done = Kept(temp, writer.documents, writer.tokens)
+            note(
+                f"resuming an interrupted prepare of {out}: {done} were done and are kept; the source is read "
+                "again from the start (to hash it) and tokenized from where it stopped"
+            )
         bar = Progress(found.total_bytes, progress)
         try:
             for encoded, end in _encoded(found.chunks(cursor, chunk_bytes, bar.read), settings, workers):
