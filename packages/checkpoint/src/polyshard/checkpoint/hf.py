@@ -140,7 +140,9 @@ class HFWeights:
                 stored = f.get_slice(self.stored[name])
                 self.shapes[name] = tuple(stored.get_shape())
                 dtype = stored.get_dtype()
-                if dtype not in FLOAT_DTYPES and not name.endswith(buffers) and not (name in packed and dtype == "U8"):
+                if name in packed:  # checked with its other part below
+                    continue
+                if dtype not in FLOAT_DTYPES and not name.endswith(buffers):
                     raise CheckpointError(
                         f"{self.folder / file}: {self.stored[name]!r} is stored as {dtype}; a weight must be "
                         f"floating point ({', '.join(FLOAT_DTYPES)}): the file is damaged or not a model's weights"
@@ -175,6 +177,23 @@ class HFWeights:
             raise CheckpointError(
                 f"{self.folder}: {location.name}_blocks {list(blocks)} and _scales {list(scales)} are not MXFP4 "
                 f"(blocks (..., rows, groups, {mxfp4.BLOCK // 2}) bytes, scales (..., rows, groups))"
+            )
+        files = [self.folder / self.files[name] for name in location.names]
+        dtypes = []
+        for name, path in zip(location.names, files, strict=True):
+            with _opened(path) as f:
+                dtypes.append(f.get_slice(self.stored[name]).get_dtype())
+        try:
+            mxfp4.check_header(*dtypes)
+        except ValueError as err:
+            raise CheckpointError(f"{files[0]}: {location.name}: {err}") from err
+        with _opened(files[1]) as f:  # the scales, one slice of the leading dim at a time: 1/16 of the bytes
+            stored = f.get_slice(self.stored[location.names[1]])
+            nan = sum(mxfp4.nan_scales(stored[i : i + 1]) for i in range(scales[0]))
+        if nan:
+            raise CheckpointError(
+                f"{files[1]}: {self.stored[location.names[1]]!r} holds {nan} scale byte(s) of {mxfp4.NAN_SCALE}, "
+                "MXFP4's NaN code; the folder's weights are damaged (re-save or re-download them)"
             )
 
     def resolve(self, key: str) -> str:
@@ -251,7 +270,8 @@ class HFWeights:
         try:
             values = mxfp4.dequantize(parts[0], parts[1])
         except ValueError as err:
-            raise CheckpointError(f"{self.folder}: {location.name}: {err}") from err
+            files = " and ".join(sorted({str(self.folder / self.files[name]) for name in location.names}))
+            raise CheckpointError(f"{files}: {location.name}_blocks with its _scales {err}") from err
         return values[..., c0:c1, :]
 
     def optim_state(self) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
