@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 PACKAGES := packages/mesh packages/collectives packages/data packages/checkpoint packages/tp packages/pp packages/dp packages/ep packages/cp packages/models packages/trainer packages/planner benchmarks apps/cli
 STAMP := $(VENV)/.polyshard-setup
 
-.PHONY: setup test test-long test-system test-bench demo lint docs format clean
+.PHONY: setup test test-cpus test-long test-system test-bench demo lint docs format clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,21 @@ $(STAMP): Makefile requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The parity tests again under the other CPU kernels torch picks on other machines (ATEN_CPU_CAPABILITY:
+# a laptop, a CI runner and a cluster node each take their own), so no bound is read off one machine's
+# rounding. Kinds this CPU lacks (avx2 on an older one) and its own (`make test` ran it) are skipped.
+CPU_KINDS := default avx2
+PARITY_TESTS := tests/collectives tests/tp tests/pp tests/dp tests/ep tests/cp tests/models tests/trainer
+test-cpus: setup
+	@own=$$($(BIN)/python -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	case "$$own" in default|avx2|avx512) ;; *) echo "test-cpus: $$own is not an x86 kind; nothing to switch"; exit 0;; esac; \
+	for kind in $(CPU_KINDS); do \
+		if [ "$$kind" = "$$own" ]; then echo "test-cpus: $$kind is this CPU's own kernels, which make test ran"; continue; fi; \
+		if [ "$$kind" = avx2 ] && [ "$$own" = default ]; then echo "test-cpus: this CPU has no AVX2; skipped"; continue; fi; \
+		echo "test-cpus: ATEN_CPU_CAPABILITY=$$kind"; \
+		ATEN_CPU_CAPABILITY=$$kind $(BIN)/python -m pytest -q $(PARITY_TESTS) || exit 1; \
+	done
 
 # Whole jobs on several processes (parity layouts, Hugging Face round trips, the longer examples); CI runs them too.
 test-long: setup
