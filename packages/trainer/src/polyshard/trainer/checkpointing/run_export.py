@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from polyshard.checkpoint import Checkpoint, CheckpointError
+from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError
 from polyshard.checkpoint import consolidate as consolidate_weights
 from polyshard.checkpoint import export as export_weights
-from polyshard.models import export_metadata, tied_names
+from polyshard.models import build_model, export_metadata, tied_names
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.errors import ConfigError
 
@@ -34,6 +34,21 @@ def saved_config(source: Checkpoint) -> Config:
         raise CheckpointError(f"{source.folder}/index.json: the saved config is not valid: {err}") from err
 
 
+def check_saved_shapes(source: Checkpoint) -> None:
+    """Each model tensor ``source`` holds has the shape its saved config gives it (the model built on the
+    meta device: nothing allocated). An index whose config was edited (4 experts made 16) is named here,
+    before any file is written, rather than midway through writing one."""
+    if "config" not in source.index:
+        return
+    expected = {n: tuple(t.shape) for n, t in build_model(saved_config(source).model, layers=()).state_dict().items()}
+    for name, saved in source.params().items():
+        if name in expected and tuple(saved) != expected[name]:
+            raise CheckpointError(
+                f"{source.folder}/index.json: the saved config makes {MODEL + name!r} {list(expected[name])}, but "
+                f"the checkpoint holds it as {list(saved)}; the index was edited or does not belong to these files"
+            )
+
+
 def _aliases(source: Checkpoint) -> dict[str, str]:
     return tied_names(saved_config(source).model) if "config" in source.index else {}
 
@@ -53,4 +68,5 @@ def export(source: str | Path | Checkpoint, destination: str | Path, *, overwrit
     """One safetensors file of the plain model's weights (streamed; see :func:`polyshard.checkpoint.export`:
     an existing file is replaced only with ``overwrite``, a file of the checkpoint never)."""
     source = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    check_saved_shapes(source)  # the settings recorded in the file must describe its weights
     return export_weights(source, destination, _aliases(source), overwrite=overwrite, metadata=_recorded(source))

@@ -28,7 +28,7 @@ from polyshard.checkpoint import MASTER, RNG, Checkpoint, CheckpointError, Check
 from polyshard.checkpoint.reshard import DEFAULT_BLOCK_BYTES, ReshardReport, read_planned, write_resharded
 from polyshard.mesh import get_placement
 from polyshard.trainer.checkpointing.records import plan_ranks
-from polyshard.trainer.checkpointing.run_export import saved_config
+from polyshard.trainer.checkpointing.run_export import check_saved_shapes, saved_config
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
 from polyshard.trainer.config import MESH_AXES, Config, from_dict
 from polyshard.trainer.engine.constraints import validate
@@ -67,6 +67,7 @@ def reshard(
     source = src if isinstance(src, Checkpoint) else Checkpoint(src)
     if dataclasses.asdict(config.model) != dataclasses.asdict(saved_config(source).model):
         raise CheckpointError("resharding changes only the layout; the target config's model must equal the source's")
+    check_saved_shapes(source)
     plans = plan_ranks(config, source.params(), source.optim_state())
     return write_resharded(
         source,
