@@ -121,6 +121,8 @@ def read_bool(hf: Mapping[str, Any], key: str, where: str, *, default: bool) -> 
 def require(hf: Mapping[str, Any], key: str, where: str, fine: tuple[object, ...], why: str) -> None:
     """``key`` absent, null, or one of ``fine`` (compared with its JSON type: true is not 1)."""
     value = hf.get(key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = int(value)  # an int that remembers its key (polyshard.models.hf_keys) is an int
     if value is not None and not any(type(value) is type(ok) and value == ok for ok in fine):
         raise CheckpointError(f"{where}: {key}={value!r} is not supported ({why}); polyshard reads {fine[0]!r}")
 

@@ -59,10 +59,6 @@ class DeepSeekV3Config(MoEGPTConfig):
             check_positive(f"model.{name}", getattr(self, name))
         if self.q_lora_rank is not None:
             check_positive("model.q_lora_rank", self.q_lora_rank)
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary dims come in pairs)"
-            )
         for name, default in _NOT_MLA.items():
             if getattr(self, name) != default:
                 raise ConfigError(
@@ -72,6 +68,15 @@ class DeepSeekV3Config(MoEGPTConfig):
         for name, want in (("norm", "rms"), ("activation", "swiglu"), ("positions", "rope")):
             if getattr(self, name) != want:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}: DeepSeek's blocks use {want!r}; set it so")
+
+    def _check_rotary_pairs(self) -> None:
+        """Only each head's qk_rope_head_dim dims rotate (the non-rotary ones may be odd); runs from the
+        GPT's checks, before this family's own."""
+        check_positive("model.qk_rope_head_dim", self.qk_rope_head_dim)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary dims come in pairs)"
+            )
 
     @property
     def softmax_scale(self) -> float:

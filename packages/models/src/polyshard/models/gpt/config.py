@@ -123,6 +123,11 @@ class GPTConfig(ModelConfig):
                 f"model.mtp_depth={self.mtp_depth} leaves no target in a row of model.context_length="
                 f"{self.context_length} tokens; choose mtp_depth < context_length (1 or 2 in practice)"
             )
+        self._check_rotary_pairs()
+
+    def _check_rotary_pairs(self) -> None:
+        """Rotary positions turn pairs of a head's dims: the dims they turn must be even (a family whose
+        heads rotate only some of their dims checks those)."""
         if self.positions == "rope" and self.attention_head_dim % 2:
             raise ConfigError(
                 f"model.positions='rope' rotates pairs of dims: the head dim (model.head_dim, or hidden/num_heads)="

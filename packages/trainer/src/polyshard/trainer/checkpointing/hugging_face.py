@@ -70,9 +70,10 @@ from polyshard.checkpoint.hf import (
 )
 from polyshard.checkpoint.output import reading
 from polyshard.data.tokenizer import FileTokenizer
-from polyshard.models import build_model
+from polyshard.models import build_model, check_model
 from polyshard.models.hf_adapter import Family, setting
 from polyshard.models.hf_families import family_of, hf_families
+from polyshard.models.hf_keys import in_folder_terms, setting_keys
 from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.config import Config, ModelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
@@ -98,18 +99,25 @@ def model_settings(folder: str | Path) -> dict[str, object]:
     the folder leaves unset, such as no sliding window, is left out: TOML has no null, and unset is the
     default)."""
     family, hf, where = _read_config(Path(folder))
-    return {key: value for key, value in family.settings(hf, where).items() if value is not None}
+    return {key: value for key, value in _checked_settings(family, hf, where).items() if value is not None}
+
+
+def _checked_settings(family: Family, hf: Mapping[str, Any], where: str) -> dict[str, object]:
+    """The folder's settings, refused in the folder's terms (its config.json and key, issue 46) when they
+    make no model a run can take (num_local_experts 1e9, an odd qk_rope_head_dim): the file is at fault."""
+    wanted = family.settings(hf, where)
+    try:
+        check_model(from_dict({"model": wanted}).model)
+    except ConfigError as err:
+        raise CheckpointError(in_folder_terms(str(err), setting_keys(family, hf, where), where)) from err
+    return wanted
 
 
 def check_matches(folder: str | Path, model: ModelConfig) -> Family:
     """The folder's family; a :class:`CheckpointError` naming every setting of ``model`` the folder
     disagrees with (as the ``--set model.…`` values that would fix it) when they differ."""
     family, hf, where = _read_config(Path(folder))
-    wanted = family.settings(hf, where)
-    try:  # a size no run can take (num_experts 1e9) is the file's fault, not a --set to suggest
-        from_dict({"model": wanted})
-    except ConfigError as err:
-        raise CheckpointError(f"{where}: {err}") from err
+    wanted = _checked_settings(family, hf, where)
     wrong = {}
     for key, value in wanted.items():
         ours = setting(model, key)
