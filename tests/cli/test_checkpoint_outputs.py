@@ -119,6 +119,7 @@ def test_a_tampered_moe_index_names_the_tensor_and_the_file(tmp_path):
         ["export", run, tmp_path / "hf", "--format", "hf"],
         ["export", run, tmp_path / "w.safetensors"],  # it would record settings its weights contradict
         ["reshard", run, tmp_path / "new", "--mesh", "dp=1"],
+        ["generate", run, "--tokens", "2"],
     ]
     for command in commands:
         result = _cli(*command)

@@ -61,6 +61,7 @@ def _recorded(source: Checkpoint) -> dict[str, str]:
 def consolidate(source: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
     """The unsharded weights the plain model loads with ``load_state_dict(strict=True)``."""
     source = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    check_saved_shapes(source)  # the model built from the saved config must take these weights
     return consolidate_weights(source, _aliases(source))
 
 
