@@ -6,6 +6,12 @@ already at ``out`` aside to ``.<out>.old``, renames the new one into place, then
 a kill between the renames leaves the old one whole, and the next prepare into ``out`` moves it back
 (:func:`recover`). No link is followed: an output, temporary or old folder that is a link is refused,
 and a link inside the temporary folder is not a prepare's file.
+
+This is the output rule of ``polyshard.checkpoint.output`` (export, reshard, saves) for ``prepare``:
+nothing replaced without ``--overwrite``, never the source or a folder in or around it, links and a
+file where a folder belongs refused in one line. Its temporary folder has a fixed name, not a random
+one, because a prepare killed midway resumes from it; a folder of that name holding anything a prepare
+does not write is refused, never emptied. (data sits beside checkpoint, not below it: it cannot import it.)
 """
 
 from __future__ import annotations
