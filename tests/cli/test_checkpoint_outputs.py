@@ -141,3 +141,12 @@ def test_train_refuses_a_folders_config_that_leads_out_or_nests_too_deeply(tmp_p
     result = _cli("train", tmp_path / "c.toml", "--out", tmp_path / "run", "--init-from", f"hf:{tmp_path / 'hf'}")
     _refused(result, "config.json leads outside" if change == "linked" else "config.json is JSON nested too deeply")
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_a_run_never_saves_over_the_checkpoint_it_starts_from(tmp_path):
+    run, step = _run(tmp_path)
+    before = _hashes(step)
+    (tmp_path / "c.toml").write_text("[model]\n" + "".join(f"{k} = {v}\n" for k, v in GPT.items()))
+    for out in (run, run / "checkpoints" / ".."):  # its saves would replace step_00000005 or prune it
+        _refused(_cli("train", tmp_path / "c.toml", "--out", out, "--init-from", run), "where this run saves")
+    assert _hashes(step) == before

@@ -107,7 +107,12 @@ def prepare_launch(
         raise ConfigError("give --resume (continue this run) or --init-from CKPT (start from another), not both")
     hf_folder = hf_cache.hf_folder(init_from)  # hf:DIR, or hf:org/name from the local Hugging Face cache
     if init_from is not None and hf_folder is None:
-        find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
+        read = find_checkpoint(init_from)  # a missing checkpoint is reported before any process starts
+        if read.resolve().is_relative_to((out / "checkpoints").resolve()):  # its saves would replace or prune it
+            raise CheckpointError(
+                f"--init-from {read} lies in {out / 'checkpoints'}, where this run saves; give another --out "
+                "(or --resume, without --init-from, to continue that run)"
+            )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give the folder the run writes into")
     latest = latest_checkpoint(out / "checkpoints") if resume else None
