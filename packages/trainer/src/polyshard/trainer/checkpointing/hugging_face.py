@@ -74,6 +74,7 @@ from polyshard.models import build_model, check_model
 from polyshard.models.hf_adapter import Family, setting
 from polyshard.models.hf_families import family_of, hf_families
 from polyshard.models.hf_keys import in_folder_terms, setting_keys
+from polyshard.trainer.checkpointing.run_export import check_saved_shapes
 from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.config import Config, ModelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
@@ -278,7 +279,7 @@ def write_hf(
     produce: Callable[[str], torch.Tensor | Iterator[torch.Tensor]]
     if isinstance(state, Checkpoint):
         source = state
-        _check_saved_shapes(source, model)
+        check_saved_shapes(source)  # a tampered index is named before any file is written
 
         def ours(name: str, expert: int | None) -> torch.Tensor:
             if expert is None:
@@ -309,15 +310,3 @@ def write_hf(
         destination, config, specs, produce, max_shard_bytes=max_shard_bytes, files=files, overwrite=overwrite,
         protected=protected,
     )  # fmt: skip
-
-
-def _check_saved_shapes(source: Checkpoint, model: ModelConfig) -> None:
-    """Each tensor the checkpoint holds has the shape its saved config makes (an index whose config or
-    records were edited, 4 experts become 16, is named here rather than midway through the writing)."""
-    for name, expected in _shapes(model).items():
-        saved = source.global_shape(source.resolve(MODEL + name))
-        if tuple(saved) != expected:
-            raise CheckpointError(
-                f"{source.folder}/index.json: the saved config makes {MODEL + name!r} {list(expected)}, but the "
-                f"checkpoint holds it as {list(saved)}; the index was edited or does not belong to these files"
-            )
