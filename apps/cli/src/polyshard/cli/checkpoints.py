@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from polyshard.cli.errors import fail
 from polyshard.cli.families import HF_FAMILIES
 
 if TYPE_CHECKING:
@@ -20,8 +21,7 @@ def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint ste
     try:
         typer.echo(describe(open_checkpoint(ckpt, _report_skip)))
     except CheckpointError as err:
-        typer.echo(f"checkpoint error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("checkpoint", err)
 
 
 def export(
@@ -59,8 +59,7 @@ def export(
             written = export_checkpoint(source, out, overwrite=overwrite)
         typer.echo(f"wrote {written}")
     except (CheckpointError, OSError) as err:  # OSError: a full disk or a folder that turned read-only
-        typer.echo(f"checkpoint error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("checkpoint", err)
 
 
 def generate(
@@ -95,8 +94,7 @@ def generate(
             config, state, tokens, prompt, temperature=temperature, top_k=top_k, seed=seed, tokenizer=tokenizer
         )
     except (CheckpointError, DataError) as err:
-        typer.echo(f"{'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("data" if isinstance(err, DataError) else "checkpoint", err)
     typer.echo(text)
 
 
@@ -158,8 +156,7 @@ def reshard(
         # The Checkpoint verified every file's sha256 once; reshard reads through it.
         report = reshard_checkpoint(source, dst, config, max_block_bytes=int(max_block_mb * 2**20), overwrite=overwrite)
     except (ConfigError, CheckpointError, MeshError, PlacementError, OSError) as err:
-        typer.echo(f"reshard error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("reshard", err)
     typer.echo(str(report))
     changed = " ".join(f"--set parallel.{k}={_toml(v)}" for k, v in _changes(saved_config(source), config).items())
     run = dst.parent if dst.name == "checkpoints" else dst

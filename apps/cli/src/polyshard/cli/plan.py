@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+from polyshard.cli.errors import fail
+
 DEFAULT_PROFILE = Path.home() / ".cache" / "polyshard" / "profile.json"
 
 
@@ -37,6 +39,16 @@ def plan_command(
     tp: int | None = typer.Option(None, "--tp", min=1, help="Fix the tensor-parallel size."),
     pp: int | None = typer.Option(None, "--pp", min=1, help="Fix the pipeline size."),
     ep: int | None = typer.Option(None, "--ep", min=1, help="Fix the expert-parallel size."),
+    cp: int | None = typer.Option(None, "--cp", min=1, help="Fix the context-parallel size."),
+    sequence_parallel: bool | None = typer.Option(
+        None, "--sequence-parallel/--no-sequence-parallel", help="Fix sequence parallelism on or off (with tp)."
+    ),
+    virtual_stages: int | None = typer.Option(
+        None, "--virtual-stages", min=1, help="Fix the pipeline stages per rank (interleaved: any; V schedules: 2)."
+    ),
+    activation_checkpointing: str | None = typer.Option(
+        None, "--activation-checkpointing", help="Fix activation checkpointing: none, full or selective."
+    ),
     zero: int | None = typer.Option(None, "--zero", min=0, max=3, help="Fix the ZeRO stage."),
     microbatches: int | None = typer.Option(None, "--microbatches", min=1, help="Fix the microbatches per step."),
     schedule: str | None = typer.Option(None, "--schedule", help="Fix the pipeline schedule."),
@@ -67,7 +79,10 @@ def plan_command(
         typer.echo(f"profile written to {out} ({profile.source})")
         return
     given: dict[str, int | str | None] = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": zero}
-    given |= {"microbatches": microbatches, "schedule": schedule, "dp_shard": dp_shard}
+    given |= {"microbatches": microbatches, "schedule": schedule, "dp_shard": dp_shard, "cp": cp}
+    given |= {"sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages}
+    if activation_checkpointing is not None:  # the config's spelling: false for none
+        given["activation_checkpointing"] = False if activation_checkpointing == "none" else activation_checkpointing
     fixed = {key: value for key, value in given.items() if value is not None}
     try:
         if model is None or devices is None:
@@ -82,8 +97,7 @@ def plan_command(
         _check_fixed(fixed, devices)
         plan = search(config, request, profile)
     except (ConfigError, ValueError) as err:
-        typer.echo(f"plan error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("plan", err)
     tokens = sequence_length(config.model)
     typer.echo(
         f"{config.model.kind} on {devices} devices ({per_node} per node, {memory:g} GB each), global batch "
@@ -155,8 +169,12 @@ def _check_fixed(fixed: dict[str, Any], devices: int) -> None:
 
     if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
         raise ConfigError(f"--schedule {fixed['schedule']!r}; choose one of {list(SCHEDULES)}")
+    if fixed.get("activation_checkpointing", False) not in (False, "full", "selective"):
+        raise ConfigError(
+            f"--activation-checkpointing {fixed['activation_checkpointing']!r}; choose none, full or selective"
+        )
     product = 1
-    for axis in ("dp", "tp", "pp", "ep"):
+    for axis in ("dp", "tp", "pp", "ep", "cp"):
         product *= fixed.get(axis, 1)
     if devices % product:
         raise ConfigError(f"the fixed axes multiply to {product}, which do not divide --devices {devices}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from polyshard.cli.errors import fail
 from polyshard.cli.launch import INTERRUPTED
 
 
@@ -45,8 +46,7 @@ def prepare_command(
             max_document_bytes=max_document_mb << 20, note=lambda line: typer.echo(line, err=True),
         )  # fmt: skip
     except DataError as err:
-        typer.echo(f"data error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("data", err)
     except KeyboardInterrupt:  # Ctrl-C: what is kept, and that the same command resumes
         typer.echo(interrupted(out), err=True)
         raise typer.Exit(INTERRUPTED) from None

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from polyshard.cli.errors import fail
+
 
 def tokenizer_command(
     source: str = typer.Argument(
@@ -44,8 +46,7 @@ def tokenizer_command(
         texts = [source_texts(spec, fields) for spec in sources]  # each checked here, before training starts
         written = train_bpe((text for each in texts for text in each), vocab_size, out)
     except DataError as err:
-        typer.echo(f"data error: {err}", err=True)
-        raise typer.Exit(2) from err
+        fail("data", err)
     typer.echo(f"wrote {written} ({_size(written)} tokens, <|endoftext|> included)")
 
 
