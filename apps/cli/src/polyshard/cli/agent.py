@@ -81,6 +81,7 @@ def main() -> None:
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger):
             logger.addFilter(_not_a_user_error)
+            logger.addFilter(_not_ctrl_c)
     try:
         _run(run, parse_args)
     finally:
@@ -110,6 +111,16 @@ def _not_a_user_error(record: logging.LogRecord) -> bool:
     return not (_user_error_seen[0] and "closing signal" in text)
 
 
+def _not_ctrl_c(record: logging.LogRecord) -> bool:
+    """False for torchrun's warnings as Ctrl-C stops the workers: the launcher's one line says it, and
+    says how to continue (``polyshard.cli.launch``)."""
+    text = record.getMessage()
+    return not (text.endswith("closing signal SIGINT") or any(f"Received {n} death signal" in text for n in _SIGINT))
+
+
+_SIGINT = ("2", "SIGINT", "Signals.SIGINT")  # how torch versions print the signal in that warning
+
+
 USER_ERROR = 2  # a worker's exit code for a mistake it reported in one line (polyshard.trainer.runtime.worker)
 _user_error_seen = [False]
 
@@ -118,6 +129,8 @@ def _run(run: Callable[..., None], parse_args: Callable[..., object]) -> None:
     try:
         run(parse_args(sys.argv[1:]))
     except SignalException as stop:  # torchrun stopped its workers before raising this
+        if stop.sigval == signal.SIGINT:  # Ctrl-C: the launcher prints the one line
+            raise SystemExit(128 + int(stop.sigval)) from None
         print(f"torchrun agent: {stop}; its workers are stopped", file=sys.stderr)
         raise SystemExit(128 + int(stop.sigval)) from None
     except ChildFailedError as failed:  # the workers printed their own errors; summarise, keep the code

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import click
 from typer.core import TyperCommand
 
 HF_FAMILIES = "{hf_families}"
@@ -28,9 +27,10 @@ class RegistryHelp(TyperCommand):
     """A command whose options' help texts may hold :data:`HF_FAMILIES`, filled in from the registry when
     the help is printed (its docstring names no family: ``polyshard --help`` lists it without asking)."""
 
-    def format_help(self, ctx: click.Context, formatter: Any) -> None:
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer's own click Context and formatter
         titles = ", ".join(hf_family_titles())
-        templates = [(param, param.help) for param in self.params if HF_FAMILIES in (getattr(param, "help", "") or "")]
+        helps = [(param, getattr(param, "help", None) or "") for param in self.params]  # options and arguments
+        templates = [(param, text) for param, text in helps if HF_FAMILIES in text]
         try:  # filled for this one print: the templates stay, so a family registered later shows next time
             for param, text in templates:
                 param.help = text.replace(HF_FAMILIES, titles)  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def free_port() -> int:
@@ -48,8 +48,16 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str], torchrun_args
     ]
 
 
-def run_local(nproc: int, module: str, args: Sequence[str], torchrun_args: Sequence[str] = ()) -> int:
-    """Run ``python -m module args`` on ``nproc`` ranks of this node; return the exit code."""
+def run_local(
+    nproc: int,
+    module: str,
+    args: Sequence[str],
+    torchrun_args: Sequence[str] = (),
+    interrupted: Callable[[], str] | None = None,
+) -> int:
+    """Run ``python -m module args`` on ``nproc`` ranks of this node; return the exit code. After Ctrl-C,
+    once every process has stopped, the one line ``interrupted()`` gives is printed (what is kept, how
+    to continue), or a plain one."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     agent = subprocess.Popen(torchrun_command(nproc, module, args, torchrun_args), env=env)
@@ -63,7 +71,8 @@ def run_local(nproc: int, module: str, args: Sequence[str], torchrun_args: Seque
             agent.wait()
         code = INTERRUPTED
     if code in (INTERRUPTED, -signal.SIGINT):  # also when the agent ended before our own handler ran
-        print("interrupted: every process stopped; the last complete checkpoint is intact", file=sys.stderr)
+        line = interrupted() if interrupted is not None else "interrupted: every process stopped"
+        print(line, file=sys.stderr)
         return INTERRUPTED
     return code
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +14,11 @@ if TYPE_CHECKING:
 from polyshard.cli.errors import fail
 from polyshard.cli.families import HF_FAMILIES
 from polyshard.cli.launch import run_local
+from polyshard.cli.train_interrupted import interrupted_line
 
 
 def train(
+    context: typer.Context,
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="A TOML config (see apps/configs/)."),
     nproc: int | None = typer.Option(None, "--nproc", help="Local processes (default: the mesh size in the config)."),
     overrides: list[str] = typer.Option([], "--set", help="Override a field: --set training.lr=3e-4 (repeatable)."),
@@ -101,7 +104,8 @@ def train(
             typer.echo(f"note: not on this machine: {too_big}")
         return
     launch.write()  # the resolved config (and the planner's prediction) every worker reads
-    raise typer.Exit(run_local(launch.nproc, WORKER, launch.worker_args(), torchrun))
+    stopped = partial(interrupted_line, context, out)  # after Ctrl-C: the options again, to continue
+    raise typer.Exit(run_local(launch.nproc, WORKER, launch.worker_args(), torchrun, interrupted=stopped))
 
 
 WORKER = "polyshard.trainer.runtime.worker"
