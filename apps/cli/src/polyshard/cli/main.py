@@ -11,6 +11,7 @@ import typer
 from polyshard.cli import bench_checks as checks
 from polyshard.cli.checkpoints import export, generate, inspect, reshard
 from polyshard.cli.errors import fail
+from polyshard.cli.evaluate import eval_command
 from polyshard.cli.families import RegistryHelp
 from polyshard.cli.launch import run_local
 from polyshard.cli.plan import plan_command
@@ -29,6 +30,7 @@ app.command("inspect")(inspect)
 app.command("export", cls=RegistryHelp)(export)
 app.command("reshard")(reshard)
 app.command("generate")(generate)
+app.command("eval")(eval_command)
 app.command("tokenizer")(tokenizer_command)
 app.command("prepare")(prepare_command)
 

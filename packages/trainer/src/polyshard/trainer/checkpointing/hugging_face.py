@@ -302,10 +302,13 @@ def write_hf(
     config = hf_config(model)
     files: dict[str, Path | str] = {}
     if tokenizer is not None:
-        end = FileTokenizer(tokenizer).end_of_text
+        text = FileTokenizer(tokenizer)
+        end = text.end_of_text
         config.update(bos_token_id=end, eos_token_id=end)
         files[TOKENIZER] = tokenizer
-        files["tokenizer_config.json"] = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
+        # The tokenizer knows its end-of-text token by name only from here (lm_eval stops generating at it).
+        named = {} if end is None else dict.fromkeys(("bos_token", "eos_token"), text.inner.id_to_token(end))
+        files["tokenizer_config.json"] = json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **named}) + "\n"
     return write_hf_folder(
         destination, config, specs, produce, max_shard_bytes=max_shard_bytes, files=files, overwrite=overwrite,
         protected=protected,
