@@ -75,6 +75,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "ep2": (2, {"ep": 2}),
     # two axes
     "dp2xtp2": (4, {"dp": 2, "tp": 2}),
+    # sequence parallelism under each ZeRO stage: the sequence-sharded norms' gradients summed over tp
+    "dp2xtp2-sp-zero1": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1}),
+    "dp2xtp2-sp-zero2": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 2}),
+    "dp2xtp2-sp-zero3": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 3}),
+    "dp3xtp2-sp-zero3": (6, {"dp": 3, "tp": 2, "sequence_parallel": True, "zero_stage": 3}),
     "dp2xpp2-zero2": (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 2}),
     # GPipe: both microbatches' forwards run before either backward, so a ZeRO-3 unit kept gathered
     # from forward to backward (the chunked loss's head) waits for two backwards
@@ -111,6 +116,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-shard1xep2-zero1": (4, {"dp": 2, "dp_shard": 1, "ep": 2, "zero_stage": 1}),
     "dp2-shard1xcp2-zero3": (4, {"dp": 2, "dp_shard": 1, "cp": 2, "zero_stage": 3}),
     "dp4-shard2xtp2-zero1": (8, {"dp": 4, "dp_shard": 2, "tp": 2, "zero_stage": 1}),
+    "dp4-shard2xtp2-sp-zero3": (8, {"dp": 4, "dp_shard": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 3}),
+    "dp2xtp2-spxpp2-zero3": (
+        8,
+        {"dp": 2, "tp": 2, "sequence_parallel": True, "pp": 2, "microbatches": 2, "zero_stage": 3},
+    ),
     "dp4-shard2-zero2-cp2-ulysses": (8, {"dp": 4, "dp_shard": 2, "zero_stage": 2, "cp": 2, "cp_style": "ulysses"}),
 }
 

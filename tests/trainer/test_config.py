@@ -126,7 +126,6 @@ def test_bad_fields(raw, message):
             "choose tp in \\[1\\] or turn",
         ),
         ({"parallel": {"ep": 2}}, 2, "needs experts"),
-        ({"parallel": {"tp": 2, "sequence_parallel": True, "zero_stage": 1}}, 2, "zero_stage=0 with sequence"),
         (
             {"model": {"kind": "moe-gpt", "moe": {"num_experts": 6}}, "parallel": {"ep": 4}},
             4,

@@ -19,6 +19,7 @@ from polyshard.models.hf_families import family_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer import extras
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine.lora import lora_targets
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks import task_of
 
@@ -43,6 +44,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_loss_chunks(config)
     spec = spec_of(model)
     spec.check(config.model, config.parallel)  # the family's own constraints
+    lora_targets(config)  # [lora]'s targets exist and its rank fits them
     task_of(config.model).check_config(config)
     data_ranks = par.data_ranks
     per_step = data_ranks * par.microbatches
@@ -100,13 +102,6 @@ def _check_tensor_parallel(config: Config) -> None:
         raise ConfigError(
             f"parallel.tp={tp} neither divides model.num_kv_heads={model.kv_heads} nor is a multiple of it "
             f"(which replicates each kv head); choose tp in {valid}"
-        )
-    if config.parallel.sequence_parallel and config.parallel.zero_stage > 0:
-        # Norm weights under SP need their gradients summed over tp after backward, but ZeRO
-        # reduce-scatters gradients during backward and keeps no full .grad to sum.
-        raise ConfigError(
-            f"parallel.sequence_parallel with parallel.zero_stage={config.parallel.zero_stage} is not supported; "
-            "use zero_stage=0 with sequence parallelism, or turn sequence_parallel off"
         )
     if config.parallel.sequence_parallel and sequence_length(model) % tp:
         # Offer only sizes that also pass the head and MLP checks above.
