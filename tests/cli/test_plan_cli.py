@@ -48,6 +48,40 @@ def test_fixed_axes_hold_in_every_layout(tmp_path, profile):
     assert layouts and all(entry["tp"] == 2 and entry["zero_stage"] == 0 for entry in layouts)
 
 
+def _layouts(tmp_path, *args):
+    out = tmp_path / "plan.json"
+    result = _plan(*args, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    return [entry["layout"] for entry in json.loads(out.read_text())["layouts"]]
+
+
+def test_every_choice_the_search_makes_can_be_fixed(tmp_path, profile):
+    base = ["llama-tiny", "--devices", "8", "--global-batch", "16", "--profile", profile, "--memory-gb", "100"]
+    # sequence parallelism with each ZeRO stage (FSDP + TP + SP), fixed on, and context parallelism fixed
+    layouts = _layouts(tmp_path, *base, "--tp", "2", "--cp", "2", "--sequence-parallel", "--zero", "3")
+    assert layouts and all(e["sequence_parallel"] and e["cp"] == 2 and e["zero_stage"] == 3 for e in layouts)
+    layouts = _layouts(tmp_path, *base, "--no-sequence-parallel", "--activation-checkpointing", "full")
+    assert layouts and all(not e["sequence_parallel"] and e["activation_checkpointing"] == "full" for e in layouts)
+    # an interleaved pipeline of 3 stages a rank: llama-tiny's 2 blocks + embedding + head split 2 x 3 ways
+    layouts = _layouts(tmp_path, *base, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3")
+    assert layouts and all(e["virtual_stages"] == 3 and e["schedule"] == "interleaved" for e in layouts)
+
+
+def test_sequence_parallelism_is_weighed_with_every_zero_stage(tmp_path, profile):
+    args = ["tiny", "--devices", "4", "--global-batch", "16", "--profile", profile, "--dp", "2", "--tp", "2"]
+    layouts = _layouts(tmp_path, *args, "--sequence-parallel", "--microbatches", "1")
+    assert {e["zero_stage"] for e in layouts} == {0, 1, 2, 3}
+
+
+def test_pipelines_longer_than_thirty_two_stages_are_weighed(tmp_path, profile):
+    # Megatron's 530B ran pp 35, its 1T pp 64: a stage per layer is the only limit
+    toml = tmp_path / "deep.toml"
+    toml.write_text('[model]\npreset = "tiny"\nnum_layers = 62\n[training]\nglobal_batch_size = 64\n')
+    args = [str(toml), "--devices", "64", "--pp", "64", "--global-batch", "64", "--profile", profile]
+    layouts = _layouts(tmp_path, *args, "--memory-gb", "100")
+    assert layouts and all(e["pp"] == 64 for e in layouts)
+
+
 def test_models_by_config_file_and_hugging_face_folder(tmp_path, profile):
     toml = tmp_path / "run.toml"
     toml.write_text('[model]\npreset = "llama-tiny"\n[training]\nglobal_batch_size = 8\n')
@@ -72,6 +106,8 @@ def test_models_by_config_file_and_hugging_face_folder(tmp_path, profile):
         (["tiny", "--devices", "4", "--tp", "3"], "do not divide"),
         (["tiny", "--devices", "4", "--memory-gb", "-1"], "--memory-gb"),
         (["tiny", "--devices", "4", "--precision", "fp8"], "training.precision"),
+        (["tiny", "--devices", "4", "--cp", "3"], "do not divide"),
+        (["tiny", "--devices", "4", "--activation-checkpointing", "some"], "choose none, full or selective"),
     ],
 )
 def test_bad_input_is_a_clear_error_with_exit_code_2(args, message, profile):

@@ -68,6 +68,9 @@ LAYOUTS = [
     (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 1, "tie": True}),
     (4, {"dp": 2, "pp": 2, "microbatches": 2, "zero_stage": 3, "tie": True}),
     (4, {"dp": 2, "tp": 2}),
+    # SP with ZeRO: the norms' ZeRO rows, as the optimizer reads them, summed over tp once a step
+    (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1}),
+    (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 3, "microbatches": 2}),
     (2, {"cp": 2}),
     (2, {"cp": 2, "cp_style": "allgather"}),
     (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),

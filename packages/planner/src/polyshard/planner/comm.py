@@ -43,7 +43,7 @@ from polyshard.dp import ShardSpec
 from polyshard.models import sequence_length, spec_of, tied_names
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.planner.activations import micro_batch_size
-from polyshard.planner.model_states import gathered_once, holdings, stage_bounds, tied_copy_elements
+from polyshard.planner.model_states import Held, gathered_once, holdings, stage_bounds, tied_copy_elements
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.config import Config
 from polyshard.trainer.tasks import LANGUAGE, task_of
@@ -233,6 +233,11 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     return out
 
 
+def _zero_rows(held: Held) -> int:
+    """The rows of ``held`` a rank keeps under ZeRO: its padded shard, or the whole tensor when not replicated."""
+    return ShardSpec(held.shape, held.shard_ranks).shard_numel if held.replicas > 1 else math.prod(held.shape)
+
+
 def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Per-step collectives of pipeline rank ``pp_rank`` (ZeRO-3's gathers are per microbatch)."""
     par, model = config.parallel, config.model
@@ -240,8 +245,9 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     if tied_names(model) and par.pp > 1 and pp_rank in (0, par.pp - 1):
         out += [Traffic("pp", "all_reduce", 2, 4 * elements, 1, "step") for elements in tied_copy_elements(config)]
     if par.sequence_parallel and par.tp > 1:  # norms and experts on sequence shards: their grads sum over tp
+        # as the optimizer reads them: whole at stage 0, this rank's ZeRO rows (padded) at stages 1-3
         norms = sum(
-            c * math.prod(h.shape)
+            c * (_zero_rows(h) if par.zero_stage else math.prod(h.shape))
             for h, c in holdings(config, pp_rank).items()
             if (len(h.shape) == 1 and not h.tp_sharded) or h.sequence_summed
         )

@@ -5,7 +5,7 @@ microbatch count, pipeline schedule, sequence parallelism and activation checkpo
 heaviest rank's memory (model states to the byte, activations from the simulator's in-flight
 count) decides whether it fits; the cost model estimates the step of those that do. The trainer's
 own checks (:func:`polyshard.trainer.engine.constraints.validate`) reject what polyshard cannot run.
-tp stays inside a node and pipelines have at most :data:`MAX_PIPELINE` ranks. Activation
+tp stays inside a node and a pipeline has at most one stage per layer. Activation
 checkpointing is only tried where the layout does not fit without it (it never makes a step
 faster). Every fitting layout is screened with the unit-cost simulation scaled by its costs; the
 best :data:`SIMULATED` are simulated with their own costs and ranked by that.
@@ -36,8 +36,6 @@ MIN_CONTEXT_TOKENS = 4096
 """Context parallelism is weighed only while each rank keeps at least this many of a sequence's tokens:
 below it the ring's K/V transfers hide less and less behind the block's compute (Llama 3 used cp 16 at 128K
 tokens, 8K per rank). A cp the user fixes is always weighed."""
-MAX_PIPELINE = 32
-"""Pipelines longer than this are not considered (Megatron-LM and Llama 3 stop at 16)."""
 SIMULATED = 32
 """Layouts simulated with their own costs after the screen."""
 CHOSEN = (
@@ -172,7 +170,7 @@ def meshes(config: Config, request: Request) -> Iterator[dict[str, int]]:
                 if spec.has_experts and moe_config(model).moe.num_experts % ep:
                     continue
                 for pp in divisors(n // (tp * cp * ep)):
-                    if pp <= min(model.num_layers + 2, MAX_PIPELINE):
+                    if pp <= model.num_layers + 2:  # Megatron's 530B ran pp 35, its 1T pp 64
                         yield {"dp": n // (tp * cp * ep * pp), "tp": tp, "pp": pp, "ep": ep, "cp": cp}
 
 
@@ -193,8 +191,11 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
         for zero, m, schedule, sp in itertools.product(range(4), counts, SCHEDULES if pp > 1 else ["1f1b"], (0, 1)):
             if sp and mesh["tp"] == 1:
                 continue
+            # a V holds two stages a rank; interleaving takes any count, two unless the user fixed one
             virtual = 2 if schedule in ("interleaved", *V_SCHEDULES) else 1
-            if virtual > 1 and 2 * pp > config.model.num_layers + 2:
+            if schedule == "interleaved":
+                virtual = int(fixed.get("virtual_stages", 2))  # type: ignore[call-overload]
+            if virtual > 1 and virtual * pp > config.model.num_layers + 2:
                 continue  # fewer layers than stages
             if (schedule == "interleaved" and m % pp) or (schedule == "dualpipev" and m < 2 * pp):
                 continue
