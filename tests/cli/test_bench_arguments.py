@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
+from polyshard.cli import bench as cli_bench
 from polyshard.cli import main as cli_main
 from polyshard.cli.errors import MAX_MESSAGE_CHARS, bounded
 from polyshard.planner import fits
@@ -26,7 +27,7 @@ def started(monkeypatch):
         calls.append((nproc, module))
         return 0
 
-    monkeypatch.setattr(cli_main, "run_local", run_local)
+    monkeypatch.setattr(cli_bench, "run_local", run_local)
     monkeypatch.setattr(fits, "host_cores", lambda: 2)
     monkeypatch.setattr(fits, "host_memory", lambda: float(24 << 30))
     return calls

@@ -27,6 +27,7 @@ from pathlib import Path
 from polyshard.checkpoint import MASTER, RNG, Checkpoint, CheckpointError, CheckpointSource, Planned, optim_key
 from polyshard.checkpoint.reshard import DEFAULT_BLOCK_BYTES, ReshardReport, read_planned, write_resharded
 from polyshard.mesh import get_placement
+from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_export import check_saved_shapes, saved_config
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
@@ -87,7 +88,7 @@ def _new_prediction_depth(source: CheckpointSource, key: str) -> bool:
     """Whether ``key`` is a multi-token prediction depth's weight (``model.mtp_depth``) that ``source`` lacks:
     a model that adds the depths to a trained one (a Hugging Face Llama, a run without them) starts them
     from their initial values, as DeepSeek-V3's depths start beside a trunk."""
-    if ".mtp." not in key:
+    if ".mtp." not in key and not is_adapter(key):  # LoRA's factors start fresh beside a trained base too
         return False
     try:
         source.resolve(key)

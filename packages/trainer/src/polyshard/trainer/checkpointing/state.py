@@ -52,7 +52,10 @@ def _model_tensors(engine: Engine, index: int) -> dict[str, nn.Parameter | torch
     names = engine.global_names(index)
     if engine.config.parallel.zero_stage == 3:
         # ZeRO-3's wrappers are FullyShardedDataParallel.
-        return {names[n]: v for n, v in cast(FullyShardedDataParallel, engine.wrappers[index]).local_shards().items()}
+        shards = cast(FullyShardedDataParallel, engine.wrappers[index]).local_shards()
+        # ZeRO-3 shards trainable parameters; a frozen one (LoRA's base) stays whole on each rank.
+        frozen = {n: p for n, p in engine.stages[index].named_parameters() if not p.requires_grad}
+        return {names[n]: v for n, v in (frozen | shards).items()}
     return {names[n]: p for n, p in engine.stages[index].named_parameters()}
 
 

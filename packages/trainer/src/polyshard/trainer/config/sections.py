@@ -17,6 +17,7 @@ from polyshard.models.errors import check_at_least as _check_at_least
 from polyshard.models.errors import check_choice as _check_choice
 from polyshard.models.errors import check_positive as _check_positive
 from polyshard.models.gpt.config import GPTConfig
+from polyshard.trainer.config.lora import LoRAConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SCHEDULES = ("zb-v", "dualpipev")  # two stages per pipeline rank in a V: virtual_stages = 2
@@ -551,6 +552,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters beside the frozen model (None: train every weight)."""
 
 
 SECTIONS: dict[str, type] = {
@@ -560,6 +563,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
+    "lora": LoRAConfig,
 }
 
 

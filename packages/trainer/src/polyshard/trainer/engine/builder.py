@@ -67,6 +67,7 @@ from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel
 from polyshard.trainer.engine.layout import global_names, pipeline_bounds, tp_plan
+from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.optimizer import build_optimizer
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import LossFn, task_of
@@ -197,6 +198,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
+    apply_lora(model, config)  # adapters split like their tp-converted base; the rest frozen
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
         positions = None

@@ -20,6 +20,7 @@ from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer import extras
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.lora import lora_targets
+from polyshard.trainer.engine.lora import lora_targets
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks import task_of
 
@@ -44,6 +45,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_loss_chunks(config)
     spec = spec_of(model)
     spec.check(config.model, config.parallel)  # the family's own constraints
+    lora_targets(config)  # [lora]'s targets exist and its rank fits them
     lora_targets(config)  # [lora]'s targets exist and its rank fits them
     task_of(config.model).check_config(config)
     data_ranks = par.data_ranks

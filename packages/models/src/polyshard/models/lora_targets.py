@@ -1,0 +1,98 @@
+"""Which linears ``lora.targets`` selects, named as Hugging Face names them (``q_proj``, ``down_proj``,
+MLA's ``q_a_proj`` ...), with the Hugging Face module path each one has (PEFT's keys).
+
+The names come from the family's Hugging Face adapter (:class:`polyshard.models.hf_adapter.Family`'s
+``locations``: our parameter -> its tensor in the family's files), so there is one table of names, not
+two. A linear whose weight is one part of a fused tensor (GPT-2's ``c_attn`` holds q, k and v) keeps our
+own name: one PEFT adapter on the fused tensor is not three adapters on its parts. ``"all-linear"``
+selects every linear of the blocks, as PEFT's does (never the output head), but not a mixture of
+experts' router or its experts: the experts' shared linears are adapted, the routed ones are not yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from polyshard.checkpoint import CheckpointError, TensorLocation
+from polyshard.models.build import build_model, spec_of
+from polyshard.models.config import ModelConfig
+from polyshard.models.errors import ConfigError
+from polyshard.models.hf_families import family_of
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One adapted linear: its name in our model, its Hugging Face module path (None: a part of a fused
+    tensor, which a PEFT file cannot hold), the short name ``lora.targets`` matches, and its shape."""
+
+    name: str
+    hf_path: str | None
+    short: str
+    out_features: int
+    in_features: int
+
+
+def _locations(model: ModelConfig) -> dict[str, TensorLocation]:
+    """The family's tensor locations: the family ``model`` is exactly, else the first of its kind's."""
+    families = spec_of(model).hf_families
+    if not families:
+        return {}
+    try:
+        return family_of(model).locations(model)
+    except CheckpointError:  # not exactly a Hugging Face architecture: its kind's names still apply
+        return families[0].locations(model)
+
+
+def linear_targets(model: ModelConfig) -> list[Target]:
+    """Every linear of the model's blocks that LoRA may adapt (the output head and the embedding are not)."""
+    skeleton = build_model(model, layers=())  # the meta device: names and shapes only
+    last = len(skeleton.layers) - 1  # type: ignore[arg-type]  # a family's layers are an nn.ModuleList
+    locations = _locations(model)
+    out = []
+    for name, module in skeleton.named_modules():
+        if not isinstance(module, nn.Linear) or name.startswith((f"layers.{last}.", "layers.0.")):
+            continue  # the head (and the prediction depths inside it) and the embedding
+        if ".moe." in f".{name}.":
+            continue  # a router (its scores pick experts) and the experts, which ep shards on their own
+        where = locations.get(f"{name}.weight")
+        if where is not None and where.parts == 1 and not where.stacked and where.name.endswith(".weight"):
+            path = where.name.removesuffix(".weight")
+            hf_path: str | None = path
+            short = path.rsplit(".", 1)[-1]
+        else:
+            hf_path, short = None, name.rsplit(".", 1)[-1]
+        out.append(Target(name, hf_path, short, module.out_features, module.in_features))
+    return out
+
+
+def select_targets(model: ModelConfig, targets: str | Sequence[str], rank: int) -> list[Target]:
+    """The linears ``targets`` names (``"all-linear"`` or Hugging Face module names), checked: each name
+    matches a linear, and ``rank`` fits every selected one."""
+    every = linear_targets(model)
+    if isinstance(targets, str):
+        targets = [targets]
+    names = sorted({t.short for t in every})
+    if ALL_LINEAR in targets:
+        chosen = every
+    else:
+        for wanted in targets:
+            if wanted not in names:
+                raise ConfigError(
+                    f"lora.targets: {wanted!r} matches no linear of this model; its linears are {names} "
+                    f"(or {ALL_LINEAR!r})"
+                )
+        chosen = [t for t in every if t.short in targets]
+    if not chosen:
+        raise ConfigError(f"lora.targets={list(targets)!r} selects nothing; this model's linears are {names}")
+    smallest = min(chosen, key=lambda t: min(t.in_features, t.out_features))
+    if rank > min(smallest.in_features, smallest.out_features):
+        raise ConfigError(
+            f"lora.rank={rank} is larger than {smallest.short} ({smallest.out_features} x {smallest.in_features}); "
+            f"choose rank <= {min(smallest.in_features, smallest.out_features)}"
+        )
+    return chosen

@@ -1,0 +1,51 @@
+"""LoRA in a run: which linears ``[lora]`` adapts (checked before launch), and adapting this rank's
+model after tensor parallelism converted it, before experts, pipeline stages and data parallelism wrap
+it (see :mod:`polyshard.models.common.lora` for the adapter and its tp split).
+
+Everything but the adapters is frozen, as PEFT freezes the base model: embeddings, norms and the head
+too. The wrappers and the optimizer take trainable parameters only, so the base has no gradient, no
+optimizer state and no place in dp's buckets or ZeRO's gradient shards."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from polyshard.models.common.lora import attach_lora, is_adapter
+from polyshard.models.lora_targets import Target, select_targets
+from polyshard.trainer.config import Config
+
+
+def lora_targets(config: Config) -> list[Target]:
+    """The linears ``config.lora`` adapts (none without a ``[lora]`` section); a ConfigError in one line
+    for a target that matches nothing or a rank too large."""
+    if config.lora is None:
+        return []
+    return select_targets(config.model, config.lora.target_list, config.lora.rank)
+
+
+def apply_lora(model: nn.Module, config: Config) -> int:
+    """Adapt the targets this rank holds in ``model`` (names ``layers.<i>....``) and freeze the rest;
+    returns how many linears were adapted here."""
+    lora = config.lora
+    if lora is None:
+        return 0
+    adapted = 0
+    for target in lora_targets(config):
+        try:
+            linear = model.get_submodule(target.name)
+        except AttributeError:
+            continue  # another pipeline rank's layer
+        attach_lora(
+            linear,
+            target.name,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            rslora=lora.rslora,
+            seed=config.training.seed,
+        )
+        adapted += 1
+    for name, param in model.named_parameters():
+        if not is_adapter(name):
+            param.requires_grad_(False)
+    return adapted

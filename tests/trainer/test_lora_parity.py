@@ -1,0 +1,63 @@
+"""LoRA on every linear of a small Llama trains alike on every layout: one process against dp2, ZeRO-1 and
+ZeRO-3, tp2 with and without sequence parallelism, and pp2 (tests/trainer/_layouts.py's runner): losses
+and pre-clip gradient norms, every gradient of the first step, every parameter after the AdamW steps with
+weight decay; and the frozen base leaves every layout exactly as it was built."""
+
+import functools
+
+import pytest
+import torch
+
+from polyshard.models import build_model
+from polyshard.models.common.lora import is_adapter
+from polyshard.trainer.config import from_dict
+from tests.trainer._layouts import Tolerance, assemble, layout
+from tests.trainer._short import SMALL_LLAMA, short_training
+from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
+
+STEPS = 4
+# Only the order of float32 sums differs from one process (all-reduces, sharded matmuls, the
+# vocab-parallel softmax, the adapters' r-wide partial sums): test_e2e_parity's bounds, for the same reasons.
+TOLERANCE = Tolerance(numbers=2e-5, grads=GRAD_TOL, params=PARAM_TOL)
+
+
+def _config(corpus, **parallel):
+    return from_dict(
+        {
+            "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **SMALL_LLAMA},
+            "parallel": parallel,
+            # lr 1e-2: adapters start at B = 0 and must move visibly in a few steps; weight decay 2.0: a
+            # rank that missed the decay of its adapter shard shows (see test_e2e_parity's PARAM_TOL)
+            "training": short_training(STEPS, lr=1e-2, weight_decay=2.0),
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+            "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear"},
+        }
+    )
+
+
+LAYOUTS = [
+    layout("dp2"),
+    layout("dp2-zero1"),
+    layout("dp2-zero3"),
+    layout("tp2"),
+    layout("tp2-sp"),
+    layout("pp2-1f1b"),
+]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_lora_trains_as_on_one_process(parity, corpus, tmp_path, name):
+    config_of = functools.partial(_config, corpus)
+    compared = parity.check(name, config_of, TOLERANCE, tmp_path)
+    adapters = [n for n in compared.names["params"] if is_adapter(n)]
+    # Both factors of the 7 linears of each of the 2 blocks are trained and compared.
+    assert len(adapters) == 2 * 7 * 2, adapters
+    assert {n for n in compared.names["grads"]} == set(adapters), "a frozen weight has a gradient"
+    # The frozen base, embeddings, norms and head: exactly as built, here and on one process.
+    config = config_of()
+    built = dict(build_model(config.model, seed=config.training.seed).named_parameters())
+    for results in (compared.results, parity.reference(config)):
+        after = assemble(results, "params")
+        frozen = [n for n in after if not is_adapter(n)]
+        assert frozen and all(torch.equal(after[n], built[n]) for n in frozen)
