@@ -18,9 +18,9 @@ HF_FAMILIES = "{hf_families}"
 
 def hf_family_titles() -> list[str]:
     """Every registered family's Hugging Face counterparts, by title, in the registry's order."""
-    from polyshard.models.registry import SPECS
+    from polyshard.trainer import hf_families
 
-    return [family.title for spec in SPECS.values() for family in spec.hf_families]
+    return [family.title for family in hf_families().values()]
 
 
 class RegistryHelp(TyperCommand):

@@ -36,6 +36,7 @@ _EXPORTS = {
     "sample_text": "polyshard.trainer.loop",
     "build_model": "polyshard.models",
     "spec_of": "polyshard.models",
+    "hf_families": "polyshard.models.hf_families",
     "saved_config": "polyshard.trainer.checkpointing.run_export",
     "consolidate": "polyshard.trainer.checkpointing.run_export",
     "export": "polyshard.trainer.checkpointing.run_export",
@@ -71,6 +72,7 @@ __all__ = [
     "export",
     "export_note",
     "from_dict",
+    "hf_families",
     "load_config",
     "load_tokenizer",
     "local_files",
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
     from polyshard.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.models import build_model, sequence_length, spec_of
+    from polyshard.models.hf_families import hf_families
     from polyshard.trainer.checkpointing.hugging_face import export_note, model_settings, write_hf
     from polyshard.trainer.checkpointing.run_export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
