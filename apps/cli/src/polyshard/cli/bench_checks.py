@@ -113,10 +113,32 @@ def module_args(package: str, args: list[str]) -> argparse.Namespace:
 
 
 def peer_memory(package: str, args: argparse.Namespace, nproc: int) -> None:
-    """The tensors a strategy's benchmark surely allocates, held against this machine's memory."""
+    """The tensors a strategy's benchmark surely allocates, held against this machine's memory (and for
+    pp, the schedules' own constraints on these sizes)."""
+    if package == "pp":
+        _pp_schedules(args, nproc)
     least = _LEAST_BYTES.get(package)
     if least is not None:
         memory(f"bench {package} with these sizes on {nproc} processes", least(args, nproc))
+
+
+def _pp_schedules(args: argparse.Namespace, nproc: int) -> None:
+    """Each schedule of --schedules exists for ``nproc`` ranks and --microbatches, has a layer per stage,
+    and the batch splits into the microbatches (the executor's rule), as the workers would find out."""
+    from polyshard.bench.pp import PEERS
+    from polyshard.pp import ScheduleError, make_schedule
+
+    if args.batch % args.microbatches:
+        fail("bench", f"pp: --batch {args.batch} does not split into --microbatches {args.microbatches}")
+    for name in args.schedules.split(","):
+        if name not in PEERS:
+            fail("bench", f"pp: --schedules: unknown {name!r}; choose from {list(PEERS)}")
+        try:
+            stages = make_schedule(name, nproc, args.microbatches).num_stages
+        except ScheduleError as err:
+            fail("bench", f"pp: --schedules {name} on {nproc} processes: {err}")
+        if args.layers < stages:
+            fail("bench", f"pp: --layers {args.layers} is fewer than the {stages} stages of {name} on {nproc} ranks")
 
 
 def _pp(args: argparse.Namespace, nproc: int) -> float:
