@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on a checkpoint (``polyshard eval``): a tiny Llama trained a few steps with a BPE
+"""lm-evaluation-harness on a checkpoint (``polyshard eval``): a tiny Llama trained 40 steps with a BPE
 tokenizer that has an end-of-text token, exported with ``polyshard export --format hf``, and three local
 tasks (a YAML and a JSONL each: multiple choice, rolling log-likelihood, greedy generation with stop
 strings) scored by our ``LM`` on the mesh and by lm_eval's own Hugging Face backend on the export.
@@ -125,22 +125,21 @@ def _train(config, out):
 def run(distributed, corpus, tmp_path_factory):
     """A tiny Llama trained 40 steps on one process with a BPE that has an end-of-text token, and its
     Hugging Face export (``polyshard export RUN DIR --format hf``)."""
-    import tokenizers
+    import transformers
     from typer.testing import CliRunner
 
     from polyshard.cli.main import app
-    from polyshard.data.tokenizer import train_bpe
+    from polyshard.data.tokenizer import load_tokenizer, train_bpe
 
     folder = tmp_path_factory.mktemp("eval-run")
     with open(corpus) as f:
-        bpe = train_bpe([f.read()], 300, folder / "tokenizer.json")
-    inner = tokenizers.Tokenizer.from_file(str(bpe))
-    inner.add_special_tokens(["<|endoftext|>"])
-    inner.save(str(bpe))
+        bpe = train_bpe([f.read()], 300, folder / "tokenizer.json")  # <|endoftext|> is its last id
+    end = load_tokenizer(str(bpe)).end_of_text
+    assert end is not None
     model = {"preset": "llama-tiny", "hidden": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
     config = from_dict(
         {
-            "model": {**model, "context_length": 32, "vocab_size": 301},  # 301: tp2 pads the head to 302
+            "model": {**model, "context_length": 32, "vocab_size": 301},  # odd: tp2 pads the head to 302 columns
             "training": {"steps": 40, "global_batch_size": 8, "lr": 1e-2, "warmup_steps": 4, "eval_every": 0},
             "data": {"source": corpus, "tokenizer": str(bpe)},
             "logging": {"progress_bar": False},
@@ -150,6 +149,8 @@ def run(distributed, corpus, tmp_path_factory):
     assert losses[-1] < losses[0]  # it learned something: its answers are not uniform
     exported = CliRunner().invoke(app, ["export", str(folder / "run"), str(folder / "hf"), "--format", "hf"])
     assert exported.exit_code == 0, exported.output
+    # transformers knows the end-of-text token (tokenizer_config.json names it): its generation stops there too
+    assert transformers.AutoTokenizer.from_pretrained(folder / "hf").eos_token_id == end
     return folder / "run", folder / "hf"
 
 
