@@ -75,6 +75,8 @@ def _refused(args: list[str], *named: str) -> str:
         (["pp", "--schedules", "1f1b,foo"], ["--schedules: unknown 'foo'"]),
         (["cp", "--seq-lens", "64", "0"], ["--seq-lens", "0: give at least 1"]),
         (["cp", "--heads", "0"], ["--heads"]),
+        (["cp", "--seq-lens", "30"], ["--seq-lens 30 does not split into 2 x 2 chunks"]),
+        (["cp", "--heads", "6", "--kv-heads", "4"], ["--kv-heads 4 does not divide --heads 6"]),
         (["cp", "--seq-lens", "100000000"], ["bench cp", "GiB of host memory"]),
         (["ep", "--tokens", "0"], ["--tokens"]),
         (["tp", "--iters", "abc"], ["--iters", "'abc' is not a whole number"]),

@@ -331,7 +331,7 @@ def _bench_with_peer(package: str) -> Callable[..., None]:
     ) -> None:
         args = list(context.args) + (["--json", str(json_path.resolve())] if json_path is not None else [])
         checks.processes(nproc, force)
-        checks.peer_memory(package, checks.module_args(package, args), nproc)
+        checks.peer_sizes(package, checks.module_args(package, args), nproc)
         raise typer.Exit(run_local(nproc, f"polyshard.bench.{package}", args))
 
     command.__doc__ = (

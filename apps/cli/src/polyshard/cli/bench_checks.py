@@ -112,11 +112,13 @@ def module_args(package: str, args: list[str]) -> argparse.Namespace:
     return parsed
 
 
-def peer_memory(package: str, args: argparse.Namespace, nproc: int) -> None:
-    """The tensors a strategy's benchmark surely allocates, held against this machine's memory (and for
-    pp, the schedules' own constraints on these sizes)."""
+def peer_sizes(package: str, args: argparse.Namespace, nproc: int) -> None:
+    """The tensors a strategy's benchmark surely allocates, held against this machine's memory, and for pp
+    and cp the constraints their sizes must meet on ``nproc`` ranks."""
     if package == "pp":
         _pp_schedules(args, nproc)
+    if package == "cp":
+        _cp_shapes(args, nproc)
     least = _LEAST_BYTES.get(package)
     if least is not None:
         memory(f"bench {package} with these sizes on {nproc} processes", least(args, nproc))
@@ -139,6 +141,18 @@ def _pp_schedules(args: argparse.Namespace, nproc: int) -> None:
             fail("bench", f"pp: --schedules {name} on {nproc} processes: {err}")
         if args.layers < stages:
             fail("bench", f"pp: --layers {args.layers} is fewer than the {stages} stages of {name} on {nproc} ranks")
+
+
+def _cp_shapes(args: argparse.Namespace, nproc: int) -> None:
+    """Each sequence splits into 2 x cp load-balanced chunks; the query heads group over the kv heads."""
+    for length in args.seq_lens:
+        if length % (2 * nproc):
+            fail(
+                "bench",
+                f"cp: --seq-lens {length} does not split into 2 x {nproc} chunks; give multiples of {2 * nproc}",
+            )
+    if args.heads % args.kv_heads:
+        fail("bench", f"cp: --kv-heads {args.kv_heads} does not divide --heads {args.heads}")
 
 
 def _pp(args: argparse.Namespace, nproc: int) -> float:
