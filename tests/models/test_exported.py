@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from polyshard.checkpoint import CheckpointError, LocalTensor, save_checkpoint
 from polyshard.mesh import Replicate, TensorPlacement
-from polyshard.models import GPT, build_model, load, tied_names
+from polyshard.models import GPT, build_model, load, spec_of, tied_names
 from polyshard.models.exported import SETTINGS_KEY
 from polyshard.models.registry import SPECS
 from polyshard.models.settings import presets
@@ -73,11 +73,13 @@ def test_an_export_loads_as_the_model_it_came_from(tmp_path, name):
     assert got.keys() == expected.keys()
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
-    for alias, weight in tied_names(from_dict({"model": SMALL[name]}).model).items():
+    model = from_dict({"model": SMALL[name]}).model
+    for alias, weight in tied_names(model).items():
         assert loaded.get_parameter(alias) is loaded.get_parameter(weight)  # still one tensor, trained as one
-    with torch.no_grad():
-        inputs = _inputs(original, SMALL[name])
-        assert torch.equal(loaded(inputs), original(inputs))
+    if not spec_of(model).has_experts:  # an MoE forward costs seconds on CPU; its weights are compared above
+        with torch.no_grad():
+            inputs = _inputs(original, SMALL[name])
+            assert torch.equal(loaded(inputs), original(inputs))
     assert load(tmp_path).state_dict().keys() == expected.keys()  # the folder holding model.safetensors
 
 
