@@ -26,29 +26,34 @@ def inspect(ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint ste
 
 def export(
     ckpt: Path = typer.Argument(..., exists=True, help="A checkpoint step folder or a run folder."),
-    out: Path = typer.Argument(..., help="The .safetensors file to write (--format hf: the new folder)."),
+    out: Path = typer.Argument(..., help="The .safetensors file to write (--format hf or peft: the new folder)."),
     format: str = typer.Option(
         "polyshard",
         "--format",
         help="polyshard: one file of the plain model's weights (polyshard.models.load builds the model for it); "
-        f"hf: a transformers folder ({HF_FAMILIES}).",
+        f"hf: a transformers folder ({HF_FAMILIES}); peft: the run's LoRA adapters as a PEFT folder.",
     ),
     max_shard_mb: float = typer.Option(
         5120.0, "--max-shard-mb", min=1.0, help="--format hf: weights above this many MiB go into several files."
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a file (--format hf: folder) already at OUT."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a file (--format hf or peft: folder) already at OUT."
+    ),
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads."""
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
     from polyshard.trainer import export as export_checkpoint
     from polyshard.trainer import export_note, saved_config, write_hf
+    from polyshard.trainer.checkpointing.peft import write_peft
 
-    if format not in ("polyshard", "hf"):
-        raise typer.BadParameter(f"{format!r}: choose polyshard or hf", param_hint="--format")
+    if format not in ("polyshard", "hf", "peft"):
+        raise typer.BadParameter(f"{format!r}: choose polyshard, hf or peft", param_hint="--format")
     try:
         source = open_checkpoint(ckpt, _report_skip)
-        if format == "hf":
+        if format == "peft":
+            written = write_peft(source, out, overwrite=overwrite)
+        elif format == "hf":
             tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
             model = saved_config(source).model  # streamed from the checkpoint, one tensor at a time
             written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer, overwrite=overwrite)

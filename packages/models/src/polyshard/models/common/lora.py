@@ -61,9 +61,18 @@ def initial_a(rank: int, in_features: int, seed: int, name: str) -> torch.Tensor
 
 
 def attach_lora(
-    linear: nn.Module, name: str, *, rank: int, alpha: float, dropout: float, rslora: bool, seed: int
+    linear: nn.Module,
+    name: str,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    rslora: bool,
+    seed: int,
+    initial: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Freeze ``linear`` (an ``nn.Linear``, or one tp converted) and hang a rank-``rank`` adapter off it."""
+    """Freeze ``linear`` (an ``nn.Linear``, or one tp converted) and hang a rank-``rank`` adapter off it:
+    PEFT's initialisation, or ``initial``'s whole A (r, I) and B (O, r) (an adapter read from a file)."""
     if not isinstance(linear, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
         raise ConfigError(
             f"lora.targets: {name} is a {type(linear).__name__}, which LoRA does not adapt under this layout "
@@ -76,25 +85,28 @@ def attach_lora(
             f"{min(in_features, out_features)}"
         )
     weight = linear.weight
-    full_a = initial_a(rank, in_features, seed, name).to(weight.device, weight.dtype)
+    full_a = initial_a(rank, in_features, seed, name) if initial is None else initial[0]
+    full_a = full_a.to(weight.device, weight.dtype)
+    full_b = torch.zeros(out_features, rank) if initial is None else initial[1]
+    full_b = full_b.to(weight.device, weight.dtype)
     if isinstance(linear, ColumnParallelLinear) and linear.gather_output:
         raise ConfigError(f"lora.targets: {name} gathers its output (an output head); LoRA adapts inner linears")
     if isinstance(linear, RowParallelLinear) and not linear.input_is_parallel:
         raise ConfigError(
             f"lora.targets: {name} splits its own input under tp; LoRA adapts row-parallel linears fed a split input"
         )
+    local_a, local_b = full_a, full_b
     if isinstance(linear, RowParallelLinear):
         local_a = take_shard(full_a, 1, linear.tp_group)  # the base's columns: (r, I/tp)
-    else:
-        local_a = full_a
-    rows = weight.shape[0]  # O, or this rank's O/tp under a column-parallel base
+    elif isinstance(linear, ColumnParallelLinear):
+        local_b = take_shard(full_b, 0, linear.tp_group)  # the base's rows: (O/tp, r)
     for param in linear.parameters(recurse=False):
         param.requires_grad_(False)
     a = nn.Linear(local_a.shape[1], rank, bias=False, device=weight.device, dtype=weight.dtype)
-    b = nn.Linear(rank, rows, bias=False, device=weight.device, dtype=weight.dtype)
+    b = nn.Linear(rank, local_b.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         a.weight.copy_(local_a)
-        b.weight.zero_()
+        b.weight.copy_(local_b)
     linear.add_module("lora_A", a)
     linear.add_module("lora_B", b)
     linear.add_module("lora_dropout", nn.Dropout(dropout))

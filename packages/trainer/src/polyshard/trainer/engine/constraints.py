@@ -19,8 +19,7 @@ from polyshard.models.hf_families import family_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer import extras
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.lora import lora_targets
-from polyshard.trainer.engine.lora import lora_targets
+from polyshard.trainer.engine.lora import check_lora
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks import task_of
 
@@ -45,8 +44,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _check_loss_chunks(config)
     spec = spec_of(model)
     spec.check(config.model, config.parallel)  # the family's own constraints
-    lora_targets(config)  # [lora]'s targets exist and its rank fits them
-    lora_targets(config)  # [lora]'s targets exist and its rank fits them
+    check_lora(config)  # [lora]'s targets exist, its rank fits them, its PEFT folder is this model's
     task_of(config.model).check_config(config)
     data_ranks = par.data_ranks
     per_step = data_ranks * par.microbatches

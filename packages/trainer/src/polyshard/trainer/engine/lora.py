@@ -12,6 +12,7 @@ from torch import nn
 
 from polyshard.models.common.lora import attach_lora, is_adapter
 from polyshard.models.lora_targets import Target, select_targets
+from polyshard.trainer.checkpointing.peft import read_peft
 from polyshard.trainer.config import Config
 
 
@@ -23,13 +24,20 @@ def lora_targets(config: Config) -> list[Target]:
     return select_targets(config.model, config.lora.target_list, config.lora.rank)
 
 
+def check_lora(config: Config) -> None:
+    """Before launch: the targets exist, the rank fits them, and a ``lora.init`` PEFT folder is a LoRA
+    adapter of this model (each a one-line error naming the setting or the file)."""
+    lora_targets(config)
+    read_peft(config)
+
+
 def apply_lora(model: nn.Module, config: Config) -> int:
     """Adapt the targets this rank holds in ``model`` (names ``layers.<i>....``) and freeze the rest;
     returns how many linears were adapted here."""
     lora = config.lora
     if lora is None:
         return 0
-    adapted = 0
+    adapted, read = 0, read_peft(config)  # lora.init = "peft:DIR": every rank reads the (small) adapters
     for target in lora_targets(config):
         try:
             linear = model.get_submodule(target.name)
@@ -43,6 +51,7 @@ def apply_lora(model: nn.Module, config: Config) -> int:
             dropout=lora.dropout,
             rslora=lora.rslora,
             seed=config.training.seed,
+            initial=read.get(target.name),
         )
         adapted += 1
     for name, param in model.named_parameters():
