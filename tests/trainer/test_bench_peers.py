@@ -52,6 +52,18 @@ def test_composed_gpt_matches_the_torch_native_composition(distributed, preset, 
             assert 0.3 * unsharded < held < 0.8 * unsharded
 
 
+@pytest.mark.long
+def test_fsdp_tp_sp_matches_torchtitans_two_d_composition(distributed):
+    # torchtitan's 2-D layout: fully_shard over a DTensor tp + SP mesh against our ZeRO-3 with tp + SP, on
+    # 4 processes; the same clip as above, so every step's gradients are scaled on both sides.
+    records = distributed.run(4, _composed, {"dp": 2, "tp": 2}, 0.01, "llama-tiny")
+    r = records[0]
+    assert "peer_unavailable" not in r, r.get("peer_unavailable")
+    assert " ZeRO-3 SP " in r["case"] and r["outputs_match"] is True, r
+    for ours, peer in zip(r["ours_losses"], r["peer_losses"], strict=True):
+        assert math.isclose(ours, peer, rel_tol=peers.LOSS_RTOL)
+
+
 def _tp_rows():
     return peers.measure(["tp"], steps=1)
 
