@@ -1,17 +1,21 @@
-"""LoRA on every linear of a small Llama trains alike on every layout: one process against dp2, ZeRO-1 and
-ZeRO-3, tp2 with and without sequence parallelism, and pp2 (tests/trainer/_layouts.py's runner): losses
-and pre-clip gradient norms, every gradient of the first step, every parameter after the AdamW steps with
-weight decay; and the frozen base leaves every layout exactly as it was built."""
+"""LoRA on every linear of a small Llama trains alike on every layout: one process against dp2, ZeRO-1/2/3,
+tp2 with and without sequence parallelism, pp2, cp2, and (long) tp2 x pp2 and dp2 x tp2 SP ZeRO-3
+(tests/trainer/_layouts.py's runner): losses and pre-clip gradient norms, every gradient of the first
+step, every parameter after the AdamW steps with weight decay; the frozen base stays exactly as built; a
+stopped run resumes bit for bit from a checkpoint holding the adapters, their optimizer state and the base."""
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
+from polyshard.checkpoint import Checkpoint, latest_checkpoint
+from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import Tolerance, assemble, layout
+from tests.trainer._layouts import LONG, Tolerance, assemble, layout
 from tests.trainer._short import SMALL_LLAMA, short_training
 from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
@@ -43,6 +47,10 @@ LAYOUTS = [
     layout("tp2"),
     layout("tp2-sp"),
     layout("pp2-1f1b"),
+    layout("dp2-zero2"),
+    layout("cp2-ring"),
+    layout("tp2xpp2", LONG),
+    layout("dp2xtp2-sp-zero3", LONG),
 ]
 
 
@@ -61,3 +69,28 @@ def test_lora_trains_as_on_one_process(parity, corpus, tmp_path, name):
         after = assemble(results, "params")
         frozen = [n for n in after if not is_adapter(n)]
         assert frozen and all(torch.equal(after[n], built[n]) for n in frozen)
+
+
+def _stop_and_resume(config, out):
+    """Losses of the whole run, and of its second half resumed from the checkpoint of the first half."""
+    from polyshard.trainer.loop import train
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    whole = train(config, mesh, out / "whole", log=False).losses
+    half = dataclasses.replace(config, training=dataclasses.replace(config.training, steps=STEPS // 2))
+    train(half, mesh, out / "split", log=False)
+    return whole, train(config, mesh, out / "split", log=False, resume=True).losses
+
+
+@pytest.mark.parametrize("world, parallel", [(2, {"dp": 2, "zero_stage": 3}), (2, {"tp": 2})], ids=["zero3", "tp2"])
+def test_a_lora_run_resumes_exactly(parity, corpus, tmp_path, world, parallel):
+    # The checkpoint holds the adapters, their AdamW state and the frozen base (whole on each ZeRO-3 rank).
+    config = _config(corpus, **parallel)
+    whole, resumed = parity.run(world, config, tmp_path, _stop_and_resume)[0]
+    assert resumed == whole  # the resumed run reports the first half from its checkpoint, then its own
+    saved = Checkpoint(latest_checkpoint(tmp_path / "split" / "checkpoints"))
+    built = dict(build_model(config.model, seed=config.training.seed).named_parameters())
+    assert set(saved.params()) == set(built) | {n for n in saved.params() if is_adapter(n)}
+    assert all(torch.equal(saved.whole(f"model/{n}"), p) for n, p in built.items())  # the frozen base, as built
+    stepped = set(saved.optim_state())
+    assert stepped and all(is_adapter(n) for n in stepped)  # optimizer state for the adapters alone
