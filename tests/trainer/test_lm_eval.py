@@ -32,6 +32,8 @@ pytest.importorskip("transformers")
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 LOGPROB_TOLERANCE = 40 * ROUND_OFF  # the longest continuation's tokens, each within ROUND_OFF (module docstring)
+# A worker's first lm_eval import and a training run take seconds idle, minutes on a machine busy with other jobs.
+SLOW_S = 600.0
 WORDS = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
 
 CHOICE = """\
@@ -145,7 +147,7 @@ def run(distributed, corpus, tmp_path_factory):
             "logging": {"progress_bar": False},
         }
     )
-    losses = distributed.run(1, _train, config, folder / "run")[0]
+    losses = distributed.run(1, _train, config, folder / "run", timeout_s=SLOW_S)[0]
     assert losses[-1] < losses[0]  # it learned something: its answers are not uniform
     exported = CliRunner().invoke(app, ["export", str(folder / "run"), str(folder / "hf"), "--format", "hf"])
     assert exported.exit_code == 0, exported.output
@@ -222,7 +224,7 @@ def metrics_of(results):
 
 @pytest.mark.long  # training, the export and lm_eval's HF backend: ~15 s idle (tests below cover MeshLM quickly)
 def test_scores_on_one_process_equal_the_hf_backend_on_the_export(distributed, run, task_folder, reference):
-    ours = distributed.run(1, _evaluate_on_mesh, run[0], None, task_folder, 3)[0]
+    ours = distributed.run(1, _evaluate_on_mesh, run[0], None, task_folder, 3, timeout_s=SLOW_S)[0]
     assert_same_scores(ours, reference)
     generated = [sample["resps"][0][0] for sample in ours["samples"]["polyshard_generate"]]
     # "e" is in most of the corpus's words: a row stops inside its first such word, the text cut before it
@@ -232,7 +234,7 @@ def test_scores_on_one_process_equal_the_hf_backend_on_the_export(distributed, r
 @pytest.mark.long  # two worker processes build and score the model (the pool's are kept across tests)
 @pytest.mark.parametrize("mesh_axes", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
 def test_scores_on_two_processes_equal_the_hf_backend(distributed, run, task_folder, reference, mesh_axes):
-    results = distributed.run(2, _evaluate_on_mesh, run[0], mesh_axes, task_folder, 2)
+    results = distributed.run(2, _evaluate_on_mesh, run[0], mesh_axes, task_folder, 2, timeout_s=SLOW_S)
     assert results[1] is None or results[1]["results"] == results[0]["results"]  # every rank computes alike
     assert_same_scores(results[0], reference)
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import lm_eval
+import torch
+import torch.distributed as dist
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import (
@@ -52,7 +54,9 @@ def evaluate_checkpoint(
     as ``config`` (:func:`~polyshard.trainer.evaluation.layout.evaluation_config`) says on ``mesh``. Every rank
     calls it; ``options`` go to ``simple_evaluate`` (``limit``, ``num_fewshot``, ``log_samples``...). Returns
     lm_eval's results on the first local process (lm_eval returns None elsewhere)."""
-    engine = build_engine(config, mesh)
+    # This rank's GPU under NCCL (init_distributed set it from LOCAL_RANK), else the CPU: as training places it.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    engine = build_engine(config, mesh, device=device)
     load_into(engine, source, weights_only=True)
     saved = source.asset(TOKENIZER)  # the run's own tokenizer, saved with its checkpoints
     tokenizer = load_tokenizer(str(saved) if saved else config.data.tokenizer)

@@ -136,14 +136,18 @@ class MeshScorer:
         self, inputs: torch.Tensor, on_output: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...]
     ) -> torch.Tensor:
         """``on_output`` of the last stage's output for ``inputs``, on every rank of the model group."""
-        result = self.engine.forward_only(inputs.to(self.engine.device), on_output)
+        device = self.engine.device
+        result = self.engine.forward_only(inputs.to(device), on_output)
         shared = result if result is not None and self.reports else torch.zeros(shape, dtype=torch.float64)
+        shared = shared.to(device)  # NCCL reduces GPU tensors only
         ops.all_reduce(shared, self.model_group)
-        return shared
+        return shared.cpu()
 
     def _sum_over_data_ranks(self, results: torch.Tensor) -> None:
         """Each data rank filled its own rows (zeros elsewhere): after this every rank holds them all."""
-        ops.all_reduce(results, self.mesh.group("dp"))
+        summed = results.to(self.engine.device)
+        ops.all_reduce(summed, self.mesh.group("dp"))
+        results.copy_(summed)
 
     def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """(B, S) -log p(target), 0 at IGNORE_INDEX, over the whole vocabulary (vocabulary-parallel under tp)."""
