@@ -60,10 +60,11 @@ test-bench: setup
 	$(BIN)/python -m pytest -q -m bench
 
 DEMO_CONFIG := apps/configs/gpt-shakespeare-3d.toml
-# The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample.
+# The main job: a GPT on Shakespeare over dp=2 x tp=2 x pp=2 (8 CPU processes), then a text sample (a new
+# run each time: --overwrite replaces an earlier demo's checkpoints).
 # Then its last checkpoint is resharded to tp=4 x pp=2 and training continues there for 20 steps.
 demo: setup
-	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo
+	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo --overwrite
 	rm -rf runs/demo-tp4
 	$(BIN)/polyshard reshard runs/demo runs/demo-tp4/checkpoints --mesh tp=4,pp=2
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \

@@ -59,3 +59,27 @@ def test_settings_are_read_once_with_overrides_typed_by_field(tmp_path):
     (tmp_path / "broken.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="broken.json: the run's resolved config is not a table"):
         read_resolved(tmp_path / "broken.json")
+
+
+def _train_once(settings, out):
+    from polyshard.mesh import Mesh
+    from polyshard.trainer.config import from_dict
+    from polyshard.trainer.loop import train
+
+    config = from_dict(settings)
+    train(config, Mesh(config.parallel.mesh_axes), out, log=False)
+
+
+def test_a_new_run_never_saves_over_another_runs_checkpoints(distributed, corpus, tmp_path):
+    from polyshard.trainer import CheckpointError
+
+    out = tmp_path / "run"
+    settings = _settings(corpus, dp=1, tp=1)
+    settings["training"] |= {"steps": 2, "global_batch_size": 2, "eval_every": 0, "sample_tokens": 0}
+    distributed.run(1, _train_once, settings, out)  # one process: a run with its step-2 checkpoint
+    saved = {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="holds a run's checkpoints .* give --resume .* or --overwrite"):
+        prepare_launch(settings, out=out, nproc=1)
+    assert {p: p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()} == saved
+    assert prepare_launch(settings, out=out, nproc=1, resume=True).nproc == 1  # continuing it is the point
+    assert prepare_launch(settings, out=out, nproc=1, overwrite=True).nproc == 1  # asked to start over

@@ -45,6 +45,9 @@ def train(
         "compile time, metrics.jsonl records compiles and recompiles.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the mesh, groups and memory per rank; start nothing."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start a new run in an --out that holds another run's checkpoints (replaced)."
+    ),
     force: bool = typer.Option(
         False,
         "--force",
@@ -89,7 +92,14 @@ def train(
         if layout == "auto":
             settings, prediction = _planned(settings, nproc, nodes, profile)
         launch = prepare_launch(
-            settings, out=out, nproc=nproc, nodes=nodes, resume=resume, init_from=init_from, prediction=prediction
+            settings,
+            out=out,
+            nproc=nproc,
+            nodes=nodes,
+            resume=resume,
+            init_from=init_from,
+            prediction=prediction,
+            overwrite=overwrite or dry_run,  # a dry run writes nothing
         )
         too_big = None if force else _memory_refusal(launch.config, launch.nproc, dry_run)
     except (ConfigError, CheckpointError, DataError, ValueError) as err:  # before any process starts

@@ -96,10 +96,12 @@ def prepare_launch(
     resume: bool = False,
     init_from: str | None = None,
     prediction: Prediction | None = None,
+    overwrite: bool = False,
 ) -> Launch:
     """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,
     :class:`CheckpointError` or :class:`DataError` naming the field, file or flag (or a ValueError
-    for ``POLYSHARD_FAULT``)."""
+    for ``POLYSHARD_FAULT``). A new run (no ``resume``) into a folder that holds another run's
+    checkpoints is refused unless ``overwrite``: its saves would replace theirs step by step."""
     resolved: dict[str, Any] = copy.deepcopy(dict(settings))  # the caller's tables stay as they are
     settings = resolved
     low, high = nodes
@@ -115,7 +117,13 @@ def prepare_launch(
             )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give the folder the run writes into")
-    latest = latest_checkpoint(out / "checkpoints") if resume else None
+    latest = latest_checkpoint(out / "checkpoints")
+    if latest is not None and not (resume or overwrite):
+        raise CheckpointError(
+            f"--out {out} holds a run's checkpoints (the latest {latest.name}); give --resume to continue it, "
+            "another --out, or --overwrite to start a new run there (its checkpoints are replaced as it saves)"
+        )
+    latest = latest if resume else None
     if resume and latest is None:
         raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}; drop --resume to start")
     if hf_folder is not None and isinstance(settings.get("model", {}), Mapping):
