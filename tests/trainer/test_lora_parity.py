@@ -94,3 +94,36 @@ def test_a_lora_run_resumes_exactly(parity, corpus, tmp_path, world, parallel):
     assert all(torch.equal(saved.whole(f"model/{n}"), p) for n, p in built.items())  # the frozen base, as built
     stepped = set(saved.optim_state())
     assert stepped and all(is_adapter(n) for n in stepped)  # optimizer state for the adapters alone
+
+
+def _collectives(config, adapted):
+    """Every collective of one forward and backward of the tp model (``adapted``: with LoRA), by op and
+    group: (calls, bytes)."""
+    from polyshard.collectives import CommLedger
+    from polyshard.tp import parallelize
+    from polyshard.trainer.engine.layout import tp_plan
+    from polyshard.trainer.engine.lora import apply_lora
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    model = build_model(config.model, seed=0)
+    parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config))
+    if adapted:
+        apply_lora(model, config)
+        # A frozen embedding would spare the first block's input gradient (and its all-reduce) on its own
+        model.layers[0].requires_grad_(True)
+    tokens = torch.randint(0, config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with CommLedger() as ledger:
+        model(tokens).square().mean().backward()
+    return {key: (entry.calls, entry.bytes) for key, entry in ledger.entries.items()}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_adapters_add_no_collective_under_tp(distributed, corpus, sp):
+    # A colwise base's adapter reads its entered input and a rowwise one's joins the partial sums: the
+    # forward and backward run the same collectives, of the same sizes, with and without adapters.
+    config = _config(corpus, tp=2, sequence_parallel=sp)
+    plain, adapted = (
+        distributed.run(2, _collectives, config, False)[0],
+        distributed.run(2, _collectives, config, True)[0],
+    )
+    assert plain and adapted == plain

@@ -20,6 +20,8 @@ Shapes: B batch, S sequence, I in features, O out features, tp the group size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -190,11 +192,16 @@ class RowParallelLinear(nn.Module):
             record_replicate(self.bias, "bias", axis)
             if sequence_parallel:
                 mark_sequence_parallel(self.bias)
+        self.partial_addend: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """A function of the local input (B, S, I/tp) whose (B, S, O) result joins the partial sums before
+        they are reduced: another partial product (a LoRA adapter's) then costs no reduction of its own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to(x, -1, self.tp_group)  # (B, S, I) -> (B, S, I/tp)
         partial = F.linear(x, self.weight)  # (B, S, I/tp) @ (I/tp, O) -> partial sums (B, S, O)
+        if self.partial_addend is not None:
+            partial = partial + self.partial_addend(x)
         y = leave_region(partial, self.tp_group, self.sequence_parallel, self.sequence_dim)
         return y if self.bias is None else y + self.bias
 

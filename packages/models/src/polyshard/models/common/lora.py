@@ -8,24 +8,25 @@ and ``<linear>.lora_B`` beside the base's ``weight``, and a forward hook adds it
 name (checkpoints, ``--init-from``, Hugging Face files) and only its ``requires_grad`` changes (False), so
 dp's buckets, ZeRO's shards and the optimizer, which take trainable parameters only, see the adapters alone.
 
-Tensor parallelism (the adapter is attached after :func:`polyshard.tp.parallelize` converted the base):
+Tensor parallelism (the adapter is attached after :func:`polyshard.tp.parallelize` converted the base)
+adds no collective to the forward or backward: each adapter rides on its base's.
 
 * column-parallel base (q/k/v, gate/up): A replicated, B split by rows like the base's weight, so each
-  rank adds its own output columns. The input gradient of A's output is partial over tp (each rank sees
-  its columns): when the base's input was entered upstream (``input_entered``, attention's q/k/v) that
-  entry's all-reduce sums the adapter's share of the input gradient with the base's, and A's gradient is
-  summed over tp once per step (flagged as a sequence-parallel norm's is); otherwise the r-wide ``A x``
-  enters the tp region itself (identity forward, all-reduce of an (B, S, r) gradient backward; all-gather
-  and reduce-scatter along the sequence with SP, where A's gradient is then summed over tp too).
-* row-parallel base (o, down): A split by columns like the base's weight, B replicated; the r-wide
-  partial ``A_local x_local`` leaves the region (all-reduce, or reduce-scatter with SP) and B adds its
-  update to the base's reduced output; with SP, B sees a sequence shard and its gradient is summed over tp.
+  rank adds its own output columns. A reads the base's *entered* input (attention's q/k/v share one
+  entry upstream; gate/up get theirs in front of them, :func:`_enter_before`), so the entry's backward
+  all-reduce (reduce-scatter with SP) sums the adapter's share of the input gradient with the base's.
+  A's gradient, each rank's from its own columns, is summed over tp once per step (flagged as a
+  sequence-parallel norm's is, so it joins that one coalesced all-reduce).
+* row-parallel base (o, down): A split by columns like the base's weight, B replicated; the adapter's
+  partial product B A_local x_local joins the base's partial sums before their one reduction
+  (``RowParallelLinear.partial_addend``); B's gradient, partial over tp, is summed once per step too.
 
 Shapes: B batch, S sequence, I in features, O out features, r the rank, tp the tensor-parallel size.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Any, cast
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from polyshard.models.errors import ConfigError
-from polyshard.tp import ColumnParallelLinear, RowParallelLinear, enter_region, leave_region
+from polyshard.tp import ColumnParallelLinear, RowParallelLinear, enter_region
 from polyshard.tp.shard import mark_sequence_parallel, record_replicate, record_shard, take_shard
 
 ADAPTER_PARTS = ("lora_A", "lora_B")
@@ -112,33 +113,51 @@ def attach_lora(
     linear.add_module("lora_dropout", nn.Dropout(dropout))
     setattr(linear, "lora_scale", lora_scale(rank, alpha, rslora))  # noqa: B010  (a float beside the modules)
     _record(linear, cast(nn.Parameter, a.weight), cast(nn.Parameter, b.weight), rank, out_features)
+    if isinstance(linear, RowParallelLinear):
+        linear.partial_addend = functools.partial(_update, linear)  # reduced with the base's partial sums
+        return
+    if isinstance(linear, ColumnParallelLinear) and not linear.input_entered:
+        _enter_before(linear)
     linear.register_forward_hook(_add_update)
 
 
+def _enter_before(linear: ColumnParallelLinear) -> None:
+    """Enter the tp region in front of ``linear`` instead of inside it, so its adapter reads the entered
+    input too and the entry's backward sums both input gradients at once. The base is frozen, so the
+    entry had no weight gradient to overlap its reduction with; its SP memory options go with it."""
+    linear.input_entered, linear.regather_input, linear.overlap_forward_gather = True, False, False
+
+    def enter(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = enter_region(args[0], linear.tp_group, linear.sequence_parallel, linear.sequence_dim)
+        return (x, *args[1:])
+
+    linear.register_forward_pre_hook(enter)
+
+
 def _record(linear: nn.Module, a: nn.Parameter, b: nn.Parameter, rank: int, out_features: int) -> None:
-    """The factors' placements over tp, and which gradients are partial over tp (summed once per step)."""
+    """The factors' placements over tp, and the factor whose gradient is partial over tp (summed once per
+    step, as a sequence-parallel norm's): A beside a column-parallel base (each rank backpropagates its
+    own output columns into it), B beside a row-parallel one (each rank's A x holds its input columns)."""
     if isinstance(linear, ColumnParallelLinear):
         record_replicate(a, "lora_A.weight", linear.axis)
         record_shard(b, "lora_B.weight", (out_features, rank), 0, linear.axis)
-        if linear.input_entered or linear.sequence_parallel:
-            mark_sequence_parallel(a)
+        mark_sequence_parallel(a)
     elif isinstance(linear, RowParallelLinear):
         record_shard(a, "lora_A.weight", (rank, linear.in_features), 1, linear.axis)
         record_replicate(b, "lora_B.weight", linear.axis)
-        if linear.sequence_parallel:
-            mark_sequence_parallel(b)
+        mark_sequence_parallel(b)
+
+
+def _update(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """scale * B A dropout(x): (B, S, I) -> (B, S, O); this rank's O/tp columns beside a column-parallel
+    base, partial sums beside a row-parallel one (its I/tp input columns)."""
+    a, b, dropout = (cast(nn.Module, getattr(linear, part)) for part in ("lora_A", "lora_B", "lora_dropout"))
+    update: torch.Tensor = b(a(dropout(x))) * getattr(linear, "lora_scale")  # noqa: B009
+    return update
 
 
 def _add_update(linear: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-    a, b, dropout = (cast(nn.Module, getattr(linear, part)) for part in ("lora_A", "lora_B", "lora_dropout"))
-    x = dropout(args[0])
-    h = a(x)  # (B, S, I) -> (B, S, r); (B, S, I/tp) -> partial (B, S, r) under a row-parallel base
-    if isinstance(linear, ColumnParallelLinear) and not linear.input_entered:
-        h = enter_region(h, linear.tp_group, linear.sequence_parallel, linear.sequence_dim)
-    elif isinstance(linear, RowParallelLinear):
-        h = leave_region(h, linear.tp_group, linear.sequence_parallel, linear.sequence_dim)
-    update: torch.Tensor = b(h) * getattr(linear, "lora_scale")  # noqa: B009  # (B, S, r) -> (B, S, O) or (B, S, O/tp)
-    return output + update
+    return output + _update(linear, args[0])
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
