@@ -165,3 +165,27 @@ def test_the_export_command_writes_the_peft_folder(trained, tmp_path):
         assert (tmp_path / "out" / name).read_bytes() == (exported / name).read_bytes()
     again = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "out"), "--format", "peft"])
     assert again.exit_code == 2 and len(again.output.strip().splitlines()) == 1, again.output
+
+
+def test_the_merged_export_is_the_adapted_model(base, trained, tmp_path):
+    from typer.testing import CliRunner
+
+    from polyshard.cli import main as cli_main
+
+    config, state, exported = trained
+    step = next((exported.parent / "run" / "checkpoints").glob("step_*"))
+    plain = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "hf"), "--format", "hf"])
+    assert plain.exit_code == 2 and "--format hf --merge" in plain.output  # never the untrained base silently
+    merged = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "hf"), "--format", "hf", "--merge"])
+    assert merged.exit_code == 0, merged.output
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        theirs, mine = loaded.eval()(_tokens()[:, :-1]).logits, _ours(config, state)(_tokens()[:, :-1])
+    torch.testing.assert_close(theirs, mine, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert not torch.equal(
+        load_file(tmp_path / "hf" / "model.safetensors")[_Q], load_file(base / "model.safetensors")[_Q]
+    )
+
+
+_Q = "model.layers.0.self_attn.q_proj.weight"

@@ -39,25 +39,40 @@ def export(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace a file (--format hf or peft: folder) already at OUT."
     ),
+    merge: bool = typer.Option(
+        False, "--merge", help="--format hf of a LoRA run: fold the adapters into their linears (W + scale B A)."
+    ),
 ) -> None:
     """Write the unsharded model: one safetensors file the plain model loads with load_state_dict(strict=True),
     or (--format hf) a folder transformers' AutoModelForCausalLM.from_pretrained loads."""
     from polyshard.checkpoint import TOKENIZER, CheckpointError, open_checkpoint
+    from polyshard.checkpoint.hf import check_new_folder
+    from polyshard.checkpoint.output import reading
     from polyshard.trainer import export as export_checkpoint
     from polyshard.trainer import export_note, saved_config, write_hf
-    from polyshard.trainer.checkpointing.peft import write_peft
+    from polyshard.trainer.checkpointing.peft import merged_weights, write_peft
 
     if format not in ("polyshard", "hf", "peft"):
         raise typer.BadParameter(f"{format!r}: choose polyshard, hf or peft", param_hint="--format")
+    if merge and format != "hf":
+        raise typer.BadParameter("--merge goes with --format hf (a merged Hugging Face model)", param_hint="--merge")
     try:
         source = open_checkpoint(ckpt, _report_skip)
         if format == "peft":
             written = write_peft(source, out, overwrite=overwrite)
         elif format == "hf":
             tokenizer = source.asset(TOKENIZER)  # the run's tokenizer goes with the weights
-            model = saved_config(source).model  # streamed from the checkpoint, one tensor at a time
-            written = write_hf(source, model, out, int(max_shard_mb * 2**20), tokenizer, overwrite=overwrite)
-            note = export_note(model)
+            config = saved_config(source)
+            if config.lora is not None and not merge:
+                raise CheckpointError(
+                    f"{source.folder} trained LoRA adapters beside a frozen model: --format peft writes the "
+                    "adapters, --format hf --merge the model with them folded in"
+                )
+            if merge:  # the folder is checked before the weights are merged in memory
+                check_new_folder(out, overwrite=overwrite, protected=reading(source.folder))
+            weights = merged_weights(source) if merge else source  # else streamed, one tensor at a time
+            written = write_hf(weights, config.model, out, int(max_shard_mb * 2**20), tokenizer, overwrite=overwrite)
+            note = export_note(config.model)
             if note:
                 typer.echo(f"note: {note}")
         else:

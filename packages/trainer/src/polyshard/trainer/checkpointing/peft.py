@@ -21,9 +21,10 @@ from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError
 from polyshard.checkpoint.hf import check_new_folder
 from polyshard.checkpoint.output import new_folder, reading
 from polyshard.checkpoint.untrusted import check_inside, read_json
+from polyshard.models.common.lora import lora_scale
 from polyshard.models.hf_families import family_of
 from polyshard.models.lora_targets import Target, select_targets
-from polyshard.trainer.checkpointing.run_export import check_saved_shapes, saved_config
+from polyshard.trainer.checkpointing.run_export import check_saved_shapes, consolidate, saved_config
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import PEFT_PREFIX, LoRAConfig
 
@@ -146,3 +147,19 @@ def read_peft(config: Config) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from err
     return {name: (pair["A"], pair["B"]) for name, pair in out.items()}
+
+
+def merged_weights(source: Checkpoint) -> dict[str, torch.Tensor]:
+    """``source``'s unsharded weights with each adapter folded into its linear, W + scale B A (computed in
+    float32, stored in W's dtype): the plain model's weights, for ``--format hf --merge``."""
+    config = saved_config(source)
+    lora = config.lora
+    if lora is None:
+        raise CheckpointError(f"--merge: {source.folder} trained no LoRA adapters; export it without --merge")
+    state = consolidate(source)
+    scale = lora_scale(lora.rank, lora.alpha, lora.rslora)
+    for target in select_targets(config.model, lora.target_list, lora.rank):
+        a, b = state.pop(f"{target.name}.lora_A.weight"), state.pop(f"{target.name}.lora_B.weight")
+        weight = state[f"{target.name}.weight"]
+        state[f"{target.name}.weight"] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+    return state
