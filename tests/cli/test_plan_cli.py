@@ -50,7 +50,7 @@ def test_fixed_axes_hold_in_every_layout(tmp_path, profile):
 
 def _layouts(tmp_path, *args):
     out = tmp_path / "plan.json"
-    result = _plan(*args, "--json", str(out))
+    result = _plan(*args, "--json", str(out), "--overwrite")  # each call replaces the last plan
     assert result.exit_code == 0, result.output
     return [entry["layout"] for entry in json.loads(out.read_text())["layouts"]]
 

@@ -47,7 +47,7 @@ def test_schedule_command_takes_action_costs(tmp_path):
     result = CliRunner().invoke(app, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["total_time"] == (4 + 2 - 1) * (2 + 3 + 1)  # 1F1B: (m + p - 1)(F + B + W)
-    assert CliRunner().invoke(app, [*args, "--p2p", "0.5", "--json", str(out)]).exit_code == 0
+    assert CliRunner().invoke(app, [*args, "--p2p", "0.5", "--json", str(out), "--overwrite"]).exit_code == 0
     assert json.loads(out.read_text())["total_time"] > 30  # transfers lie on the critical path
     bad = CliRunner().invoke(app, ["schedule", "1f1b", "-p", "2", "-m", "4", "--forward", "-1"])
     assert bad.exit_code == 2 and "--forward" in bad.output

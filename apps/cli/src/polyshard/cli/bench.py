@@ -15,6 +15,7 @@ import typer
 from polyshard.cli import bench_checks as checks
 from polyshard.cli.errors import fail
 from polyshard.cli.launch import run_local
+from polyshard.cli.outputs import report_file
 
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 
@@ -30,6 +31,7 @@ def bench_comm(
     sizes: str = typer.Option("4K,64K,1M,4M", "--sizes", help="Comma-separated buffer sizes (K/M/G suffixes)."),
     iters: int = typer.Option(10, "--iters", help="Timed iterations per size."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file if it exists."),
     force: bool = typer.Option(
         False, "--force", help="Start more processes than this machine's cores and memory hold."
     ),
@@ -49,8 +51,9 @@ def bench_comm(
     # each rank holds the buffer and an output as large (all_to_all's)
     checks.memory(f"--sizes {largest:,} bytes on {nproc} processes", 2 * nproc * largest)
     args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters)]
-    if json_path is not None:
-        args += ["--json", str(json_path.resolve())]
+    report = report_file("bench", "--json", json_path, overwrite)
+    if report is not None:
+        args += ["--json", str(report)]
     raise typer.Exit(run_local(nproc, "polyshard.bench.collectives", args))
 
 
@@ -204,6 +207,7 @@ def bench_plan(
     rounds: int = typer.Option(5, "--rounds", help="Rounds; each visits every layout once, interleaved."),
     steps: int = typer.Option(3, "--steps", help="Timed steps per visit (after one warm-up step)."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the rows to this JSON file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file if it exists."),
 ) -> None:
     """The layout planner's predicted step time against the measured one for six layouts of the tiny GPT."""
     import json
@@ -213,6 +217,7 @@ def bench_plan(
     from polyshard.trainer import ConfigError
 
     checks.counts(rounds=rounds, steps=steps)
+    report = report_file("bench", "--json", json_path, overwrite)
     try:
         machine = load_profile(profile) if profile is not None else None
     except ConfigError as err:
@@ -220,9 +225,9 @@ def bench_plan(
     six, auto, beside, machine = bench.run(machine, rounds=rounds, steps=steps, log=typer.echo)
     typer.echo(f"profile {machine.name}: {machine.source}")
     typer.echo(bench.report(six, auto, beside))
-    if json_path is not None:
+    if report is not None:
         rows = {"profile": machine.source, "six": [r.as_dict() for r in six], "auto": auto.as_dict()}
-        json_path.write_text(json.dumps({**rows, "fastest_of_six": beside.as_dict()}, indent=2))
+        report.write_text(json.dumps({**rows, "fastest_of_six": beside.as_dict()}, indent=2))
 
 
 @bench_app.command("peers")
@@ -239,6 +244,7 @@ def bench_peers(
         "titan-debug (torchtitan's Llama debug model at 2,048-token rows), h1024-32k (hidden 1,024, 32K vocabulary).",
     ),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file if it exists."),
     modes: str = typer.Option(
         "eager", "--modes", help="The composed jobs' blocks: eager, compiled (both sides, torchtitan's way), or both."
     ),
@@ -268,8 +274,9 @@ def bench_peers(
         except ValueError as err:
             fail("bench", err)
     args = ["--steps", str(steps)] + [part for option, value in chosen.items() for part in (option, value)]
-    if json_path is not None:
-        args += ["--json", str(json_path.resolve())]
+    report = report_file("bench", "--json", json_path, overwrite)
+    if report is not None:
+        args += ["--json", str(report)]
     raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
 
 
@@ -327,9 +334,11 @@ def _bench_with_peer(package: str) -> Callable[..., None]:
         context: typer.Context,
         nproc: int = typer.Option(2, "--nproc", help="Number of local processes."),
         json_path: Path | None = typer.Option(None, "--json", help="Also write the records to this JSON file."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file if it exists."),
         force: bool = typer.Option(False, "--force", help="Start more processes than this machine holds."),
     ) -> None:
-        args = list(context.args) + (["--json", str(json_path.resolve())] if json_path is not None else [])
+        report = report_file("bench", "--json", json_path, overwrite)
+        args = list(context.args) + (["--json", str(report)] if report is not None else [])
         checks.processes(nproc, force)
         checks.peer_sizes(package, checks.module_args(package, args), nproc)
         raise typer.Exit(run_local(nproc, f"polyshard.bench.{package}", args))

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from polyshard.cli.errors import fail
+from polyshard.cli.outputs import report_file
 
 DEFAULT_PROFILE = Path.home() / ".cache" / "polyshard" / "profile.json"
 
@@ -60,6 +61,7 @@ def plan_command(
     ),
     top: int = typer.Option(10, "--top", min=1, help="Layouts to print."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the estimates to this JSON file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file (or --calibrate's --out)."),
     calibrate: bool = typer.Option(False, "--calibrate", help="Measure this machine and save its profile."),
     quick: bool = typer.Option(False, "--quick", help="With --calibrate: one short round (rougher)."),
     out: Path = typer.Option(DEFAULT_PROFILE, "--out", help="With --calibrate: where to write the profile."),
@@ -73,6 +75,7 @@ def plan_command(
     from polyshard.trainer import ConfigError, sequence_length
 
     if calibrate:
+        report_file("plan", "--out", out, overwrite or out == DEFAULT_PROFILE)  # the default is ours to refresh
         profile = measure(sweep=QUICK if quick else FULL, log=typer.echo)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile.to_json())
@@ -84,6 +87,7 @@ def plan_command(
     if activation_checkpointing is not None:  # the config's spelling: false for none
         given["activation_checkpointing"] = False if activation_checkpointing == "none" else activation_checkpointing
     fixed = {key: value for key, value in given.items() if value is not None}
+    report = report_file("plan", "--json", json_path, overwrite)
     try:
         if model is None or devices is None:
             raise ConfigError("give a model and --devices, e.g. `polyshard plan tiny --devices 4` (or --calibrate)")
@@ -109,8 +113,8 @@ def plan_command(
         typer.echo("no layout fits: give more devices or memory, a smaller batch, or fewer fixed axes", err=True)
         raise typer.Exit(1)
     typer.echo(table(plan.ranked[:top]))
-    if json_path is not None:
-        json_path.write_text(json.dumps(plan_json(plan, profile.name), indent=2))
+    if report is not None:
+        report.write_text(json.dumps(plan_json(plan, profile.name), indent=2))
 
 
 def plan_json(plan: Any, profile: str) -> dict[str, Any]:

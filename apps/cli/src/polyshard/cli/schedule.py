@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from polyshard.cli.outputs import report_file
+
 
 def schedule_command(
     name: str = typer.Argument(..., help="gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev."),
@@ -21,11 +23,14 @@ def schedule_command(
     p2p: float = typer.Option(0.0, "--p2p", help="Time to move one activation (or gradient) between stages."),
     svg: Path | None = typer.Option(None, "--svg", help="Also draw the simulated timeline to this SVG file."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the figures to this JSON file."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --svg or --json file if it exists."),
 ) -> None:
     """Simulate a schedule with the given action costs and print its grid, timeline, bubble and peak activations."""
     from polyshard.pp import DeadlockError, ScheduleError, make_schedule, simulate
 
     costs = {"F": forward, "B": backward, "W": weight}
+    svg = report_file("schedule", "--svg", svg, overwrite)
+    json_path = report_file("schedule", "--json", json_path, overwrite)
     for option, value in {**costs, "p2p": p2p}.items():
         if not 0 <= value < float("inf") or (option != "p2p" and value == 0):
             flag = {"F": "--forward", "B": "--backward", "W": "--weight", "p2p": "--p2p"}[option]
