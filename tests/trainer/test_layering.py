@@ -11,7 +11,7 @@ from tests.test_layering import module_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "packages" / "trainer" / "src"
-LAYERS = ["errors", "config", "data", "tasks", "engine", "checkpointing", "loop", "runtime"]
+LAYERS = ["errors", "extras", "config", "data", "tasks", "engine", "checkpointing", "loop", "runtime", "evaluation"]
 
 
 def _modules() -> dict[str, Path]:
