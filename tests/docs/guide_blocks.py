@@ -1,6 +1,6 @@
 """The command blocks of the guides and the README, and running them as a reader would type them.
 
-Every ```` ```bash ```` (or ``sh``, ``console``, ``python``) block of ``docs/guides/*.md`` and
+Every ```` ```bash ```` (or ``sh``, ``shell``, ``python``) block of ``docs/guides/*.md`` and
 ``README.md`` has one of these markers on the line above it::
 
     <!-- runs -->                 `make test` runs it: cheap (help, dry runs, the planner, inspect)
@@ -10,7 +10,9 @@ Every ```` ```bash ```` (or ``sh``, ``console``, ``python``) block of ``docs/gui
 A page's runnable blocks run in page order in one scratch folder that holds the repository's tracked
 files and nothing else (a fresh clone: no ``runs/``, no ``data/``), with ``.venv`` linked in and its
 ``bin`` first on PATH, as after ``make setup`` and ``source .venv/bin/activate``. Each block runs
-whole under ``bash -e``: the first command that fails fails the test, with the block's output.
+whole in its own ``bash -e`` (a ``python`` block in the environment's python): the first command that
+fails fails the test, with the block's output. Files carry from block to block; variables a block
+exports do not.
 ``make test`` runs a page's ``runs`` blocks alone (they may not need a long block's output);
 ``make test-long`` runs all of a page's runnable blocks, in order.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "guides").glob("*.md")) + [ROOT / "README.md"]
-COMMAND_LANGUAGES = ("bash", "sh", "console", "python")
+COMMAND_LANGUAGES = ("bash", "sh", "shell", "python")
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 MARKER = re.compile(r"<!-- (runs(?:: long)?|illustration: [^>]*\S) -->\n$")
 
