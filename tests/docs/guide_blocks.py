@@ -13,8 +13,8 @@ files and nothing else (a fresh clone: no ``runs/``, no ``data/``), with ``.venv
 whole in its own ``bash -e`` (a ``python`` block in the environment's python): the first command that
 fails fails the test, with the block's output. Files carry from block to block; variables a block
 exports do not.
-``make test`` runs a page's ``runs`` blocks alone (they may not need a long block's output);
-``make test-long`` runs all of a page's runnable blocks, in order.
+``make test`` runs a page's ``runs`` blocks and ``make test-long`` its ``runs: long`` blocks, each kind
+in page order on a fresh clone of its own: a block may use the files only of earlier blocks of its kind.
 """
 
 from __future__ import annotations

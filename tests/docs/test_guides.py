@@ -60,8 +60,8 @@ def test_the_cheap_blocks_run_on_a_fresh_clone(page, tmp_path):
 
 
 @pytest.mark.parametrize("page", _pages(long=True))
-def test_every_runnable_block_runs_in_page_order(page, tmp_path):
+def test_the_long_blocks_run_in_page_order_on_a_fresh_clone(page, tmp_path):
     clone = fresh_clone(tmp_path)
     for block in BLOCKS[page]:
-        if block.runs:
+        if block.long:  # the cheap ones ran in make test; a long block may not need what they wrote
             run_block(block, clone)
