@@ -15,7 +15,7 @@ import typer
 from polyshard.cli import bench_checks as checks
 from polyshard.cli.errors import fail
 from polyshard.cli.launch import run_local
-from polyshard.cli.outputs import report_file
+from polyshard.cli.outputs import report_args, report_file
 
 bench_app = typer.Typer(help="Benchmarks (not tests): measure against PyTorch's own implementations.")
 
@@ -50,10 +50,7 @@ def bench_comm(
         fail("bench", f"--sizes: {err}")
     # each rank holds the buffer and an output as large (all_to_all's)
     checks.memory(f"--sizes {largest:,} bytes on {nproc} processes", 2 * nproc * largest)
-    args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters)]
-    report = report_file("bench", "--json", json_path, overwrite)
-    if report is not None:
-        args += ["--json", str(report)]
+    args = ["--ops", ops, "--sizes", sizes, "--iters", str(iters), *report_args("bench", json_path, overwrite)]
     raise typer.Exit(run_local(nproc, "polyshard.bench.collectives", args))
 
 
@@ -274,9 +271,7 @@ def bench_peers(
         except ValueError as err:
             fail("bench", err)
     args = ["--steps", str(steps)] + [part for option, value in chosen.items() for part in (option, value)]
-    report = report_file("bench", "--json", json_path, overwrite)
-    if report is not None:
-        args += ["--json", str(report)]
+    args += report_args("bench", json_path, overwrite)
     raise typer.Exit(run_local(nproc, "polyshard.bench.peers", args))
 
 
@@ -337,8 +332,7 @@ def _bench_with_peer(package: str) -> Callable[..., None]:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --json file if it exists."),
         force: bool = typer.Option(False, "--force", help="Start more processes than this machine holds."),
     ) -> None:
-        report = report_file("bench", "--json", json_path, overwrite)
-        args = list(context.args) + (["--json", str(report)] if report is not None else [])
+        args = list(context.args) + report_args("bench", json_path, overwrite)
         checks.processes(nproc, force)
         checks.peer_sizes(package, checks.module_args(package, args), nproc)
         raise typer.Exit(run_local(nproc, f"polyshard.bench.{package}", args))

@@ -26,3 +26,9 @@ def report_file(command: str, option: str, path: Path | None, overwrite: bool) -
     if not path.parent.is_dir():
         fail(command, f"{option} {path}: the folder {path.parent} does not exist")
     return path.resolve()
+
+
+def report_args(command: str, path: Path | None, overwrite: bool) -> list[str]:
+    """``["--json", FILE]`` for a benchmark module that writes its own records, once ``path`` is checked."""
+    report = report_file(command, "--json", path, overwrite)
+    return [] if report is None else ["--json", str(report)]
