@@ -1,4 +1,4 @@
-"""The Hugging Face format for GPT-2 and Llama: read a ``transformers`` folder onto any mesh, write one back.
+"""The Hugging Face format for every family that has one: read a ``transformers`` folder onto any mesh, write one back.
 
 polyshard's GPT computes both architectures (GPT-2: LayerNorm, tanh GELU, learned positions, biases;
 Llama: ``norm="rms"``, ``activation="swiglu"``, ``positions="rope"``, ``bias=false``, grouped-query
@@ -142,7 +142,7 @@ def _toml(value: object) -> str:
 
 
 class HFSource(HFWeights):
-    """A Hugging Face model folder (GPT-2 or Llama) whose ``config.json`` matches ``config``'s model,
+    """A Hugging Face model folder (a family of the registry) whose ``config.json`` matches ``config``'s model,
     opened as a source of model weights for any mesh (:class:`polyshard.checkpoint.HFWeights`)."""
 
     def __init__(self, folder: str | Path, config: Config):

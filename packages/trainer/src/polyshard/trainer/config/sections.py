@@ -491,7 +491,7 @@ class CheckpointConfig:
     """Complete checkpoints to keep; older ones are deleted."""
     hf_every: int = 0
     """Also write the checkpoint of every N-th step as a Hugging Face folder, <run>/hf/step_<N>, that
-    transformers loads (GPT-2 and Llama models; 0: never). N is a multiple of `every`."""
+    transformers loads (every family with a Hugging Face counterpart; 0: never). N is a multiple of `every`."""
     async_save: bool = False
     """Save without stopping training: each rank copies its state to host memory at the step boundary and a
     background thread writes, hashes and publishes the files; the next save and the run's end wait for it.
