@@ -17,6 +17,7 @@ from polyshard.models.errors import check_at_least as _check_at_least
 from polyshard.models.errors import check_choice as _check_choice
 from polyshard.models.errors import check_positive as _check_positive
 from polyshard.models.gpt.config import GPTConfig
+from polyshard.trainer.config.dpo import DPOConfig
 from polyshard.trainer.config.lora import LoRAConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -32,6 +33,7 @@ ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's ke
 IDLE_EXPERTS = ("step", "skip")  # training.idle_experts: stepped with zero gradient, or left as they were
 DECAYED_PARAMS = ("matrices", "all")
 WANDB_MODES = ("online", "offline", "disabled")  # logging.wandb_mode: wandb.init's modes
+TASKS = ("auto", "dpo")  # training.task: the model family's own, or preference pairs ([dpo])
 
 
 CP_STYLES = ("ring", "allgather", "ulysses", "ulysses+ring")
@@ -225,10 +227,14 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
+    task: str = "auto"
+    """What the model learns: 'auto', its family's task (next token, or masked completion for a .jsonl of
+    pairs; images for the ViT), or 'dpo': preference pairs, with the [dpo] section's settings."""
     steps: int = 100
     """Optimizer steps."""
     global_batch_size: int = 16
-    """Sequences (or images) per optimizer step, over all data ranks and microbatches."""
+    """Sequences (or images; preference pairs with task = 'dpo') per optimizer step, over all data ranks and
+    microbatches."""
     optimizer: str = "adamw"
     """'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the blocks' weight matrices (experts'
     one by one) with Moonlight's 0.2 * sqrt(max(m, n)) update scale, so `lr` and `weight_decay` carry
@@ -314,6 +320,7 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size"):
             _check_positive(f"training.{name}", getattr(self, name))
+        _check_choice("training.task", self.task, TASKS)
         _check_choice("training.precision", self.precision, PRECISIONS)
         if isinstance(self.activation_checkpointing, bool):  # true, in older configs and checkpoints: full
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else False)
@@ -554,6 +561,8 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     lora: LoRAConfig | None = None
     """Train LoRA adapters beside the frozen model (None: train every weight)."""
+    dpo: DPOConfig | None = None
+    """training.task = 'dpo''s settings (None: TRL's defaults when the task is dpo)."""
 
 
 SECTIONS: dict[str, type] = {
@@ -564,6 +573,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "lora": LoRAConfig,
+    "dpo": DPOConfig,
 }
 
 

@@ -70,14 +70,14 @@ from polyshard.trainer.engine.layout import global_names, pipeline_bounds, tp_pl
 from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.optimizer import build_optimizer
 from polyshard.trainer.engine.runtime import Engine
-from polyshard.trainer.tasks import LossFn, task_of
+from polyshard.trainer.tasks import LossFn, task_for
 from polyshard.trainer.tasks.loss import TokenMeanLoss
 
 
 def loss_function(config: Config, mesh: Mesh, head: nn.Module | None = None) -> LossFn:
     """The last stage's loss, as the model's task defines it (vocabulary-parallel under tp). ``head``: the
     model's last layer where this rank holds it (a chunked loss projects with its weight)."""
-    return task_of(config.model).loss(config, mesh.group("tp") if config.parallel.tp > 1 else None, head)
+    return task_for(config).loss(config, mesh.group("tp") if config.parallel.tp > 1 else None, head)
 
 
 def _name_records_globally(stage: nn.Module, layer_ids: range, aliases: Mapping[str, str]) -> None:

@@ -21,7 +21,7 @@ from polyshard.trainer import extras
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.lora import check_lora
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks import task_for, task_of
 
 
 def validate(config: Config, world_size: int | None = None) -> None:
@@ -45,7 +45,7 @@ def validate(config: Config, world_size: int | None = None) -> None:
     spec = spec_of(model)
     spec.check(config.model, config.parallel)  # the family's own constraints
     check_lora(config)  # [lora]'s targets exist, its rank fits them, its PEFT folder is this model's
-    task_of(config.model).check_config(config)
+    task_for(config).check_config(config)
     data_ranks = par.data_ranks
     per_step = data_ranks * par.microbatches
     if train.global_batch_size % per_step:

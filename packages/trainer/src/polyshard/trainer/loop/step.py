@@ -24,7 +24,7 @@ from polyshard.trainer.engine.mtp import shifted_tokens
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import DataError
-from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks import task_for
 from polyshard.trainer.tasks.loss import TokenMeanLoss, tokens_per_microbatch
 
 Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
@@ -45,12 +45,12 @@ def split_batch(config: Config, batch: Batch) -> tuple[torch.Tensor, torch.Tenso
             f"the data holds token id {int(tokens.max())}, past model.vocab_size={vocab}: a "
             "shard was changed or prepared with another tokenizer; prepare the data again with data.tokenizer"
         )
-    return task_of(config.model).split_batch(tensors)
+    return task_for(config).split_batch(tensors)
 
 
 def batch_segments(config: Config, batch: Batch) -> torch.Tensor | None:
     """The inputs' document ids (B, S) with ``data.document_mask``, else None."""
-    cut = task_of(config.model).input_segments
+    cut = task_for(config).input_segments
     return cut(_tensors(batch)) if config.data.document_mask and cut is not None else None
 
 

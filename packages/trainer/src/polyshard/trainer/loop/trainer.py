@@ -53,12 +53,13 @@ from polyshard.trainer.loop.metrics import (
 )
 from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
+from polyshard.trainer.loop.preferences import PreferenceRun
 from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
 from polyshard.trainer.loop.wandb_run import WandbRun
-from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks import PREFERENCES, task_for, task_of
 
 T = TypeVar("T")
 
@@ -107,7 +108,7 @@ def _first_then_rest(fn: Callable[[], T]) -> T:
 
 def make_loaders(config: Config, mesh: Mesh) -> tuple[ShardedLoader, ShardedLoader]:
     par, train = config.parallel, config.training
-    data = _first_then_rest(lambda: task_of(config.model).splits(config))
+    data = _first_then_rest(lambda: task_for(config).splits(config))
     data_rank, data_ranks = mesh.group_rank(par.batch_axes), par.data_ranks
     batch = train.global_batch_size // data_ranks
     weights = data.weights if len(data.train) > 1 else None
@@ -157,6 +158,8 @@ class Trainer:
         self.train_data, self.val_data = make_loaders(config, mesh)
         self.result = RunResult()
         self.start = self._start(resume, init_from)
+        # training.task = "dpo": the reference (the weights just built or loaded) and its per-step work
+        self.preferences = PreferenceRun(self.engine, self.start) if task_for(config) is PREFERENCES else None
         self.end = train.last_step  # `stop_at` ends the run early; the schedule still spans `steps`
         if train.stop_at and train.stop_at <= self.start:
             raise ConfigError(
@@ -224,6 +227,8 @@ class Trainer:
         lr = self.learning_rate(step - 1)
         batch = self.train_data.next_batch()
         inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, batch))
+        if self.preferences is not None:  # the reference's log-probs ride with the labels
+            targets = self.preferences.targets(inputs, targets)
         segments = batch_segments(self.config, batch)  # None without data.document_mask
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
@@ -262,6 +267,8 @@ class Trainer:
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,
         }
+        if self.preferences is not None:  # DPO: TRL's rewards/chosen, rejected, margins, accuracies
+            record.update(self.preferences.step_metrics())
         record.update(load_metrics(self.engine.expert_load))  # MoE: each layer's load over the global step
         if self.engine.mtp_losses:  # multi-token prediction: the depths' mean loss (unweighted), and each
             record["mtp_loss"] = sum(self.engine.mtp_losses) / len(self.engine.mtp_losses)
@@ -281,6 +288,10 @@ class Trainer:
         """The validation loss (and accuracy) over ``training.eval_batches`` batches (0: all of them)."""
         config = self.config
         parts = self.val_data.in_order(config.training.eval_batches or None)
+        if self.preferences is not None:
+            preference_figures = self.preferences.evaluate(parts)
+            self.result.val_loss = preference_figures["val_loss"]
+            return preference_figures
         batches = ((*split_batch(config, part), batch_segments(config, part)) for part in parts)
         val_loss, accuracy = evaluate_batches(self.engine, batches)
         self.result.val_loss = val_loss

@@ -30,7 +30,7 @@ from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
 from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
-from polyshard.trainer.tasks import task_of
+from polyshard.trainer.tasks import task_for
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
 USER_ERROR_MARK = ".user-error"  # made by the first worker that reports a user's mistake (runtime.worker)
@@ -153,7 +153,7 @@ def prepare_launch(
         HFSource(hf_folder, config)
     if latest is not None:
         _check_same_optimizer(config, latest)
-    task_of(config.model).check_data(config)
+    task_for(config).check_data(config)
     faults.parse(os.environ.get("POLYSHARD_FAULT", ""))
     if hf_folder is not None:
         init_from = f"{PREFIX}{hf_folder.resolve()}"

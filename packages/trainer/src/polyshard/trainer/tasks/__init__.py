@@ -1,6 +1,7 @@
 """What a model learns to do: its data, how a batch splits into inputs and targets, and its loss.
 
-A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist:
+A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist, and a third a config picks
+(``training.task``, :func:`task_for`):
 
 * :data:`LANGUAGE`: next-token prediction on tokenized text, or on prompt/response pairs for
   fine-tuning (a ``.jsonl`` source). A row of ``context_length + 1`` tokens gives the inputs (all
@@ -10,6 +11,9 @@ A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist:
   (:mod:`polyshard.trainer.tasks.loss`).
 * :data:`IMAGES`: image classification (the built-in digits). Inputs are images, targets labels;
   evaluation also reports accuracy.
+* :data:`PREFERENCES` (``training.task = "dpo"``): a language model trained on preference pairs, each
+  pair two adjacent rows of a batch (:mod:`polyshard.trainer.data.preferences`), with DPO's loss against
+  a frozen reference (:mod:`polyshard.trainer.tasks.dpo`, :mod:`polyshard.trainer.loop.reference`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from torch import nn
 from polyshard.models import ModelConfig, output_width, spec_of
 from polyshard.tp import chunked_linear_cross_entropy, head_input, vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
+from polyshard.trainer.config.dpo import DPOConfig
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
+from polyshard.trainer.data.preferences import check_preference_data, preference_data
 from polyshard.trainer.errors import ConfigError
+from polyshard.trainer.tasks.dpo import PreferenceLoss, check_reference
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -170,6 +177,50 @@ LANGUAGE = Task(
 )
 IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)
 
+
+def _preference_settings(config: Config) -> None:
+    if spec_of(config.model).task != LANGUAGE.name:
+        raise ConfigError(
+            f"training.task = 'dpo' trains a language model on preference pairs; model.kind={config.model.kind!r} "
+            "is not one (use a GPT or Llama family)"
+        )
+    if not config.data.source.endswith(".jsonl") or config.data.sources is not None:
+        raise ConfigError(
+            f"training.task = 'dpo' reads one .jsonl of preference pairs; data.source={config.data.source!r} is "
+            'not one (give a file of {"prompt", "chosen", "rejected"} lines, and no [[data.sources]])'
+        )
+    for what, on in (
+        ("parallel.cp > 1", config.parallel.cp > 1),
+        ("training.loss_chunks > 1", config.training.loss_chunks > 1),
+        ("model.mtp_depth > 0", getattr(config.model, "mtp_depth", 0) > 0),
+        ("data.document_mask", config.data.document_mask),
+        ("data.packing", config.data.packing),
+    ):
+        if on:
+            raise ConfigError(f"training.task = 'dpo' does not run with {what} yet; turn it off for a DPO run")
+    check_reference(config)
+
+
+def _pairs_as_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b, 2, width) pairs -> 2b adjacent rows (chosen, rejected), cut into inputs and targets as text is."""
+    tokens, labels = batch["tokens"].flatten(0, 1), batch["labels"].flatten(0, 1)
+    return tokens[:, :-1].contiguous(), labels[:, 1:].contiguous()
+
+
+def _preference_loss(config: Config, tp_group: dist.ProcessGroup | None, head: nn.Module | None) -> LossFn:
+    return PreferenceLoss(config.dpo or DPOConfig(), tp_group, output_width(config.model))
+
+
+PREFERENCES = Task(
+    "dpo",
+    preference_data,
+    _preference_settings,
+    check_preference_data,
+    _pairs_as_rows,
+    _preference_loss,
+    generates_text=True,
+)
+
 TASKS: dict[str, Task] = {task.name: task for task in (LANGUAGE, IMAGES)}
 """Every task by the name a family's spec gives (``ModelSpec.task``)."""
 
@@ -180,3 +231,14 @@ def task_of(model: ModelConfig) -> Task:
     if name not in TASKS:
         raise ConfigError(f"model.kind={model.kind!r} names task {name!r}; the trainer knows {list(TASKS)}")
     return TASKS[name]
+
+
+def task_for(config: Config) -> Task:
+    """What this run trains: ``training.task`` when it names one (``"dpo"``), else the model family's."""
+    if config.training.task == PREFERENCES.name:
+        return PREFERENCES
+    if config.dpo is not None:
+        raise ConfigError(
+            "a [dpo] section is set but training.task is not 'dpo'; set training.task = 'dpo' or drop [dpo]"
+        )
+    return task_of(config.model)

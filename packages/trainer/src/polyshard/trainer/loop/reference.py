@@ -1,0 +1,110 @@
+"""DPO's reference model on the training mesh: the starting weights, frozen, laid out as the policy is.
+
+Without LoRA it is a copy of this rank's stages taken before the first step (each parameter cloned,
+``requires_grad`` off: no gradient, no dp bucket, no optimizer state), run by a pipeline executor of its
+own with the policy's schedule, forward only: the pipeline ranks pass its activations as they pass the
+policy's, the tp ranks split it as they split the policy. Under ZeRO-3 the policy's stages hold only
+shards, gathered by their wrapper; a sharded copy is not built yet, so that layout is refused
+(:func:`polyshard.trainer.tasks.dpo.check_reference`).
+
+With LoRA the frozen base *is* the starting model: the reference is the policy itself with every
+adapter's scale set to 0 for its forward (``base(x) + 0 x update`` is ``base(x)`` exactly), so no second
+copy exists, on any layout.
+
+Each step :meth:`Reference.logps` runs this data rank's whole batch through it in eval mode (no
+dropout) and returns each row's completion log-probability on the rank holding the last stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from polyshard.models import output_width
+from polyshard.pp import PipelineExecutor
+from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.tasks.dpo import sequence_logps
+
+
+def _groups_of(stage: nn.Module) -> dict[int, Any]:
+    """Every process group a module of ``stage`` holds (directly, or in a tuple/list): shared, not copied."""
+    memo: dict[int, Any] = {}
+    for module in stage.modules():
+        for value in vars(module).values():
+            for item in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(item, dist.ProcessGroup):
+                    memo[id(item)] = item
+    return memo
+
+
+def frozen_copy(stage: nn.Module) -> nn.Module:
+    """A copy of ``stage`` with cloned, frozen parameters (a Parameter's deepcopy drops its grad hooks)."""
+    copied = copy.deepcopy(stage, memo=_groups_of(stage))
+    for param in copied.parameters():
+        param.requires_grad_(False)
+    return copied.eval()
+
+
+@contextlib.contextmanager
+def _adapters_off(stages: Mapping[int, nn.Module]) -> Iterator[None]:
+    adapted = [m for stage in stages.values() for m in stage.modules() if hasattr(m, "lora_scale")]
+    scales = [m.lora_scale for m in adapted]
+    for module in adapted:
+        setattr(module, "lora_scale", 0.0)  # noqa: B010  (a float beside the modules, as models.common.lora sets it)
+    try:
+        yield
+    finally:
+        for module, scale in zip(adapted, scales):
+            setattr(module, "lora_scale", scale)  # noqa: B010
+
+
+class Reference:
+    """The frozen starting model of ``engine``'s policy (built before its first step)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        config = engine.config
+        self.tp_group = engine.mesh.group("tp") if config.parallel.tp > 1 else None
+        self.vocab_size = output_width(config.model)
+        self.stages: dict[int, nn.Module] = {}
+        self.executor = engine.executor
+        if config.lora is None:
+            self.stages = {index: frozen_copy(stage) for index, stage in engine.stages.items()}
+            self.executor = PipelineExecutor(
+                self.stages,
+                engine.executor.schedule,
+                engine.executor.loss_fn,  # never called: the reference runs forward only
+                engine.mesh.group("pp"),
+            )
+
+    def logps(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """(B,) each row's completion log-prob under the reference (float32), on the rank holding the last
+        stage, else None. ``inputs`` and ``labels`` (B, S): this data rank's whole batch."""
+        side = self.engine.side_inputs(None, length=inputs.shape[1])
+        first = inputs if self.engine.holds_first_stage else None
+        policy_stages = self.engine.stages
+        if self.stages:
+            return self.executor.forward_only(first, self._score(labels), side_inputs=side)
+        modes = [stage.training for stage in policy_stages.values()]
+        for stage in policy_stages.values():
+            stage.eval()
+        try:
+            with _adapters_off(policy_stages):
+                return self.executor.forward_only(first, self._score(labels), side_inputs=side)
+        finally:
+            for stage, mode in zip(policy_stages.values(), modes):
+                stage.train(mode)
+
+    def _score(self, labels: torch.Tensor) -> Any:
+        return lambda logits: sequence_logps(logits, labels, self.tp_group, self.vocab_size)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The copy's parameters (none with LoRA: the base is the policy's own)."""
+        for stage in self.stages.values():
+            yield from stage.parameters()
