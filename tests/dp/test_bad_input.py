@@ -92,7 +92,7 @@ def test_bad_arguments(distributed):
     stage, cap, stranger, twice, divide, kept = distributed.run(2, _bad_arguments)[0]
     assert "FullyShardedDataParallel" in stage
     assert "bucket_cap_mb=0 must be positive" in cap
-    assert "shape (2,) that is not a trainable parameter" in stranger
+    assert "shape (2,) that is not a parameter of the wrapped module" in stranger
     assert "'0.0.weight' is listed in two ParamSets" in twice
     assert "divide_by=0 must be a positive integer" in divide
     assert "keep_gathered names a module that is not one of the blocks" in kept

@@ -179,3 +179,20 @@ def test_a_one_rank_group_reduces_nothing_and_leaves_each_gradient_in_place(dist
         for name, (grad, shard) in grads.items():
             assert shard is grad, name  # the reduced gradient is p.grad itself, not a copy
             assert torch.equal(grad, expected[name]), name
+
+
+def _frozen_experts():
+    mesh = Mesh({"dp": 1, "ep": 2})
+    model = _Moe(mesh.coord("ep"))
+    model.expert.requires_grad_(False)  # frozen beside adapters (LoRA): each ep rank keeps its own expert
+    mine = model.expert.weight.detach().clone()
+    sets = [ParamSet(list(model.expert.parameters()), mesh.group("dp"))]
+    wrapped = DataParallel(model, group=mesh.group(("dp", "ep")), param_sets=sets)
+    return torch.equal(wrapped.module.expert.weight, mine), len(wrapped.buckets())
+
+
+def test_frozen_parameters_of_a_set_stay_replicated_over_its_group_only(distributed):
+    # Before: every frozen parameter was broadcast over the wrapper's whole group, so ep rank 1's frozen
+    # expert became rank 0's. Only the trainable shared layer has buckets.
+    for kept, buckets in distributed.run(2, _frozen_experts):
+        assert kept and buckets == 1

@@ -25,10 +25,13 @@ STEPS = 4
 TOLERANCE = Tolerance(numbers=2e-5, grads=GRAD_TOL, params=PARAM_TOL)
 
 
-def _config(corpus, **parallel):
+def _config(corpus, experts=False, **parallel):
+    # experts: a Llama-like MoE with a shared expert and no aux loss (whose per-rank statistics differ by
+    # layout); the adapters sit on attention and the shared expert, the routed experts stay frozen
+    moe = {"kind": "moe-gpt", "moe": {"aux_loss_coef": 0.0, "shared_experts": 1}} if experts else {}
     return from_dict(
         {
-            "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **SMALL_LLAMA},
+            "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **SMALL_LLAMA, **moe},
             "parallel": parallel,
             # lr 1e-2: adapters start at B = 0 and must move visibly in a few steps; weight decay 2.0: a
             # rank that missed the decay of its adapter shard shows (see test_e2e_parity's PARAM_TOL)
@@ -69,6 +72,17 @@ def test_lora_trains_as_on_one_process(parity, corpus, tmp_path, name):
         after = assemble(results, "params")
         frozen = [n for n in after if not is_adapter(n)]
         assert frozen and all(torch.equal(after[n], built[n]) for n in frozen)
+
+
+@pytest.mark.parametrize("name", [layout("ep2"), layout("ep2xtp2-sp", LONG)])
+def test_lora_on_a_mixture_of_experts_trains_as_on_one_process(parity, corpus, tmp_path, name):
+    compared = parity.check(name, functools.partial(_config, corpus, experts=True), TOLERANCE, tmp_path)
+    adapted = {n.rsplit(".", 2)[0] for n in compared.names["grads"]}
+    assert all(is_adapter(n) for n in compared.names["grads"]), [
+        n for n in compared.names["grads"] if not is_adapter(n)
+    ]
+    # q, k, v, o and the shared expert's gate, up and down, in both blocks
+    assert len(adapted) == 2 * 7 and any(".shared_expert." in n for n in adapted), sorted(adapted)
 
 
 def _stop_and_resume(config, out):

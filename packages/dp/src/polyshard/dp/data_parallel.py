@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -117,12 +117,30 @@ class DataParallel(BucketShards, nn.Module):
         self._sync_enabled = True
         self._grads_pending = False
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # frozen ones are not reduced
+        # A set's frozen parameters (experts frozen beside LoRA adapters) are replicated over the set's group
+        # only: each ep rank holds other experts, which the wrapper's whole group must not overwrite.
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        foreign = [p for ps in param_sets for p in ps.params if id(p) not in name_of]
+        if foreign:
+            raise DataParallelError(
+                f"a ParamSet holds a tensor of shape {tuple(foreign[0].shape)} that is not a parameter of the "
+                "wrapped module; list only the module's own parameters"
+            )
+        frozen_sets = [
+            (ps, [(name_of[id(p)], cast(torch.Tensor, p)) for p in ps.params if not p.requires_grad])
+            for ps in param_sets
+        ]
+        in_sets = {id(p) for _, frozen in frozen_sets for _, p in frozen}
+        param_sets = [replace(ps, params=[p for p in ps.params if p.requires_grad]) for ps in param_sets]
         sets = self._resolve_sets(named, param_sets)
         for set_params, set_group, _, set_replicas in sets:
             broadcast_and_check(list(set_params), set_group, set_replicas)
+        for ps, frozen in frozen_sets:
+            if frozen:  # the same on every rank of the set's group: its members are frozen alike
+                broadcast_and_check(frozen, ps.group, replicas_of(ps.replicate_group))
         # Frozen parameters and buffers are not reduced, but every rank must start from the same ones.
-        states = [(n, p) for n, p in module.named_parameters() if not p.requires_grad] + list(module.named_buffers())
-        broadcast_and_check(states, group, self.replicate_group)
+        states = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in in_sets]
+        broadcast_and_check(states + list(module.named_buffers()), group, self.replicate_group)
         self._master_init = self._stash_masters(sets)
         self._homes: dict[int, torch.Tensor] = {}  # padded storage of parameters whose rows are masters
         if mixed_precision is not None:  # frozen layers compute in the same dtype as the rest

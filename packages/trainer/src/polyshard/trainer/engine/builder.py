@@ -198,7 +198,6 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
-    apply_lora(model, config)  # adapters split like their tp-converted base; the rest frozen
     if any(isinstance(m, MoELayer) for m in model.modules()):
         apply_expert_parallel(model, group=mesh.group("ep"))
         positions = None
@@ -207,6 +206,9 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
             share_routing_statistics(model, group=mesh.group("cp"), positions=positions)
         if par.tp > 1 and par.sequence_parallel:
             _route_sequence_shards(model, config, mesh, positions, device)
+    # After tp converted the linears (adapters split like their base) and ep replaced the experts' weights
+    # (which must stay frozen too): adapters on, the rest frozen.
+    apply_lora(model, config)
     stages = {s: Stage(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)
