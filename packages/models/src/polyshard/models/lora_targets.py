@@ -6,7 +6,8 @@ The names come from the family's Hugging Face adapter (:class:`polyshard.models.
 two. A linear whose weight is one part of a fused tensor (GPT-2's ``c_attn`` holds q, k and v) keeps our
 own name: one PEFT adapter on the fused tensor is not three adapters on its parts. ``"all-linear"``
 selects every linear of the blocks, as PEFT's does (never the output head), but not a mixture of
-experts' router or its experts: the experts' shared linears are adapted, the routed ones are not yet.
+experts' router, a shared expert's gate (Qwen2-MoE's one-wide ``shared_expert_gate``) or the routed
+experts: the shared expert's linears are adapted, the routed ones are not yet.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def linear_targets(model: ModelConfig) -> list[Target]:
     for name, module in skeleton.named_modules():
         if not isinstance(module, nn.Linear) or name.startswith((f"layers.{last}.", "layers.0.")):
             continue  # the head (and the prediction depths inside it) and the embedding
-        if ".moe." in f".{name}.":
-            continue  # a router (its scores pick experts) and the experts, which ep shards on their own
+        if ".moe." in f".{name}." or name.endswith("_gate"):
+            continue  # a router or a shared expert's gate (scores that weigh experts) and the routed experts
         where = locations.get(f"{name}.weight")
         if where is not None and where.parts == 1 and not where.stacked and where.name.endswith(".weight"):
             path = where.name.removesuffix(".weight")

@@ -52,7 +52,24 @@ def _targets(config: Config, where: str) -> list[Target]:
     return targets
 
 
-def adapter_config(lora: LoRAConfig, targets: list[Target]) -> dict[str, object]:
+def target_modules(config: Config, targets: list[Target]) -> list[str]:
+    """PEFT's ``target_modules``: a short name (``q_proj``) where it matches exactly the adapted modules
+    (PEFT matches a name against each module path's end), else the adapted modules' whole paths (a
+    routed expert's ``gate_proj`` beside an adapted shared expert's)."""
+    every = {
+        name.removesuffix(".weight")
+        for location in family_of(config.model).locations(config.model).values()
+        for name in (location.stacked or (location.name,))
+    }
+    adapted = {t.hf_path for t in targets}
+    out: set[str] = set()
+    for short in {t.short for t in targets}:
+        others = {m for m in every - adapted if m.rsplit(".", 1)[-1] == short}
+        out |= {t.hf_path for t in targets if t.short == short and t.hf_path} if others else {short}
+    return sorted(out)
+
+
+def adapter_config(lora: LoRAConfig, modules: list[str]) -> dict[str, object]:
     """``adapter_config.json``: PEFT's LoraConfig of these adapters (inference mode, as PEFT saves it)."""
     return {
         "peft_type": "LORA",
@@ -61,7 +78,7 @@ def adapter_config(lora: LoRAConfig, targets: list[Target]) -> dict[str, object]
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "use_rslora": lora.rslora,
-        "target_modules": sorted({t.short for t in targets}),
+        "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -84,7 +101,8 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
             tensors[key] = source.whole(f"{MODEL}{target.name}.{part}.weight").contiguous()
     assert config.lora is not None  # _targets refused a run without adapters
     with new_folder(destination, overwrite=overwrite) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(config.lora, targets), indent=2) + "\n")
+        settings = adapter_config(config.lora, target_modules(config, targets))
+        (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     return destination
 
