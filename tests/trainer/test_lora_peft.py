@@ -176,6 +176,8 @@ def test_the_merged_export_is_the_adapted_model(base, trained, tmp_path):
     step = next((exported.parent / "run" / "checkpoints").glob("step_*"))
     plain = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "hf"), "--format", "hf"])
     assert plain.exit_code == 2 and "--format hf --merge" in plain.output  # never the untrained base silently
+    ours = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "w.safetensors")])
+    assert ours.exit_code == 2 and "--format peft writes the adapters" in ours.output
     merged = CliRunner().invoke(cli_main.app, ["export", str(step), str(tmp_path / "hf"), "--format", "hf", "--merge"])
     assert merged.exit_code == 0, merged.output
     loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)

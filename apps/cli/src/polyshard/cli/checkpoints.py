@@ -76,6 +76,11 @@ def export(
             if note:
                 typer.echo(f"note: {note}")
         else:
+            if saved_config(source).lora is not None:  # the plain model has no place for the adapters
+                raise CheckpointError(
+                    f"{source.folder} trained LoRA adapters beside a frozen model: --format peft writes the "
+                    "adapters, --format hf --merge the model with them folded in"
+                )
             written = export_checkpoint(source, out, overwrite=overwrite)
         typer.echo(f"wrote {written}")
     except (CheckpointError, OSError) as err:  # OSError: a full disk or a folder that turned read-only
