@@ -225,3 +225,12 @@ def test_every_family_goes_out_to_peft_and_back(distributed, corpus, tmp_path, f
     torch.testing.assert_close(mine, theirs, rtol=ROUND_OFF, atol=ROUND_OFF)
     again = dataclasses.replace(config, lora=dataclasses.replace(config.lora, init=f"peft:{exported}"))
     assert all(torch.equal(a, state[f"{n}.lora_A.weight"]) for n, (a, _) in read_peft(again).items())
+
+
+def test_a_lora_runs_state_generates_text(trained):
+    # `polyshard generate` builds the adapted model before loading the run's state (adapter keys included)
+    from polyshard.trainer.loop.sample import sample_text
+
+    config, state, _ = trained
+    text = sample_text(config, state, 4, prompt="ab", temperature=0.0)
+    assert text.startswith("ab") and text == sample_text(config, state, 4, prompt="ab", temperature=0.0)

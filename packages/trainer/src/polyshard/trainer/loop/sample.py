@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.models import GPT, build_model
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine.lora import apply_lora
 
 
 def sample_text(
@@ -22,8 +24,12 @@ def sample_text(
     seed: int = 0,
     tokenizer: Tokenizer | None = None,
 ) -> str:
-    """Generate from the unsharded weights on one process, with ``tokenizer`` (default: the config's)."""
+    """Generate from the unsharded weights on one process, with ``tokenizer`` (default: the config's). A
+    LoRA run's state holds its adapters: the model gets their places first (``state`` fills them, so the
+    run's lora.init folder is not read again)."""
     model = build_model(config.model)
+    if config.lora is not None:
+        apply_lora(model, dataclasses.replace(config, lora=dataclasses.replace(config.lora, init=None)))
     model.load_state_dict(state, strict=True)
     model.eval()
     tokenizer = tokenizer or load_tokenizer(config.data.tokenizer)
