@@ -17,10 +17,11 @@ from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.checkpointing.hugging_face import hf_state, model_settings
-from polyshard.trainer.checkpointing.peft import read_peft, write_peft
+from polyshard.trainer.checkpointing.peft import write_peft
 from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.lora import apply_lora
+from polyshard.trainer.engine.peft_folder import peft_targets, read_peft
 from tests.trainer._hf import ROUND_OFF
 from tests.trainer._pieces import assemble, parameter_pieces, where
 from tests.trainer.test_hf import _tokens
@@ -147,9 +148,7 @@ def test_bad_peft_folders_are_refused_naming_the_file(base, corpus, trained, tmp
     _refused(_config(base, corpus, init=copy), "is not a readable safetensors file")
     plain = dataclasses.replace(config, lora=None)
     with pytest.raises(CheckpointError, match=r"trained no LoRA adapters \(\[lora\] was not set\)"):
-        from polyshard.trainer.checkpointing.peft import _targets
-
-        _targets(plain, "run")
+        peft_targets(plain, "run")
 
 
 def test_the_export_command_writes_the_peft_folder(trained, tmp_path):

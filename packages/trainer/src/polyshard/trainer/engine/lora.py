@@ -12,8 +12,8 @@ from torch import nn
 
 from polyshard.models.common.lora import attach_lora, is_adapter
 from polyshard.models.lora_targets import Target, select_targets
-from polyshard.trainer.checkpointing.peft import read_peft
 from polyshard.trainer.config import Config
+from polyshard.trainer.engine.peft_folder import read_peft
 
 
 def lora_targets(config: Config) -> list[Target]:
