@@ -127,7 +127,8 @@ def test_a_long_document_is_tokenized_in_pieces_to_the_same_tokens(tmp_path):
     (tmp_path / "doc.txt").write_text(text)
     _prepare(tmp_path / "doc.txt", tmp_path / "out", tokenizer=tok.path)
     tokens = np.fromfile(tmp_path / "out" / ("train-00000" + TOKENS), "<u2")
-    assert tokens.tolist() == tok.encode(text) + tok.encode("\n")  # cut before a space: the same tokens
+    # cut before a space: the same tokens; the document ends with the tokenizer's end-of-text (train_bpe makes one)
+    assert tok.end_of_text is not None and tokens.tolist() == tok.encode(text) + [tok.end_of_text]
 
 
 # -- compressed files cut short ----------------------------------------------------------------------

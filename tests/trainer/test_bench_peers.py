@@ -99,7 +99,7 @@ def test_report_lists_unavailable_peers_and_summarises():
     [
         (["--nproc", "3"], "choose one of [2, 4, 8]"),
         (["--only", "dp,zz"], "unknown ['zz']; choose from ['dp', 'tp', 'pp', 'ep', 'cp', 'composed']"),
-        (["--steps", "0"], "give at least 1 timed step"),
+        (["--steps", "0"], "--steps 0: give a whole number of at least 1"),
         (["--preset", "tiny,huge"], "unknown ['huge']; choose from ['tiny', 'small', 'llama-tiny'"),
         (["--modes", "fast"], "unknown ['fast']; choose from ['eager', 'compiled']"),
     ],
