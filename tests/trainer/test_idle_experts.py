@@ -188,7 +188,15 @@ def test_an_expert_idle_on_one_cp_rank_alone_still_trains(parity, corpus, tmp_pa
     got, want = _experts(results, "params"), _experts(one, "params")
     assert got.keys() == want.keys() and len(want) == 6
     for name, weights in want.items():
-        torch.testing.assert_close(got[name], weights, rtol=1e-4, atol=1e-5, msg=name)  # as TOLERANCE's
+        # Adam divides each gradient by its own size: an entry whose gradient is as small as its round-off
+        # takes a step set by that noise (tests/_bounds.py's AdamWDrift), up to a fraction of lr 1e-2 (1.9e-5
+        # seen on one entry of 8192 on AVX2). Such entries are few; a stale, put-back or misplaced expert moves
+        # most of its entries by a whole update. So: every entry within a tenth of one update, and all but
+        # 0.1% within TOLERANCE's bound.
+        moved = (got[name] - weights).abs()
+        assert float(moved.max()) < 1e-2 / 10, f"{name}: {float(moved.max())}"
+        beyond = int((moved > 1e-5 + 1e-4 * weights.abs()).sum())
+        assert beyond <= weights.numel() // 1000, f"{name}: {beyond} of {weights.numel()} past TOLERANCE's bound"
 
 
 # As TOLERANCE, but the tp all-reduces reorder more sums: 2.1e-5 seen on one entry of 8192 (an expert's w3,
