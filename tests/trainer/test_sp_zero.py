@@ -48,11 +48,13 @@ def test_three_data_ranks_with_sp_and_zero3_train_as_on_one_process(parity, corp
     parity.check("dp3xtp2-sp-zero3", functools.partial(_thirds, corpus), TOLERANCE, tmp_path)
 
 
-@pytest.mark.parametrize("name", [layout("dp2xtp2-sp-zero3"), layout("dp2xtp2-spxpp2-zero3", LONG)])
+# The tied head under pp x ZeRO-3 with SP is the dense row above's pipeline with the tie's pp all-reduce,
+# which tests/trainer/test_e2e_parity.py's tied rows cover; here the tie within one stage.
+@pytest.mark.parametrize("name", [layout("dp2xtp2-sp-zero3")])
 def test_tied_gpt_with_sp_and_zero_trains_as_on_one_process(parity, corpus, tmp_path, name):
     parity.check(name, _model(corpus, "tied"), TOLERANCE, tmp_path)
 
 
-@pytest.mark.parametrize("name", [layout("dp2xtp2-sp-zero1"), layout("dp2xtp2-sp-zero3", LONG)])
+@pytest.mark.parametrize("name", [layout("dp2xtp2-sp-zero1")])  # ZeRO-3 with SP: the dense and three-rank rows
 def test_llama_with_sp_and_zero_trains_as_on_one_process(parity, corpus, tmp_path, name):
     parity.check(name, _model(corpus, "llama"), TOLERANCE, tmp_path)
