@@ -182,7 +182,11 @@ def train_pieces(config: Config, out: Path) -> dict[str, Any]:
     first = _FirstGradients()
     trainer = Trainer(config, mesh, out, log=False, hooks=[first])
     first.engine = trainer.engine
-    result = trainer.run()
+    return compared_pieces(mesh, trainer, first, trainer.run())
+
+
+def compared_pieces(mesh: Mesh, trainer: Trainer, first: _FirstGradients, result: Any) -> dict[str, Any]:
+    """What :func:`compare` reads of one rank's run: a worker with hooks of its own adds its keys to it."""
     return {
         **where(mesh),
         # losses alone would not see a gradient scaled by a constant (AdamW and clipping normalise it away)

@@ -17,8 +17,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._layouts import Tolerance, _FirstGradients, layout
-from tests.trainer._pieces import buffer_pieces, parameter_pieces, where
+from tests.trainer._layouts import Tolerance, _FirstGradients, compared_pieces, layout
 from tests.trainer._short import SMALL_LLAMA, short_training
 
 STEPS = 4
@@ -85,13 +84,8 @@ def train_dpo(config, out):
     first.engine = trainer.engine
     reference = list(trainer.preferences.reference.parameters())
     before = [p.detach().clone() for p in reference]
-    result = trainer.run()
     return {
-        **where(mesh),
-        "numbers": result.losses + result.grad_norms,
-        "grads": first.pieces,
-        "params": parameter_pieces(trainer.engine),
-        "buffers": buffer_pieces(trainer.engine),
+        **compared_pieces(mesh, trainer, first, trainer.run()),
         "rewards": rewards.rewards,
         "reference_kept": bool(before) and all(torch.equal(a, b) for a, b in zip(before, reference)),
         "reference_frozen": all(not p.requires_grad and p.grad is None for p in reference),
