@@ -45,3 +45,17 @@ def test_plan_and_bench_keep_an_existing_json(tmp_path):
         result = _run(*args, "--json", str(report))
         assert result.exit_code == 2 and "--overwrite" in result.output, (args, result.output)
     assert report.read_text() == "{}"
+
+
+def test_calibrate_checks_its_out_before_measuring_and_makes_the_default_folder(tmp_path, monkeypatch):
+    import polyshard.cli.plan as plan
+
+    kept = tmp_path / "profile.json"
+    kept.write_text("{}")
+    result = _run("plan", "--calibrate", "--quick", "--out", str(kept))
+    assert result.exit_code == 2 and "--overwrite" in result.output and kept.read_text() == "{}"
+    default = tmp_path / "fresh" / "cache" / "profile.json"  # a fresh machine: no folder yet
+    monkeypatch.setattr(plan, "DEFAULT_PROFILE", default)
+    monkeypatch.setattr("polyshard.planner.calibrate.calibrate", lambda **_: (_ for _ in ()).throw(SystemExit(7)))
+    assert _run("plan", "--calibrate", "--quick", "--out", str(default)).exit_code == 7  # got past the check
+    assert default.parent.is_dir()

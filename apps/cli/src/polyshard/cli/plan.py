@@ -75,9 +75,10 @@ def plan_command(
     from polyshard.trainer import ConfigError, sequence_length
 
     if calibrate:
-        report_file("plan", "--out", out, overwrite or out == DEFAULT_PROFILE)  # the default is ours to refresh
+        if out == DEFAULT_PROFILE:  # ours: its folder is made on a fresh machine, and it is refreshed in place
+            out.parent.mkdir(parents=True, exist_ok=True)
+        report_file("plan", "--out", out, overwrite or out == DEFAULT_PROFILE)
         profile = measure(sweep=QUICK if quick else FULL, log=typer.echo)
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile.to_json())
         typer.echo(f"profile written to {out} ({profile.source})")
         return
