@@ -5,11 +5,13 @@ here (each name loads its module on first use, so ``import polyshard.trainer`` c
 
     from polyshard.trainer import read_settings, prepare_launch, train, load_config
 
-The parts, one folder each: ``config`` (the settings and their checks), ``models`` (families, their
-specs and Hugging Face adapters), ``data``, ``engine`` (parallelize, context, experts, optimizer,
-loss), ``loop`` (a run: step, evaluate, save, the plan check), ``checkpointing`` (what an engine
-saves and how it moves between layouts), ``runtime`` (launch checks, the worker, heartbeats,
-lifetime, faults).
+The parts, one folder each: ``config`` (the settings and their checks), ``data`` (what each task
+reads: text, preference pairs, prompts), ``tasks`` (a batch's inputs, targets and loss: next token,
+images, DPO, GRPO and its rewards), ``engine`` (parallelize, context, experts, LoRA, optimizer),
+``loop`` (a run: step, evaluate, save, generate, the plan check), ``checkpointing`` (what an engine
+saves, how it moves between layouts, exports), ``evaluation`` (lm-evaluation-harness on a
+checkpoint), ``runtime`` (launch checks, the worker, heartbeats, lifetime). The model families are
+``polyshard.models``'.
 """
 
 from __future__ import annotations
