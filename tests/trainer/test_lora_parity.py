@@ -2,7 +2,8 @@
 tp2 with and without sequence parallelism, pp2, cp2, and (long) tp2 x pp2 and dp2 x tp2 SP ZeRO-3
 (tests/trainer/_layouts.py's runner): losses and pre-clip gradient norms, every gradient of the first
 step, every parameter after the AdamW steps with weight decay; the frozen base stays exactly as built; a
-stopped run resumes bit for bit from a checkpoint holding the adapters, their optimizer state and the base."""
+stopped run resumes bit for bit from a checkpoint holding the adapters and their optimizer state (the base
+is named, not saved: tests/trainer/test_lora_checkpoints.py)."""
 
 import dataclasses
 import functools
@@ -98,14 +99,13 @@ def _stop_and_resume(config, out):
 
 @pytest.mark.parametrize("world, parallel", [(2, {"dp": 2, "zero_stage": 3}), (2, {"tp": 2})], ids=["zero3", "tp2"])
 def test_a_lora_run_resumes_exactly(parity, corpus, tmp_path, world, parallel):
-    # The checkpoint holds the adapters, their AdamW state and the frozen base (whole on each ZeRO-3 rank).
+    # The checkpoint holds the adapters and their AdamW state; the frozen base is rebuilt from the config.
     config = _config(corpus, **parallel)
     whole, resumed = parity.run(world, config, tmp_path, _stop_and_resume)[0]
     assert resumed == whole  # the resumed run reports the first half from its checkpoint, then its own
     saved = Checkpoint(latest_checkpoint(tmp_path / "split" / "checkpoints"))
-    built = dict(build_model(config.model, seed=config.training.seed).named_parameters())
-    assert set(saved.params()) == set(built) | {n for n in saved.params() if is_adapter(n)}
-    assert all(torch.equal(saved.whole(f"model/{n}"), p) for n, p in built.items())  # the frozen base, as built
+    assert saved.params() and all(is_adapter(n) for n in saved.params())
+    assert saved.extra()["lora_base"]["source"] == f"init:{config.training.seed}"
     stepped = set(saved.optim_state())
     assert stepped and all(is_adapter(n) for n in stepped)  # optimizer state for the adapters alone
 

@@ -27,10 +27,12 @@ import torch
 from polyshard.checkpoint import MASTER, Planned, model_key, optim_key
 from polyshard.dp import ShardSpec, shard_record
 from polyshard.ep import planned_expert_placement
-from polyshard.mesh import MeshLayout, Replicate, TensorPlacement
+from polyshard.mesh import MeshLayout, Replicate, Shard, TensorPlacement
 from polyshard.models import build_model, layer_of, spec_of, tied_names
+from polyshard.models.common.lora import is_adapter
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
+from polyshard.tp.plan import Plan
 from polyshard.trainer.checkpointing.state import buffer_record, persistent_buffers
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.layout import keeps_masters, pipeline_bounds, tp_plan
@@ -40,6 +42,11 @@ def model_buffers(config: Config) -> dict[str, tuple[torch.dtype, tuple[int, ...
     """The model's persistent buffers by name: (dtype, shape), from the model built on the meta device."""
     skeleton = build_model(config.model, layers=())
     return {name: (b.dtype, tuple(b.shape)) for name, b in persistent_buffers(skeleton)}
+
+
+def model_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """The model's parameters by name: their global shapes, from the model built on the meta device."""
+    return {name: tuple(p.shape) for name, p in build_model(config.model, layers=()).named_parameters()}
 
 
 def model_dtype(config: Config) -> torch.dtype:
@@ -53,10 +60,28 @@ def base_record(config: Config, name: str, shape: Sequence[int]) -> TensorPlacem
     shape = tuple(shape)
     record = TensorPlacement(name, shape)
     if config.parallel.tp > 1:
-        record = planned_placement(tp_plan(config), name, shape, config.parallel.tp)
+        plan = tp_plan(config)
+        record = _adapter_record(plan, name, shape, config.parallel.tp) or planned_placement(
+            plan, name, shape, config.parallel.tp
+        )
     if spec_of(config.model).has_experts:
         record = planned_expert_placement(name, shape) or record
     return dataclasses.replace(record, layer=layer_of(name))
+
+
+def _adapter_record(plan: Plan, name: str, shape: tuple[int, ...], tp: int) -> TensorPlacement | None:
+    """A LoRA factor's record over tp, from its base linear's (:mod:`polyshard.models.common.lora`): beside a
+    column-parallel base (weight split by rows) B is split by rows, beside a row-parallel one (split by
+    columns) A by columns; the other factor is whole on every tp rank. None for a name that is no factor."""
+    if not is_adapter(name):
+        return None
+    linear, part, _ = name.rsplit(".", 2)
+    # A linear's split does not depend on its shape (only vocabulary rows are padded, and no adapter sits
+    # beside an embedding or the head), so the factor's shape stands in for its base's.
+    split = planned_placement(plan, f"{linear}.weight", shape, tp).placement("tp")
+    dim = {"lora_B": 0, "lora_A": 1}[part]
+    placement = Shard(dim) if split == Shard(dim) else Replicate()
+    return TensorPlacement(name, shape, (("tp", placement),))
 
 
 def is_expert(config: Config, record: TensorPlacement) -> bool:
@@ -94,7 +119,9 @@ def plan_ranks(
     buffers = {name: info for name, info in model_buffers(config).items() if name in params}
     params = {name: shape for name, shape in params.items() if name not in buffers}
     bases = {name: base_record(config, name, shape) for name, shape in params.items()}
-    bounds = pipeline_bounds(config, params)
+    # The engine's split, from the model's own parameters: neither LoRA's factors nor a base an
+    # adapters-only checkpoint leaves out move a layer to another stage.
+    bounds = pipeline_bounds(config, model_shapes(config))
     schedule = make_schedule(par.schedule, par.pp, par.microbatches, par.virtual_stages)
 
     def data_records(record: TensorPlacement) -> tuple[TensorPlacement, TensorPlacement]:

@@ -59,10 +59,14 @@ def _recorded(source: Checkpoint) -> dict[str, str]:
 
 
 def consolidate(source: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
-    """The unsharded weights the plain model loads with ``load_state_dict(strict=True)``."""
+    """The unsharded weights the plain model loads with ``load_state_dict(strict=True)`` (a LoRA checkpoint of
+    adapters only: with its recorded base, checked against the recorded checksum as it is read)."""
+    # That module reads checkpoints through this one's saved_config: imported when needed, not at the top.
+    from polyshard.trainer.checkpointing.base_and_adapters import base_weights
+
     source = source if isinstance(source, Checkpoint) else Checkpoint(source)
     check_saved_shapes(source)  # the model built from the saved config must take these weights
-    return consolidate_weights(source, _aliases(source))
+    return {**base_weights(source), **consolidate_weights(source, _aliases(source))}
 
 
 def export(source: str | Path | Checkpoint, destination: str | Path, *, overwrite: bool = False) -> Path:

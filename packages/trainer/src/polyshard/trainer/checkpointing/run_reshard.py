@@ -28,6 +28,7 @@ from polyshard.checkpoint import MASTER, RNG, Checkpoint, CheckpointError, Check
 from polyshard.checkpoint.reshard import DEFAULT_BLOCK_BYTES, ReshardReport, read_planned, write_resharded
 from polyshard.mesh import get_placement
 from polyshard.models.common.lora import is_adapter
+from polyshard.trainer.checkpointing.base_and_adapters import with_base
 from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_export import check_saved_shapes, saved_config
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
@@ -99,7 +100,11 @@ def _new_prediction_depth(source: CheckpointSource, key: str) -> bool:
 
 def load_into(engine: Engine, source: CheckpointSource, *, weights_only: bool = False) -> None:
     """Fill a freshly built ``engine`` (any mesh) from ``source`` (any mesh): weights, optimizer state, RNG
-    (``weights_only``: the weights and buffers, for a model that only runs forward, e.g. an evaluation)."""
+    (``weights_only``: the weights and buffers, for a model that only runs forward, e.g. an evaluation).
+    A LoRA checkpoint of adapters only is read with its recorded base behind it, checked first (collective:
+    every rank loads)."""
+    if isinstance(source, Checkpoint):
+        source = with_base(source, collective=True)
     layout = engine.mesh.layout
     sizes, coords = layout.as_dict(), layout.coords(engine.mesh.rank)
     tensors = {}

@@ -22,6 +22,7 @@ from polyshard.checkpoint import MASTER, RNG, CheckpointError, LocalTensor, mode
 from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.models import layer_of
+from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.engine.runtime import Engine
 
 
@@ -74,11 +75,15 @@ def optimizer_entries(
                 yield names[n], p, optimizer, None
 
 
-def state_tensors(engine: Engine) -> dict[str, LocalTensor]:
+def state_tensors(engine: Engine, *, base: bool = True) -> dict[str, LocalTensor]:
+    """This rank's tensors by checkpoint key. ``base=False``: of the parameters, a LoRA run's adapters
+    alone (every other one is its frozen base, which its checkpoints name instead: :mod:`.lora_base`);
+    buffers stay, state that may move without a gradient (a sigmoid router's bias)."""
     out = {}
     for index in engine.stages:
         for name, tensor in _model_tensors(engine, index).items():
-            out[model_key(name)] = LocalTensor(tensor.detach(), get_placement(tensor))
+            if base or is_adapter(name):
+                out[model_key(name)] = LocalTensor(tensor.detach(), get_placement(tensor))
         for name, buffer in _buffers(engine, index).items():
             out[model_key(name)] = LocalTensor(buffer, buffer_record(name, buffer))
     for name, stepped, optimizer, master in optimizer_entries(engine):

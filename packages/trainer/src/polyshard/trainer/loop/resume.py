@@ -15,6 +15,15 @@ from polyshard.checkpoint.hf_cache import hf_folder
 from polyshard.checkpoint.untrusted import read_json
 from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.checkpointing import hugging_face as hf
+from polyshard.trainer.checkpointing.lora_base import (
+    CHECKPOINT,
+    HF,
+    INIT,
+    BaseRecord,
+    InitBase,
+    base_checksum,
+    recorded_base,
+)
 from polyshard.trainer.checkpointing.run_export import saved_config
 from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.config import Config
@@ -69,6 +78,27 @@ def checkpoint_to_load(
             raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'}")
         return open_checkpoint(out / "checkpoints", skipped)
     return None
+
+
+def lora_base_of(config: Config, source: Checkpoint | hf.HFSource | None, resume: bool, out: Path) -> BaseRecord | None:
+    """The base a LoRA run's checkpoints name instead of holding it (:mod:`polyshard.trainer.checkpointing.lora_base`),
+    once ``source`` is loaded: the one the loaded checkpoint records (checked as it was loaded), else where
+    the run took its base from, with its checksum (collective: rank 0 computes it). None: the checkpoints hold
+    the whole model (no ``[lora]``, or a run resumed from a checkpoint that holds it, as all did before)."""
+    if config.lora is None:
+        return None
+    if isinstance(source, Checkpoint):
+        recorded = recorded_base(source)
+        if recorded is not None or resume:
+            return recorded
+        base: Checkpoint | hf.HFSource | InitBase = source
+        origin = f"{CHECKPOINT}{source.folder.resolve()}"
+    elif isinstance(source, hf.HFSource):
+        base, origin = source, f"{HF}{source.folder.resolve()}"
+    else:
+        seed = config.training.seed
+        base, origin = InitBase(config, seed, out / "checkpoints"), f"{INIT}{seed}"
+    return BaseRecord(origin, base_checksum(base, config))
 
 
 def job_id() -> str | None:

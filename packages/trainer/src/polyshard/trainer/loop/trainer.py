@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from polyshard.checkpoint import TOKENIZER, Checkpoint, latest_checkpoint, save_checkpoint, step_dir
+from polyshard.checkpoint import TOKENIZER, Checkpoint, LocalTensor, latest_checkpoint, save_checkpoint, step_dir
 from polyshard.checkpoint.background import BackgroundSaver
 from polyshard.collectives import ops
 from polyshard.data.examples import Examples
@@ -31,6 +31,8 @@ from polyshard.mesh import Mesh
 from polyshard.models import active_parameter_count, sequence_length
 from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.hugging_face import write_hf
+from polyshard.trainer.checkpointing.lora_base import BASE_KEY
+from polyshard.trainer.checkpointing.peft import merged_weights
 from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.checkpointing.state import state_tensors
@@ -55,7 +57,7 @@ from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.preferences import PreferenceRun
 from polyshard.trainer.loop.profiling import StepProfiler
-from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id
+from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id, lora_base_of
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
 from polyshard.trainer.loop.wandb_run import WandbRun
@@ -202,6 +204,12 @@ class Trainer:
     def _start(self, resume: bool, init_from: str | Path | None) -> int:
         """Load what the run starts from; returns the number of steps already done."""
         source = checkpoint_to_load(self.config, self.out, resume, init_from)
+        step = self._load(source)
+        # The base a LoRA run's checkpoints name instead of holding it (a loaded checkpoint's was checked).
+        self.lora_base = lora_base_of(self.config, source, resume, self.out)
+        return step
+
+    def _load(self, source: Checkpoint | hf.HFSource | None) -> int:
         if isinstance(source, hf.HFSource):
             load_into(self.engine, source)  # weights only: the optimizer, data and step start fresh
             if self.verbose:
@@ -327,6 +335,8 @@ class Trainer:
                 f"and the earlier ones are kept. Lower training.lr (now {self.config.training.lr}) and resume"
             )
         extra = {"data": self.train_data.state_dict(), "losses": list(self.result.losses), "job": job_id()}
+        if self.lora_base is not None:  # a LoRA run saves its adapters and names its frozen base
+            extra[BASE_KEY] = self.lora_base.to_json()
         options: dict[str, Any] = {
             "mesh_axes": self.config.parallel.mesh_axes,
             "extra": extra,
@@ -337,12 +347,14 @@ class Trainer:
         }
         root = self.out / "checkpoints"
         if self.saver is not None:  # copied now, written by a thread while the next steps run
-            self.saver.save(root, step, state_tensors(self.engine), after_publish=lambda f: self._published(f, step),
-                            **options)  # fmt: skip
+            self.saver.save(root, step, self._tensors(), after_publish=lambda f: self._published(f, step), **options)
             return step_dir(root, step)
-        folder = save_checkpoint(root, step, state_tensors(self.engine), **options)
+        folder = save_checkpoint(root, step, self._tensors(), **options)
         self._published(folder, step)
         return folder
+
+    def _tensors(self) -> dict[str, LocalTensor]:
+        return state_tensors(self.engine, base=self.lora_base is None)
 
     def _published(self, folder: Path, step: int) -> None:
         """What follows a published checkpoint: its Hugging Face folder when due, the hooks' after_save."""
@@ -359,7 +371,10 @@ class Trainer:
             return
         destination.parent.mkdir(parents=True, exist_ok=True)
         tokenizer = self.assets.get(TOKENIZER)
-        write_hf(Checkpoint(folder), self.config.model, destination, tokenizer=tokenizer)
+        saved = Checkpoint(folder)
+        # A LoRA run's folder is its model with the adapters folded in, as `export --format hf --merge` writes it.
+        weights = merged_weights(saved) if self.config.lora is not None else saved
+        write_hf(weights, self.config.model, destination, tokenizer=tokenizer)
 
     def finish(self) -> RunResult:
         """Wait for a checkpoint still being written, close the metrics; a run that reached training.steps
