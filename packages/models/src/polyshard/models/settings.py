@@ -42,6 +42,7 @@ _TYPE_WORDS = {
     "list[int]": "a list of integers",
     "list[str]": "a list of strings",
     "list[WeightedSource]": "a list of tables",
+    "list[RewardSpec]": "a list of tables",
 }
 
 
@@ -58,7 +59,7 @@ def _fits(value: Any, kind: str) -> bool:
         return isinstance(value, list) and all(_fits(v, "int") for v in value)
     if kind == "list[str]":
         return isinstance(value, list) and all(_fits(v, "str") for v in value)
-    if kind == "list[WeightedSource]":  # each entry is checked by DataConfig itself
+    if kind in ("list[WeightedSource]", "list[RewardSpec]"):  # each entry is checked by its section itself
         return isinstance(value, list)
     raise AssertionError(f"config field type {kind!r} has no check")  # a new field type needs one here
 

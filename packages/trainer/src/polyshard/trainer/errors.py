@@ -4,7 +4,7 @@ one class for each)."""
 from polyshard.data.errors import DataError
 from polyshard.models.errors import ConfigError
 
-__all__ = ["ConfigError", "DataError", "NonFiniteError", "ReplicaMismatchError", "TiedWeightError"]
+__all__ = ["ConfigError", "DataError", "NonFiniteError", "ReplicaMismatchError", "RewardError", "TiedWeightError"]
 
 
 class TiedWeightError(RuntimeError):
@@ -19,3 +19,10 @@ class NonFiniteError(RuntimeError):
 class ReplicaMismatchError(RuntimeError):
     """Data-parallel replicas hold different parameters (silent data corruption); the message names
     the ranks. Raised on every rank of the group at the same step, before anything is saved."""
+
+
+class RewardError(ConfigError):
+    """A reward function named in ``[[grpo.rewards]]`` failed during training: it raised, returned another
+    count of values than completions, a non-number or NaN. The message names the function, the step and the
+    prompt concerned. A ConfigError (the user's code, not the run's): the run stops with one line, exit 2,
+    and the checkpoints already written stay."""

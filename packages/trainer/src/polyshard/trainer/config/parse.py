@@ -114,7 +114,7 @@ def from_dict(
     (0.2's every-field ``[model]`` read); ``note`` receives one line per old spelling read."""
     sections: dict[str, Any] = {}
     for section, values in raw.items():
-        if values is None and section in ("lora", "dpo"):  # a saved config's "none" (TOML has no null)
+        if values is None and section in ("lora", "dpo", "grpo"):  # a saved config's "none" (TOML has no null)
             continue
         if section not in SECTIONS and not isinstance(values, Mapping):
             homes = [name for name, cls in SECTIONS.items() if section in {f.name for f in dataclasses.fields(cls)}]

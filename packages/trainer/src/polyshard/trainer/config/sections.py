@@ -18,6 +18,7 @@ from polyshard.models.errors import check_choice as _check_choice
 from polyshard.models.errors import check_positive as _check_positive
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.trainer.config.dpo import DPOConfig
+from polyshard.trainer.config.grpo import GRPOConfig
 from polyshard.trainer.config.lora import LoRAConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -563,6 +564,8 @@ class Config:
     """Train LoRA adapters beside the frozen model (None: train every weight)."""
     dpo: DPOConfig | None = None
     """training.task = 'dpo''s settings (None: TRL's defaults when the task is dpo)."""
+    grpo: GRPOConfig | None = None
+    """training.task = 'grpo''s settings: sampling, the clipped objective and the [[grpo.rewards]] (needed)."""
 
 
 SECTIONS: dict[str, type] = {
@@ -574,6 +577,7 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "lora": LoRAConfig,
     "dpo": DPOConfig,
+    "grpo": GRPOConfig,
 }
 
 

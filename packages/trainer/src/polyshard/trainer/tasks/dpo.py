@@ -29,11 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from polyshard.tp import vocab_parallel_cross_entropy
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.dpo import DPOConfig
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.tasks.loss import IGNORE_INDEX
+from polyshard.trainer.tasks.loss import IGNORE_INDEX, token_logps
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 """What a DPO step logs, in TRL's names: the mean over the global batch's pairs of each."""
@@ -45,15 +44,7 @@ def sequence_logps(
     """(B,) the sum over each row's counted labels of the label's log-probability, in float32 or wider:
     (B, S, V) logits, (B, S) labels (IGNORE_INDEX where a position counts nothing). Under tp ``logits``
     holds this rank's vocabulary columns and every tp rank gets the same sums."""
-    if tp_group is not None:
-        losses = vocab_parallel_cross_entropy(
-            logits.float(), labels, tp_group, vocab_size=vocab_size, ignore_index=IGNORE_INDEX, reduction="none"
-        )
-    else:
-        losses = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-        ).view(labels.shape)
-    return -losses.sum(dim=-1)
+    return token_logps(logits, labels, tp_group, vocab_size).sum(dim=-1)
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from polyshard.collectives import ops
 
 # The data marks the positions; the loss skips them. Re-exported: tasks and the loop import it from here.
 from polyshard.data.examples import IGNORE_INDEX as IGNORE_INDEX
+from polyshard.tp import vocab_parallel_cross_entropy
 
 
 class TokenMeanLoss:
@@ -69,3 +71,27 @@ def tokens_per_microbatch(targets: torch.Tensor, replica_group: dist.ProcessGrou
     ops.all_reduce(count, replica_group)
     replicas = dist.get_world_size(replica_group)
     return max(float(count), 1.0) / (replicas * num_microbatches)
+
+
+def token_logps(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(B, S) float32: each label's log-probability under softmax(logits / temperature), 0 where the label
+    is IGNORE_INDEX; (B, S, V) logits, (B, S) labels. Under tp ``logits`` holds this rank's vocabulary
+    columns and the log-softmax is the vocabulary-parallel one (no rank gathers the logits): every tp rank
+    gets the same numbers. DPO sums them per row; GRPO keeps them per token."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    if tp_group is not None:
+        losses = vocab_parallel_cross_entropy(
+            scaled, labels, tp_group, vocab_size=vocab_size, ignore_index=IGNORE_INDEX, reduction="none"
+        )
+    else:
+        losses = F.cross_entropy(
+            scaled.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(labels.shape)
+    return -losses
