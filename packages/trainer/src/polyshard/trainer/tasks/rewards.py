@@ -104,7 +104,7 @@ def _resolve(index: int, spec: RewardSpec) -> tuple[str, RewardFunction]:
         raise ConfigError(f"{where}: {module_name} does not import ({type(err).__name__}: {_one_line(err)})") from err
     function = getattr(module, name, None)
     if not callable(function):
-        found = "is missing" if function is None else f"is a {type(function).__name__}, not a function"
+        found = "is missing" if function is None else f"is not a function ({type(function).__name__})"
         raise ConfigError(f"{where}: {name} in {module_name} {found}; name a function of the module")
     return name, function
 
