@@ -114,11 +114,15 @@ def _frozen_layer(stage: int):
     else:
         model = DataParallel(net, group=dist.group.WORLD, zero_stage=stage, mixed_precision=bf16)
     opt = ZeroOptimizer(adamw(model.parameters()), model)
-    before = net[0].weight.detach().clone()
+
+    def frozen() -> torch.Tensor:  # ZeRO-3 shards the frozen layer too: gather it
+        return model.full_parameters()["0.weight"] if stage == 3 else net[0].weight.detach().clone()
+
+    before = frozen()
     model(torch.randn(3, 4)).float().sum().backward()
     opt.step()
     assert net[0].weight.dtype == torch.bfloat16  # frozen layers compute in bf16 with the rest
-    assert net[0].weight.grad is None and torch.equal(net[0].weight, before)
+    assert net[0].weight.grad is None and torch.equal(frozen(), before)
     return len(opt.masters)
 
 

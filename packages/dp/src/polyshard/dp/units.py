@@ -6,7 +6,9 @@ bytes. ``gather`` all-gathers the rows and refills the storages in place, so
 tensors that autograd saved in forward see the values again in backward.
 ``launch_reduce`` reduce-scatters the block's gradients and frees it. With a
 ``replicate_group`` (hybrid sharding) ``wait_reduce`` then all-reduces the
-shard across the replicas; gathers stay inside ``group``.
+shard across the replicas; gathers stay inside ``group``. A frozen unit
+(``trainable=False``, LoRA's base) only gathers and frees: no master, no
+reduce-scatter.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Unit:
         axis: str | tuple[str, ...],
         replicate_group: dist.ProcessGroup | None = None,
         replicate_axis: str | tuple[str, ...] | None = None,
+        trainable: bool = True,
     ):
+        self.trainable = trainable  # False: frozen parameters (LoRA's base), gathered but never reduced
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.group, self.reduce_dtype, self.replicate_group = group, reduce_dtype, replicate_group
@@ -56,8 +60,8 @@ class Unit:
             view = self.layout.shard_view(self.local, index)
             view.copy_(spec.shard_of(full, self.rank))
             self.local_views.append(set_placement(view, shard_record(get_placement(p), name, spec, axis)))
-            # Without mixed precision the fp32 local rows are the optimizer's master: no second copy.
-            self.master_init[id(p)] = master_rows(dtype, view.detach, full, spec, self.rank)
+            if trainable:  # without mixed precision the fp32 local rows are the optimizer's master: no copy
+                self.master_init[id(p)] = master_rows(dtype, view.detach, full, spec, self.rank)
             p.data = torch.empty(p.shape, dtype=dtype, device=p.device)  # own storage, freed below
         self.gathered = True
         self.free()
