@@ -9,6 +9,8 @@ forwards' returns.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,9 @@ from torch import nn
 from polyshard.models.common.cores import CORES, block_sparse_attention, choose_core, flex_core
 from polyshard.models.common.documents import Documents
 from polyshard.models.common.rotary import RopeScaling, rotate
+
+if TYPE_CHECKING:  # kv_cache imports this module
+    from polyshard.models.common.kv_cache import KVCache
 
 
 class CoreAttention(nn.Module):
@@ -72,7 +77,12 @@ class Attention(nn.Module):
     form); its weight has one entry per head dim, shared by every head, so tp replicates it.
     ``window``: a sliding-window layer (each query sees the last ``window`` tokens, itself included).
     ``sinks``: a learned logit per query head in every softmax denominator (gpt-oss), the parameter
-    ``sinks`` (N,), split with the heads under tp. ``core``: :class:`CoreAttention`'s choice."""
+    ``sinks`` (N,), split with the heads under tp. ``core``: :class:`CoreAttention`'s choice.
+    ``kv_cache``: None in training; generation sets a :class:`~polyshard.models.common.kv_cache.KVCache`
+    (:func:`~polyshard.models.common.kv_cache.caching`), and the forward then appends to it and attends
+    over it instead of running the core."""
+
+    kv_cache: KVCache | None = None
 
     def __init__(
         self,
@@ -122,10 +132,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's D dims
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        cache = self.kv_cache
+        if cache is not None:
+            if documents is not None:
+                raise ValueError("a KV cache holds one sequence per row: generate without document masks")
+            if positions is None:
+                positions = cache.positions(q.shape[2], q.device)
         if self.rope_theta is not None:
             positions = positions if documents is None else documents.positions
             q = rotate(q, self.rope_theta, self.rope_scaling, positions)
             k = rotate(k, self.rope_theta, self.rope_scaling, positions)
+        if cache is not None:
+            y = cache.attend(q, k, v, window=getattr(self.core, "window", None), sinks=self.sinks)
+            return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]
         # Only what is set is passed, so a core that knows no documents or sinks (a user's) still fits.
         extra = {} if documents is None else {"segments": documents.segments}
         if self.sinks is not None:

@@ -13,13 +13,15 @@ family to the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
+from polyshard.models.common.kv_cache import caching
 from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth, PredictionInputs
 from polyshard.models.config import ModelConfig
 from polyshard.models.gpt.config import GPTConfig, gpt_config
@@ -201,19 +203,58 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int = 0,
         generator: torch.Generator | None = None,
+        cache: bool = False,
+        choose: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sample ``new_tokens`` after ``prompt`` (B, S0) on one process; returns (B, S0 + new_tokens).
-        ``top_k`` > 0 samples among the k likeliest tokens only."""
-        tokens, head = prompt, cast(LMHead, self.layers[-1])
-        for _ in range(new_tokens):
+        ``top_k`` > 0 samples among the k likeliest tokens only. Without ``cache`` each step recomputes the
+        prefix (its last ``context_length`` tokens); with it each step runs only the new token over a KV
+        cache (:mod:`polyshard.models.common.kv_cache`), and the prompt and the tokens fed back must fit the
+        context (S0 + new_tokens - 1 <= context_length). ``choose(logits, step)``: the caller's draw in place
+        of temperature and top-k, (B, V) logits of step ``step`` (0-based) -> (B, 1) token ids."""
+        if choose is None:
+            choose = functools.partial(_draw, temperature=temperature, top_k=top_k, generator=generator)
+        if cache:
+            return self._generate_cached(prompt, new_tokens, choose)
+        tokens = prompt
+        for step in range(new_tokens):
             last = self(tokens[:, -self.context_length :])[:, -1, :]
-            logits = (last if head.logits else head.proj(last)) / max(temperature, 1e-5)
-            if 0 < top_k < logits.shape[-1]:
-                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits.float(), dim=-1)
-            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            tokens = torch.cat([tokens, choose(self._logits(last), step)], dim=1)
         return tokens
+
+    def _generate_cached(
+        self, prompt: torch.Tensor, new_tokens: int, choose: Callable[[torch.Tensor, int], torch.Tensor]
+    ) -> torch.Tensor:
+        if prompt.shape[1] + new_tokens - 1 > self.context_length:
+            raise ValueError(
+                f"a {prompt.shape[1]}-token prompt and {new_tokens} new tokens pass the context of "
+                f"{self.context_length} tokens; generate fewer tokens or without the cache (which slides the window)"
+            )
+        tokens = prompt
+        with caching(self):
+            out = self(prompt)  # prefill: every prompt token's keys and values cached at once
+            for step in range(new_tokens):
+                tokens = torch.cat([tokens, choose(self._logits(out[:, -1, :]), step)], dim=1)
+                if step + 1 < new_tokens:  # the new token's position: the learned table's (GPT-2) and rotary
+                    out = self(tokens[:, -1:], positions=torch.tensor([tokens.shape[1] - 1], device=tokens.device))
+        return tokens
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits from the head's output at the last position (with chunked loss: its hidden states)."""
+        head = cast(LMHead, self.layers[-1])
+        return last if head.logits else head.proj(last)
+
+
+def _draw(
+    logits: torch.Tensor, step: int, *, temperature: float, top_k: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:meth:`GPT.generate`'s own draw: (B, V) logits -> (B, 1) ids, by temperature and top-k."""
+    logits = logits / max(temperature, 1e-5)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 # -- the family's spec ----------------------------------------------------------------------------------
