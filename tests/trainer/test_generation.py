@@ -26,15 +26,15 @@ _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(1, VOCAB) for _ in range(_rng.randint(1, 6))] for _ in range(5)]
 
 
-def _config(llama: bool = False, loss_chunks: int = 1, compile: bool = False, **parallel):
+def _config(llama: bool = False, loss_chunks: int = 1, compile: bool = False, lora: bool = False, **parallel):
     # dropout 0.1: a forward left in train mode would draw other tokens than the model in eval mode
     model = {"kind": "gpt", "vocab_size": VOCAB, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16}
     model |= {"dropout": 0.1}
     if llama:
         model |= {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
-    return from_dict(
-        {"model": model, "parallel": parallel, "training": {"seed": 3, "loss_chunks": loss_chunks, "compile": compile}}
-    )
+    training = {"seed": 3, "loss_chunks": loss_chunks, "compile": compile}
+    adapters = {"lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear"}} if lora else {}
+    return from_dict({"model": model, "parallel": parallel, "training": training, **adapters})
 
 
 def _generate_on_layout(config):
@@ -56,6 +56,7 @@ def _generate_on_layout(config):
         "caches_removed": all(m.kv_cache is None for s in stages for m in s.modules() if isinstance(m, Attention)),
         # training.compile: each block's compiled forward, set aside while generating, is back
         "compiled": [callable(vars(m).get("forward")) for s in stages for m in s.modules() if isinstance(m, Block)],
+        "adapters": sum(p.requires_grad for s in stages for p in s.parameters()),
     }
 
 
@@ -118,6 +119,13 @@ def test_every_layout_draws_one_process_completions(distributed, one_process, ll
 def test_a_chunked_loss_head_on_tp2_draws_one_process_completions(distributed, one_process):
     """With training.loss_chunks the head gives hidden states: generation projects them itself."""
     results = distributed.run(2, _generate_on_layout, _config(loss_chunks=2, tp=2))
+    assert _by_data_rank(results) == one_process[False]
+
+
+def test_lora_adapters_on_zero3_dp2_generate_through_the_base(distributed, one_process):
+    """LoRA under ZeRO-3 (the frozen base sharded too): adapters start at B = 0, so the base's completions."""
+    results = distributed.run(2, _generate_on_layout, _config(lora=True, dp=2, zero_stage=3))
+    assert all(result["adapters"] > 0 for result in results)
     assert _by_data_rank(results) == one_process[False]
 
 
