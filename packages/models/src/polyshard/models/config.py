@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from polyshard.models.errors import ConfigError
 from polyshard.models.errors import check_positive as _check_positive
 
+FROZEN_DTYPES = (None, "bfloat16", "float16")
+"""model.frozen_dtype's choices: torch dtype names (None keeps the base in float32)."""
+
 
 @dataclass(kw_only=True, frozen=True)
 class ModelConfig:
@@ -33,12 +36,20 @@ class ModelConfig:
     """Dropout probability on attention and MLP outputs."""
     norm_eps: float = 1e-5
     """Epsilon of every norm (LayerNorm or RMSNorm, blocks and head); Llama 2 uses 1e-6."""
+    frozen_dtype: str | None = None
+    """With [lora]: keep the frozen base's matrices (linears, embeddings, experts) in "bfloat16" or
+    "float16", half their bytes; they compute in it and the adapters add their float32 update. None:
+    float32."""
 
     def __post_init__(self) -> None:
         for name in ("hidden", "num_layers", "num_heads", "mlp_ratio"):
             _check_positive(f"model.{name}", getattr(self, name))
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.frozen_dtype not in FROZEN_DTYPES:
+            raise ConfigError(
+                f"model.frozen_dtype={self.frozen_dtype!r} must be one of {list(FROZEN_DTYPES)[1:]}, or unset (float32)"
+            )
         if not 0.0 < self.norm_eps < 1.0:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be in (0, 1) (1e-5; Llama 2 uses 1e-6)")
 

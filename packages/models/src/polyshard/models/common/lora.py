@@ -152,6 +152,7 @@ def _update(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """scale * B A dropout(x): (B, S, I) -> (B, S, O); this rank's O/tp columns beside a column-parallel
     base, partial sums beside a row-parallel one (its I/tp input columns)."""
     a, b, dropout = (cast(nn.Module, getattr(linear, part)) for part in ("lora_A", "lora_B", "lora_dropout"))
+    x = x.to(cast(nn.Linear, a).weight.dtype)  # a base kept in bf16 (model.frozen_dtype) reads bf16 inputs
     update: torch.Tensor = b(a(dropout(x))) * getattr(linear, "lora_scale")  # noqa: B009
     return update
 

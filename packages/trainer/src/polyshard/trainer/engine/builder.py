@@ -66,6 +66,7 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel
+from polyshard.trainer.engine.frozen_dtype import keep_frozen_in_dtype
 from polyshard.trainer.engine.layout import global_names, pipeline_bounds, tp_plan
 from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.optimizer import build_optimizer
@@ -209,6 +210,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     # After tp converted the linears (adapters split like their base) and ep replaced the experts' weights
     # (which must stay frozen too): adapters on, the rest frozen.
     apply_lora(model, config)
+    keep_frozen_in_dtype(model, config)  # model.frozen_dtype: before dp, so ZeRO-3 shards the base in it
     stages = {s: Stage(*(model.layers[str(i)] for i in bounds[s])) for s in mine}
     for s, stage in stages.items():
         _name_records_globally(stage, bounds[s], aliases)

@@ -14,6 +14,7 @@ from polyshard.models.common.lora import attach_lora, is_adapter
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.peft_folder import read_peft
+from polyshard.trainer.errors import ConfigError
 
 
 def lora_targets(config: Config) -> list[Target]:
@@ -26,9 +27,32 @@ def lora_targets(config: Config) -> list[Target]:
 
 def check_lora(config: Config) -> None:
     """Before launch: the targets exist, the rank fits them, and a ``lora.init`` PEFT folder is a LoRA
-    adapter of this model (each a one-line error naming the setting or the file)."""
+    adapter of this model (each a one-line error naming the setting or the file); ``model.frozen_dtype``
+    has a frozen base to keep."""
+    _check_frozen_dtype(config)
     lora_targets(config)
     read_peft(config)
+
+
+def _check_frozen_dtype(config: Config) -> None:
+    dtype = config.model.frozen_dtype
+    if dtype is None:
+        return
+    if config.lora is None:
+        raise ConfigError(
+            f"model.frozen_dtype={dtype!r} keeps a LoRA run's frozen base in {dtype}, but there is no [lora] "
+            "section: add one (e.g. [lora] rank = 8) or unset model.frozen_dtype"
+        )
+    if config.training.precision != "fp32":
+        raise ConfigError(
+            f"model.frozen_dtype={dtype!r} with training.precision={config.training.precision!r}: mixed precision "
+            "already keeps the frozen base in bf16; unset model.frozen_dtype or set training.precision = 'fp32'"
+        )
+    if config.training.loss_chunks > 1:
+        raise ConfigError(
+            f"model.frozen_dtype={dtype!r} with training.loss_chunks={config.training.loss_chunks}: the chunked "
+            "loss multiplies float32 hidden states by the head's weight itself; set loss_chunks = 0"
+        )
 
 
 def apply_lora(model: nn.Module, config: Config) -> int:

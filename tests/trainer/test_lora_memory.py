@@ -1,0 +1,114 @@
+"""A LoRA run's memory: ZeRO-3 shards the frozen base too, and ``model.frozen_dtype`` keeps it in bf16.
+Measured on real engines after real steps (the bytes of live storages, polyshard.dp.bytes_held), not timed:
+the parameters a rank holds fall to its ZeRO-3 rows and the frozen matrices to half their bytes, while a
+bf16 base trains within bf16 round-off of the float32 run on one process and on dp2 ZeRO-3."""
+
+import functools
+
+import pytest
+
+from polyshard.dp import bytes_held
+from polyshard.mesh import Mesh
+from polyshard.models.common.lora import is_adapter
+from polyshard.trainer.config import from_dict
+from polyshard.trainer.errors import ConfigError
+from tests.trainer._short import SMALL_LLAMA, short_training
+
+STEPS = 4
+
+
+def _config(corpus, frozen_dtype=None, **parallel):
+    model = {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **SMALL_LLAMA}
+    return from_dict(
+        {
+            "model": {**model, "frozen_dtype": frozen_dtype},
+            "parallel": parallel,
+            "training": short_training(STEPS, lr=1e-2, weight_decay=2.0),
+            "data": {"source": corpus},
+            "logging": {"progress_bar": False},
+            "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear"},
+        }
+    )
+
+
+def _train(config, out):
+    """This rank's losses and, after the last step, the bytes it holds (params, grads, optimizer state)
+    and the bytes of its frozen parameters' storage (ZeRO-3: its rows; else the whole tensors)."""
+    from polyshard.trainer.loop import Trainer
+
+    mesh = Mesh(config.parallel.mesh_axes)
+    trainer = Trainer(config, mesh, out, log=False)
+    losses = trainer.run().losses
+    engine = trainer.engine
+    held = [0, 0, 0]
+    for (_, wrapper), optimizer in zip(sorted(engine.wrappers.items()), engine.optimizers):
+        report = bytes_held(wrapper, optimizer)
+        held = [a + b for a, b in zip(held, (report.params, report.grads, report.optimizer_state))]
+    frozen = 0
+    for index, wrapper in engine.wrappers.items():
+        if config.parallel.zero_stage == 3:
+            tensors = {n: t for n, t in wrapper.local_shards().items() if not is_adapter(n)}
+        else:
+            tensors = {n: p for n, p in engine.stages[index].named_parameters() if not p.requires_grad}
+        frozen += sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"losses": losses, "held": held, "frozen": frozen}
+
+
+def _run(parity, world, config, out):
+    return parity.run(world, config, out, _train)
+
+
+def test_zero3_shards_the_frozen_base(parity, corpus, tmp_path):
+    config_of = functools.partial(_config, corpus)
+    (whole,) = _run(parity, 1, config_of(), tmp_path / "one")
+    for rank in _run(parity, 2, config_of(dp=2, zero_stage=3), tmp_path / "zero3"):
+        # Each rank holds its rows of every parameter: half, plus the padding of odd dims (88-wide MLP
+        # rows split evenly; the vocabulary and the rank-4 adapters' dims too), well under 55%
+        assert rank["held"][0] < 0.55 * whole["held"][0], (rank["held"], whole["held"])
+        assert rank["frozen"] < 0.55 * whole["frozen"]
+        # Gradients and AdamW state are the adapters' alone, halved again by ZeRO
+        assert rank["held"][2] < 0.55 * whole["held"][2]
+
+
+@pytest.mark.parametrize("world, parallel", [(1, {}), (2, {"dp": 2, "zero_stage": 3})], ids=["one", "dp2-zero3"])
+def test_a_bf16_base_trains_within_round_off_and_halves_the_base(parity, corpus, tmp_path, world, parallel):
+    config_of = functools.partial(_config, corpus)
+    (fp32,) = _run(parity, 1, config_of(), tmp_path / "fp32")
+    for rank in _run(parity, world, config_of("bfloat16", **parallel), tmp_path / "bf16"):
+        # The frozen weights and the base products are rounded to bf16 (relative 2^-9 each), errors that
+        # mostly average out over a row's sums: the losses moved by 5.7e-5 to 1.3e-4 of their size (one
+        # process and dp2 ZeRO-3 alike). 1e-3 leaves room for other kernels; a base left in float32 gives
+        # the fp32 losses exactly, and a lost adapter update or a misread base moves them by more.
+        assert rank["losses"] != fp32["losses"]
+        assert rank["losses"] == pytest.approx(fp32["losses"], rel=1e-3)
+        # Every frozen matrix is 2 bytes an element instead of 4; only the norms (1-D) stay float32
+        whole = fp32["frozen"] / world
+        assert 0.5 * whole <= rank["frozen"] < 0.52 * whole, (rank["frozen"], whole)
+        # The adapters' gradients and AdamW state stay float32: the same bytes as the fp32 run's share
+        assert rank["held"][2] == pytest.approx(fp32["held"][2] / world, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"lora": None}, "there is no [lora] section"),
+        ({"training": {"precision": "bf16"}}, "mixed precision already keeps"),
+        ({"training": {"loss_chunks": 4}}, "set loss_chunks = 0"),
+        ({"model": {"frozen_dtype": "int8"}}, "must be one of ['bfloat16', 'float16']"),
+    ],
+    ids=["no-lora", "bf16-precision", "loss-chunks", "not-a-dtype"],
+)
+def test_frozen_dtype_needs_a_lora_run_in_fp32(corpus, settings, says):
+    from polyshard.trainer.engine.constraints import validate
+
+    raw = {
+        "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "frozen_dtype": "bfloat16"},
+        "training": {"global_batch_size": 8},
+        "data": {"source": corpus},
+        "lora": {"rank": 4},
+    }
+    for section, values in settings.items():
+        raw[section] = None if values is None else {**raw[section], **values}
+    with pytest.raises(ConfigError) as caught:
+        validate(from_dict({k: v for k, v in raw.items() if v is not None}))
+    assert says in str(caught.value) and "\n" not in str(caught.value)
