@@ -1,18 +1,26 @@
 """A LoRA run's memory: ZeRO-3 shards the frozen base too, and ``model.frozen_dtype`` keeps it in bf16.
 Measured on real engines after real steps (the bytes of live storages, polyshard.dp.bytes_held), not timed:
 the parameters a rank holds fall to its ZeRO-3 rows and the frozen matrices to half their bytes, while a
-bf16 base trains within bf16 round-off of the float32 run on one process and on dp2 ZeRO-3."""
+bf16 base trains within bf16 round-off of the float32 run on one process and on dp2 ZeRO-3. A ZeRO-3 run
+whose base is sharded trains as one process does (tests/trainer/_layouts.py's runner and
+test_lora_parity's tolerance: losses, adapter gradients, adapters after AdamW steps with weight decay),
+the base coming back from every rank's rows bit for bit as built."""
 
 import functools
 
 import pytest
+import torch
 
 from polyshard.dp import bytes_held
 from polyshard.mesh import Mesh
+from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
+from tests.trainer._layouts import LONG
+from tests.trainer._pieces import assemble
 from tests.trainer._short import SMALL_LLAMA, short_training
+from tests.trainer.test_lora_parity import TOLERANCE
 
 STEPS = 4
 
@@ -112,3 +120,26 @@ def test_frozen_dtype_needs_a_lora_run_in_fp32(corpus, settings, says):
     with pytest.raises(ConfigError) as caught:
         validate(from_dict({k: v for k, v in raw.items() if v is not None}))
     assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+# dp2 ZeRO-3 with the base in bf16 (its sharded units gather in bf16 beside the fp32 adapters'); (long) the
+# head kept gathered through GPipe's two forwards before their backwards, and hybrid sharding
+SHARDED_BASE = [
+    pytest.param("dp2-zero3", "bfloat16", id="dp2-zero3-bf16-base"),
+    pytest.param("dp2xpp2-gpipe-zero3", None, id="dp2xpp2-gpipe-zero3", marks=LONG),
+    pytest.param("dp4-shard2-zero3", None, id="dp4-shard2-zero3", marks=LONG),
+]
+
+
+@pytest.mark.parametrize("name, frozen_dtype", SHARDED_BASE)
+def test_a_sharded_base_trains_as_on_one_process(parity, corpus, tmp_path, name, frozen_dtype):
+    config_of = functools.partial(_config, corpus, frozen_dtype)
+    compared = parity.check(name, config_of, TOLERANCE, tmp_path)
+    assert compared.names["grads"] and all(is_adapter(n) for n in compared.names["grads"])
+    config = config_of()
+    built = dict(build_model(config.model, seed=config.training.seed).named_parameters())
+    after = assemble(compared.results, "params")
+    frozen = [n for n in after if not is_adapter(n)]
+    # The frozen base comes back from every rank's rows exactly as built (rounded once to its dtype)
+    assert frozen and all(torch.equal(after[n], built[n].to(after[n].dtype)) for n in frozen)
+    assert frozen_dtype is None or after[frozen[0]].dtype == torch.bfloat16
