@@ -3,9 +3,10 @@ the block, activation recompute, the initialisation rule and generation's KV cac
 
 from polyshard.models.common.attention import Attention, CoreAttention
 from polyshard.models.common.block import ACTIVATIONS, Block
+from polyshard.models.common.caching import caching
 from polyshard.models.common.documents import Documents, document_mask, document_positions
 from polyshard.models.common.initialise import init_weights
-from polyshard.models.common.kv_cache import KVCache, caching
+from polyshard.models.common.kv_cache import KVCache
 from polyshard.models.common.mla import MLA, kv_cache_width
 from polyshard.models.common.mlp import MLP, NORMS, SwiGLU, norm_layer
 from polyshard.models.common.recompute import checkpoint_mode, selective_contexts

@@ -9,18 +9,14 @@ forwards' returns.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from polyshard.models.common.cores import CORES, block_sparse_attention, choose_core, flex_core
 from polyshard.models.common.documents import Documents
+from polyshard.models.common.kv_cache import KVCache
 from polyshard.models.common.rotary import RopeScaling, rotate
-
-if TYPE_CHECKING:  # kv_cache imports this module
-    from polyshard.models.common.kv_cache import KVCache
 
 
 class CoreAttention(nn.Module):
@@ -79,7 +75,7 @@ class Attention(nn.Module):
     ``sinks``: a learned logit per query head in every softmax denominator (gpt-oss), the parameter
     ``sinks`` (N,), split with the heads under tp. ``core``: :class:`CoreAttention`'s choice.
     ``kv_cache``: None in training; generation sets a :class:`~polyshard.models.common.kv_cache.KVCache`
-    (:func:`~polyshard.models.common.kv_cache.caching`), and the forward then appends to it and attends
+    (:func:`~polyshard.models.common.caching.caching`), and the forward then appends to it and attends
     over it instead of running the core."""
 
     kv_cache: KVCache | None = None

@@ -1,37 +1,32 @@
 """An inference cache of keys and values for :class:`~polyshard.models.common.Attention`, so generation
 computes each token's keys and values once instead of recomputing the whole prefix at every new token.
 
-    with caching(model):                       # one KVCache on every Attention inside ``model``
+    with caching(model):                       # one KVCache on every Attention inside ``model`` (caching.py)
         logits = model(prompt)                 # prefill: (B, S0) tokens, causal over themselves
         logits = model(next_token, positions=torch.tensor([S0]))   # decode: one query sees every cached key
 
-Outside :func:`caching` an attention's ``kv_cache`` is None and its forward is the training one, bit for
-bit. Inside, each forward appends its keys and values (after qk-norm and rotary positions: what every
-later query reads) and attends over everything cached. Rotary positions continue from the cache's length
-by themselves; a learned position table (GPT-2) is the embedding's, so the caller passes ``positions``
-(the cached forward takes them as given, as context parallelism's chunks are).
+Outside :func:`~polyshard.models.common.caching.caching` an attention's ``kv_cache`` is None and its
+forward is the training one, bit for bit. Inside, each forward appends its keys and values (after qk-norm
+and rotary positions: what every later query reads) and attends over everything cached. Rotary positions
+continue from the cache's length by themselves; a learned position table (GPT-2) is the embedding's, so
+the caller passes ``positions`` (the cached forward takes them as given, as context parallelism's chunks
+are).
 
 Supported: multi-head and grouped-query attention, rotary scaling, qk-norm, biases, sliding windows (the
 mask counts positions across the cache) and gpt-oss's sinks (one more logit per head in each softmax).
-Refused by name (:class:`~polyshard.models.errors.ConfigError`): multi-head latent attention (DeepSeek-V3's
-MLA; a cache of its latents is not built) and document masks (a generated row is one document).
+Refused: multi-head latent attention (DeepSeek-V3's MLA; a cache of its latents is not built), by name
+(:class:`~polyshard.models.errors.ConfigError`) in ``caching``, and document masks (a generated row is
+one document), by the attention's forward.
 
 Shapes: B batch, N query heads, K key/value heads (this rank's), S new tokens, T cached tokens, D head dim.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from polyshard.models.common.attention import Attention
-from polyshard.models.common.mla import MLA
-from polyshard.models.errors import ConfigError
 
 
 class KVCache:
@@ -116,25 +111,3 @@ def _attend_with_sinks(
     scores = torch.cat([scores, sinks.float().reshape(1, n, 1, 1).expand(b, n, s, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1)[..., :-1]
     return (probs @ values).to(q.dtype)  # (B, N, S, T) @ (B, N, T, D)
-
-
-@contextlib.contextmanager
-def caching(module: nn.Module) -> Iterator[list[KVCache]]:
-    """Attach a fresh :class:`KVCache` to every :class:`Attention` inside ``module`` (in module order,
-    yielded) and remove them on exit. A module with multi-head latent attention is refused: its cache
-    would hold latents, which is not built."""
-    latent = [name for name, m in module.named_modules() if isinstance(m, MLA)]
-    if latent:
-        raise ConfigError(
-            f"generation with a KV cache does not support multi-head latent attention (MLA, DeepSeek-V3) yet "
-            f"({latent[0]!r}); generate with a model of the gpt, moe_gpt or gpt_oss family"
-        )
-    layers = [m for m in module.modules() if isinstance(m, Attention)]
-    caches = [KVCache() for _ in layers]
-    for layer, cache in zip(layers, caches):
-        layer.kv_cache = cache
-    try:
-        yield caches
-    finally:
-        for layer in layers:
-            layer.kv_cache = None

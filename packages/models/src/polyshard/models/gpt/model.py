@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
-from polyshard.models.common.kv_cache import caching
+from polyshard.models.common.caching import caching
 from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth, PredictionInputs
 from polyshard.models.config import ModelConfig
 from polyshard.models.gpt.config import GPTConfig, gpt_config
