@@ -129,6 +129,7 @@ def test_lora_adapters_on_zero3_dp2_generate_through_the_base(distributed, one_p
     assert _by_data_rank(results) == one_process[False]
 
 
+@pytest.mark.long  # ~4 s: building a compiled engine resets dynamo, though generation compiles nothing
 def test_compiled_blocks_generate_uncompiled_and_stay_compiled(distributed, one_process):
     """Under training.compile generation runs the eager blocks (nothing compiles), then puts the compiled back."""
     (result,) = distributed.run(1, _generate_on_layout, _config(compile=True))
