@@ -69,7 +69,8 @@ def _plain_losses(logits, labels, old, ref, advantages, config: GRPOConfig, temp
             loss = -torch.minimum(ratio * a, clipped * a)
             if config.beta:
                 delta = float(ref[b, s]) - logp
-                loss = loss + config.beta * (torch.exp(delta) - delta - 1)
+                kl = torch.exp(delta) - delta - 1
+                loss = loss + config.beta * (kl * ratio if config.use_bias_correction_kl else kl)
             tokens.append(loss)
         rows.append(tokens)
     return rows
@@ -101,7 +102,11 @@ def _ours(logits, labels, old, ref, advantages, config: GRPOConfig, microbatches
 CASES = [
     {"loss_type": kind, **extra}
     for kind in ("dapo", "grpo", "dr_grpo", "bnpo")
-    for extra in ({}, {"beta": 0.05, "epsilon_high": 0.28, "max_completion_length": 5})
+    for extra in (
+        {},
+        {"beta": 0.05, "epsilon_high": 0.28, "max_completion_length": 5},
+        {"beta": 0.05, "use_bias_correction_kl": False},
+    )
 ]
 
 
@@ -196,13 +201,17 @@ def test_epsilon_high_moves_only_the_upper_bound():
     assert _token(config, math.log(0.75), 0.0, -1.0)[1] == 0.0  # the lower bound stays 1 - 0.2
 
 
-def test_kl_is_the_k3_estimator_zero_with_no_pull_at_the_reference():
-    config = _config(iterations=2, beta=0.5)
+@pytest.mark.parametrize("corrected", [True, False])
+def test_kl_is_the_k3_estimator_zero_with_no_pull_at_the_reference(corrected):
+    config = _config(iterations=2, beta=0.5, use_bias_correction_kl=corrected)
     loss, grad, _ = _token(config, logp=-2.0, old=-2.0, advantage=0.0, ref=-2.0)
     assert loss == 0.0 and grad == 0.0
     loss, grad, _ = _token(config, logp=-2.0, old=-2.0, advantage=0.0, ref=-1.5)
-    assert loss == pytest.approx(0.5 * (math.exp(0.5) - 0.5 - 1))
-    assert grad == pytest.approx(0.5 * (1 - math.exp(0.5)))  # d/dlogp of e^(ref - logp) - (ref - logp) - 1
+    k3 = math.exp(0.5) - 0.5 - 1
+    assert loss == pytest.approx(0.5 * k3)  # the ratio is 1: the same value either way
+    # d/dlogp of k3 = e^(ref - logp) - (ref - logp) - 1 is 1 - e^0.5; TRL's correction multiplies k3 by the
+    # ratio e^(logp - old), whose own derivative (1) adds k3
+    assert grad == pytest.approx(0.5 * (1 - math.exp(0.5) + (k3 if corrected else 0.0)))
 
 
 def test_one_iteration_is_the_policy_gradient_with_ratio_one():
@@ -233,7 +242,8 @@ def test_clip_metrics_count_trls_clipped_tokens():
     assert metrics["clip_ratio/high_mean"] == pytest.approx(float(high / mask.sum()))
     assert metrics["clip_ratio/region_mean"] == pytest.approx(float((low + high) / mask.sum()))
     delta = (ref - logps) * mask
-    assert metrics["kl"] == pytest.approx(float(((delta.exp() - delta - 1) * mask).sum() / mask.sum()), rel=1e-6)
+    kl = (delta.exp() - delta - 1) * ratio  # TRL logs the KL with its ratio correction
+    assert metrics["kl"] == pytest.approx(float((kl * mask).sum() / mask.sum()), rel=1e-6)
     assert loss_fn.take_sums() is None
 
 
@@ -332,6 +342,7 @@ def test_trls_defaults_and_a_toml_section_parse():
         ({"epsilon": 1.0}, r"grpo.epsilon=1.0 must be in \(0, 1\)"),
         ({"epsilon_high": 0}, "grpo.epsilon_high=0 must be > 0"),
         ({"beta": -0.1}, "grpo.beta=-0.1 must be >= 0"),
+        ({"use_bias_correction_kl": 1}, "grpo.use_bias_correction_kl=1 must be true or false"),
         ({"loss_type": "cispo"}, "grpo.loss_type='cispo' must be one of"),
         ({"scale_rewards": "std"}, "grpo.scale_rewards='std' must be one of"),
         ({"iterations": 0}, "grpo.iterations=0 must be an integer >= 1"),

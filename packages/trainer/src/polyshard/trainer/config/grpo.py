@@ -58,6 +58,9 @@ class GRPOConfig:
     beta: float = 0.0
     """Weight of the KL penalty to the reference (the starting model), k3 estimator per token; 0 (TRL's
     default) keeps no reference."""
+    use_bias_correction_kl: bool = True
+    """Multiply each token's KL by its probability ratio (TRL 1.16's default, DeepSeek-V3.2's unbiased KL
+    gradient): the ratio's gradient changes the KL's even on-policy, where its value is 1. False: the plain k3."""
     loss_type: str = "dapo"
     """How token losses are averaged: 'dapo' over the global batch's completion tokens (TRL 1.16's default);
     'grpo' per completion, then over completions; 'dr_grpo' the sum over completions x max_completion_length;
@@ -93,6 +96,8 @@ class GRPOConfig:
         _check_number("grpo.beta", self.beta, "a number >= 0, e.g. 0.0 or 0.04")
         if self.beta < 0:
             raise ConfigError(f"grpo.beta={self.beta!r} must be >= 0, e.g. 0.0 (no reference) or 0.04")
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ConfigError(f"grpo.use_bias_correction_kl={self.use_bias_correction_kl!r} must be true or false")
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"grpo.loss_type={self.loss_type!r} must be one of {list(LOSS_TYPES)}")
         if self.scale_rewards not in SCALE_REWARDS:

@@ -13,7 +13,10 @@ log p_ref,t:
 
     ratio_t = exp(log p_t - log p_old,t)
     loss_t  = -min(ratio_t A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t
-    kl_t    = exp(log p_ref,t - log p_t) - (log p_ref,t - log p_t) - 1           (k3, only when beta > 0)
+    kl_t    = (exp(log p_ref,t - log p_t) - (log p_ref,t - log p_t) - 1) x ratio_t   (only when beta > 0)
+
+(k3, times the ratio with its gradient unless ``use_bias_correction_kl`` is off: TRL 1.16's default, so
+the KL's gradient differs from plain k3's even on-policy, where the ratio is 1)
 
 and the step's loss averages the completion tokens' loss_t as ``loss_type`` says, over the global batch
 (G completions, N completion tokens, L = max_completion_length):
@@ -210,6 +213,8 @@ class GRPOLoss:
                 raise RuntimeError("grpo.beta > 0 needs the reference's log-probs in the targets")
             delta = found.ref_logps.to(logps.dtype).masked_fill(~mask, 0.0) - logps
             kl = torch.exp(delta) - delta - 1
+            if config.use_bias_correction_kl:
+                kl = kl * ratio  # the ratio with its gradient, as TRL's coef_1
             per_token = per_token + config.beta * kl
         return per_token, ratio.detach(), None if kl is None else kl.detach()
 
