@@ -354,3 +354,47 @@ def test_bad_grpo_settings_are_one_line_errors(values, named):
     with pytest.raises(ConfigError, match=named) as caught:
         GRPOConfig(rewards=rewards, **values)
     assert "\n" not in str(caught.value)
+
+
+# -- on the mesh ---------------------------------------------------------------------------------------------
+def _on_two_ranks(kind: str):
+    """On 2 ranks: (the loss and this rank's logit-gradient columns with the vocabulary split over them as tp,
+    the loss and gradient of this rank's half of the rows as a data-parallel replica)."""
+    import torch.distributed as dist
+
+    config = _config(loss_type=kind, iterations=2, beta=0.1, temperature=0.7)
+    logits, labels, old, ref, advantages = _batch(seed=4)
+    logits = torch.cat([logits, logits[..., :1] - 1.0], dim=-1)  # 8 columns: 4 a rank
+    rank, group = dist.get_rank(), dist.group.WORLD
+    columns = slice(4 * rank, 4 * rank + 4)
+    shard = logits[..., columns].clone().requires_grad_(True)
+    targets = pack_targets(labels, old, ref, advantages, loss_normaliser(config, labels, None, 1))
+    tp_loss = GRPOLoss(config, group, VOCAB + 1)(shard, targets)
+    tp_loss.backward()
+    rows = slice(2 * rank, 2 * rank + 2)
+    part = logits[rows].clone().requires_grad_(True)
+    normaliser = loss_normaliser(config, labels[rows], group, 1)  # dapo: one all-reduce of the token count
+    dp_targets = pack_targets(labels[rows], old[rows], ref[rows], advantages[rows], normaliser)
+    dp_loss = GRPOLoss(config, None, VOCAB + 1)(part, dp_targets)
+    dp_loss.backward()
+    return float(tp_loss.detach()), shard.grad, float(dp_loss.detach()), part.grad
+
+
+@pytest.mark.parametrize("kind", ["dapo", "grpo"])
+def test_tp_and_dp_ranks_give_one_processs_loss_and_gradient(distributed, kind):
+    """tp: the vocabulary-parallel log-softmax (no rank gathers the logits) gives every rank the whole loss and
+    its columns' gradient; dp: the replicas' losses average to the whole batch's (the normaliser counts both)."""
+    config = _config(loss_type=kind, iterations=2, beta=0.1, temperature=0.7)
+    logits, labels, old, ref, advantages = _batch(seed=4)
+    logits = torch.cat([logits, logits[..., :1] - 1.0], dim=-1).requires_grad_(True)
+    targets = pack_targets(labels, old, ref, advantages, loss_normaliser(config, labels, None, 1))
+    loss = GRPOLoss(config, None, VOCAB + 1)(logits, targets)
+    loss.backward()
+    results = distributed.run(2, _on_two_ranks, kind)
+    for rank, (tp_loss, tp_grad, _, _) in enumerate(results):
+        assert tp_loss == pytest.approx(float(loss.detach()), rel=1e-6, abs=1e-7)
+        torch.testing.assert_close(tp_grad, logits.grad[..., 4 * rank : 4 * rank + 4], rtol=1e-5, atol=1e-7)
+    # dp averages the replicas' gradients: each replica's own rows' gradient, halved, is the whole batch's
+    assert sum(r[2] for r in results) / 2 == pytest.approx(float(loss.detach()), rel=1e-6, abs=1e-7)
+    averaged = torch.cat([r[3] for r in results]) / 2
+    torch.testing.assert_close(averaged, logits.grad, rtol=1e-5, atol=1e-7)
