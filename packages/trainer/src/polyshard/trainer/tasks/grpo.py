@@ -30,12 +30,15 @@ On the mesh, the pipeline executor divides each microbatch's loss by m microbatc
 averages over R replicas (dp x ep x cp), so a microbatch divides its sum by the global count / (R x m),
 the *normaliser* (:func:`loss_normaliser`, as :class:`~polyshard.trainer.tasks.loss.TokenMeanLoss`): N / (R m)
 for dapo (one all-reduce), the rows per microbatch for grpo (each row counts its own token mean), rows x L
-for dr_grpo. These give the same loss on any layout. bnpo is TRL's per-device token mean: here each
-microbatch's own, so like TRL's it changes with the microbatch size (one microbatch per replica: the
-replica's tokens).
+for dr_grpo. These give the same loss on any layout: dp=2, m=2 and 12 completion tokens in all, dapo's
+microbatches divide by 12 / 4 = 3, and (s_1/3 + s_2/3)/2 and (s_3/3 + s_4/3)/2 average to (s_1+...+s_4)/12.
+bnpo is TRL's per-device token mean: here each microbatch's own, so like TRL's it changes with the
+microbatch size (one microbatch per replica: the replica's tokens).
 
 The log-probs and advantages reach the loss inside the targets (:func:`pack_targets`), so the pipeline
-executor cuts them into microbatches with the labels. Under tp the log-softmax is vocabulary-parallel.
+executor cuts them into microbatches with the labels. Under tp the log-softmax is vocabulary-parallel. The
+old and reference log-probs are :func:`token_logps` with ``temperature=grpo.temperature`` too (TRL scales
+every model's logits alike), else the first ratio is not 1.
 
 Shapes: B rows (completions, prompt tokens included, IGNORE_INDEX labels on the prompt and padding),
 S positions, V the vocabulary (V/tp per rank under tp).
