@@ -18,6 +18,7 @@ import torch
 from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError, CheckpointSource, Piece
 from polyshard.models import tied_names
 from polyshard.trainer.checkpointing.lora_base import (
+    HF,
     InitBase,
     base_checksum,
     base_names,
@@ -47,7 +48,9 @@ class WithBase:
                 return source
             except CheckpointError:
                 continue
-        raise CheckpointError(f"neither {self.folder} nor its base holds a tensor {key!r}")
+        raise CheckpointError(
+            f"neither {self.folder} nor its base holds a tensor {key!r}; resume it with the [model] it was saved with"
+        )
 
     def resolve(self, key: str) -> str:
         return self._holder(key).resolve(key)
@@ -108,6 +111,6 @@ def base_weights(source: Checkpoint) -> dict[str, torch.Tensor]:
 def recorded_folder(source: Checkpoint) -> Path | None:
     """The Hugging Face folder an adapters-only ``source``'s base came from (None: another source or none)."""
     record = recorded_base(source)
-    if record is None or not record.source.startswith("hf:"):
+    if record is None or not record.source.startswith(HF):
         return None
-    return Path(record.source.removeprefix("hf:"))
+    return Path(record.source.removeprefix(HF))

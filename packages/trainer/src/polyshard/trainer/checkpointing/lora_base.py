@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError, CheckpointSource, Piece
+from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError, CheckpointSource, Piece, read_index
 from polyshard.models import build_model, layer_of
 from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.config import Config
@@ -62,6 +62,23 @@ def recorded_base(source: Checkpoint) -> BaseRecord | None:
     if not kind_ok or len(record.checksum) != 64:
         raise CheckpointError(f"{where}: {BASE_KEY} {raw!r} names no base polyshard records; the index is damaged")
     return record
+
+
+def recorded_folder_settings(folder: Path) -> dict[str, object] | None:
+    """The model settings of the Hugging Face folder the checkpoint ``folder`` names as its LoRA base (None:
+    it names none), read from its index alone: a resumed run takes them as ``--init-from hf:DIR`` did."""
+    ranks = read_index(folder).get("ranks") or [{}]
+    raw = ranks[0].get("extra", {}).get(BASE_KEY) if isinstance(ranks[0], dict) else None
+    source = raw.get("source") if isinstance(raw, dict) else None
+    if not isinstance(source, str) or not source.startswith(HF):
+        return None
+    try:
+        return hf.model_settings(Path(source.removeprefix(HF)))
+    except (CheckpointError, OSError) as err:
+        raise CheckpointError(
+            f"{folder} holds LoRA adapters only; their base {source} cannot be read ({err}); put the base back "
+            "where it was trained from"
+        ) from err
 
 
 def base_names(config: Config) -> list[str]:

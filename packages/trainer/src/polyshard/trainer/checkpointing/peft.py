@@ -23,6 +23,7 @@ from polyshard.checkpoint.output import new_folder, reading
 from polyshard.models.common.lora import lora_scale
 from polyshard.models.hf_families import family_of
 from polyshard.models.lora_targets import Target, select_targets
+from polyshard.trainer.checkpointing.base_and_adapters import recorded_folder
 from polyshard.trainer.checkpointing.run_export import check_saved_shapes, consolidate, saved_config
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import LoRAConfig
@@ -46,8 +47,9 @@ def target_modules(config: Config, targets: list[Target]) -> list[str]:
     return sorted(out)
 
 
-def adapter_config(lora: LoRAConfig, modules: list[str]) -> dict[str, object]:
-    """``adapter_config.json``: PEFT's LoraConfig of these adapters (inference mode, as PEFT saves it)."""
+def adapter_config(lora: LoRAConfig, modules: list[str], base: Path | None = None) -> dict[str, object]:
+    """``adapter_config.json``: PEFT's LoraConfig of these adapters (inference mode, as PEFT saves it);
+    ``base``: the Hugging Face folder they were trained on, which ``peft.AutoPeftModelForCausalLM`` loads."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -61,7 +63,7 @@ def adapter_config(lora: LoRAConfig, modules: list[str]) -> dict[str, object]:
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": None if base is None else str(base),
     }
 
 
@@ -78,7 +80,7 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
             tensors[key] = source.whole(f"{MODEL}{target.name}.{part}.weight").contiguous()
     assert config.lora is not None  # _targets refused a run without adapters
     with new_folder(destination, overwrite=overwrite) as tmp:
-        settings = adapter_config(config.lora, target_modules(config, targets))
+        settings = adapter_config(config.lora, target_modules(config, targets), recorded_folder(source))
         (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     return destination

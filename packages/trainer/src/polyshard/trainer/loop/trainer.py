@@ -334,7 +334,11 @@ class Trainer:
                 f"step {step}: the weights hold NaN or infinite values; the checkpoint was not written "
                 f"and the earlier ones are kept. Lower training.lr (now {self.config.training.lr}) and resume"
             )
-        extra = {"data": self.train_data.state_dict(), "losses": list(self.result.losses), "job": job_id()}
+        extra: dict[str, Any] = {
+            "data": self.train_data.state_dict(),
+            "losses": list(self.result.losses),
+            "job": job_id(),
+        }
         if self.lora_base is not None:  # a LoRA run saves its adapters and names its frozen base
             extra[BASE_KEY] = self.lora_base.to_json()
         options: dict[str, Any] = {

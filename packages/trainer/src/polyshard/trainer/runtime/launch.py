@@ -25,6 +25,7 @@ from typing import Any
 from polyshard.checkpoint import CheckpointError, find_checkpoint, hf_cache, latest_checkpoint, read_index
 from polyshard.models.settings import with_folder_settings
 from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource, model_settings
+from polyshard.trainer.checkpointing.lora_base import recorded_folder_settings
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
@@ -130,6 +131,9 @@ def prepare_launch(
         # The model's settings the [model] table leaves unset come from the folder's config.json; what it
         # sets stays, and HFSource below names any that disagree with the folder (both values and the fix).
         settings["model"] = with_folder_settings(settings.get("model", {}), model_settings(hf_folder))
+    base_settings = recorded_folder_settings(latest) if latest is not None else None  # a LoRA run from hf:DIR
+    if base_settings is not None and isinstance(settings.get("model", {}), Mapping):
+        settings["model"] = with_folder_settings(settings.get("model", {}), base_settings)
     if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
         nproc = from_dict(settings).parallel.world_size // low
     if nproc < 1:
