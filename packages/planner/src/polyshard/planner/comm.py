@@ -198,35 +198,45 @@ def _gradient_traffic(config: Config, pp_rank: int) -> list[Traffic]:
     """Gradient reduction and ZeRO's parameter gathers, grouped by replica group size."""
     par, precision = config.parallel, config.training.precision
     weight = 2 if precision == "bf16" else 4
-    # (replicas, shard group) -> elements + flags at stage 0, ZeRO's padded rows, flags
+    # (replicas, shard group) -> elements + flags at stage 0, ZeRO's padded rows, flags, ZeRO-3's gathered bytes
     sizes: dict[tuple[int, int], list[float]] = {}
     for held, count in holdings(config, pp_rank).items():
         if held.replicas > 1:
             n = held.shard_ranks
-            entry = sizes.setdefault((held.replicas, n), [0.0, 0.0, 0.0])
+            entry = sizes.setdefault((held.replicas, n), [0.0, 0.0, 0.0, 0.0])
+            rows = count * n * ShardSpec(held.shape, n).shard_numel
+            entry[3] += rows * (weight if held.frozen_bytes is None else held.frozen_bytes)
+            if held.frozen_bytes is not None:
+                continue  # LoRA's frozen base: gathered under ZeRO-3, never reduced
             entry[0] += count * (math.prod(held.shape) + 1)
-            entry[1] += count * n * ShardSpec(held.shape, n).shard_numel
+            entry[1] += rows
             entry[2] += count * n
-    once: dict[tuple[int, int], float] = {}  # ZeRO-3's padded rows gathered once a microbatch (gathered_once)
+    once: dict[tuple[int, int], float] = {}  # bytes of ZeRO-3's rows gathered once a microbatch (gathered_once)
     if par.zero_stage == 3:
         for held, count in gathered_once(config, pp_rank).items():
             if held.replicas > 1:
                 key = (held.replicas, held.shard_ranks)
-                once[key] = once.get(key, 0.0) + count * key[1] * ShardSpec(held.shape, key[1]).shard_numel
+                element = weight if held.frozen_bytes is None else held.frozen_bytes
+                once[key] = once.get(key, 0.0) + element * count * key[1] * ShardSpec(held.shape, key[1]).shard_numel
     out = []
-    for (replicas, n), (whole, padded, flags) in sizes.items():
+    for (replicas, n), (whole, padded, flags, gathered) in sizes.items():
         copies = replicas // n  # hybrid sharding's replicas of each shard (1 without it)
         shard_axis = "dp_shard" if copies > 1 else "dp"
         reduce_phase = "backward" if par.zero_stage == 3 else "step"
+        if not flags:  # only frozen parameters in this group: ZeRO-3's gathers, nothing to reduce
+            if par.zero_stage == 3:
+                out.append(Traffic(shard_axis, "all_gather", n, gathered, 1, "forward"))
+                out.append(Traffic(shard_axis, "all_gather", n, gathered - once.get((replicas, n), 0.0), 1, "backward"))
+            continue
         if par.zero_stage == 0:
             out.append(Traffic("dp", "all_reduce", n, 4 * whole, 1, "step"))
         elif par.zero_stage in (1, 2):
             out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "step"))
             out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "step"))
         else:  # gathered before each forward and again before each backward, but once for some
-            again = padded - once.get((replicas, n), 0.0)
-            out.append(Traffic(shard_axis, "all_gather", n, weight * padded, 1, "forward"))
-            out.append(Traffic(shard_axis, "all_gather", n, weight * again, 1, "backward"))
+            again = gathered - once.get((replicas, n), 0.0)
+            out.append(Traffic(shard_axis, "all_gather", n, gathered, 1, "forward"))
+            out.append(Traffic(shard_axis, "all_gather", n, again, 1, "backward"))
             out.append(Traffic(shard_axis, "reduce_scatter", n, 4 * (padded + flags), 1, "backward"))
         if copies > 1:  # each rank's reduced row (1/n of the buffer, flags included) summed over the copies
             out.append(Traffic("dp_replicate", "all_reduce", copies, 4 * (padded + flags) / n, 1, reduce_phase))
@@ -249,7 +259,7 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         norms = sum(
             c * (_zero_rows(h) if par.zero_stage else math.prod(h.shape))
             for h, c in holdings(config, pp_rank).items()
-            if (len(h.shape) == 1 and not h.tp_sharded) or h.sequence_summed
+            if h.frozen_bytes is None and ((len(h.shape) == 1 and not h.tp_sharded) or h.sequence_summed)
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
     expert_replicas = par.dp * par.cp

@@ -189,7 +189,7 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
         dp = max(0.0, reduce - profile.overlap * last_backward) + gather  # ZeRO's gather follows the step
         held = holdings(config, rank)
         elements = sum(count * _stepped(h, par.zero_stage) for h, count in held.items())
-        tensors = sum(held.values())
+        tensors = sum(count for h, count in held.items() if h.frozen_bytes is None)
         # AdamW, and before it the global-norm clip: one more pass reading every gradient, tensor by tensor.
         optimizer = profile.optimizer_s(elements, tensors, k) + profile.optimizer_s(elements, tensors, k, 4)
         parts = {"dp": dp, "optimizer": optimizer, "other": other}
@@ -199,5 +199,7 @@ def estimate_step(config: Config, profile: Profile, exact: bool = True) -> StepE
 
 
 def _stepped(held: Held, zero_stage: int) -> float:
-    """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it)."""
+    """Elements of one parameter this rank's optimizer steps (its ZeRO rows, or all of it; none if frozen)."""
+    if held.frozen_bytes is not None:
+        return 0
     return ShardSpec(held.shape, held.shard_ranks).shard_numel if zero_stage >= 1 else math.prod(held.shape)

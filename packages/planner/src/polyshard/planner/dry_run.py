@@ -23,7 +23,9 @@ from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.model_states import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.config.lora import LoRAConfig
 from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
+from polyshard.trainer.engine.lora import lora_targets
 from polyshard.trainer.engine.optim import schedule_of
 
 
@@ -65,6 +67,8 @@ def describe(config: Config) -> str:
     )
     if spec_of(config.model).has_experts:
         lines.append(f"  {routing_summary(config.model)}")
+    if config.lora is not None:
+        lines.append(f"  {_lora_summary(config, config.lora, num_params)}")
     if par.hybrid:
         shard_axes = [a for a in par.shard_axes if a == "dp_shard" or par.mesh_axes[a] > 1]
         lines.append(
@@ -90,6 +94,18 @@ def describe(config: Config) -> str:
         lines.append(f"  sent by pp rank {rank}: {axes or 'nothing'}")
     lines += lr_plot(config.training)
     return "\n".join(lines)
+
+
+def _lora_summary(config: Config, lora: LoRAConfig, num_params: int) -> str:
+    """What a LoRA run (``lora``: its section) trains and keeps: the adapters' parameters, the base's dtype."""
+    targets = lora_targets(config)
+    trained = sum(lora.rank * (t.in_features + t.out_features) for t in targets)
+    dtype = config.model.frozen_dtype or ("bfloat16" if config.training.precision == "bf16" else "float32")
+    return (
+        f"LoRA rank {lora.rank} on {len(targets)} linears: {trained:,} trainable parameters "
+        f"({100 * trained / num_params:.2f}% of the model), the only ones with gradients and optimizer state; "
+        f"the frozen base's matrices in {dtype}"
+    )
 
 
 def _held_counts(

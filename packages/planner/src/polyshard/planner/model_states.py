@@ -21,6 +21,11 @@ Two accountings of the same thing:
   not counted here (it is not held at the step's end). ``tests/planner/test_memory.py`` checks it against
   :func:`polyshard.dp.bytes_held` on real engines.
 
+A LoRA run (``[lora]``) holds its adapters as trainable parameters (A (r, in) and B (out, r) beside each
+target, split over tp as their base is) and every other parameter frozen: its bytes alone (ZeRO-3: its
+padded rows), in ``model.frozen_dtype`` for the frozen matrices' modules or bf16 under mixed precision,
+and no gradient, flag or optimizer state.
+
 Hybrid sharding (``parallel.dp_shard``) shards over the shard group only: N above is the shard
 group's size (dp_shard x ep x cp), not the number of replicas, so a rank holds what ZeRO on
 dp_shard x ep x cp ranks would; the dp / dp_shard replicas each hold the same.
@@ -39,10 +44,12 @@ from torch import nn
 from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.models import build_model, layer_of, spec_of, tied_names
+from polyshard.models.common.lora import is_adapter
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.layout import pipeline_bounds
+from polyshard.trainer.engine.lora import lora_targets
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
@@ -87,7 +94,10 @@ class Held:
     sequence_summed: bool = False
     """Replicated over tp but run on each tp rank's sequence shard under sequence parallelism, its gradient
     summed over tp: an MoE block's router and experts and a shared expert's gate (the norms: 1-D and not
-    ``tp_sharded``)."""
+    ``tp_sharded``); a LoRA factor whose gradient is partial over tp."""
+    frozen_bytes: int | None = None
+    """A frozen parameter (LoRA's base): its bytes per element; no gradient, no optimizer state. None:
+    trained."""
 
     @property
     def shard_ranks(self) -> int:
@@ -101,7 +111,12 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     numel = shard = flags = grad_rows = padded = 0  # whole, this rank's ZeRO rows, flags, gradient buffer, padded
     state = 0  # bytes of optimizer state besides masters: per element 8 (AdamW's m, v) or 4 (Muon's buffer)
     masters = precision == "bf16"  # a separate fp32 copy the optimizer steps; in fp32 it steps the weight's rows
+    frozen = 0  # bytes of frozen parameters: whole at stages 0-2 (no bucket pads them), ZeRO-3's rows
     for h, count in held.items():
+        if h.frozen_bytes is not None:
+            held_numel = ShardSpec(h.shape, h.shard_ranks).shard_numel if zero_stage == 3 else math.prod(h.shape)
+            frozen += count * h.frozen_bytes * held_numel
+            continue
         n = h.shard_ranks if zero_stage >= 1 else 1  # stage 0 reduces whole gradients: no padding
         rows = ShardSpec(h.shape, n).shard_numel
         numel += count * math.prod(h.shape)
@@ -122,7 +137,7 @@ def model_state_bytes(held: Mapping[Held, int], zero_stage: int, precision: str)
     elif zero_stage >= 1 and not masters:  # storage padded to whole rows per rank: each rank's rows are a view
         params = padded
     return ModelStates(
-        params=weight * params,
+        params=weight * params + frozen,
         grads=FLAG_AND_GRAD_BYTES * grads,
         optimizer=state,
     )
@@ -143,19 +158,49 @@ def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 _SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 
 
+def run_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """:func:`global_shapes` plus, in a LoRA run, every adapter's two factors (under their linear's name)."""
+    shapes = global_shapes(config.model)
+    if config.lora is None:
+        return shapes
+    rank = config.lora.rank
+    factors = {}
+    for target in lora_targets(config):
+        factors[f"{target.name}.lora_A.weight"] = (rank, target.in_features)
+        factors[f"{target.name}.lora_B.weight"] = (target.out_features, rank)
+    return {**shapes, **factors}
+
+
 def _records(config: Config) -> dict[str, TensorPlacement]:
     """Every parameter's record after tp and ep, as the engine places it
     (:func:`~polyshard.trainer.checkpointing.records.base_record`). Each record looks the name up in the whole
-    tp plan, so they are worked out once per model, tp size and sequence parallelism (all of the parallel
-    section the tp plan reads), not once per layout."""
+    tp plan, so they are worked out once per model, tp size, sequence parallelism (all of the parallel
+    section the tp plan reads) and adapters, not once per layout."""
     par = config.parallel
-    key = (repr(config.model), par.tp, par.sequence_parallel)  # repr: layer_types is a list
+    key = (repr(config.model), par.tp, par.sequence_parallel, repr(config.lora))  # repr: layer_types is a list
     if key not in _RECORDS:
-        _RECORDS[key] = {name: base_record(config, name, shape) for name, shape in global_shapes(config.model).items()}
+        _RECORDS[key] = {name: base_record(config, name, shape) for name, shape in run_shapes(config).items()}
     return _RECORDS[key]
 
 
-_RECORDS: dict[tuple[str, int, bool], dict[str, TensorPlacement]] = {}
+_RECORDS: dict[tuple[str, int, bool, str], dict[str, TensorPlacement]] = {}
+
+
+def _frozen_bytes(config: Config, name: str) -> int | None:
+    """Bytes per element of parameter ``name`` if a LoRA run freezes it (None: it trains). Mixed precision
+    keeps every frozen parameter in bf16; ``model.frozen_dtype`` the modules holding a matrix
+    (:mod:`polyshard.trainer.engine.frozen_dtype`), a norm's weight staying float32."""
+    if config.lora is None or is_adapter(name):
+        return None
+    if config.training.precision == "bf16":
+        return 2
+    if config.model.frozen_dtype is None:
+        return 4
+    return 2 if name.rsplit(".", 1)[0] in _modules_with_matrices(config.model) else 4
+
+
+def _modules_with_matrices(model: ModelConfig) -> set[str]:
+    return {name.rsplit(".", 1)[0] for name, shape in global_shapes(model).items() if len(shape) >= 2}
 
 
 def _held(config: Config, record: TensorPlacement) -> Held:
@@ -167,8 +212,13 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     tp_sharded = record.placement("tp") != Replicate() if par.tp > 1 else False
     shards = math.prod(sizes[a] for a in shard_axes(config, record)) if par.hybrid else None
     summed = par.tp > 1 and par.sequence_parallel and routes_sequence_shards(record.name)
-    muon = _stepped_by_muon(config, record)
-    return Held(record.local_shape(sizes), replicas, tp_sharded, shards, muon=muon, sequence_summed=summed)
+    # a LoRA factor beside a tp-split base, whole on every tp rank: its gradient is partial over tp
+    summed = summed or (par.tp > 1 and is_adapter(record.name) and not tp_sharded)
+    frozen = _frozen_bytes(config, record.name)
+    muon = frozen is None and _stepped_by_muon(config, record)
+    return Held(
+        record.local_shape(sizes), replicas, tp_sharded, shards, muon=muon, sequence_summed=summed, frozen_bytes=frozen
+    )
 
 
 def routes_sequence_shards(name: str) -> bool:
@@ -200,6 +250,7 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     key: tuple[object, ...] = (repr(config.model), tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
     key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
     key += (tuple(par.stage_layers or ()), pp_rank, config.training.optimizer)
+    key += (repr(config.lora), config.training.precision)  # LoRA's frozen bytes depend on the precision
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)
     return _HOLDINGS[key]
@@ -210,7 +261,7 @@ _HOLDINGS: dict[tuple[object, ...], Counter[Held]] = {}
 
 def _holdings(config: Config, pp_rank: int) -> Counter[Held]:
     par = config.parallel
-    shapes = global_shapes(config.model)
+    shapes = run_shapes(config)
     bounds = stage_bounds(config)
     placement = stages_by_rank(par.schedule, par.pp, par.virtual_stages)
     aliases = tied_names(config.model)
@@ -252,7 +303,10 @@ def gathered_once(config: Config, pp_rank: int) -> Counter[Held]:
 def tied_copy_elements(config: Config) -> list[int]:
     """Per weight tied across two pipeline stages, the float32 elements ``Engine._sum_tied_copies``
     all-reduces between its copies: the copy's gradient as this rank holds it (after tp; its ZeRO rows at
-    stages 1-3) and one count of the copies without a gradient."""
+    stages 1-3) and one count of the copies without a gradient. None in a LoRA run: a frozen tied weight
+    has no gradient to sum."""
+    if config.lora is not None:
+        return []
     records = _records(config)
     out = []
     for name in sorted(set(tied_names(config.model).values())):

@@ -22,7 +22,17 @@ def lora_targets(config: Config) -> list[Target]:
     for a target that matches nothing or a rank too large."""
     if config.lora is None:
         return []
-    return select_targets(config.model, config.lora.target_list, config.lora.rank)
+    # Cached: the check builds the model on the meta device, and the planner validates many layouts of one
+    # model (the model by its repr: a list field, layer_types, leaves the config itself unhashable)
+    key = (repr(config.model), tuple(config.lora.target_list), config.lora.rank)
+    if key not in _TARGETS:
+        if len(_TARGETS) >= 32:
+            _TARGETS.clear()
+        _TARGETS[key] = select_targets(config.model, config.lora.target_list, config.lora.rank)
+    return list(_TARGETS[key])
+
+
+_TARGETS: dict[tuple[str, tuple[str, ...], int], list[Target]] = {}
 
 
 def check_lora(config: Config) -> None:
