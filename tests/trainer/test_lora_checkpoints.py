@@ -178,3 +178,20 @@ def test_an_adapters_only_checkpoint_reshards_there_and_back(distributed, corpus
     assert all(is_adapter(n) for n in Checkpoint(one).params())
     ours, theirs = consolidate(source), consolidate(one)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_runs_start_from_a_whole_model_checkpoint_and_from_an_adapters_only_one(distributed, corpus, tmp_path):
+    # A plain run's checkpoint holds a whole model: a LoRA run from it names that checkpoint as its base.
+    plain = dataclasses.replace(_config(corpus, steps=2), lora=None)
+    distributed.run(1, _train, plain, tmp_path / "plain")
+    pretrained = _latest(tmp_path / "plain")
+    distributed.run(1, _train, _config(corpus, steps=3), tmp_path / "lora", str(pretrained.folder))
+    adapted = _latest(tmp_path / "lora")
+    assert recorded_base(adapted).source == f"checkpoint:{pretrained.folder.resolve()}"
+    assert all(is_adapter(n) for n in adapted.params())
+    state, before = consolidate(adapted), consolidate(pretrained)
+    assert all(torch.equal(state[n], before[n]) for n in before)  # the base: the plain run's weights
+    # A run from that adapters-only checkpoint names the same base, read back and checked as it loads.
+    distributed.run(1, _train, _config(corpus, steps=4), tmp_path / "more", str(adapted.folder))
+    more = _latest(tmp_path / "more")
+    assert recorded_base(more) == recorded_base(adapted) and more.step == 4

@@ -9,7 +9,6 @@ model and is read as it is.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,8 +23,10 @@ from polyshard.trainer.checkpointing.lora_base import (
     base_names,
     check_base,
     checksum,
+    combined,
     open_base,
     recorded_base,
+    tensor_digest,
 )
 from polyshard.trainer.checkpointing.records import model_dtype
 from polyshard.trainer.checkpointing.run_export import saved_config
@@ -93,15 +94,16 @@ def base_weights(source: Checkpoint) -> dict[str, torch.Tensor]:
     config = saved_config(source)
     base = open_base(record, config, source.folder)
     both = WithBase(source, base, config)
-    digest, state, dtype = hashlib.sha256(), {}, model_dtype(config)
+    digests: dict[str, str | None] = {}
+    state, dtype = {}, model_dtype(config)
     for name in base_names(config):
         key = MODEL + name
-        whole = both.read(key, (0,) * len(both.global_shape(key)), both.global_shape(key), torch.float32)
-        if both._holder(key) is base:  # the checksum covers what the base source holds (lora_base.checksum)
-            digest.update(f"{name} {list(whole.shape)}\n".encode())
-            digest.update(whole.contiguous().numpy().tobytes())
+        shape = tuple(both.global_shape(key))
+        whole = both.read(key, (0,) * len(shape), shape, torch.float32)
+        # The checksum covers what the base source holds (lora_base.checksum), hashed as it is read.
+        digests[name] = tensor_digest(name, [whole], shape) if both._holder(key) is base else None
         state[name] = whole.to(dtype)
-    check_base(record, digest.hexdigest(), source.folder)
+    check_base(record, combined(digests), source.folder)
     for alias, name in tied_names(config.model).items():
         if name in state:
             state[alias] = state[name]

@@ -9,10 +9,11 @@ hold what training changes (adapters, their optimizer state, buffers, RNG, data 
 ``source`` says where the base is rebuilt from: ``hf:DIR`` (a Hugging Face folder, ``--init-from
 hf:DIR``), ``checkpoint:DIR`` (a polyshard checkpoint that holds the whole model, ``--init-from DIR``)
 or ``init:SEED`` (no ``--init-from``: the weights the checkpoint's own ``[model]`` builds from
-``training.seed`` = SEED, layer by layer as every layout builds them). ``checksum`` is :func:`checksum` of the base's
-weights: every frozen parameter in name order, as float32 whatever dtype it is stored in, so the same
-weights give the same digest from a bf16 folder or an fp32 checkpoint and on any layout. Whoever reads
-the base back (resume, ``--init-from``, merge, generate) computes it again and refuses another base.
+``training.seed`` = SEED, layer by layer as every layout builds them). ``checksum`` is :func:`combined`
+of each frozen weight's sha256 (its name, shape and values as float32 whatever dtype they are stored in),
+so the same weights give the same checksum from a bf16 folder or an fp32 checkpoint, on any layout, and
+the ranks of a run can each hash a share of them. Whoever reads the base back (resume, ``--init-from``,
+evaluation, merge, generate) computes it again and refuses another base.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,44 +143,60 @@ def open_base(record: BaseRecord, config: Config, where: Path) -> CheckpointSour
         ) from err
 
 
-def checksum(source: CheckpointSource, names: Iterable[str]) -> str:
-    """sha256 over each of ``names`` the source holds, in order: the name, the shape and the float32 values,
-    read in row blocks of at most :data:`BLOCK_BYTES` (a weight the source lacks, such as prediction depths
-    a Hugging Face folder has none of, is left out: every run from that source starts it alike)."""
-    digest = hashlib.sha256()
-    for name in names:
-        key = MODEL + name
-        try:
-            source.resolve(key)
-        except CheckpointError:
-            continue
-        shape = source.global_shape(key)
-        digest.update(f"{name} {list(shape)}\n".encode())
-        if not shape:
-            digest.update(source.read(key, (), (), torch.float32).numpy().tobytes())
-            continue
-        rows = max(1, BLOCK_BYTES // max(1, 4 * math.prod(shape[1:])))
-        for first in range(0, shape[0], rows):
-            n = min(rows, shape[0] - first)
-            block = source.read(key, (first, *(0,) * (len(shape) - 1)), (n, *shape[1:]), torch.float32)
-            digest.update(block.contiguous().numpy().tobytes())
+def tensor_digest(name: str, blocks: Iterable[torch.Tensor], shape: tuple[int, ...]) -> str:
+    """sha256 of one base weight: its name and shape, then its values as float32 (row blocks in order)."""
+    digest = hashlib.sha256(f"{name} {list(shape)}\n".encode())
+    for block in blocks:
+        digest.update(block.to(torch.float32).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
-def agreed(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (as it is without a process group): a checksum one rank computes."""
-    if not dist.is_initialized():
-        return value
-    box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _read_digest(source: CheckpointSource, name: str) -> str | None:
+    """:func:`tensor_digest` of ``name`` in ``source``, read in row blocks of at most :data:`BLOCK_BYTES`;
+    None for a weight the source lacks (prediction depths a Hugging Face folder has none of: every run
+    from that source starts them alike)."""
+    key = MODEL + name
+    try:
+        source.resolve(key)
+    except CheckpointError:
+        return None
+    shape = tuple(source.global_shape(key))
+    if not shape:
+        return tensor_digest(name, [source.read(key, (), (), torch.float32)], shape)
+    rows = max(1, BLOCK_BYTES // max(1, 4 * math.prod(shape[1:])))
+    starts = range(0, shape[0], rows)
+    blocks = (
+        source.read(key, (i, *(0,) * (len(shape) - 1)), (min(rows, shape[0] - i), *shape[1:]), torch.float32)
+        for i in starts
+    )
+    return tensor_digest(name, blocks, shape)
+
+
+def combined(digests: Mapping[str, str | None]) -> str:
+    """The base's checksum from its weights' :func:`tensor_digest` (sha256 of "name digest" lines in name
+    order, the weights a source lacks left out), so ranks can each hash a share of the weights."""
+    lines = "".join(f"{name} {digest}\n" for name, digest in sorted(digests.items()) if digest is not None)
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def checksum(source: CheckpointSource, names: list[str]) -> str:
+    """The checksum of the weights ``names`` in ``source``, on this process alone."""
+    return combined({name: _read_digest(source, name) for name in names})
 
 
 def base_checksum(source: CheckpointSource, config: Config) -> str:
-    """:func:`checksum` of ``config``'s base in ``source``, computed on rank 0 and handed to every rank
-    (collective when a process group is up: every rank calls it)."""
-    mine = checksum(source, base_names(config)) if not dist.is_initialized() or dist.get_rank() == 0 else None
-    return str(agreed(mine))
+    """:func:`checksum` of ``config``'s base in ``source``, each rank hashing a contiguous share of the weights
+    in name order (an initialised base builds only the layers of its share) and every rank getting the whole:
+    collective when a process group is up, so every rank calls it."""
+    names = base_names(config)
+    if not dist.is_initialized():
+        return checksum(source, names)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = -(-len(names) // world)
+    mine = {name: _read_digest(source, name) for name in names[rank * share : (rank + 1) * share]}
+    every: list[dict[str, str | None] | None] = [None] * world
+    dist.all_gather_object(every, mine)
+    return combined({name: digest for part in every if part for name, digest in part.items()})
 
 
 def check_base(record: BaseRecord, found: str, where: Path) -> None:
