@@ -45,11 +45,11 @@ from polyshard.dp import ShardSpec
 from polyshard.mesh import Replicate, TensorPlacement
 from polyshard.models import build_model, layer_of, spec_of, tied_names
 from polyshard.models.common.lora import is_adapter
+from polyshard.planner.lora_states import adapter_shapes, frozen_bytes, matrix_modules
 from polyshard.planner.pipeline import stages_by_rank
 from polyshard.trainer.checkpointing.records import base_record, data_axes, shard_axes
 from polyshard.trainer.config import Config, ModelConfig
 from polyshard.trainer.engine.layout import pipeline_bounds
-from polyshard.trainer.engine.lora import lora_targets
 
 FLAG_AND_GRAD_BYTES = 4  # gradients (and their presence flags) are reduced and kept in fp32
 STEP_BYTES = 4  # AdamW's per-parameter step counter, a float32 scalar
@@ -158,17 +158,20 @@ def global_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 _SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
 
 
+def _matrix_modules(model: ModelConfig) -> set[str]:
+    key = repr(model)
+    if key not in _MATRIX_MODULES:
+        _MATRIX_MODULES.clear()  # one model at a time is asked about, layout after layout
+        _MATRIX_MODULES[key] = matrix_modules(global_shapes(model))
+    return _MATRIX_MODULES[key]
+
+
+_MATRIX_MODULES: dict[str, set[str]] = {}
+
+
 def run_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """:func:`global_shapes` plus, in a LoRA run, every adapter's two factors (under their linear's name)."""
-    shapes = global_shapes(config.model)
-    if config.lora is None:
-        return shapes
-    rank = config.lora.rank
-    factors = {}
-    for target in lora_targets(config):
-        factors[f"{target.name}.lora_A.weight"] = (rank, target.in_features)
-        factors[f"{target.name}.lora_B.weight"] = (target.out_features, rank)
-    return {**shapes, **factors}
+    return {**global_shapes(config.model), **adapter_shapes(config)}
 
 
 def _records(config: Config) -> dict[str, TensorPlacement]:
@@ -186,23 +189,6 @@ def _records(config: Config) -> dict[str, TensorPlacement]:
 _RECORDS: dict[tuple[str, int, bool, str], dict[str, TensorPlacement]] = {}
 
 
-def _frozen_bytes(config: Config, name: str) -> int | None:
-    """Bytes per element of parameter ``name`` if a LoRA run freezes it (None: it trains). Mixed precision
-    keeps every frozen parameter in bf16; ``model.frozen_dtype`` the modules holding a matrix
-    (:mod:`polyshard.trainer.engine.frozen_dtype`), a norm's weight staying float32."""
-    if config.lora is None or is_adapter(name):
-        return None
-    if config.training.precision == "bf16":
-        return 2
-    if config.model.frozen_dtype is None:
-        return 4
-    return 2 if name.rsplit(".", 1)[0] in _modules_with_matrices(config.model) else 4
-
-
-def _modules_with_matrices(model: ModelConfig) -> set[str]:
-    return {name.rsplit(".", 1)[0] for name, shape in global_shapes(model).items() if len(shape) >= 2}
-
-
 def _held(config: Config, record: TensorPlacement) -> Held:
     """A parameter's ``record`` after tp and ep, replicated over the axes the data-parallel wrapper spans
     for it (:func:`~polyshard.trainer.checkpointing.records.data_axes`)."""
@@ -214,7 +200,7 @@ def _held(config: Config, record: TensorPlacement) -> Held:
     summed = par.tp > 1 and par.sequence_parallel and routes_sequence_shards(record.name)
     # a LoRA factor beside a tp-split base, whole on every tp rank: its gradient is partial over tp
     summed = summed or (par.tp > 1 and is_adapter(record.name) and not tp_sharded)
-    frozen = _frozen_bytes(config, record.name)
+    frozen = frozen_bytes(config, record.name, _matrix_modules(config.model))
     muon = frozen is None and _stepped_by_muon(config, record)
     return Held(
         record.local_shape(sizes), replicas, tp_sharded, shards, muon=muon, sequence_summed=summed, frozen_bytes=frozen
