@@ -38,7 +38,7 @@ def base(tmp_path_factory):
     return _save_llama(tmp_path_factory.mktemp("llama"), tie=False)
 
 
-def _config(corpus, folder=None, steps=STEPS, **parallel):
+def _config(corpus, folder=None, steps=STEPS, hf_every=0, **parallel):
     """LoRA on every linear of a small Llama: the config's own (a Hugging Face ``folder``'s) base."""
     small = {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **SMALL_LLAMA}
     return from_dict(
@@ -49,6 +49,7 @@ def _config(corpus, folder=None, steps=STEPS, **parallel):
             "training": short_training(steps, lr=1e-2, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
+            "checkpoint": {"hf_every": hf_every},
             "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear", "dropout": 0.1},
         }
     )
@@ -76,7 +77,8 @@ def _latest(out):
 def test_a_run_resumed_from_its_adapters_ends_as_an_uninterrupted_one(
     distributed, base, corpus, tmp_path, world, parallel, from_hf
 ):
-    config = _config(corpus, base if from_hf else None, **parallel)
+    # From a folder, the run also writes a Hugging Face folder of its last step (checkpoint.hf_every).
+    config = _config(corpus, base if from_hf else None, hf_every=STEPS if from_hf else 0, **parallel)
     init_from = f"hf:{base}" if from_hf else None
     whole_losses, split_losses = distributed.run(world, _whole_and_split, config, tmp_path, init_from)[0]
     assert split_losses == whole_losses
@@ -101,6 +103,17 @@ def test_a_run_resumed_from_its_adapters_ends_as_an_uninterrupted_one(
 
         settings = {"parallel": parallel, "data": {"source": corpus}, "lora": {"rank": 4, "alpha": 8.0}}
         assert prepare_launch(settings, out=tmp_path / "split", resume=True).config.model == config.model
+        # checkpoint.hf_every writes the adapted model: the adapters folded in, as --format hf --merge does
+        from typer.testing import CliRunner
+
+        from polyshard.cli import main as cli_main
+
+        merged = tmp_path / "merged"
+        args = ["export", str(whole.folder), str(merged), "--format", "hf", "--merge"]
+        assert CliRunner().invoke(cli_main.app, args).exit_code == 0
+        written = tmp_path / "whole" / "hf" / whole.folder.name
+        assert load_file(written / "model.safetensors").keys() == load_file(merged / "model.safetensors").keys()
+        assert (written / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
     uninterrupted = consolidate(whole)
     assert state.keys() == uninterrupted.keys() and all(torch.equal(state[n], uninterrupted[n]) for n in state)
 
