@@ -29,7 +29,7 @@ from polyshard.trainer.checkpointing.lora_base import (
     tensor_digest,
 )
 from polyshard.trainer.checkpointing.records import model_dtype
-from polyshard.trainer.checkpointing.run_export import saved_config
+from polyshard.trainer.checkpointing.saved import saved_config
 from polyshard.trainer.config import Config
 
 

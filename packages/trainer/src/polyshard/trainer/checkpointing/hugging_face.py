@@ -74,7 +74,7 @@ from polyshard.models import build_model, check_model
 from polyshard.models.hf_adapter import Family, setting
 from polyshard.models.hf_families import family_of, hf_families
 from polyshard.models.hf_keys import in_folder_terms, setting_keys
-from polyshard.trainer.checkpointing.run_export import check_saved_shapes
+from polyshard.trainer.checkpointing.saved import check_saved_shapes
 from polyshard.trainer.checkpointing.state import persistent_buffers
 from polyshard.trainer.config import Config, ModelConfig, from_dict
 from polyshard.trainer.errors import ConfigError
