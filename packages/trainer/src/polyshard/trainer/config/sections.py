@@ -34,7 +34,7 @@ ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's ke
 IDLE_EXPERTS = ("step", "skip")  # training.idle_experts: stepped with zero gradient, or left as they were
 DECAYED_PARAMS = ("matrices", "all")
 WANDB_MODES = ("online", "offline", "disabled")  # logging.wandb_mode: wandb.init's modes
-TASKS = ("auto", "dpo")  # training.task: the model family's own, or preference pairs ([dpo])
+TASKS = ("auto", "dpo", "grpo")  # training.task: the family's own, preference pairs ([dpo]), rewards ([grpo])
 
 
 CP_STYLES = ("ring", "allgather", "ulysses", "ulysses+ring")
@@ -230,11 +230,13 @@ class ParallelConfig:
 class TrainingConfig:
     task: str = "auto"
     """What the model learns: 'auto', its family's task (next token, or masked completion for a .jsonl of
-    pairs; images for the ViT), or 'dpo': preference pairs, with the [dpo] section's settings."""
+    pairs; images for the ViT), 'dpo': preference pairs, with the [dpo] section's settings, or 'grpo': its own
+    completions of prompts scored by rewards, with the [grpo] section's settings."""
     steps: int = 100
     """Optimizer steps."""
     global_batch_size: int = 16
-    """Sequences (or images; preference pairs with task = 'dpo') per optimizer step, over all data ranks and
+    """Sequences (or images; preference pairs with task = 'dpo'; prompts with task = 'grpo', each giving
+    grpo.generations rows) per optimizer step, over all data ranks and
     microbatches."""
     optimizer: str = "adamw"
     """'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the blocks' weight matrices (experts'

@@ -200,3 +200,27 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_rewards(records: list[dict[str, Any]], path: Path) -> None:
+    """A GRPO run's mean reward of each generation batch (and of the validation prompts) against step,
+    as a PNG beside loss.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    train = [(r["step"], r["reward"]) for r in records if "reward" in r]
+    if train:
+        ax.plot(*zip(*train), label="reward (generation batch)")
+    val = [(r["step"], r["val_reward"]) for r in records if "val_reward" in r]
+    if val:
+        ax.plot(*zip(*val), "o-", label="reward (validation prompts)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,4 +1,4 @@
-"""DPO's reference model on the training mesh: the starting weights, frozen, laid out as the policy is.
+"""The reference model of DPO and GRPO on the training mesh: the starting weights, frozen, laid out as the policy is.
 
 Without LoRA it is a copy of this rank's stages taken before the first step (each parameter cloned,
 ``requires_grad`` off: no gradient, no dp bucket, no optimizer state), run by a pipeline executor of its
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from polyshard.models import output_width
 from polyshard.pp import PipelineExecutor
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks.dpo import sequence_logps
+from polyshard.trainer.tasks.loss import token_logps
 
 
 def _groups_of(stage: nn.Module) -> dict[int, Any]:
@@ -86,23 +87,32 @@ class Reference:
     def logps(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """(B,) each row's completion log-prob under the reference (float32), on the rank holding the last
         stage, else None. ``inputs`` and ``labels`` (B, S): this data rank's whole batch."""
+        return self._forward(inputs, lambda logits: sequence_logps(logits, labels, self.tp_group, self.vocab_size))
+
+    def token_logps(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0
+    ) -> torch.Tensor | None:
+        """(B, S) each label's log-prob under the reference's softmax(logits / temperature) (0 where a label
+        counts nothing), on the rank holding the last stage, else None (GRPO's KL term)."""
+        return self._forward(
+            inputs, lambda logits: token_logps(logits, labels, self.tp_group, self.vocab_size, temperature=temperature)
+        )
+
+    def _forward(self, inputs: torch.Tensor, score: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
         side = self.engine.side_inputs(None, length=inputs.shape[1])
         first = inputs if self.engine.holds_first_stage else None
         policy_stages = self.engine.stages
         if self.stages:
-            return self.executor.forward_only(first, self._score(labels), side_inputs=side)
+            return self.executor.forward_only(first, score, side_inputs=side)
         modes = [stage.training for stage in policy_stages.values()]
         for stage in policy_stages.values():
             stage.eval()
         try:
             with _adapters_off(policy_stages):
-                return self.executor.forward_only(first, self._score(labels), side_inputs=side)
+                return self.executor.forward_only(first, score, side_inputs=side)
         finally:
             for stage, mode in zip(policy_stages.values(), modes):
                 stage.train(mode)
-
-    def _score(self, labels: torch.Tensor) -> Any:
-        return lambda logits: sequence_logps(logits, labels, self.tp_group, self.vocab_size)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The copy's parameters (none with LoRA: the base is the policy's own)."""

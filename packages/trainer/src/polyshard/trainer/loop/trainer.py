@@ -52,16 +52,18 @@ from polyshard.trainer.loop.metrics import (
     peak_memory_bytes,
     plot_expert_load,
     plot_losses,
+    plot_rewards,
 )
 from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.preferences import PreferenceRun
 from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id, lora_base_of
+from polyshard.trainer.loop.rollouts import RolloutRun
 from polyshard.trainer.loop.sample import sample_text
 from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
 from polyshard.trainer.loop.wandb_run import WandbRun
-from polyshard.trainer.tasks import PREFERENCES, task_for, task_of
+from polyshard.trainer.tasks import PREFERENCES, ROLLOUTS, task_for, task_of
 
 T = TypeVar("T")
 
@@ -160,8 +162,12 @@ class Trainer:
         self.train_data, self.val_data = make_loaders(config, mesh)
         self.result = RunResult()
         self.start = self._start(resume, init_from)
+        task = task_for(config)
         # training.task = "dpo": the reference (the weights just built or loaded) and its per-step work
-        self.preferences = PreferenceRun(self.engine, self.start) if task_for(config) is PREFERENCES else None
+        self.preferences = PreferenceRun(self.engine, self.start) if task is PREFERENCES else None
+        self.tokenizer = load_tokenizer(config.data.tokenizer)
+        # training.task = "grpo": the rows of each step are generated, scored and packed (loop.rollouts)
+        self.rollouts = RolloutRun(self.engine, self.tokenizer, self.start) if task is ROLLOUTS else None
         self.end = train.last_step  # `stop_at` ends the run early; the schedule still spans `steps`
         if train.stop_at and train.stop_at <= self.start:
             raise ConfigError(
@@ -179,14 +185,14 @@ class Trainer:
             train.steps, enabled=self.verbose and config.logging.progress_bar, start_step=self.start
         )
         tokens = sequence_length(config.model)
-        self.tokens_per_step = train.global_batch_size * tokens
+        rows = train.global_batch_size * (config.grpo.generations if self.rollouts and config.grpo else 1)
+        self.tokens_per_step = rows * tokens
         flops_per_token = model_flops_per_token(  # an MoE's token runs top_k of its experts: active parameters
             active_parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
         )
         # Measuring the peak is collective and takes ~0.2 s: only runs that log (every rank has the same `log`).
         peak = resolve_peak(config.logging.peak_tflops, train.precision, self.engine.device) if log else None
         self.utilisation = Utilisation(flops_per_token, self.tokens_per_step, dist.get_world_size(), peak)
-        self.tokenizer = load_tokenizer(config.data.tokenizer)
         # The run's tokenizer is saved with every checkpoint, so the weights keep their meaning.
         self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
         self.learning_rate = schedule_of(train)  # of the step alone: a resumed run continues it exactly
@@ -233,11 +239,16 @@ class Trainer:
             hook.begin_step(step)
         started = time.perf_counter()  # the step's time: data, update, and the hooks at its points
         lr = self.learning_rate(step - 1)
-        batch = self.train_data.next_batch()
-        inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, batch))
-        if self.preferences is not None:  # the reference's log-probs ride with the labels
-            targets = self.preferences.targets(inputs, targets)
-        segments = batch_segments(self.config, batch)  # None without data.document_mask
+        generation: dict[str, float] = {}
+        segments = None
+        if self.rollouts is not None:  # GRPO: rows generated from the loader's prompts, scored and packed
+            inputs, targets, generation = self.rollouts.batch(step, self.train_data.next_batch)
+        else:
+            batch = self.train_data.next_batch()
+            inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, batch))
+            if self.preferences is not None:  # the reference's log-probs ride with the labels
+                targets = self.preferences.targets(inputs, targets)
+            segments = batch_segments(self.config, batch)  # None without data.document_mask
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
                 around.enter_context(hook.around_update(step))
@@ -247,7 +258,7 @@ class Trainer:
         self.nonfinite = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else self.nonfinite + 1
         self.result.losses.append(loss)
         self.result.grad_norms.append(grad_norm)
-        record, hooked = self._record(step, loss, grad_norm, lr, time.perf_counter() - started)
+        record, hooked = self._record(step, loss, grad_norm, lr, time.perf_counter() - started, generation)
         if train.eval_every and (step % train.eval_every == 0 or step == train.steps):
             record.update(self.evaluate())
         self._log(step, record, always=hooked)
@@ -265,7 +276,7 @@ class Trainer:
             getattr(hook, point)(*args)
 
     def _record(
-        self, step: int, loss: float, grad_norm: float, lr: float, seconds: float
+        self, step: int, loss: float, grad_norm: float, lr: float, seconds: float, generation: dict[str, float]
     ) -> tuple[dict[str, Any], bool]:
         """The step's metrics, and whether a hook added to them (what a hook adds is always logged)."""
         record: dict[str, Any] = {
@@ -277,6 +288,11 @@ class Trainer:
         }
         if self.preferences is not None:  # DPO: TRL's rewards/chosen, rejected, margins, accuracies
             record.update(self.preferences.step_metrics())
+        if self.rollouts is not None:  # GRPO: the loss's KL and clip fractions; a generating step's rewards
+            record.update(self.rollouts.step_metrics())
+            record.update(generation)
+            if "generation_s" in generation:
+                record["training_s"] = seconds - generation["generation_s"]
         record.update(load_metrics(self.engine.expert_load))  # MoE: each layer's load over the global step
         if self.engine.mtp_losses:  # multi-token prediction: the depths' mean loss (unweighted), and each
             record["mtp_loss"] = sum(self.engine.mtp_losses) / len(self.engine.mtp_losses)
@@ -296,6 +312,8 @@ class Trainer:
         """The validation loss (and accuracy) over ``training.eval_batches`` batches (0: all of them)."""
         config = self.config
         parts = self.val_data.in_order(config.training.eval_batches or None)
+        if self.rollouts is not None:
+            return self.rollouts.evaluate(parts)
         if self.preferences is not None:
             preference_figures = self.preferences.evaluate(parts)
             self.result.val_loss = preference_figures["val_loss"]
@@ -401,6 +419,8 @@ class Trainer:
         if self.verbose:
             records = self.metrics.records()
             plot_losses(records, self.out / "loss.png")
+            if self.rollouts is not None:  # GRPO: the reward curve beside the loss's
+                plot_rewards(records, self.out / "rewards.png")
             if self.engine.expert_load:
                 plot_expert_load(records, self.out / "expert_load.png")
         return self.result

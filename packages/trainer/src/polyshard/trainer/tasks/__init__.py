@@ -14,6 +14,10 @@ A :class:`~polyshard.models.spec.ModelSpec` names one task. Two exist, and a thi
 * :data:`PREFERENCES` (``training.task = "dpo"``): a language model trained on preference pairs, each
   pair two adjacent rows of a batch (:mod:`polyshard.trainer.data.preferences`), with DPO's loss against
   a frozen reference (:mod:`polyshard.trainer.tasks.dpo`, :mod:`polyshard.trainer.loop.reference`).
+* :data:`ROLLOUTS` (``training.task = "grpo"``): a language model trained on its own completions of
+  prompts (:mod:`polyshard.trainer.data.prompts`), scored by reward functions, with GRPO's clipped loss
+  (:mod:`polyshard.trainer.tasks.grpo`); the rows come from generation on the training mesh
+  (:mod:`polyshard.trainer.loop.rollouts`), not from the loader, which serves prompt numbers.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.config.dpo import DPOConfig
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
 from polyshard.trainer.data.preferences import check_preference_data, preference_data
+from polyshard.trainer.data.prompts import check_prompt_data, prompt_data
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks.dpo import PreferenceLoss, check_reference
+from polyshard.trainer.tasks.grpo import GRPOLoss
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
+from polyshard.trainer.tasks.rewards import load_rewards
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -178,16 +185,17 @@ LANGUAGE = Task(
 IMAGES = Task("images", _image_splits, _image_settings, _no_check, _labels, _class_loss, reports_accuracy=True)
 
 
-def _preference_settings(config: Config) -> None:
+def _aligned_settings(config: Config, task: str, data: str) -> None:
+    """What DPO and GRPO share: a language model, one .jsonl of ``data``, none of the token-stream features."""
     if spec_of(config.model).task != LANGUAGE.name:
         raise ConfigError(
-            f"training.task = 'dpo' trains a language model on preference pairs; model.kind={config.model.kind!r} "
-            "is not one (use a GPT or Llama family)"
+            f"training.task = {task!r} trains a language model; model.kind={config.model.kind!r} is not one "
+            "(use a GPT or Llama family)"
         )
     if not config.data.source.endswith(".jsonl") or config.data.sources is not None:
         raise ConfigError(
-            f"training.task = 'dpo' reads one .jsonl of preference pairs; data.source={config.data.source!r} is "
-            'not one (give a file of {"prompt", "chosen", "rejected"} lines, and no [[data.sources]])'
+            f"training.task = {task!r} reads one .jsonl of {data}; data.source={config.data.source!r} is not one "
+            "(and no [[data.sources]])"
         )
     for what, on in (
         ("parallel.cp > 1", config.parallel.cp > 1),
@@ -197,7 +205,11 @@ def _preference_settings(config: Config) -> None:
         ("data.packing", config.data.packing),
     ):
         if on:
-            raise ConfigError(f"training.task = 'dpo' does not run with {what} yet; turn it off for a DPO run")
+            raise ConfigError(f"training.task = {task!r} does not run with {what} yet; turn it off for this run")
+
+
+def _preference_settings(config: Config) -> None:
+    _aligned_settings(config, "dpo", 'preference pairs {"prompt", "chosen", "rejected"}')
     check_reference(config)
 
 
@@ -221,6 +233,59 @@ PREFERENCES = Task(
     generates_text=True,
 )
 
+
+def _rollout_settings(config: Config) -> None:
+    _aligned_settings(config, "grpo", 'prompts {"prompt": ...} with the columns the rewards read')
+    if config.grpo is None:
+        raise ConfigError("training.task = 'grpo' needs a [grpo] section with at least one [[grpo.rewards]]")
+    # Generation runs the stages one token at a time on every rank of a replica: no pipeline schedule,
+    # no experts exchanged between ranks (loop.generation; a compiled run generates uncompiled).
+    for what, on in (
+        ("parallel.pp > 1", config.parallel.pp > 1),
+        ("parallel.ep > 1", config.parallel.ep > 1),
+        ("parallel.sequence_parallel", config.parallel.sequence_parallel),  # one new token splits no further
+    ):
+        if on:
+            raise ConfigError(
+                f"training.task = 'grpo' generates on the training mesh, which does not run with {what} yet; "
+                "turn it off (dp, ZeRO and tp generate)"
+            )
+    check_reference(config, config.grpo.beta > 0, "grpo.beta > 0")
+    if config.training.global_batch_size % config.parallel.data_ranks:
+        raise ConfigError(
+            f"training.global_batch_size={config.training.global_batch_size} prompts must split evenly over the "
+            f"{config.parallel.data_ranks} data ranks (each generates for whole prompts)"
+        )
+
+
+def _check_rollout_data(config: Config) -> None:
+    """Before any process starts: the prompts read and fit, and every reward function imports."""
+    check_prompt_data(config)
+    if config.grpo is not None:
+        load_rewards(config.grpo.rewards)
+
+
+def _generated_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GRPO loader batch holds prompt numbers; its rows are made by generation (loop.rollouts)."""
+    raise RuntimeError("a GRPO batch is made by generation (polyshard.trainer.loop.rollouts), not cut from the loader")
+
+
+def _rollout_loss(config: Config, tp_group: dist.ProcessGroup | None, head: nn.Module | None) -> LossFn:
+    if config.grpo is None:
+        raise ConfigError("training.task = 'grpo' needs a [grpo] section")
+    return GRPOLoss(config.grpo, tp_group, output_width(config.model))
+
+
+ROLLOUTS = Task(
+    "grpo",
+    prompt_data,
+    _rollout_settings,
+    _check_rollout_data,
+    _generated_rows,
+    _rollout_loss,
+    generates_text=True,
+)
+
 TASKS: dict[str, Task] = {task.name: task for task in (LANGUAGE, IMAGES)}
 """Every task by the name a family's spec gives (``ModelSpec.task``)."""
 
@@ -233,12 +298,17 @@ def task_of(model: ModelConfig) -> Task:
     return TASKS[name]
 
 
+ALIGNMENT: dict[str, Task] = {task.name: task for task in (PREFERENCES, ROLLOUTS)}
+"""The tasks ``training.task`` names: trained on a language model's own data formats."""
+
+
 def task_for(config: Config) -> Task:
-    """What this run trains: ``training.task`` when it names one (``"dpo"``), else the model family's."""
-    if config.training.task == PREFERENCES.name:
-        return PREFERENCES
-    if config.dpo is not None:
-        raise ConfigError(
-            "a [dpo] section is set but training.task is not 'dpo'; set training.task = 'dpo' or drop [dpo]"
-        )
-    return task_of(config.model)
+    """What this run trains: ``training.task`` when it names one (``"dpo"``, ``"grpo"``), else the family's."""
+    named = ALIGNMENT.get(config.training.task or "")
+    for section, value in (("dpo", config.dpo), ("grpo", config.grpo)):
+        if value is not None and (named is None or named.name != section):
+            raise ConfigError(
+                f"a [{section}] section is set but training.task is not {section!r}; set training.task = "
+                f"{section!r} or drop [{section}]"
+            )
+    return named or task_of(config.model)

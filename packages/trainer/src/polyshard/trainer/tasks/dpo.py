@@ -128,10 +128,11 @@ class PreferenceLoss:
         return sums
 
 
-def check_reference(config: Config) -> None:
-    """The layouts the reference is built for (part of ``validate``)."""
-    if config.parallel.zero_stage == 3 and config.lora is None:
+def check_reference(config: Config, needed: bool = True, why: str = "training.task = 'dpo'") -> None:
+    """The layouts the reference is built for (part of ``validate``); ``needed``: the run holds one
+    (``why`` says what asks for it)."""
+    if needed and config.parallel.zero_stage == 3 and config.lora is None:
         raise ConfigError(
-            "training.task = 'dpo' keeps a frozen copy of the model as its reference, not built for "
+            f"{why} keeps a frozen copy of the model as its reference, not built for "
             "parallel.zero_stage = 3 yet; use zero_stage 0-2 (or train LoRA adapters: the base is the reference)"
         )
