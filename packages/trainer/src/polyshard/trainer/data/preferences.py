@@ -7,10 +7,17 @@ the fine-tuning pairs get it, or already tokenized
 
     {"prompt_ids": [50, 43, 50, 61], "chosen_ids": [52], "rejected_ids": [53]}
 
-used as given (no token added). Example k is pair k: ``tokens`` and ``labels`` of shape (2, width),
-chosen first, each row the prompt then the response, padded (end-of-text, else 0); the labels are
-IGNORE_INDEX on the prompt and the padding. A batch of b examples is 2b adjacent rows, so the two
-sides of a pair always share a microbatch on every layout.
+used as given (no token added), or in TRL's conversational form
+
+    {"prompt": [{"role": "user", "content": "2+2="}], "chosen": "4", "rejected": "5"}
+
+when ``data.tokenizer`` is a tokenizer folder with a chat template (:mod:`polyshard.data.chat`: the prompt
+rendered with the assistant turn's opening, each response as the assistant's turn, nothing appended: the
+template ends the turn); ``chosen`` and ``rejected`` may also be lists of assistant messages.
+
+Example k is pair k: ``tokens`` and ``labels`` of shape (2, width), chosen first, each row the prompt then
+the response, padded (end-of-text, else 0); the labels are IGNORE_INDEX on the prompt and the padding. A
+batch of b examples is 2b adjacent rows, so the two sides of a pair always share a microbatch on every layout.
 
 Truncation, when a pair does not fit a row of ``width`` = context_length + 1 tokens: the prompt keeps its
 *last* tokens, at most max(width // 2, width - the longer response) of them, then each response keeps
@@ -29,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from polyshard.data.chat import Chat, is_conversation
 from polyshard.data.examples import IGNORE_INDEX, Arrays
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.models import output_width, sequence_length
@@ -51,8 +59,11 @@ def truncate(prompt: list[int], chosen: list[int], rejected: list[int], width: i
     return prompt, chosen[:room], rejected[:room]
 
 
-def _sides(row: Any, tokenizer: Tokenizer, where: str) -> tuple[list[int], list[int], list[int]]:
+def _sides(row: Any, tokenizer: Tokenizer, chat: Chat, where: str) -> tuple[list[int], list[int], list[int]]:
     """(prompt, chosen, rejected) token ids of one parsed line."""
+    if isinstance(row, dict) and is_conversation(row.get("prompt")) and "chosen" in row and "rejected" in row:
+        prompt, (chosen, rejected) = chat.pair(row["prompt"], {k: row[k] for k in TEXT_FIELDS[1:]}, where)
+        return prompt, chosen, rejected
     if isinstance(row, dict) and all(k in row for k in ID_FIELDS):
         sides = [row[k] for k in ID_FIELDS]
         for name, ids in zip(ID_FIELDS, sides):
@@ -88,6 +99,7 @@ def read_pairs(path: Path, tokenizer: Tokenizer, width: int, field: str) -> Arra
     if not path.is_file():
         raise DataError(f'{field}={str(path)!r}: no such file; give a .jsonl of {{"prompt", "chosen", "rejected"}}')
     pad = 0 if tokenizer.end_of_text is None else tokenizer.end_of_text
+    chat = Chat(tokenizer)
     tokens, labels = [], []
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
@@ -98,7 +110,7 @@ def read_pairs(path: Path, tokenizer: Tokenizer, width: int, field: str) -> Arra
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not a JSON object ({err.msg}); one pair per line") from err
-            prompt, chosen, rejected = _sides(row, tokenizer, where)
+            prompt, chosen, rejected = _sides(row, tokenizer, chat, where)
             if not prompt:
                 raise DataError(f"{where}: the prompt is empty; a response's first token needs a token before it")
             if not chosen or not rejected:

@@ -6,7 +6,12 @@ tokenized with the run's tokenizer (``data.tokenizer``; no token added), or alre
 
     {"prompt_ids": [51, 43, 52, 61], "answer": "7"}
 
-used as given (its text, for the rewards, is the tokenizer's decoding). Every other field of a line is a
+used as given (its text, for the rewards, is the tokenizer's decoding), or in TRL's conversational form
+
+    {"prompt": [{"role": "user", "content": "3+4="}], "answer": "7"}
+
+rendered with the chat template of the ``data.tokenizer`` folder and the assistant turn's opening
+(:mod:`polyshard.data.chat`; its text, for the rewards, is the rendering). Every other field of a line is a
 *column*: the reward functions get it, aligned with the completions (TRL's convention), e.g. the
 ``answer`` that :func:`polyshard.trainer.tasks.rewards.exact_answer` compares with.
 
@@ -29,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from polyshard.data.chat import Chat, is_conversation
 from polyshard.data.examples import Arrays
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.models import output_width, sequence_length
@@ -48,7 +54,7 @@ class Prompt:
     columns: dict[str, Any] = field(default_factory=dict)
 
 
-def _prompt(row: Any, tokenizer: Tokenizer, where: str) -> Prompt:
+def _prompt(row: Any, tokenizer: Tokenizer, chat: Chat, where: str) -> Prompt:
     if not isinstance(row, dict):
         raise DataError(
             f'{where}: expected a JSON object {{"prompt": "..."}} or {{"prompt_ids": [...]}}, got {str(row)[:80]}'
@@ -60,16 +66,20 @@ def _prompt(row: Any, tokenizer: Tokenizer, where: str) -> Prompt:
         columns = {k: v for k, v in row.items() if k != "prompt_ids"}
         return Prompt(ids, tokenizer.decode(ids), columns)
     text = row.get("prompt")
+    columns = {k: v for k, v in row.items() if k != "prompt"}
+    if is_conversation(text):
+        ids, rendered = chat.prompt(text, where)
+        return Prompt(ids, rendered, columns)
     if not isinstance(text, str):
         raise DataError(f'{where}: no "prompt" text (or "prompt_ids"); got the fields {sorted(row)[:8]}')
-    return Prompt(tokenizer.encode(text), text, {k: v for k, v in row.items() if k != "prompt"})
+    return Prompt(tokenizer.encode(text), text, columns)
 
 
 def read_prompts(path: Path, tokenizer: Tokenizer, room: int, vocab: int, field_name: str) -> list[Prompt]:
     """Every prompt of ``path``; ``room``: the most prompt tokens a row leaves beside the longest completion."""
     if not path.is_file():
         raise DataError(f'{field_name}={str(path)!r}: no such file; give a .jsonl of {{"prompt": "..."}} lines')
-    prompts = []
+    prompts, chat = [], Chat(tokenizer)
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -81,7 +91,7 @@ def read_prompts(path: Path, tokenizer: Tokenizer, room: int, vocab: int, field_
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not a JSON object ({err.msg}); one prompt per line") from err
-            prompt = _prompt(row, tokenizer, where)
+            prompt = _prompt(row, tokenizer, chat, where)
             if not prompt.ids:
                 raise DataError(f"{where}: the prompt is empty; a completion's first token needs a token before it")
             if len(prompt.ids) > room:
