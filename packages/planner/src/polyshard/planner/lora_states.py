@@ -16,7 +16,8 @@ def adapter_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """Every adapter factor's global shape by name (none without ``[lora]``)."""
     if config.lora is None:
         return {}
-    rank, shapes = config.lora.rank, {}
+    rank = config.lora.rank
+    shapes: dict[str, tuple[int, ...]] = {}
     for target in lora_targets(config):
         shapes[f"{target.name}.lora_A.weight"] = (rank, target.in_features)
         shapes[f"{target.name}.lora_B.weight"] = (target.out_features, rank)
