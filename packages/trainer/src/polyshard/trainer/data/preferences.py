@@ -32,20 +32,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from polyshard.data.chat import Chat, is_conversation
+from polyshard.data.chat import Chat
 from polyshard.data.examples import IGNORE_INDEX, Arrays
+from polyshard.data.preference_rows import pair_tokens
 from polyshard.data.tokenizer import Tokenizer, load_tokenizer
 from polyshard.models import output_width, sequence_length
 from polyshard.trainer.config import Config
 from polyshard.trainer.data.language import RunData
 from polyshard.trainer.errors import DataError
-
-TEXT_FIELDS = ("prompt", "chosen", "rejected")
-ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def truncate(prompt: list[int], chosen: list[int], rejected: list[int], width: int) -> tuple[list[int], ...]:
@@ -57,32 +54,6 @@ def truncate(prompt: list[int], chosen: list[int], rejected: list[int], width: i
     prompt = prompt[len(prompt) - kept :]
     room = width - kept
     return prompt, chosen[:room], rejected[:room]
-
-
-def _sides(row: Any, tokenizer: Tokenizer, chat: Chat, where: str) -> tuple[list[int], list[int], list[int]]:
-    """(prompt, chosen, rejected) token ids of one parsed line."""
-    if isinstance(row, dict) and is_conversation(row.get("prompt")) and "chosen" in row and "rejected" in row:
-        prompt, (chosen, rejected) = chat.pair(row["prompt"], {k: row[k] for k in TEXT_FIELDS[1:]}, where)
-        return prompt, chosen, rejected
-    if isinstance(row, dict) and all(k in row for k in ID_FIELDS):
-        sides = [row[k] for k in ID_FIELDS]
-        for name, ids in zip(ID_FIELDS, sides):
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise DataError(f"{where}: {name} must be a list of token ids (integers), got {ids!r:.60}")
-            if any(i < 0 for i in ids):
-                raise DataError(f"{where}: {name} holds a negative token id; give ids in [0, the vocabulary)")
-        return sides[0], sides[1], sides[2]
-    if isinstance(row, dict) and all(isinstance(row.get(k), str) for k in TEXT_FIELDS):
-        end = [] if tokenizer.end_of_text is None else [tokenizer.end_of_text]
-        prompt, chosen, rejected = (row[k] for k in TEXT_FIELDS)
-        for name, text in (("chosen", chosen), ("rejected", rejected)):
-            if not text:
-                raise DataError(f"{where}: {name} is empty; every pair needs two non-empty responses")
-        return tokenizer.encode(prompt), tokenizer.encode(chosen) + end, tokenizer.encode(rejected) + end
-    raise DataError(
-        f'{where}: expected {{"prompt", "chosen", "rejected"}} as text or {{"prompt_ids", "chosen_ids", '
-        f'"rejected_ids"}} as lists of token ids, got {str(row)[:80]}'
-    )
 
 
 def _row(prompt: list[int], response: list[int], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +81,7 @@ def read_pairs(path: Path, tokenizer: Tokenizer, width: int, field: str) -> Arra
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not a JSON object ({err.msg}); one pair per line") from err
-            prompt, chosen, rejected = _sides(row, tokenizer, chat, where)
-            if not prompt:
-                raise DataError(f"{where}: the prompt is empty; a response's first token needs a token before it")
-            if not chosen or not rejected:
-                raise DataError(f"{where}: a response is empty; every pair needs two non-empty responses")
+            prompt, chosen, rejected = pair_tokens(row, tokenizer, chat, where)
             prompt, chosen, rejected = truncate(prompt, chosen, rejected, width)
             pair = [_row(prompt, side, width, pad) for side in (chosen, rejected)]
             tokens.append(np.stack([t for t, _ in pair]))
