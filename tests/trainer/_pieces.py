@@ -41,7 +41,8 @@ def parameter_pieces(engine) -> list[Piece]:
     for index, stage in engine.stages.items():
         names = engine.global_names(index)
         if engine.config.parallel.zero_stage == 3:
-            # ZeRO-3 shards trainable parameters only; frozen ones (LoRA's base) stay whole on each rank
+            # ZeRO-3 shards every floating parameter, LoRA's frozen base too: gather them (an integer one
+            # would stay whole on each rank)
             full = {n: p.detach() for n, p in stage.named_parameters()} | engine.wrappers[index].full_parameters()
         else:
             full = {n: p.detach() for n, p in stage.named_parameters()}

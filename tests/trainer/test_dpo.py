@@ -149,8 +149,7 @@ def test_bad_dpo_settings_are_one_line_errors(values, named):
 @pytest.mark.parametrize(
     ("sections", "named"),
     [
-        ({"parallel": {"dp": 2, "zero_stage": 3}}, "parallel.zero_stage = 3"),
-        ({"parallel": {"cp": 2}}, "parallel.cp > 1"),
+        ({"data": {"document_mask": True}}, "data.document_mask"),
         ({"data": {"source": "shakespeare"}}, "data.source='shakespeare'"),
         ({"training": {"loss_chunks": 2}}, "training.loss_chunks > 1"),
     ],

@@ -17,7 +17,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._layouts import Tolerance, _FirstGradients, compared_pieces, layout
+from tests.trainer._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
 from tests.trainer._short import SMALL_LLAMA, short_training
 
 STEPS = 4
@@ -101,6 +101,12 @@ def train_dpo(config, out):
         layout("tp2-sp", model="llama"),
         layout("pp2-zbh1", model="llama"),
         layout("dp2-zero2", model="gpt"),
+        # cp: each rank holds two chunks of every row; the rows' log-prob parts are added up over cp
+        layout("cp2-ring", model="gpt"),
+        layout("cp2-allgather", LONG, model="gpt"),
+        layout("cp2-ulysses", LONG, model="llama"),
+        layout("cp2xdp2", LONG, model="gpt"),
+        layout("dp2-zero3", model="gpt"),  # the reference is each rank's rows of it, gathered block by block
     ],
 )
 def test_dpo_trains_as_on_one_process(parity, pairs, tmp_path, model, name):
@@ -114,9 +120,11 @@ def test_dpo_trains_as_on_one_process(parity, pairs, tmp_path, model, name):
     assert compared.results[0]["numbers"][0] == pytest.approx(0.6931472, rel=1e-6)  # policy = reference: log 2
 
 
-def test_ipo_trains_as_on_one_process_on_tp2(parity, pairs, tmp_path):
+@pytest.mark.parametrize("name", [layout("tp2"), layout("cp2-ring")])
+def test_ipo_trains_as_on_one_process(parity, pairs, tmp_path, name):
+    """IPO divides by each row's completion tokens: under cp the count is added up over the chunks too."""
     config_of = functools.partial(_config, pairs, loss="ipo")
-    parity.check("tp2", config_of, TOLERANCE, tmp_path, worker=train_dpo)
+    parity.check(name, config_of, TOLERANCE, tmp_path, worker=train_dpo)
 
 
 @pytest.mark.parametrize("name", [layout("tp2"), layout("dp2-zero3"), layout("pp2-1f1b")])

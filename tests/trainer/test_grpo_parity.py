@@ -141,7 +141,7 @@ def test_grpo_draws_and_trains_as_on_one_process(parity, prompts, tmp_path, name
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("name", [layout("tp2"), layout("dp2")])
+@pytest.mark.parametrize("name", [layout("tp2"), layout("dp2"), layout("dp2-zero3")])
 def test_grpo_with_a_reference_and_two_iterations_trains_as_on_one_process(parity, prompts, tmp_path, name):
     """beta > 0 holds a frozen reference; iterations = 2 reuses each generation batch for a second step,
     its ratios against the log-probs the policy had when it generated (the grpo loss type, per row)."""

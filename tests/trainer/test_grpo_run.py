@@ -11,7 +11,8 @@ from polyshard.data.tokenizer import load_tokenizer
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.data.prompts import read_prompts
-from polyshard.trainer.errors import DataError
+from polyshard.trainer.engine.constraints import validate
+from polyshard.trainer.errors import ConfigError, DataError
 from polyshard.trainer.loop import Trainer
 from polyshard.trainer.loop.rollouts import cut_at_stop
 from polyshard.trainer.tasks.rewards import RewardError
@@ -99,3 +100,30 @@ def test_a_reward_that_raises_names_the_step_and_keeps_the_last_checkpoint(distr
     assert "'failing_at_third_step' raised ValueError: the grader lost its answers at step 3" in message
     assert "(prompt '" in message
     assert kept == ["step_00000002"]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "named"),
+    [
+        ({"pp": 2}, "parallel.pp > 1"),
+        ({"cp": 2}, "parallel.cp > 1"),
+        ({"tp": 2, "sequence_parallel": True}, "parallel.sequence_parallel"),
+    ],
+)
+def test_layouts_generation_does_not_run_are_refused_by_name(tmp_path, parallel, named):
+    """GRPO generates one token at a time on the training mesh: pipeline stages, cp chunks and SP's split
+    sequence are refused before any process starts; ZeRO-3 (a sharded reference) is not."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ab>"}\n{"prompt": "cd>"}\n')
+    sections = {
+        "model": {"kind": "gpt", "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 8},
+        "training": {"task": "grpo", "steps": 1, "global_batch_size": 2},
+        "grpo": {"generations": 2, "beta": 0.1, "rewards": [{"function": "exact_answer"}]},
+        "data": {"source": str(prompts), "tokenizer": "bytes"},
+    }
+    config = from_dict({**sections, "parallel": parallel})
+    with pytest.raises(ConfigError) as error:
+        validate(config, world_size=config.parallel.world_size)
+    assert named in str(error.value) and "\n" not in str(error.value)
+    sharded = from_dict({**sections, "parallel": {"dp": 2, "zero_stage": 3}})
+    validate(sharded, world_size=2)

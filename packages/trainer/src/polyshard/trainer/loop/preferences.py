@@ -4,6 +4,10 @@
   pipeline cuts into microbatches (:func:`polyshard.trainer.tasks.dpo.pack_targets`);
 * after each step, TRL's reward metrics over the global batch's pairs (one all-reduce of five numbers);
 * evaluation: the mean DPO loss and the rewards over the validation pairs, forward only.
+
+Under cp the reference, like the policy, runs on this rank's chunks of the rows; one all-reduce over the
+cp group adds the chunks' log-prob parts into each row's whole (forward only, no gradient), and the
+reward sums count on cp rank 0 alone (every cp rank computes the same pairs; :mod:`polyshard.trainer.tasks.dpo`).
 """
 
 from __future__ import annotations
@@ -24,10 +28,7 @@ from polyshard.trainer.tasks.dpo import (
     metric_sums,
     metrics_of,
     pack_targets,
-    preference_losses,
-    sequence_logps,
 )
-from polyshard.trainer.tasks.loss import IGNORE_INDEX
 
 
 class PreferenceRun:
@@ -42,17 +43,31 @@ class PreferenceRun:
         self.engine = engine
         self.reference = Reference(engine)
         self.loss = cast(PreferenceLoss, engine.executor.loss_fn)
+        self.cp_group = engine.mesh.group("cp") if engine.config.parallel.cp > 1 else None
+        self.loss.cp_group = self.cp_group  # the loss adds its rows' parts over cp (tasks.dpo.whole_row_sums)
 
     @property
     def _holder(self) -> bool:
-        """The one rank per replica whose loss sums count (last stage, tp rank 0), as train_step's loss."""
-        return self.engine.holds_last_stage and self.engine.mesh.coord("tp") == 0
+        """The one rank per data rank whose sums count (last stage, tp rank 0, cp rank 0): tp and cp ranks
+        compute the same pairs."""
+        mesh = self.engine.mesh
+        return self.engine.holds_last_stage and mesh.coord("tp") == 0 and mesh.coord("cp") == 0
 
     def targets(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """This data rank's labels with each row's reference log-prob (on the last stage; elsewhere unused).
-        Whole rows: DPO refuses cp, so no rank holds a chunk of a sequence."""
-        reference = self.reference.logps(inputs, labels)
+        """This data rank's whole (B, S) labels with each row's reference log-prob beside them (on the last
+        stage; elsewhere unused): train_step cuts both into this cp rank's chunks."""
+        reference = self._reference_logps(inputs, labels)
         return labels if reference is None else pack_targets(labels, reference)
+
+    def _reference_logps(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """(B,) each whole row's completion log-prob under the reference on the last stage's ranks, else
+        None; ``inputs``, ``labels``: whole rows. Under cp the reference runs on this rank's chunks and
+        the parts are added up over the cp group (whose ranks all hold the last stage, or none does)."""
+        local = self.engine.local_tokens
+        reference = self.reference.logps(local(inputs), local(labels))
+        if reference is not None and self.cp_group is not None:
+            ops.all_reduce(reference, self.cp_group)
+        return reference
 
     def step_metrics(self) -> dict[str, float]:
         """The last step's rewards over the global batch's pairs (collective: every rank calls it)."""
@@ -86,14 +101,14 @@ class PreferenceRun:
         return figures
 
     def _evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        reference = self.reference.logps(inputs, labels)
+        reference = self._reference_logps(inputs, labels)
+        local_labels = self.engine.local_tokens(labels)
         loss = self.loss
 
         def score(logits: torch.Tensor) -> torch.Tensor:
             if reference is None:  # the rank holding the last stage computes both
                 raise RuntimeError("the reference gave no log-probs on the rank holding the last stage")
-            policy = sequence_logps(logits, labels, loss.tp_group, loss.vocab_size)
-            pairs = preference_losses(policy, reference, (labels != IGNORE_INDEX).sum(-1), loss.config)
+            pairs = loss.pair_losses(logits, local_labels, reference)
             return torch.cat([pairs.losses.double().sum().reshape(1).cpu(), metric_sums(pairs).cpu()])
 
-        return self.engine.forward_only(inputs, score)
+        return self.engine.forward_only(self.engine.local_tokens(inputs), score)

@@ -39,7 +39,7 @@ from polyshard.trainer.data import RunData, check_language_data, digits_splits, 
 from polyshard.trainer.data.preferences import check_preference_data, preference_data
 from polyshard.trainer.data.prompts import check_prompt_data, prompt_data
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.tasks.dpo import PreferenceLoss, check_reference
+from polyshard.trainer.tasks.dpo import PreferenceLoss
 from polyshard.trainer.tasks.grpo import GRPOLoss
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
 from polyshard.trainer.tasks.rewards import load_rewards
@@ -198,7 +198,6 @@ def _aligned_settings(config: Config, task: str, data: str) -> None:
             "(and no [[data.sources]])"
         )
     for what, on in (
-        ("parallel.cp > 1", config.parallel.cp > 1),
         ("training.loss_chunks > 1", config.training.loss_chunks > 1),
         ("model.mtp_depth > 0", getattr(config.model, "mtp_depth", 0) > 0),
         ("data.document_mask", config.data.document_mask),
@@ -210,7 +209,6 @@ def _aligned_settings(config: Config, task: str, data: str) -> None:
 
 def _preference_settings(config: Config) -> None:
     _aligned_settings(config, "dpo", 'preference pairs {"prompt", "chosen", "rejected"}')
-    check_reference(config)
 
 
 def _pairs_as_rows(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,9 +237,11 @@ def _rollout_settings(config: Config) -> None:
     if config.grpo is None:
         raise ConfigError("training.task = 'grpo' needs a [grpo] section with at least one [[grpo.rewards]]")
     # Generation runs the stages one token at a time on every rank of a replica: no pipeline schedule,
-    # no experts exchanged between ranks (loop.generation; a compiled run generates uncompiled).
+    # no experts exchanged between ranks, no sequence cut into cp chunks (loop.generation; a compiled run
+    # generates uncompiled).
     for what, on in (
         ("parallel.pp > 1", config.parallel.pp > 1),
+        ("parallel.cp > 1", config.parallel.cp > 1),
         ("parallel.ep > 1", config.parallel.ep > 1),
         ("parallel.sequence_parallel", config.parallel.sequence_parallel),  # one new token splits no further
     ):
@@ -250,7 +250,6 @@ def _rollout_settings(config: Config) -> None:
                 f"training.task = 'grpo' generates on the training mesh, which does not run with {what} yet; "
                 "turn it off (dp, ZeRO and tp generate)"
             )
-    check_reference(config, config.grpo.beta > 0, "grpo.beta > 0")
     if config.training.global_batch_size % config.parallel.data_ranks:
         raise ConfigError(
             f"training.global_batch_size={config.training.global_batch_size} prompts must split evenly over the "
