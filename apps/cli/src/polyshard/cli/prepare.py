@@ -16,7 +16,9 @@ def prepare_command(
     ),
     out: Path = typer.Argument(..., help="The prepared-dataset folder to write."),
     tokenizer: str = typer.Option("bytes", "--tokenizer", help="'bytes' or a tokenizer.json (or a folder with one)."),
-    kind: str = typer.Option("text", "--kind", help="text (documents) or pairs (prompt/response, with a mask)."),
+    kind: str = typer.Option(
+        "text", "--kind", help="text (documents), pairs (prompt/response, with a mask) or preferences (DPO pairs)."
+    ),
     split_on: str = typer.Option("file", "--split-on", help="A .txt document: the file, or each blank-line block."),
     text_field: str = typer.Option("text", "--text-field", help="The field (column) holding the text."),
     prompt_field: str = typer.Option("prompt", "--prompt-field", help="--kind pairs: the prompt's field."),

@@ -2,6 +2,7 @@
 
 polyshard-data prepare corpus/ data/corpus --tokenizer tokenizer.json     text files, one document each
 polyshard-data prepare chat.jsonl data/chat --kind pairs                    prompt/response pairs, with a mask
+polyshard-data prepare prefs.jsonl data/prefs --kind preferences --tokenizer tok/   DPO pairs, one per document
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import sys
 
 from polyshard.data.errors import DataError
-from polyshard.data.format import Manifest
+from polyshard.data.format import KINDS, Manifest
 from polyshard.data.prepare import DEFAULT_SHARD_TOKENS, prepare
 from polyshard.data.sources import DOCUMENT_LIMIT
 
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", help=".txt/.jsonl[.gz|.zst]/.parquet file or folder, save_to_disk folder, dataset name")
     p.add_argument("out", help="the prepared-dataset folder to write")
     p.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json (or a folder holding one)")
-    p.add_argument("--kind", choices=("text", "pairs"), default="text")
+    p.add_argument("--kind", choices=KINDS, default="text", help="documents, prompt/response pairs or DPO pairs")
     p.add_argument("--split-on", choices=("file", "blank"), default="file", help="a .txt document: a file or a block")
     p.add_argument("--text-field", default="text")
     p.add_argument("--prompt-field", default="prompt")

@@ -6,7 +6,10 @@ line and the fix), then tokenizes all the chunk's documents in one batch: ``enco
 document is tokenized alone and followed by its end: the end-of-text token, or when the tokenizer has
 none the ``separator`` text tokenized alone. Fine-tuning pairs are ``tokens(prompt) + tokens(response)
 + [end of text]`` (nothing after the response when there is no end-of-text token), with a mask of 0 on
-the prompt and 1 on the rest. Empty text documents are skipped.
+the prompt and 1 on the rest. DPO's preference pairs are ``prompt + chosen + rejected`` by the rule the
+trainer's ``.jsonl`` reader applies (:func:`polyshard.data.preference_rows.pair_tokens`: text, token ids,
+or messages through the tokenizer folder's chat template), each token's mask byte saying which part it
+is; a line is tokenized on its own. Empty text documents are skipped.
 
 The worker state (the tokenizer, the options) is built once per process by :func:`start`, so the
 tasks themselves carry only the chunk; the same functions run in the main process when ``workers=1``.
@@ -22,8 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from polyshard.data.chat import Chat
 from polyshard.data.errors import DataError
 from polyshard.data.lifetime import end_with_parent
+from polyshard.data.preference_rows import Sides, pair_tokens, side_mask
 from polyshard.data.sources import Chunk, Fields, Part, too_long
 from polyshard.data.tokenizer import ByteTokenizer, FileTokenizer, Tokenizer, load_tokenizer
 
@@ -48,6 +53,17 @@ class Encoded:
 
 
 @dataclass(frozen=True)
+class PairRow:
+    """A preference line as parsed (kind "preferences"): where it is, for messages, and the object."""
+
+    where: str
+    record: dict[str, Any]
+
+
+Document = str | tuple[str, str] | PairRow
+
+
+@dataclass(frozen=True)
 class Settings:
     tokenizer: str
     """'bytes' or the path of a tokenizer.json: what each worker loads."""
@@ -62,6 +78,7 @@ class Encoder:
         self.fields = settings.fields
         self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
         self.dtype = np.dtype(settings.dtype)
+        self.chat = Chat(self.tokenizer) if self.fields.kind == "preferences" else None
         eot = self.tokenizer.end_of_text
         if eot is not None:
             self.end = [eot]
@@ -74,6 +91,8 @@ class Encoder:
         documents = [d for part in chunk.parts for d in documents_of(part, self.fields)]
         if self.fields.kind == "text":
             return self._text([d for d in documents if isinstance(d, str)])
+        if self.fields.kind == "preferences":
+            return self._preferences([d for d in documents if isinstance(d, PairRow)])
         return self._pairs([d for d in documents if isinstance(d, tuple)])
 
     def _text(self, texts: list[str]) -> Encoded:
@@ -95,6 +114,25 @@ class Encoder:
         tokens = self._array([x for p, r in zip(prompts, responses) for x in (p, r, self.end)], int(sides.sum()))
         mask = np.repeat(np.tile(np.array([0, 1], np.uint8), len(pairs)), sides)
         return Encoded(tokens, sides.reshape(-1, 2).sum(axis=1), mask)
+
+    def _preferences(self, rows: list[PairRow]) -> Encoded:
+        assert self.chat is not None
+        pairs = [self._pair(row) for row in rows]
+        lengths = np.fromiter((sum(map(len, sides)) for sides in pairs), np.int64, len(pairs))
+        tokens = self._array([side for sides in pairs for side in sides], int(lengths.sum()))
+        mask = np.concatenate([side_mask(sides) for sides in pairs]) if pairs else np.empty(0, np.uint8)
+        return Encoded(tokens, lengths, mask)
+
+    def _pair(self, row: PairRow) -> Sides:
+        assert self.chat is not None
+        sides = pair_tokens(row.record, self.tokenizer, self.chat, row.where)
+        top = max(max(side) for side in sides)
+        if top >= self.tokenizer.vocab_size:  # ids given as such: the folder's dtype and manifest hold the vocabulary
+            raise DataError(
+                f"{row.where}: token id {top} is past the tokenizer's vocab_size={self.tokenizer.vocab_size}; "
+                "prepare with the tokenizer the ids come from (--tokenizer)"
+            )
+        return sides
 
     def _encode(self, texts: list[str]) -> list[Any]:
         """Each text's ids (a list, or for bytes the UTF-8 bytes: iterating them gives the ids)."""
@@ -149,7 +187,7 @@ def pieces(text: str) -> list[str]:
     return out
 
 
-def documents_of(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
+def documents_of(part: Part, fields: Fields) -> list[Document]:
     """The documents of one part, in order, each checked."""
     if part.form == "arrow":
         assert isinstance(part.data, dict)
@@ -179,8 +217,8 @@ def _decode(data: bytes, where: str, first_line: int) -> str:
         ) from err
 
 
-def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> list[str | tuple[str, str]]:
-    documents: list[str | tuple[str, str]] = []
+def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> list[Document]:
+    documents: list[Document] = []
     for number, raw in enumerate(data.split(b"\n"), start=first_line):
         if not raw.strip():
             continue
@@ -188,7 +226,9 @@ def _json_lines(data: bytes, where: str, first_line: int, fields: Fields) -> lis
         if len(raw) > fields.max_document_bytes:  # the reader stops a longer one only when it spans reads
             raise too_long(at, fields.max_document_bytes, "split it into several lines")
         record = _record(raw, at, fields)
-        if fields.kind == "text":
+        if fields.kind == "preferences":  # checked and tokenized by preference_rows' rule
+            documents.append(PairRow(at, record))
+        elif fields.kind == "text":
             text = _field(record, fields.text_field, at, "--text-field", allow_empty=True)
             if text:
                 documents.append(text)
@@ -241,7 +281,7 @@ def _field(record: dict[str, Any], name: str, where: str, flag: str, allow_empty
     return value
 
 
-def _rows(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
+def _rows(part: Part, fields: Fields) -> list[Document]:
     assert isinstance(part.data, dict)
     columns = [part.data[c].to_pylist() for c in fields.columns]
     for name, column in zip(fields.columns, columns):
@@ -250,7 +290,7 @@ def _rows(part: Part, fields: Fields) -> list[str | tuple[str, str]]:
                 raise too_long(f"{part.where}, row {row}, {name!r}", fields.max_document_bytes, "split it into rows")
     if fields.kind == "text":
         return [t for t in columns[0] if t]  # a null or empty text is an empty document: skipped
-    documents: list[str | tuple[str, str]] = []
+    documents: list[Document] = []
     for row, (prompt, response) in enumerate(zip(*columns), start=part.first):
         for name, value in ((fields.prompt_field, prompt), (fields.response_field, response)):
             if not value:

@@ -10,10 +10,12 @@ A prepared dataset is a folder::
 Each split (``train``, and ``val`` when documents were held out) is a list of shards; a shard holds
 whole documents, never part of one. ``.tokens`` is the token ids end to end (``uint16`` when the
 vocabulary fits, else ``uint32``, little-endian, no header); ``.docs`` the offset of each document's
-first token within the shard (``int64``, the first is 0); ``.mask`` (fine-tuning pairs only) one
-byte per token, 1 where the loss counts it (response tokens). The split's token stream is its shards
-end to end. Every document ends with the tokenizer's end-of-text token or, when the tokenizer has
-none (the byte tokenizer), with the manifest's ``separator`` bytes.
+first token within the shard (``int64``, the first is 0); ``.mask`` (pairs and preferences only) one
+byte per token, 1 where the loss counts it (response tokens); for DPO's preference pairs (kind
+``preferences``, one pair per document: prompt, chosen, rejected end to end) the byte says which of the
+three a token belongs to (:mod:`polyshard.data.preference_rows`). The split's token stream is its shards
+end to end. A text document ends with the tokenizer's end-of-text token or, when the tokenizer has
+none (the byte tokenizer), with the manifest's ``separator`` bytes; a pair's responses end as its rule says.
 
 The manifest is untrusted input: :func:`read_manifest` checks every field, that file names are bare
 names inside the folder, and that each file's size is what the manifest says, before anything is
@@ -39,7 +41,8 @@ FORMAT = "polyshard.prepared"
 VERSION = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
-KINDS = ("text", "pairs")  # plain documents, or prompt/response examples with a loss mask
+KINDS = ("text", "pairs", "preferences")  # documents; prompt/response with a loss mask; DPO pairs (a side mask)
+MASKED = ("pairs", "preferences")  # the kinds with a .mask file: one byte per token
 DOCS_DTYPE = np.dtype("<i8")
 MASK_DTYPE = np.dtype("u1")
 TOKENS = ".tokens"
@@ -184,7 +187,7 @@ def read_manifest(folder: Path) -> Manifest:
         for shard in info.shards:
             _check_size(folder, shard.name + TOKENS, shard.tokens * manifest.np_dtype.itemsize, again)
             _check_size(folder, shard.name + DOCS, shard.documents * DOCS_DTYPE.itemsize, again)
-            if manifest.kind == "pairs":
+            if manifest.kind in MASKED:
                 _check_size(folder, shard.name + MASK, shard.tokens * MASK_DTYPE.itemsize, again)
     return manifest
 

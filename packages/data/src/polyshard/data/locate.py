@@ -7,8 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from polyshard.data.errors import DataError
+from polyshard.data.format import KINDS
 from polyshard.data.hub import DiskDataset, HubDataset
 from polyshard.data.sources import (
+    JSONL,
     PARQUET,
     SPLIT_ON,
     SUFFIXES,
@@ -29,6 +31,7 @@ def open_source(spec: str | Path, fields: Fields) -> Source:
     path = Path(spec).expanduser()
     label = str(spec)
     if path.is_dir() and _is_saved_dataset(path):
+        _no_dataset_of_preferences(label, fields)
         return DiskDataset(label, path, fields)
     if path.is_dir():
         files = sorted(
@@ -46,7 +49,14 @@ def open_source(spec: str | Path, fields: Fields) -> Source:
     elif _looks_like_a_path(str(spec), path):
         raise DataError(f"{path}: no such file or folder; give a text, JSON lines or parquet file or a folder")
     else:
+        _no_dataset_of_preferences(label, fields)
         return HubDataset(label, fields)
+    if fields.kind == "preferences" and not all(p.name.endswith(JSONL) for p in files):
+        other = next(p for p in files if not p.name.endswith(JSONL))
+        raise DataError(
+            f'{other}: preference pairs are read from .jsonl files ({{"prompt", "chosen", "rejected"}} per line); '
+            "convert it, or give only the .jsonl files"
+        )
     if fields.kind == "pairs" and any(p.name.endswith(TEXT) for p in files):
         text = next(p for p in files if p.name.endswith(TEXT))
         raise DataError(f"{text}: fine-tuning pairs need .jsonl (or .parquet) files with prompt and response fields")
@@ -59,14 +69,23 @@ def open_source(spec: str | Path, fields: Fields) -> Source:
 
 
 def _check_fields(fields: Fields) -> None:
-    if fields.kind not in ("text", "pairs"):
-        raise DataError(f"kind={fields.kind!r}; choose 'text' or 'pairs'")
+    if fields.kind not in KINDS:
+        raise DataError(f"kind={fields.kind!r}; choose one of {list(KINDS)}")
     if fields.split_on not in SPLIT_ON:
         raise DataError(f"split_on={fields.split_on!r}; choose one of {SPLIT_ON}")
     if fields.max_document_bytes < 1:
         raise DataError(f"max_document_bytes={fields.max_document_bytes}; give at least 1")
     if fields.kind == "pairs" and fields.prompt_field == fields.response_field:
         raise DataError(f"the prompt and response fields are both {fields.prompt_field!r}; name two fields")
+
+
+def _no_dataset_of_preferences(label: str, fields: Fields) -> None:
+    """Preference rows may be text, ids or messages per line: read from .jsonl, not from arrow's typed columns."""
+    if fields.kind == "preferences":
+        raise DataError(
+            f"{label}: preference pairs are read from a .jsonl file (or a folder of them), not a dataset; "
+            'write its rows as {"prompt", "chosen", "rejected"} lines'
+        )
 
 
 def _hidden(path: Path, root: Path) -> bool:

@@ -17,6 +17,7 @@ that is not one is never deleted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -27,10 +28,12 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from polyshard.data.chat import template_of
 from polyshard.data.encode import Encoded, Encoder, Settings, encode, start
 from polyshard.data.errors import DataError
 from polyshard.data.format import (
     FORMAT,
+    MASKED,
     VERSION,
     Manifest,
     dtype_name,
@@ -73,12 +76,15 @@ def prepare(
 ) -> Manifest:
     """Tokenize ``source`` into the prepared dataset ``out`` and return its manifest.
 
-    ``tokenizer``: 'bytes', a tokenizer.json (or a folder holding one). ``kind``: 'text' (documents) or
-    'pairs' (prompt/response objects, with a loss mask). ``split_on``: a .txt file is one document
-    ('file') or one per blank-line-separated block ('blank'). ``separator`` ends each text document when
-    the tokenizer has no end-of-text token. Document n is held out for ``val`` when
-    ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by default 1-8 MB, so
-    that every worker gets several tasks) changes the speed and the memory held, never the output.
+    ``tokenizer``: 'bytes', a tokenizer.json (or a folder holding one). ``kind``: 'text' (documents),
+    'pairs' (prompt/response objects, with a loss mask) or 'preferences' (DPO's prompt/chosen/rejected lines
+    of .jsonl files as text, token ids or messages rendered with the tokenizer folder's chat template: one
+    pair per document, each token's mask byte saying its part; :mod:`polyshard.data.preference_rows`).
+    ``split_on``: a .txt file is one document ('file') or one per blank-line-separated block ('blank').
+    ``separator`` ends each text document when the tokenizer has no end-of-text token. Document n is held
+    out for ``val`` when ``held_out(seed, n, val_fraction)``. ``chunk_bytes`` (source bytes per task; by
+    default 1-8 MB, so that every worker gets several tasks) changes the speed and the memory held, never
+    the output.
     A document longer than ``max_document_bytes`` is refused, named, so memory stays bounded.
     ``note`` receives a line when the run resumes an interrupted one (what was already done).
     A :class:`DataError` names the file and the fix on bad input, a full disk or a folder that cannot be written.
@@ -99,11 +105,12 @@ def prepare(
     fingerprint = json.loads(json.dumps({
         "format": [FORMAT, VERSION], "source": found.fingerprint(), "tokenizer": info.sha256, "fields": vars(fields),
         "separator": ends_with, "val_fraction": val_fraction, "seed": seed, "shard_tokens": shard_tokens,
+        "template": _template_hash(spec) if kind == "preferences" else None,  # conversational rows render with it
     }))  # fmt: skip
     temp = temp_of(out)
     try:
         resumed = _resume(temp, fingerprint)
-        masked = kind == "pairs"
+        masked = kind in MASKED
         writer = _writer(temp, dtype, masked, shard_tokens, seed, val_fraction, resumed)
         cursor: Cursor = START if writer.documents == 0 or resumed is None else tuple(resumed["cursor"])
         if cursor != START and note is not None:
@@ -155,6 +162,13 @@ def _tokenizer(tokenizer: str | Path | Tokenizer) -> tuple[str, Tokenizer]:
         loaded = load_tokenizer(str(tokenizer))
         return (str(loaded.path) if isinstance(loaded, FileTokenizer) else BYTES), loaded
     raise DataError(f"tokenizer={tokenizer!r}: give 'bytes' or a tokenizer.json (workers load it by its path)")
+
+
+def _template_hash(spec: str) -> str | None:
+    """The sha256 of the chat template the tokenizer's folder holds (None: none), so a resumed prepare of
+    conversational rows never mixes two renderings."""
+    template = template_of(spec)
+    return None if template is None else hashlib.sha256(template.text.encode()).hexdigest()
 
 
 def _resume(temp: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:

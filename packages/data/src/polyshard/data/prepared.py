@@ -32,6 +32,7 @@ from polyshard.data.format import (
     DOCS_DTYPE,
     MASK,
     MASK_DTYPE,
+    MASKED,
     TOKENS,
     Manifest,
     ShardInfo,
@@ -91,7 +92,7 @@ class Split:
     """One split (``train`` or ``val``): its shards' token streams end to end."""
 
     def __init__(self, folder: Path, manifest: Manifest, shards: tuple[ShardInfo, ...]):
-        self.folder, self.dtype, self.has_mask = folder, manifest.np_dtype, manifest.kind == "pairs"
+        self.folder, self.dtype, self.has_mask = folder, manifest.np_dtype, manifest.kind in MASKED
         self.shards = shards
         self.token_starts = np.concatenate([[0], np.cumsum([s.tokens for s in shards], dtype=np.int64)])
         self.doc_starts = np.concatenate([[0], np.cumsum([s.documents for s in shards], dtype=np.int64)])
@@ -143,6 +144,13 @@ class Split:
             return np.ones(stop - start, dtype=bool)
         pieces = self._pieces(start, stop, MASK)
         return np.concatenate(pieces).astype(bool) if pieces else np.empty(0, bool)
+
+    def read_mask_bytes(self, start: int, stop: int) -> np.ndarray:
+        """The mask bytes of ``[start, stop)`` as stored (uint8): a preference pair's part of each token."""
+        if not self.has_mask:
+            raise ValueError(f"{self.folder} has no mask: its documents are plain text")
+        pieces = self._pieces(start, stop, MASK)
+        return np.concatenate(pieces) if pieces else np.empty(0, MASK_DTYPE)
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
         """Stream positions in ``(start, stop)`` where a document begins (sorted, int64)."""

@@ -5,7 +5,7 @@ A source is one of
 - a ``.txt`` file or a folder of them: one document per file, or per blank-line-separated block
   (``split_on="blank"``);
 - ``.jsonl`` / ``.jsonl.gz`` / ``.jsonl.zst`` files, one JSON object per line (a text field, or a
-  prompt and a response for ``kind="pairs"``);
+  prompt and a response for ``kind="pairs"``, DPO's prompt, chosen and rejected for ``kind="preferences"``);
 - ``.parquet`` files, read in row batches with pyarrow;
 - a folder written by ``datasets.Dataset.save_to_disk`` (memory-mapped arrow, sliced, never loaded);
 - a dataset name that ``datasets.load_dataset(name, split="train", streaming=True)`` can stream.
@@ -64,6 +64,8 @@ class Fields:
 
     @property
     def columns(self) -> tuple[str, ...]:
+        if self.kind == "preferences":  # their names are fixed (text or ids: preference_rows' rule)
+            return ("prompt", "chosen", "rejected")
         return (self.text_field,) if self.kind == "text" else (self.prompt_field, self.response_field)
 
 

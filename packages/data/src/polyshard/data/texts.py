@@ -30,4 +30,7 @@ def _texts(chunks: Iterator[Chunk], fields: Fields) -> Iterator[str]:
     for chunk in chunks:
         for part in chunk.parts:
             for document in documents_of(part, fields):
-                yield from (document,) if isinstance(document, str) else document
+                if isinstance(document, str):
+                    yield document
+                elif isinstance(document, tuple):  # a prompt and its response (a preference row: no text here)
+                    yield from document

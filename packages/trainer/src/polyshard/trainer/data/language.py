@@ -159,6 +159,11 @@ def _examples(
 ) -> tuple[Examples, Examples | None]:
     """(training examples, the held-out ones or None) of one prepared source; with ``check``, every padded
     example is read once to find a prompt that leaves its row no room (the launcher's check, not a rank's)."""
+    if prepared.manifest.kind == "preferences":  # one DPO pair per document: no next-token rows to cut
+        raise DataError(
+            f"{where} is a prepared folder of kind 'preferences' (DPO pairs); a language run reads kind 'text' "
+            "or 'pairs': set training.task = 'dpo' to train on it, or prepare the data with --kind text or pairs"
+        )
     pairs = prepared.manifest.kind == "pairs"
     segments = data.document_mask
     if pairs and not data.packing:

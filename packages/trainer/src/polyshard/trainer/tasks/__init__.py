@@ -36,6 +36,7 @@ from polyshard.tp import chunked_linear_cross_entropy, head_input, vocab_paralle
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.dpo import DPOConfig
 from polyshard.trainer.data import RunData, check_language_data, digits_splits, language_data
+from polyshard.trainer.data.language import is_prepared
 from polyshard.trainer.data.preferences import check_preference_data, preference_data
 from polyshard.trainer.data.prompts import check_prompt_data, prompt_data
 from polyshard.trainer.errors import ConfigError
@@ -192,10 +193,13 @@ def _aligned_settings(config: Config, task: str, data: str) -> None:
             f"training.task = {task!r} trains a language model; model.kind={config.model.kind!r} is not one "
             "(use a GPT or Llama family)"
         )
-    if not config.data.source.endswith(".jsonl") or config.data.sources is not None:
+    # DPO also reads a folder that `polyshard prepare --kind preferences` wrote (its kind is checked on reading)
+    prepared = task == "dpo" and is_prepared(config.data.source)
+    if not (config.data.source.endswith(".jsonl") or prepared) or config.data.sources is not None:
+        also = " or a prepared folder of them" if task == "dpo" else ""
         raise ConfigError(
-            f"training.task = {task!r} reads one .jsonl of {data}; data.source={config.data.source!r} is not one "
-            "(and no [[data.sources]])"
+            f"training.task = {task!r} reads one .jsonl of {data}{also}; data.source={config.data.source!r} is not "
+            "one (and no [[data.sources]])"
         )
     for what, on in (
         ("training.loss_chunks > 1", config.training.loss_chunks > 1),
