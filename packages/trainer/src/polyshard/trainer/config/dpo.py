@@ -26,7 +26,9 @@ class DPOConfig:
     (1 - ls) x -log sigmoid(beta m) + ls x -log sigmoid(-beta m). In [0, 0.5)."""
     reference: str = "model"
     """'model': a frozen copy of the starting weights, laid out like the model on every rank (no gradients,
-    no optimizer state); 'precomputed': its log-probs written beside the data (not built yet)."""
+    no optimizer state; with LoRA the base with adapters off); 'precomputed': before the first step that
+    copy computes every training and validation pair's log-probs once, in the run's own batches, into
+    ``<out>/reference_logps.safetensors``, and is dropped: no copy during training, and the run resumes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not math.isfinite(self.beta):
@@ -45,8 +47,3 @@ class DPOConfig:
             )
         if self.reference not in REFERENCES:
             raise ConfigError(f"dpo.reference={self.reference!r} must be one of {list(REFERENCES)}")
-        if self.reference == "precomputed":
-            raise ConfigError(
-                'dpo.reference = "precomputed" (reference log-probs stored with the data) is not built yet; '
-                'use reference = "model" (a frozen copy of the starting weights)'
-            )

@@ -164,7 +164,8 @@ class Trainer:
         self.start = self._start(resume, init_from)
         task = task_for(config)
         # training.task = "dpo": the reference (the weights just built or loaded) and its per-step work
-        self.preferences = PreferenceRun(self.engine, self.start) if task is PREFERENCES else None
+        loaders = (self.train_data, self.val_data)  # a precomputed reference runs over every pair before step 1
+        self.preferences = PreferenceRun(self.engine, self.start, loaders, out) if task is PREFERENCES else None
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         # training.task = "grpo": the rows of each step are generated, scored and packed (loop.rollouts)
         self.rollouts = RolloutRun(self.engine, self.tokenizer, self.start) if task is ROLLOUTS else None
@@ -247,7 +248,7 @@ class Trainer:
             batch = self.train_data.next_batch()
             inputs, targets = (t.to(self.engine.device) for t in split_batch(self.config, batch))
             if self.preferences is not None:  # the reference's log-probs ride with the labels
-                targets = self.preferences.targets(inputs, targets)
+                targets = self.preferences.targets(inputs, targets, batch.get("pair"))
             segments = batch_segments(self.config, batch)  # None without data.document_mask
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
