@@ -78,3 +78,8 @@ class ModelConfig:
     def attention_head_dim(self) -> int:
         """Dims per attention head."""
         return self.hidden // self.num_heads
+
+    @property
+    def prediction_depth(self) -> int:
+        """Multi-token prediction's extra depths, each with its own loss (0: none; the GPT's model.mtp_depth)."""
+        return 0

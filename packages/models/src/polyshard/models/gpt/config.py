@@ -204,6 +204,10 @@ class GPTConfig(ModelConfig):
         return self.head_dim or self.hidden // self.num_heads
 
     @property
+    def prediction_depth(self) -> int:
+        return self.mtp_depth
+
+    @property
     def qkv_biased(self) -> bool:
         """Whether q, k and v have biases: qkv_bias, or bias when unset."""
         return self.bias if self.qkv_bias is None else self.qkv_bias

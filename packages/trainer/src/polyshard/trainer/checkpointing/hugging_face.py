@@ -242,7 +242,7 @@ def export_note(model: ModelConfig) -> str | None:
     """What an export of ``model`` to its family's format changes, to tell the user (None: nothing)."""
     family = family_of(model)
     notes = [family.note(model)]
-    depth = getattr(model, "mtp_depth", 0)
+    depth = model.prediction_depth
     if depth and not any(".mtp." in name for name in family.locations(model)):
         # transformers' Llama, GPT-2, Qwen and Mixtral have no multi-token prediction: inference drops it
         notes.append(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from polyshard.collectives import ops
+from polyshard.models import anatomy
 from polyshard.models.common.moe import MoELayer, Router
 from polyshard.models.moe_gpt.config import moe_config
 from polyshard.trainer.engine.runtime import Engine
@@ -58,7 +59,7 @@ def moe_layers(engine: Engine) -> dict[int, MoELayer]:
     out: dict[int, MoELayer] = {}
     for index, stage in engine.stages.items():
         for position, block in enumerate(stage):
-            found = [m for m in block.modules() if isinstance(m, MoELayer)]
+            found = [layer for _, layer in anatomy.moe_layers(block)]
             if len(found) > 1:
                 raise ConfigError(f"pipeline layer {engine.layer_ids[index][position]} holds {len(found)} MoE layers; "
                                   "the load count keeps one per layer")  # fmt: skip

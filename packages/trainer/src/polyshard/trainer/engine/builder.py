@@ -56,7 +56,7 @@ from polyshard.dp import (
 from polyshard.ep import apply_expert_parallel, expert_parameters, share_routing_statistics
 from polyshard.mesh import Mesh, TensorPlacement, get_placement, set_placement
 from polyshard.models import build_model, layer_of, sequence_length, spec_of, tied_names
-from polyshard.models.common.moe import MoELayer
+from polyshard.models.anatomy import has_moe, moe_layers
 from polyshard.pp import PipelineExecutor, Schedule, Stage, make_schedule
 from polyshard.tp import mark_sequence_parallel
 from polyshard.tp import (
@@ -199,7 +199,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
     _untie_across_stages(model, aliases, {i: s for s in mine for i in bounds[s]})
     if par.tp > 1:
         tp_parallelize(model, tp_group=mesh.group("tp"), plan=tp_plan(config, owned))
-    if any(isinstance(m, MoELayer) for m in model.modules()):
+    if has_moe(model):
         apply_expert_parallel(model, group=mesh.group("ep"))
         positions = None
         if par.cp > 1:  # each cp rank routes its chunks; aux losses and capacity are the whole sequences'
@@ -233,7 +233,7 @@ def build_engine(config: Config, mesh: Mesh, device: torch.device | str = "cpu")
         backward_context=_no_sync_all(list(wrappers.values())),
     )
     # Multi-token prediction: one loss per depth (each divides by its own count of targets), as the main one.
-    depths = getattr(config.model, "mtp_depth", 0)
+    depths = config.model.prediction_depth
     mtp_loss_fns = [cast(TokenMeanLoss, loss_function(config, mesh, head)) for _ in range(depths)]
     return Engine(
         config,
@@ -271,8 +271,8 @@ def _route_sequence_shards(
     positions = whole[mesh.coord("tp") * shard : (mesh.coord("tp") + 1) * shard]  # split_sequence's piece
     group = mesh.group(("cp", "tp")) if par.cp > 1 else mesh.group("tp")
     share_routing_statistics(model, group=group, positions=positions, loss_sharers=par.tp, skip=_in_prediction_depth)
-    for name, layer in model.named_modules():
-        if isinstance(layer, MoELayer) and not _in_prediction_depth(name):
+    for name, layer in moe_layers(model):
+        if not _in_prediction_depth(name):
             for param in layer.parameters():  # after ep, which replaced the expert parameters
                 mark_sequence_parallel(param)
 

@@ -31,7 +31,7 @@ import torch._functorch.config
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 
-from polyshard.models.common import Block
+from polyshard.models.anatomy import transformer_blocks
 
 log = logging.getLogger("polyshard.trainer.compile")
 
@@ -50,7 +50,7 @@ def compile_blocks(modules: Iterable[nn.Module], *, retain_graph: bool = False) 
     torch._functorch.config.donated_buffer = not retain_graph
     if log.isEnabledFor(logging.DEBUG):
         torch._logging.set_logs(graph_breaks=True, recompiles=True)  # type: ignore[attr-defined]
-    blocks = [m for module in modules for m in module.modules() if isinstance(m, Block)]
+    blocks = [block for module in modules for block in transformer_blocks(module)]
     for block in blocks:
         # The bound method: one code object (Block.forward) for every block, so one cache entry serves all.
         block.forward = torch.compile(block.forward)  # type: ignore[method-assign]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from polyshard.cp import context_parallel_attention, ring_attention, shard_sequence, ulysses_attention
-from polyshard.models.common import MLA, Attention, CoreAttention
+from polyshard.models.anatomy import attention_layers
+from polyshard.models.common import CoreAttention
 
 
 class ContextParallelCore(nn.Module):
@@ -109,20 +110,14 @@ def apply_context_parallel(
     (:func:`polyshard.cp.position_ids`) reach the embedding and the attentions with every step, as an
     argument (the engine's ``positions``). ``ulysses_groups``: this rank's (all-to-all group, ring group)
     for style 'ulysses+ring'."""
-    for module in model.modules():
-        if isinstance(module, (Attention, MLA)):  # MLA: its q/k and v differ in head dims, as the cores allow
-            core = module.core
-            assert isinstance(core, CoreAttention)  # built by the model, not swapped yet
-            # polyshard.tp types core as the CoreAttention it builds; these modules take (q, k, v) alike.
-            if style == "ulysses":
-                module.core = UlyssesCore(group, core)  # type: ignore[assignment]
-            elif style == "ulysses+ring":
-                assert ulysses_groups is not None  # build_engine makes them for this style
-                module.core = UlyssesCore(ulysses_groups[0], core, ring_group=ulysses_groups[1])  # type: ignore[assignment]
-            else:
-                module.core = ContextParallelCore(  # type: ignore[assignment]
-                    group, causal=core.causal, style=style, window=core.window
-                )
+    for module, core in attention_layers(model):  # the cores these modules take (q, k, v) through
+        if style == "ulysses":
+            module.core = UlyssesCore(group, core)
+        elif style == "ulysses+ring":
+            assert ulysses_groups is not None  # build_engine makes them for this style
+            module.core = UlyssesCore(ulysses_groups[0], core, ring_group=ulysses_groups[1])
+        else:
+            module.core = ContextParallelCore(group, causal=core.causal, style=style, window=core.window)
 
 
 def local_tokens(tokens: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

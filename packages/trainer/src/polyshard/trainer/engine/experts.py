@@ -38,17 +38,13 @@ from torch import nn
 from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
+from polyshard.models.anatomy import moe_layers
 from polyshard.models.common.moe import MoELayer
 from polyshard.trainer.engine.runtime import Engine
 
 
 def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:
-    return [
-        (index, name, module)
-        for index, stage in engine.stages.items()
-        for name, module in stage.named_modules()
-        if isinstance(module, MoELayer)
-    ]
+    return [(index, name, module) for index, stage in engine.stages.items() for name, module in moe_layers(stage)]
 
 
 def _idle_experts(engine: Engine, layers: list[tuple[int, str, MoELayer]]) -> list[set[int]]:

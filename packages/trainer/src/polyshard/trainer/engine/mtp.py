@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from polyshard.models.anatomy import multi_token_predictions
 from polyshard.models.common.mtp import MultiTokenPrediction, PredictionInputs
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, TokenMeanLoss
 
@@ -55,12 +56,7 @@ def shifted_tokens(
 
 def prediction_modules(stages: Mapping[int, nn.Module]) -> dict[int, MultiTokenPrediction]:
     """This rank's prediction depths (one module, in the last stage's head), by stage index."""
-    return {
-        index: module
-        for index, stage in stages.items()
-        for module in stage.modules()
-        if isinstance(module, MultiTokenPrediction)
-    }
+    return {index: module for index, stage in stages.items() for module in multi_token_predictions(stage)}
 
 
 def microbatch_predictions(

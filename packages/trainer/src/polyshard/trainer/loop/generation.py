@@ -44,7 +44,8 @@ from torch import nn
 
 from polyshard.collectives import ops
 from polyshard.models import output_width, sequence_length, spec_of
-from polyshard.models.common import Block, caching
+from polyshard.models.anatomy import transformer_blocks
+from polyshard.models.common import caching
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import ConfigError, DataError
@@ -186,9 +187,11 @@ def _prompt_problem(prompts: list[list[int]], config: Config, sampling: Sampling
 def _generating(stages: Iterable[nn.Module]) -> Iterator[None]:
     """Eval mode (no dropout), no gradients, uncompiled blocks (``training.compile`` replaced each block's
     forward on the instance: the class's is the eager one); everything as it was after."""
+    stages = list(stages)
     modules = [m for stage in stages for m in stage.modules()]
     modes = [m.training for m in modules]
-    compiled = {m: m.__dict__.pop("forward") for m in modules if isinstance(m, Block) and "forward" in m.__dict__}
+    blocks = [block for stage in stages for block in transformer_blocks(stage)]
+    compiled = {block: block.__dict__.pop("forward") for block in blocks if "forward" in block.__dict__}
     for module in modules:
         module.training = False
     try:

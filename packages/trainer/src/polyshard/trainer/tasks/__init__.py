@@ -203,7 +203,7 @@ def _aligned_settings(config: Config, task: str, data: str) -> None:
         )
     for what, on in (
         ("training.loss_chunks > 1", config.training.loss_chunks > 1),
-        ("model.mtp_depth > 0", getattr(config.model, "mtp_depth", 0) > 0),
+        ("model.mtp_depth > 0", config.model.prediction_depth > 0),
         ("data.document_mask", config.data.document_mask),
         ("data.packing", config.data.packing),
     ):
