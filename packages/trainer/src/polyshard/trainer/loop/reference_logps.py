@@ -81,7 +81,8 @@ def _pass(
     examples = loader.sources[0]
     values = torch.zeros(len(examples), 2, dtype=torch.float64, device=engine.device)
     digests = torch.zeros(len(examples), dtype=torch.int64, device=engine.device)
-    for pairs, new, rows in _parts(loader, examples):
+    # without the model only the holders read (their digests); with it every rank runs the forward
+    for pairs, new, rows in _parts(loader, examples) if logps is not None or holder else ():
         if logps is not None:
             inputs, labels = (t.to(engine.device) for t in split_batch(engine.config, rows))
             found = logps(inputs, labels)
