@@ -29,6 +29,7 @@ from polyshard.models.common.initialise import init_weights
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.hf_adapter import Family
+from polyshard.models.shape import ModelShape, plain_shape
 from polyshard.tp import (
     ColumnParallel,
     HeadNorm,
@@ -111,6 +112,9 @@ class ModelSpec:
     """The model, uninitialised (called under the meta device)."""
     tp_plan: Callable[[ModelConfig, ParallelSizes], dict[str, object]]
     """Tensor-parallel plan over every layer's global names, for the tp size and sequence parallelism."""
+    shape: Callable[[ModelConfig], ModelShape] = plain_shape
+    """Its block as numbers (:mod:`polyshard.models.shape`): attention widths, MLP and experts, norm,
+    positions; what activation and KV-cache bytes and FLOPs per token are counted from."""
     has_experts: bool = False
     """Its MLPs are polyshard.ep MoE layers: experts shard over ep, their gradients reduce over dp x cp."""
     context_parallel: bool = False

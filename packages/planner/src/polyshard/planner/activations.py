@@ -50,10 +50,7 @@ backward measured by :class:`polyshard.trainer.loop.plan_check.SavedTensorMeter`
 from __future__ import annotations
 
 from polyshard.models import output_width, sequence_length, spec_of
-from polyshard.models.common import kv_cache_width
-from polyshard.models.deepseek_v3.config import DeepSeekV3Config
-from polyshard.models.gpt.config import GPTConfig
-from polyshard.models.moe_gpt.config import moe_config
+from polyshard.models.shape import ModelShape
 from polyshard.planner.model_states import stage_bounds
 from polyshard.planner.pipeline import peak_in_flight, stages_by_rank
 from polyshard.trainer.config import Config, ModelConfig, ParallelConfig
@@ -63,15 +60,13 @@ def _element_bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def _architecture(model: ModelConfig) -> GPTConfig | None:
-    """A decoder's architecture fields (norm, MLP, positions, q/k norms); None for the ViT, whose are
-    GPT-2's: LayerNorm, GELU, a learned position table."""
-    return model if isinstance(model, GPTConfig) else None
+def _shape(model: ModelConfig) -> ModelShape:
+    """The family's block as numbers: norm, MLP, positions, attention widths, experts (its spec's ``shape``)."""
+    return spec_of(model).shape(model)
 
 
 def _norm(model: ModelConfig, e: int) -> float:
-    arch = _architecture(model)
-    return (model.hidden + 2) * e if arch is None or arch.norm == "layer" else (2 * model.hidden + 1) * 4
+    return (model.hidden + 2) * e if _shape(model).norm == "layer" else (2 * model.hidden + 1) * 4
 
 
 def micro_batch_size(config: Config) -> int:
@@ -91,54 +86,39 @@ def _kv_copies(model: ModelConfig, parallel: ParallelConfig) -> int:
 def kv_cache_bytes_per_token(model: ModelConfig, precision: str = "bf16") -> int:
     """Bytes an inference cache keeps per token over every layer: MLA's latent and shared rotary key, or
     grouped-query attention's k and v heads."""
-    e = _element_bytes(precision)
-    if isinstance(model, DeepSeekV3Config):
-        return model.num_layers * kv_cache_width(model.kv_lora_rank, model.qk_rope_head_dim) * e
-    return model.num_layers * 2 * model.kv_heads * model.attention_head_dim * e
+    return model.num_layers * _shape(model).attention.cache_width * _element_bytes(precision)
 
 
 def _mla_latent_bytes(model: ModelConfig, e: int) -> float:
     """MLA's latents, whole on every tp rank: each a matmul output, then an RMSNorm's x·rstd and rstd (fp32)."""
-    if not isinstance(model, DeepSeekV3Config):
+    attention = _shape(model).attention
+    if not attention.latents:
         return 0.0
-    latents = [model.kv_lora_rank] + ([] if model.q_lora_rank is None else [model.q_lora_rank])
-    return model.qk_rope_head_dim * e + sum(r * e + (r + 1) * 4 for r in latents)
-
-
-def _routed(model: ModelConfig, sparse: bool) -> bool:
-    """Whether the block computes with experts: a sparse block of a model with experts."""
-    return spec_of(model).has_experts and sparse
-
-
-def _dense_width(model: ModelConfig) -> int:
-    """A dense block's MLP width: an MoE model's dense blocks have their own (model.moe.dense_ffn_hidden)."""
-    return moe_config(model).dense_width if spec_of(model).has_experts else model.mlp_width
+    return attention.shared_key_dim * e + sum(r * e + (r + 1) * 4 for r in attention.latents)
 
 
 def block_bytes_per_token(model: ModelConfig, parallel: ParallelConfig, precision: str, sparse: bool = True) -> float:
     """Bytes one block keeps per token of a microbatch, on one rank (see the module docstring); ``sparse``:
     with experts, in a model that has them (else a dense MLP: ``model.moe.dense_layers``)."""
-    e, h, f, n = _element_bytes(precision), model.hidden, _dense_width(model), model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
-    v, out = (kv, q)
-    if isinstance(model, DeepSeekV3Config):  # MLA's values (and so the core's output) have their own width
-        v = out = n * model.v_head_dim
+    shape = _shape(model)
+    a = shape.attention  # MLA's values (and so the core's output) have their own width
+    e, h, f, n = _element_bytes(precision), model.hidden, shape.mlp_width, a.heads
+    q, kv, v, out = a.q_width, a.k_width, a.v_width, a.out_width
     tp, shard = parallel.tp, parallel.tp if parallel.sequence_parallel else 1
     outside = 2 * _norm(model, e) / shard + 2 * h * e + _mla_latent_bytes(model, e)  # whole on each rank
     # q, the output, and the core's k and v (repeated under Ulysses); one fp32 log-sum-exp per head
     attention = (q + out + (kv + v) * _kv_copies(model, parallel)) * e + n * 4
     if parallel.cp > 1 and parallel.cp_style == "allgather":  # the whole sequence's K and V, gathered in fp32
         attention += (kv + v) * 4 * parallel.cp
-    arch = _architecture(model)
-    if arch is not None and arch.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
-        attention += (2 * (q + kv) + n + model.kv_heads) * 4
+    if a.qk_norm:  # RMSNorm over each head of q and k: input, x·rstd, rstd in fp32
+        attention += (2 * (q + kv) + n + a.kv_heads) * 4
     routed = 0.0  # tp does not split the routed experts: each tp rank routes all its tokens (its shard under SP)
-    if _routed(model, sparse):  # routed copies in and out, the experts' SwiGLU, router scores
-        moe = moe_config(model)
-        routed = 2 * moe.moe.top_k * h * e + 4 * moe.expert_width * e + moe.moe.num_experts * 4
+    if shape.experts is not None and sparse:  # routed copies in and out, the experts' SwiGLU, router scores
+        moe = shape.experts
+        routed = 2 * moe.top_k * h * e + 4 * moe.expert_width * e + moe.num_experts * 4
         mlp = 4 * moe.shared_width * e  # the shared experts' SwiGLU, every token, its columns split by tp
     else:
-        mlp = (2 if arch is None or arch.activation == "gelu" else 4) * f * e
+        mlp = (2 if shape.activation == "gelu" else 4) * f * e
     return (outside + (attention + mlp) / tp + routed / shard) / parallel.cp
 
 
@@ -153,15 +133,15 @@ def selective_bytes_per_token(
     model: ModelConfig, parallel: ParallelConfig, precision: str, sparse: bool = True
 ) -> float:
     """Bytes one block keeps per token under selective checkpointing (see the module docstring)."""
-    e, h, f, n = _element_bytes(precision), model.hidden, _dense_width(model), model.num_heads
-    q, kv = n * model.attention_head_dim, model.kv_heads * model.attention_head_dim
+    shape = _shape(model)
+    e, h, f, n = _element_bytes(precision), model.hidden, shape.mlp_width, shape.attention.heads
+    q, kv = shape.attention.q_width, shape.attention.k_width
     columns = (q + 2 * kv) * e + ((q * e + n * 4) if parallel.cp == 1 else 0)  # q, k, v; the SDPA kernel's
-    arch = _architecture(model)
-    up = 1 if arch is None or arch.activation == "gelu" else 2
-    if _routed(model, sparse):  # the router's logits and the experts' matmuls on their routed copies
-        moe = moe_config(model)
+    up = 1 if shape.activation == "gelu" else 2
+    if shape.experts is not None and sparse:  # the router's logits and the experts' matmuls on their routed copies
+        moe = shape.experts
         shard = parallel.tp if parallel.sequence_parallel else 1  # tp does not split them; SP splits the tokens
-        rows = (h * e + moe.moe.num_experts * e + moe.moe.top_k * (up * moe.expert_width + h) * e) / shard
+        rows = (h * e + moe.num_experts * e + moe.top_k * (up * moe.expert_width + h) * e) / shard
         columns += up * moe.shared_width * e  # the shared experts' gate and up, split by tp
     else:
         columns += up * f * e
@@ -189,18 +169,18 @@ def stage_bytes(config: Config, layers: range, micro_batch: int, checkpointing: 
     seq = sequence_length(model)
     tokens = micro_batch * seq
     last = model.num_layers + 1
+    shape = _shape(model)
     total = 0.0
     for i in (i for i in layers if 0 < i < last):
-        sparse = not spec_of(model).has_experts or moe_config(model).sparse_layer(i - 1)
+        sparse = shape.sparse(i - 1)
         if checkpointing == "selective":
             per_block = selective_bytes_per_token(model, parallel, precision, sparse) * tokens
         elif checkpointing:
             per_block = _checkpointed_per_token(model, parallel, precision) * tokens
         else:
             per_block = block_bytes_per_token(model, parallel, precision, sparse) * tokens
-            arch = _architecture(model)
-            if arch is not None and arch.positions == "rope":
-                per_block += 16 * seq * model.attention_head_dim
+            if shape.rotary:  # cos and sin for q and k, per microbatch
+                per_block += 16 * seq * shape.attention.qk_head_dim
         total += per_block
     if 0 in layers:
         total += 8 * tokens  # the int64 token ids

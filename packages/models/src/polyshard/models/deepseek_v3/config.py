@@ -5,6 +5,7 @@ and YaRN's rotary scaling (the GPT's rope_* fields, rope_type 'yarn'). ``num_kv_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -12,7 +13,8 @@ from polyshard.models.common import yarn_mscale
 from polyshard.models.common.moe import MoESettings
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError, check_positive
-from polyshard.models.moe_gpt.config import MoEGPTConfig
+from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_shape
+from polyshard.models.shape import AttentionShape, ModelShape
 
 # GPT attention settings MLA does not read: each must keep its default.
 _NOT_MLA = {
@@ -97,3 +99,19 @@ def deepseek_config(model: ModelConfig) -> DeepSeekV3Config:
     if not isinstance(model, DeepSeekV3Config):
         raise ConfigError(f"model.kind={model.kind!r} is not DeepSeek's; this needs model.kind='deepseek-v3'")
     return model
+
+
+def deepseek_shape(model: ModelConfig) -> ModelShape:
+    """The MoE GPT's shape with multi-head latent attention: q/k heads of Dn + Dr dims, values of their own
+    width, the latents and the shared rotary key."""
+    mla = deepseek_config(model)
+    attention = AttentionShape(
+        heads=mla.num_heads,
+        kv_heads=mla.num_heads,
+        qk_head_dim=mla.attention_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_latent=mla.kv_lora_rank,
+        q_latent=mla.q_lora_rank or 0,
+        shared_key_dim=mla.qk_rope_head_dim,
+    )
+    return dataclasses.replace(moe_shape(mla), attention=attention)

@@ -10,7 +10,7 @@ from typing import cast
 from polyshard.models.common.mla import MLA
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
-from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config
+from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config, deepseek_shape
 from polyshard.models.deepseek_v3.hf import DEEPSEEK_V2, DEEPSEEK_V3
 from polyshard.models.deepseek_v3.plan import check, tp_plan
 from polyshard.models.deepseek_v3.presets import PRESETS
@@ -57,6 +57,7 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
 
 
 SPEC = ModelSpec(
+    shape=deepseek_shape,
     kind="deepseek-v3",
     config=DeepSeekV3Config,
     presets=PRESETS,

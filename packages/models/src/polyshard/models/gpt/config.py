@@ -9,6 +9,7 @@ from polyshard.mesh import divisors
 from polyshard.models.common import RopeScaling
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError, check_choice, check_positive
+from polyshard.models.shape import AttentionShape, ModelShape
 
 INIT_RULES = ("gpt2", "depth")
 
@@ -218,3 +219,19 @@ def gpt_config(model: ModelConfig) -> GPTConfig:
     if not isinstance(model, GPTConfig):
         raise ConfigError(f"model.kind={model.kind!r} is not a GPT; this needs model.kind='gpt' or 'moe-gpt'")
     return model
+
+
+def gpt_shape(model: ModelConfig) -> ModelShape:
+    """The GPT's block as numbers (:mod:`polyshard.models.shape`): its norm, MLP, positions and heads."""
+    gpt = gpt_config(model)
+    head_dim = gpt.attention_head_dim
+    attention = AttentionShape(
+        heads=gpt.num_heads, kv_heads=gpt.kv_heads, qk_head_dim=head_dim, v_head_dim=head_dim, qk_norm=gpt.qk_norm
+    )
+    return ModelShape(
+        attention=attention,
+        mlp_width=gpt.mlp_width,
+        norm=gpt.norm,
+        activation=gpt.activation,
+        rotary=gpt.positions == "rope",
+    )

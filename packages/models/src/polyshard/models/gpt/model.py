@@ -24,7 +24,7 @@ from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
 from polyshard.models.common.caching import caching
 from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth, PredictionInputs
 from polyshard.models.config import ModelConfig
-from polyshard.models.gpt.config import GPTConfig, gpt_config
+from polyshard.models.gpt.config import GPTConfig, gpt_config, gpt_shape
 from polyshard.models.gpt.hf_gpt2 import GPT2
 from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
 from polyshard.models.gpt.hf_qwen2 import QWEN2
@@ -316,6 +316,7 @@ def vocab_size(model: ModelConfig) -> int:
 
 
 SPEC = ModelSpec(
+    shape=gpt_shape,
     kind="gpt",
     sequence_length=sequence_length,
     output_width=vocab_size,

@@ -12,9 +12,11 @@ from polyshard.models.gpt_oss.hf import GPT_OSS
 from polyshard.models.gpt_oss.plan import check, tp_plan
 from polyshard.models.gpt_oss.presets import PRESETS
 from polyshard.models.moe_gpt import model as moe_gpt
+from polyshard.models.moe_gpt.config import moe_shape
 from polyshard.models.spec import ModelSpec
 
 SPEC = ModelSpec(
+    shape=moe_shape,
     kind="gpt-oss",
     config=GptOssConfig,
     presets=PRESETS,

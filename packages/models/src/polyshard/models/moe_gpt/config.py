@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from polyshard.models.common.moe import MoEConfig, MoESettings
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
-from polyshard.models.gpt.config import GPTConfig
+from polyshard.models.gpt.config import GPTConfig, gpt_shape
+from polyshard.models.shape import ExpertShape, ModelShape
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,3 +71,12 @@ def moe_config(model: ModelConfig) -> MoEGPTConfig:
     if not isinstance(model, MoEGPTConfig):
         raise ConfigError(f"model.kind={model.kind!r} has no experts; this needs model.kind='moe-gpt'")
     return model
+
+
+def moe_shape(model: ModelConfig) -> ModelShape:
+    """The GPT's shape with experts in every block but ``moe.dense_layers``, which keep a dense MLP of
+    their own width."""
+    moe = moe_config(model)
+    experts = ExpertShape(moe.moe.num_experts, moe.moe.top_k, moe.expert_width, moe.shared_width)
+    dense = frozenset(moe.moe.dense_layers)
+    return dataclasses.replace(gpt_shape(moe), mlp_width=moe.dense_width, experts=experts, dense_blocks=dense)

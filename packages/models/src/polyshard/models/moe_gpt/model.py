@@ -22,7 +22,7 @@ from polyshard.models.common.moe import MoEConfig, MoELayer
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
 from polyshard.models.gpt import model as gpt
-from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_config
+from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_config, moe_shape
 from polyshard.models.moe_gpt.hf import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from polyshard.models.moe_gpt.plan import check, tp_plan
 from polyshard.models.moe_gpt.presets import PRESETS
@@ -115,6 +115,7 @@ def routing_summary(model: ModelConfig) -> str:
 
 
 SPEC = ModelSpec(
+    shape=moe_shape,
     kind="moe-gpt",
     config=MoEGPTConfig,
     presets=PRESETS,
