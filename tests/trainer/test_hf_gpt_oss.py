@@ -40,17 +40,20 @@ SIZES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def _save(folder):
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**SIZES))
     with torch.no_grad():  # norms start at 1 and biases at 0: make every tensor count
         for name, p in model.named_parameters():
             scale = 1.0 if ".router." in name else 0.5 if name.endswith("sinks") else 0.02
             p.add_(torch.randn_like(p) * scale)  # decisive routers, sinks that take a share of each softmax
-    out = tmp_path_factory.mktemp("gpt_oss")
-    model.save_pretrained(out)
-    return out
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def _hf_logits(folder):

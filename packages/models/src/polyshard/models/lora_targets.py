@@ -3,8 +3,10 @@ MLA's ``q_a_proj`` ...), with the Hugging Face module path each one has (PEFT's 
 
 The names come from the family's Hugging Face adapter (:class:`polyshard.models.hf_adapter.Family`'s
 ``locations``: our parameter -> its tensor in the family's files), so there is one table of names, not
-two. A linear whose weight is one part of a fused tensor (GPT-2's ``c_attn`` holds q, k and v) keeps our
-own name: one PEFT adapter on the fused tensor is not three adapters on its parts. ``"all-linear"``
+two. A linear whose weight is one part of a fused tensor (GPT-2's ``c_attn`` holds q, k and v) is named
+both ways: by our name (``q_proj``, that part alone) and by the fused module's (``c_attn``, every part);
+its Hugging Face path is the fused module's, with the part's place in it (PEFT's file holds one adapter
+on the whole of ``c_attn``, which the PEFT writer and reader build from and split into the parts'). ``"all-linear"``
 selects every linear of the blocks, as PEFT's does (never the output head), but not a mixture of
 experts' router, a shared expert's gate (Qwen2-MoE's one-wide ``shared_expert_gate``) or the routed
 experts: the shared expert's linears are adapted, the routed ones are not yet.
@@ -28,14 +30,25 @@ ALL_LINEAR = "all-linear"
 
 @dataclass(frozen=True)
 class Target:
-    """One adapted linear: its name in our model, its Hugging Face module path (None: a part of a fused
-    tensor, which a PEFT file cannot hold), the short name ``lora.targets`` matches, and its shape."""
+    """One adapted linear: its name in our model, its Hugging Face module path (None: the family's files
+    have no such module), the short name ``lora.targets`` matches, and its shape. A part of a fused
+    module (GPT-2's q in ``c_attn``) is ``part`` of its ``parts``, whose ``hf_short`` selects them all;
+    ``conv1d``: the module stores its weight transposed, as GPT-2's ``Conv1D`` does (PEFT's
+    ``fan_in_fan_out``)."""
 
     name: str
     hf_path: str | None
     short: str
     out_features: int
     in_features: int
+    part: int = 0
+    parts: int = 1
+    conv1d: bool = False
+
+    @property
+    def hf_short(self) -> str:
+        """The Hugging Face module's own name (``c_attn`` for each of its parts; else ``short``)."""
+        return self.short if self.hf_path is None else self.hf_path.rsplit(".", 1)[-1]
 
 
 def _locations(model: ModelConfig) -> dict[str, TensorLocation]:
@@ -61,13 +74,16 @@ def linear_targets(model: ModelConfig) -> list[Target]:
         if ".moe." in f".{name}." or name.endswith("_gate"):
             continue  # a router or a shared expert's gate (scores that weigh experts) and the routed experts
         where = locations.get(f"{name}.weight")
-        if where is not None and where.parts == 1 and not where.stacked and where.name.endswith(".weight"):
-            path = where.name.removesuffix(".weight")
-            hf_path: str | None = path
+        short = name.rsplit(".", 1)[-1]
+        if where is None or where.stacked or not where.name.endswith(".weight"):
+            out.append(Target(name, None, short, module.out_features, module.in_features))
+            continue
+        path = where.name.removesuffix(".weight")
+        if where.parts == 1:
             short = path.rsplit(".", 1)[-1]
-        else:
-            hf_path, short = None, name.rsplit(".", 1)[-1]
-        out.append(Target(name, hf_path, short, module.out_features, module.in_features))
+        part = where.offset // module.out_features if where.parts > 1 else 0  # parts side by side, equal widths
+        shape = (module.out_features, module.in_features)
+        out.append(Target(name, path, short, *shape, part=part, parts=where.parts, conv1d=where.transposed))
     return out
 
 
@@ -77,7 +93,7 @@ def select_targets(model: ModelConfig, targets: str | Sequence[str], rank: int) 
     every = linear_targets(model)
     if isinstance(targets, str):
         targets = [targets]
-    names = sorted({t.short for t in every})
+    names = sorted({t.short for t in every} | {t.hf_short for t in every})
     if ALL_LINEAR in targets:
         chosen = every
     else:
@@ -87,7 +103,7 @@ def select_targets(model: ModelConfig, targets: str | Sequence[str], rank: int) 
                     f"lora.targets: {wanted!r} matches no linear of this model; its linears are {names} "
                     f"(or {ALL_LINEAR!r})"
                 )
-        chosen = [t for t in every if t.short in targets]
+        chosen = [t for t in every if t.short in targets or t.hf_short in targets]
     if not chosen:
         raise ConfigError(f"lora.targets={list(targets)!r} selects nothing; this model's linears are {names}")
     smallest = min(chosen, key=lambda t: min(t.in_features, t.out_features))

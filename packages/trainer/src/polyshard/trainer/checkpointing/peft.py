@@ -6,7 +6,14 @@ Keys are PEFT's: ``base_model.model.<the Hugging Face module path>.lora_A.weight
 (:mod:`polyshard.models.lora_targets`). A folder we read is untrusted: its JSON through
 :func:`polyshard.checkpoint.untrusted.read_json`, every name, shape and value checked against the run's
 model and ``[lora]`` before a tensor is used, each refusal one line naming the file (the reading side,
-and the names both sides use, are :mod:`polyshard.trainer.engine.peft_folder`'s: the engine starts from them).
+and the names both sides use, are :mod:`polyshard.trainer.engine.peft_folder`'s: the engine starts from them;
+a fused module's one adapter, GPT-2's ``c_attn``, is described there).
+
+Some adapters a PEFT file can name but peft cannot load where they belong: peft 0.21 on transformers 5
+re-targets, in the families whose routed experts transformers fuses into stacked parameters, every module
+named like a v4 expert projection (a dense block's or a shared expert's ``gate_proj`` too) at those
+experts (``_convert_peft_config_moe`` in ``peft/utils/transformers_weight_conversion.py``, by transformers'
+``_MODEL_TO_CONVERSION_PATTERN``). Those are refused by name rather than written to load wrongly.
 """
 
 from __future__ import annotations
@@ -27,7 +34,37 @@ from polyshard.trainer.checkpointing.base_and_adapters import recorded_folder
 from polyshard.trainer.checkpointing.run_export import check_saved_shapes, consolidate, saved_config
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import LoRAConfig
-from polyshard.trainer.engine.peft_folder import CONFIG_FILE, WEIGHTS_FILE, peft_keys, peft_targets
+from polyshard.trainer.engine.peft_folder import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    fused_patterns,
+    peft_keys,
+    peft_modules,
+    peft_targets,
+)
+
+# model_type -> the module names peft 0.21 re-targets at the fused routed experts (its _MOE_TARGET_MODULE_MAPPING
+# of the family's conversion pattern); tests/trainer/test_lora_peft_families.py checks it against the installed peft.
+PEFT_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
+    "deepseek_v2": ("gate_proj", "up_proj", "down_proj", "gate"),
+    "deepseek_v3": ("gate_proj", "up_proj", "down_proj", "gate"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "gate"),
+    "mixtral": ("w1", "w3", "w2", "gate"),
+}
+
+
+def check_peft_loads(config: Config, targets: list[Target], where: str) -> None:
+    """Refuse adapters that peft would load onto a family's routed experts instead of their own module."""
+    family = family_of(config.model)
+    names = PEFT_EXPERT_NAMES.get(family.model_type, ())
+    wrong = sorted({t.hf_path for t in targets if t.hf_short in names and t.hf_path})
+    if wrong:
+        kept = sorted({t.hf_short for t in targets} - set(names)) or "the attention's projections"
+        raise CheckpointError(
+            f"{where}: peft (0.21, transformers 5) loads a {family.title} adapter on {wrong[0]} onto the fused routed "
+            f"experts, every {'/'.join(n for n in names if n != 'gate')} alike ({len(wrong)} such modules); train with "
+            f"lora.targets = {kept} for a PEFT folder, or export --format hf --merge"
+        )
 
 
 def target_modules(config: Config, targets: list[Target]) -> list[str]:
@@ -41,15 +78,18 @@ def target_modules(config: Config, targets: list[Target]) -> list[str]:
     }
     adapted = {t.hf_path for t in targets}
     out: set[str] = set()
-    for short in {t.short for t in targets}:
+    for short in {t.hf_short for t in targets}:
         others = {m for m in every - adapted if m.rsplit(".", 1)[-1] == short}
-        out |= {t.hf_path for t in targets if t.short == short and t.hf_path} if others else {short}
+        out |= {t.hf_path for t in targets if t.hf_short == short and t.hf_path} if others else {short}
     return sorted(out)
 
 
-def adapter_config(lora: LoRAConfig, modules: list[str], base: Path | None = None) -> dict[str, object]:
+def adapter_config(
+    lora: LoRAConfig, targets: list[Target], modules: list[str], base: Path | None = None
+) -> dict[str, object]:
     """``adapter_config.json``: PEFT's LoraConfig of these adapters (inference mode, as PEFT saves it);
     ``base``: the Hugging Face folder they were trained on, which ``peft.AutoPeftModelForCausalLM`` loads."""
+    ranks, alphas = fused_patterns(lora, targets)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -59,7 +99,9 @@ def adapter_config(lora: LoRAConfig, modules: list[str], base: Path | None = Non
         "use_rslora": lora.rslora,
         "target_modules": modules,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": any(t.conv1d for t in targets),  # GPT-2's Conv1D (PEFT sets it so itself)
+        "rank_pattern": ranks,
+        "alpha_pattern": alphas,
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,
@@ -72,15 +114,20 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
     built under a temporary name and renamed, so it is whole or absent."""
     config = saved_config(source)
     targets = peft_targets(config, str(source.folder))
+    check_peft_loads(config, targets, str(source.folder))
     destination = check_new_folder(destination, overwrite=overwrite, protected=reading(source.folder))
     check_saved_shapes(source)
     tensors = {}
-    for target in targets:
-        for part, key in zip(("lora_A", "lora_B"), peft_keys(target), strict=True):
-            tensors[key] = source.whole(f"{MODEL}{target.name}.{part}.weight").contiguous()
+    for module, group in peft_modules(targets).items():
+        a_key, b_key = peft_keys(module)
+        # one part: its A and B; a fused module's parts: A stacked, B block diagonal (peft_folder's rule)
+        tensors[a_key] = torch.cat([source.whole(f"{MODEL}{t.name}.lora_A.weight") for t in group]).contiguous()
+        parts = [source.whole(f"{MODEL}{t.name}.lora_B.weight") for t in group]
+        tensors[b_key] = torch.block_diag(*parts)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     assert config.lora is not None  # _targets refused a run without adapters
     with new_folder(destination, overwrite=overwrite) as tmp:
-        settings = adapter_config(config.lora, target_modules(config, targets), recorded_folder(source))
+        modules = target_modules(config, targets)
+        settings = adapter_config(config.lora, targets, modules, recorded_folder(source))
         (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     return destination
