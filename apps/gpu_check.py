@@ -38,7 +38,6 @@ import torch.distributed as dist  # noqa: E402
 
 from polyshard.data.prepare import prepare  # noqa: E402
 from polyshard.mesh import Mesh, init_distributed  # noqa: E402
-from polyshard.models import parameter_count  # noqa: E402
 from polyshard.trainer.config import Config, TrainingConfig, from_dict  # noqa: E402
 from polyshard.trainer.data.language import check_language_data  # noqa: E402
 from polyshard.trainer.loop import Trainer  # noqa: E402
@@ -105,9 +104,7 @@ def measure(name: str, config: Config, steps: int, out: Path, peak_tflops: float
         trainer.step(step)
     model, tokens_per_step = config.model, config.training.global_batch_size * config.model.context_length
     tokens_per_s = tokens_per_step / statistics.median(times.seconds[WARMUP_STEPS:])
-    flops = tokens_per_s * model_flops_per_token(
-        parameter_count(model), model.num_layers, model.hidden, model.context_length
-    )
+    flops = tokens_per_s * model_flops_per_token(model)
     mfu = f"MFU {flops / (peak_tflops * 1e12):.1%}" if peak_tflops else "MFU n/a (unknown GPU)"
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     return (

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
-from polyshard.models import parameter_count
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.metrics import Progress, model_flops_per_token
@@ -38,7 +37,7 @@ def _check(config, out, speed, world):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == STEPS
     seq = config.model.context_length
-    flops_per_token = model_flops_per_token(parameter_count(config.model), 2, 32, seq)
+    flops_per_token = model_flops_per_token(config.model)
     for r in records:
         assert all(name in r for name in FIELDS), r
         assert r["model_flops_per_token"] == flops_per_token

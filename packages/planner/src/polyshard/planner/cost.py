@@ -1,9 +1,10 @@
 """Step time of a layout: compute from FLOPs, collectives from their volume, bubbles from the simulator.
 
 Per microbatch on a stage (t tokens on this rank; P the matmul parameters a token passes through,
-÷ tp; experts count top_k / num_experts of theirs)::
+÷ tp; experts count top_k / num_experts of theirs; A the attention's FLOPs per token, ÷ tp: both are
+:func:`polyshard.models.flops.layer_flops`, the count MFU uses too)::
 
-    forward   F = 2·t·P / rate  +  attention 2·t·s·h/tp / rate (causal: half the scores)
+    forward   F = 2·t·P / rate  +  t·A / rate (causal: half the scores)
                   +  saved bytes / elementwise bandwidth ÷ 3  +  its forward collectives
     backward  B = the input gradients (as F's matmuls, attention twice) + 2/3 of the elementwise work
                   + backward collectives (+ F again under activation checkpointing)
@@ -23,31 +24,14 @@ from dataclasses import dataclass, field
 
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
-from polyshard.models import ModelConfig, active_share, layer_of, sequence_length, tied_names
-from polyshard.models.deepseek_v3.config import DeepSeekV3Config
+from polyshard.models import sequence_length
+from polyshard.models.flops import layer_flops
 from polyshard.planner.activations import micro_batch_size, stage_bytes
 from polyshard.planner.comm import Traffic, boundary_bytes, microbatch_traffic, step_traffic
-from polyshard.planner.model_states import Held, global_shapes, holdings, stage_bounds
+from polyshard.planner.model_states import Held, holdings, stage_bounds
 from polyshard.planner.pipeline import PipelineCosts, stages_by_rank, step_time
 from polyshard.planner.profile import Profile
 from polyshard.trainer.config import Config, ParallelConfig
-from polyshard.trainer.tasks import task_of
-
-
-def layer_matmul_params(config: Config) -> list[float]:
-    """Per pipeline layer, the matmul parameters one token passes through (before tp): embedding tables
-    are lookups (no FLOPs), a tied head's weight counts in the head, experts by top_k / num_experts."""
-    model = config.model
-    shapes = dict(global_shapes(model))
-    for alias, name in tied_names(model).items():
-        shapes[alias] = shapes[name]
-    lookups = ("layers.0.tok.", "layers.0.pos.") if task_of(model).generates_text else ()
-    out = [0.0] * (model.num_layers + 2)
-    for name, shape in shapes.items():
-        if len(shape) < 2 or name.startswith(lookups):
-            continue
-        out[layer_of(name)] += math.prod(shape) * active_share(model, name)
-    return out
 
 
 @dataclass(frozen=True)
@@ -57,13 +41,15 @@ class StageCosts:
     weight: float
 
 
-def attention_width(model: ModelConfig) -> float:
-    """The width the scores and the weighted sum run over per token, as a fraction of the attention FLOPs'
-    2·t·s·width: the hidden size for the GPT's attention (its calibration); for MLA the heads' q/k and v
-    dims, n·(Dn + Dr + Dv) / 2 (DeepSeek-V3: 128 x 320 / 2 = 20,480, against its 7,168 hidden)."""
-    if isinstance(model, DeepSeekV3Config):
-        return model.num_heads * (model.attention_head_dim + model.v_head_dim) / 2
-    return model.hidden
+def stage_flops(config: Config, layers: range) -> tuple[float, float]:
+    """Forward FLOPs of one microbatch on one rank of the stage holding pipeline ``layers``: (matmuls,
+    attention), each ÷ tp, over this rank's tokens (÷ cp: each cp rank's queries see the whole sequence)."""
+    par = config.parallel
+    tokens = micro_batch_size(config) * sequence_length(config.model) / par.cp
+    flops = layer_flops(config.model)
+    matmul = tokens * sum(flops[i].matmul for i in layers) / par.tp
+    attention = tokens * sum(flops[i].attention for i in layers) / par.tp
+    return matmul, attention
 
 
 def processes_per_node(parallel: ParallelConfig, profile: Profile) -> int:
@@ -116,14 +102,12 @@ def stage_costs(
     the profile's ``overlap`` share of the compute hides some (prefetching the next block's)."""
     model, par = config.model, config.parallel
     micro_batch = micro_batch_size(config)
-    tokens = micro_batch * sequence_length(model) / par.cp
     k = processes_per_node(par, profile)
     width = math.sqrt(model.hidden * model.mlp_width / par.tp) / 2  # the calibration's (h, 4h) at tp = 1
     rate = profile.matmul_flops(width, k)
-    params = layer_matmul_params(config)
-    matmul = 2 * tokens * sum(params[i] for i in layers) / par.tp / rate
+    matmul_flops, attention_flops = stage_flops(config, layers)
+    matmul, attention = matmul_flops / rate, attention_flops / rate
     blocks = sum(1 for i in layers if 0 < i < model.num_layers + 1)
-    attention = blocks * 2 * tokens * sequence_length(model) * attention_width(model) / par.tp / rate
     touched = stage_bytes(config, layers, micro_batch, checkpointing=False)  # what runs, saved or not
     elementwise = touched / profile.elementwise_bandwidth(width, k)
     elementwise += blocks * profile.block_overhead(width, k)

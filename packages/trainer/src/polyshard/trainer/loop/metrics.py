@@ -22,13 +22,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polyshard.models import ModelConfig
+from polyshard.models.flops import flops_per_token
+
 if TYPE_CHECKING:
     from polyshard.trainer.loop.wandb_run import WandbRun
 
 
-def model_flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus 12 L H S for attention (PaLM appendix B)."""
-    return 6 * num_params + 12 * num_layers * hidden * seq_len
+def model_flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus attention's scores and weighted sums (PaLM appendix
+    B, causal attention's masked half left out), counted as the planner counts them
+    (:mod:`polyshard.models.flops`)."""
+    return flops_per_token(model)
 
 
 def peak_memory_bytes() -> int:

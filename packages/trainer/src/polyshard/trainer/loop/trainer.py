@@ -28,7 +28,7 @@ from polyshard.data.examples import Examples
 from polyshard.data.loader import ShardedLoader
 from polyshard.data.tokenizer import FileTokenizer, load_tokenizer
 from polyshard.mesh import Mesh
-from polyshard.models import active_parameter_count, sequence_length
+from polyshard.models import sequence_length
 from polyshard.trainer.checkpointing import hugging_face as hf
 from polyshard.trainer.checkpointing.hugging_face import write_hf
 from polyshard.trainer.checkpointing.lora_base import BASE_KEY
@@ -188,9 +188,7 @@ class Trainer:
         tokens = sequence_length(config.model)
         rows = train.global_batch_size * (config.grpo.generations if self.rollouts and config.grpo else 1)
         self.tokens_per_step = rows * tokens
-        flops_per_token = model_flops_per_token(  # an MoE's token runs top_k of its experts: active parameters
-            active_parameter_count(config.model), config.model.num_layers, config.model.hidden, tokens
-        )
+        flops_per_token = model_flops_per_token(config.model)  # an MoE's token runs top_k of its experts
         # Measuring the peak is collective and takes ~0.2 s: only runs that log (every rank has the same `log`).
         peak = resolve_peak(config.logging.peak_tflops, train.precision, self.engine.device) if log else None
         self.utilisation = Utilisation(flops_per_token, self.tokens_per_step, dist.get_world_size(), peak)
