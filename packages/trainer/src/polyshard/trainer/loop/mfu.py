@@ -7,7 +7,9 @@ model_flops_per_token is :func:`polyshard.models.flops.flops_per_token`, the cou
 uses too: 6N for the matmuls' forward and backward (N the matmul weights a token passes through: an MoE's
 active experts, no embedding tables) plus attention's scores and weighted sums at the heads' own widths
 (MLA's, and sliding windows'), causal attention's masked half left out (PaLM appendix B's 6N + 12·L·H·S
-otherwise); recomputation is not counted (that would be hardware FLOPs utilisation). The peak, per process, is the first of:
+otherwise); recomputation is not counted (that would be hardware FLOPs utilisation).
+
+The peak, per process, is the first of:
 
 1. ``logging.peak_tflops``, when set;
 2. on CUDA, the GPU's datasheet dense peak for the run's precision (:data:`DATASHEET`, by device name);
