@@ -6,7 +6,6 @@ The pairs' responses have different lengths and the prompts are cut when long (c
 different numbers of completion tokens; a data rank, a microbatch and a pipeline stage each see whole pairs.
 """
 
-import dataclasses
 import functools
 import json
 import random
@@ -139,22 +138,3 @@ def test_dpo_with_lora_uses_the_base_as_its_reference(parity, pairs, tmp_path, n
         assert result["rewards"] == pytest.approx(expected["rewards"], abs=REWARDS_ATOL)
     assert compared.results[0]["numbers"][0] == pytest.approx(0.6931472, rel=1e-6)
     assert compared.results[0]["rewards"][:2] == [0.0, 0.0]  # adapters off is the base exactly
-
-
-def _resume(config, out):
-    """Two steps with a checkpoint, then the same run resumed: refused in one line (the message)."""
-    from polyshard.trainer.errors import ConfigError
-
-    mesh = Mesh(config.parallel.mesh_axes)
-    Trainer(config, mesh, out, log=False).run()
-    try:
-        Trainer(config, mesh, out, log=False, resume=True)
-    except ConfigError as error:
-        return str(error)
-    return None
-
-
-def test_resuming_a_dpo_run_is_refused_by_name(distributed, pairs, tmp_path):
-    config = dataclasses.replace(_config(pairs), training=dataclasses.replace(_config(pairs).training, steps=2))
-    message = distributed.run(1, _resume, config, tmp_path)[0]
-    assert message is not None and "a DPO run does not resume yet" in message and "\n" not in message

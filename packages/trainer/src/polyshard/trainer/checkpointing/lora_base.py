@@ -48,19 +48,21 @@ class BaseRecord:
         return {"source": self.source, "checksum": self.checksum}
 
 
-def recorded_base(source: Checkpoint) -> BaseRecord | None:
-    """The base ``source`` records (None: it holds its whole model), checked: the index is untrusted."""
-    raw = source.extra().get(BASE_KEY)
+def recorded_base(source: Checkpoint, key: str = BASE_KEY) -> BaseRecord | None:
+    """The base ``source`` records under ``key`` (None: it holds its whole model), checked: the index is
+    untrusted. ``key``: :data:`BASE_KEY`, or another record of the same form (a DPO or GRPO run's
+    reference, :mod:`polyshard.trainer.loop.reference_start`)."""
+    raw = source.extra().get(key)
     if raw is None:
         return None
     where = f"{source.folder}/index.json"
     if not isinstance(raw, dict) or not isinstance(raw.get("source"), str) or not isinstance(raw.get("checksum"), str):
-        raise CheckpointError(f"{where}: {BASE_KEY} is {raw!r}, not a base's source and checksum; the index is damaged")
+        raise CheckpointError(f"{where}: {key} is {raw!r}, not a base's source and checksum; the index is damaged")
     record = BaseRecord(raw["source"], raw["checksum"])
     seed = record.source.removeprefix(INIT)
     kind_ok = record.source.startswith((HF, CHECKPOINT)) or (record.source.startswith(INIT) and seed.isdigit())
     if not kind_ok or len(record.checksum) != 64:
-        raise CheckpointError(f"{where}: {BASE_KEY} {raw!r} names no base polyshard records; the index is damaged")
+        raise CheckpointError(f"{where}: {key} {raw!r} names no base polyshard records; the index is damaged")
     return record
 
 
@@ -127,9 +129,11 @@ class InitBase:
         raise CheckpointError(f"the base built from {self.folder}'s settings has no saved pieces")
 
 
-def open_base(record: BaseRecord, config: Config, where: Path) -> CheckpointSource:
+def open_base(
+    record: BaseRecord, config: Config, where: Path, needs: str = "holds LoRA adapters only; their base"
+) -> CheckpointSource:
     """The base ``record`` names, opened for the model of ``config`` (the run that saved ``where``); a base
-    that is gone or is not that model is one line naming both."""
+    that is gone or is not that model is one line naming both (``needs``: what ``where`` wants of it)."""
     try:
         if record.source.startswith(INIT):
             return InitBase(config, int(record.source.removeprefix(INIT)), where)
@@ -138,8 +142,7 @@ def open_base(record: BaseRecord, config: Config, where: Path) -> CheckpointSour
         return Checkpoint(Path(record.source.removeprefix(CHECKPOINT)))
     except (CheckpointError, OSError) as err:
         raise CheckpointError(
-            f"{where} holds LoRA adapters only; their base {record.source} cannot be read ({err}); put the base "
-            "back where it was trained from"
+            f"{where} {needs} {record.source} cannot be read ({err}); put the base back where it was trained from"
         ) from err
 
 

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
-from polyshard.checkpoint import MASTER, RNG, Checkpoint, CheckpointError, CheckpointSource, Planned, optim_key
+from polyshard.checkpoint import MASTER, OPTIM, RNG, Checkpoint, CheckpointError, CheckpointSource, Planned, optim_key
 from polyshard.checkpoint.reshard import DEFAULT_BLOCK_BYTES, ReshardReport, read_planned, write_resharded
 from polyshard.mesh import get_placement
 from polyshard.models.common.lora import is_adapter
@@ -109,6 +109,8 @@ def load_into(engine: Engine, source: CheckpointSource, *, weights_only: bool = 
     sizes, coords = layout.as_dict(), layout.coords(engine.mesh.rank)
     tensors = {}
     for key, local in state_tensors(engine).items():
+        if weights_only and key.startswith(OPTIM):
+            continue  # ZeRO's masters too: the engine runs forward only, or is loaded again before it steps
         if _new_prediction_depth(source, key):  # keeps the values it was built with
             tensors[key] = local.tensor.detach().clone()
         elif key != RNG:

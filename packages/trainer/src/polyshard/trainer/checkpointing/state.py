@@ -127,7 +127,7 @@ def load_state_tensors(engine: Engine, tensors: dict[str, torch.Tensor]) -> None
         for name, tensor in (_model_tensors(engine, index) | _buffers(engine, index)).items():
             tensor.copy_(tensors[model_key(name)])
     for name, stepped, optimizer, master in optimizer_entries(engine):
-        if master is not None:
+        if master is not None and optim_key(name, MASTER) in tensors:  # absent: a load of weights only
             master.copy_(tensors[optim_key(name, MASTER)])
         prefix = optim_key(name, "")
         keys = [k for k in tensors if k.startswith(prefix) and k != optim_key(name, MASTER)]

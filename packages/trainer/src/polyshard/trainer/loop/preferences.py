@@ -26,7 +26,6 @@ import torch
 from polyshard.collectives import ops
 from polyshard.data.loader import ShardedLoader
 from polyshard.trainer.engine.runtime import Engine
-from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import reference_logps
 from polyshard.trainer.loop.reference import Reference
 from polyshard.trainer.loop.step import Batch, split_batch
@@ -45,7 +44,14 @@ class PreferenceRun:
     """DPO's part of a run on ``engine``, whose weights are the starting ones (built before any step);
     ``loaders`` (training, validation) and ``out``, the run folder, serve a precomputed reference."""
 
-    def __init__(self, engine: Engine, start: int, loaders: tuple[ShardedLoader, ShardedLoader], out: Path):
+    def __init__(
+        self,
+        engine: Engine,
+        start: int,
+        loaders: tuple[ShardedLoader, ShardedLoader],
+        out: Path,
+        reference: Reference | None = None,
+    ):
         self.engine = engine
         self.loss = cast(PreferenceLoss, engine.executor.loss_fn)
         self.cp_group = engine.mesh.group("cp") if engine.config.parallel.cp > 1 else None
@@ -61,13 +67,8 @@ class PreferenceRun:
                 self.stored = reference_logps.compute(engine, loaders, self._holder, self._reference_logps, out)
                 self.reference = None
             return
-        if start > 0:
-            raise ConfigError(
-                f"a DPO run does not resume yet (this one would continue from step {start}): its reference, the "
-                "starting weights, is not in the checkpoint; start it again with --overwrite, or set "
-                'dpo.reference = "precomputed" (its log-probs are kept in the run folder)'
-            )
-        self.reference = Reference(engine)
+        # A resumed run's reference was rebuilt from the starting weights its checkpoint names (loop.reference_start).
+        self.reference = reference or Reference(engine)
 
     @property
     def _holder(self) -> bool:

@@ -62,7 +62,7 @@ class Rollouts:
 class RolloutRun:
     """GRPO's part of a run on ``engine``, whose weights are the starting ones (built before any step)."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, start: int):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, start: int, reference: Reference | None = None):
         config = engine.config
         if config.grpo is None:
             raise ConfigError("training.task = 'grpo' needs a [grpo] section with at least one [[grpo.rewards]]")
@@ -70,13 +70,8 @@ class RolloutRun:
         self.prompts = prompt_sets(config)
         self.rewards = load_rewards(self.grpo.rewards)
         self.weights = [spec.weight for spec in self.grpo.rewards]
-        if self.grpo.beta > 0 and config.lora is None and start > 0:
-            raise ConfigError(
-                f"a GRPO run with grpo.beta={self.grpo.beta} does not resume yet (this one would continue from "
-                f"step {start}): its reference, the starting weights, is not in the checkpoint; start it again "
-                "with --overwrite, or train with [lora] (the reference is then the base) or grpo.beta = 0"
-            )
-        self.reference = Reference(engine) if self.grpo.beta > 0 else None
+        # A resumed run's reference was rebuilt from the starting weights its checkpoint names (loop.reference_start).
+        self.reference = (reference or Reference(engine)) if self.grpo.beta > 0 else None
         end = tokenizer.end_of_text
         self.sampling = Sampling(
             max_new_tokens=self.grpo.max_completion_length,

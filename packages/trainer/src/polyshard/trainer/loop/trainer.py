@@ -58,6 +58,7 @@ from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
 from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
 from polyshard.trainer.loop.preferences import PreferenceRun
 from polyshard.trainer.loop.profiling import StepProfiler
+from polyshard.trainer.loop.reference_start import REFERENCE_KEY, rebuilt_reference, reference_record
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id, lora_base_of
 from polyshard.trainer.loop.rollouts import RolloutRun
 from polyshard.trainer.loop.sample import sample_text
@@ -165,10 +166,14 @@ class Trainer:
         task = task_for(config)
         # training.task = "dpo": the reference (the weights just built or loaded) and its per-step work
         loaders = (self.train_data, self.val_data)  # a precomputed reference runs over every pair before step 1
-        self.preferences = PreferenceRun(self.engine, self.start, loaders, out) if task is PREFERENCES else None
+        self.preferences = (
+            PreferenceRun(self.engine, self.start, loaders, out, self.reference) if task is PREFERENCES else None
+        )
         self.tokenizer = load_tokenizer(config.data.tokenizer)
         # training.task = "grpo": the rows of each step are generated, scored and packed (loop.rollouts)
-        self.rollouts = RolloutRun(self.engine, self.tokenizer, self.start) if task is ROLLOUTS else None
+        self.rollouts = (
+            RolloutRun(self.engine, self.tokenizer, self.start, self.reference) if task is ROLLOUTS else None
+        )
         self.end = train.last_step  # `stop_at` ends the run early; the schedule still spans `steps`
         if train.stop_at and train.stop_at <= self.start:
             raise ConfigError(
@@ -209,6 +214,12 @@ class Trainer:
     def _start(self, resume: bool, init_from: str | Path | None) -> int:
         """Load what the run starts from; returns the number of steps already done."""
         source = checkpoint_to_load(self.config, self.out, resume, init_from)
+        # DPO and GRPO's frozen starting model: named by every checkpoint, rebuilt from it before a resumed
+        # run loads its trained weights (None: copied from the weights the run starts with, once loaded).
+        self.reference_record = reference_record(self.config, source, resume, self.out)
+        self.reference = (
+            rebuilt_reference(self.engine, self.reference_record, source) if self.reference_record else None
+        )
         step = self._load(source)
         # The base a LoRA run's checkpoints name instead of holding it (a loaded checkpoint's was checked).
         self.lora_base = lora_base_of(self.config, source, resume, self.out)
@@ -358,6 +369,8 @@ class Trainer:
         }
         if self.lora_base is not None:  # a LoRA run saves its adapters and names its frozen base
             extra[BASE_KEY] = self.lora_base.to_json()
+        if self.reference_record is not None:  # DPO, GRPO: where the reference's starting weights come from
+            extra[REFERENCE_KEY] = self.reference_record.to_json()
         options: dict[str, Any] = {
             "mesh_axes": self.config.parallel.mesh_axes,
             "extra": extra,
