@@ -68,7 +68,7 @@ def test_pairs_prepared_with_it_end_each_response_with_the_token(tmp_path):
     "args, message",
     [
         (["--text-field", "body"], "corpus.jsonl, line 1: no 'body' field (it has ['text']); name the fields"),
-        (["--kind", "dialogue"], "kind='dialogue'; choose 'text' or 'pairs'"),
+        (["--kind", "dialogue"], "kind='dialogue'; choose one of ['text', 'pairs', 'preferences']"),
         (["--vocab-size", "100"], "a BPE vocabulary needs more than the 256 byte tokens; got vocab_size=100"),
     ],
     ids=["field", "kind", "vocab"],
