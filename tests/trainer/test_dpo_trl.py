@@ -1,7 +1,7 @@
 """DPO against TRL's own DPOTrainer (trl 1.16) and against the same maths on transformers' model: a tiny
 random Llama built with transformers, the same token-id pairs in the same order, the same reference (the
-starting weights), beta, AdamW at a constant rate with gradient clipping. polyshard trains on one process
-from the Hugging Face folder (``--init-from hf:``).
+starting weights), beta, AdamW at a constant rate with gradient clipping, five steps. polyshard trains from
+the Hugging Face folder (``--init-from hf:``) on one process, tp2 and dp2 ZeRO-3.
 
 * TRL: every step's loss agrees within 1e-3 relative, the rewards within 2.5e-3. Not closer: TRL 1.16 scores through its
   fused LM head (``add_fused_lm_head``), whose first-step gradient here has norm 5.7748 where autograd
@@ -29,12 +29,13 @@ from tests.trainer.test_hf_llama import VOCAB, _save_llama
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 
-STEPS, PAIRS_PER_STEP, BETA, LR = 3, 4, 0.5, 1e-3
+STEPS, PAIRS_PER_STEP, BETA, LR = 5, 4, 0.5, 1e-3
 TRL_TOL = 1e-3  # TRL's fused head's gradient (see above): ~4e-4 relative on the second step's loss
 REWARDS_ATOL = 2.5e-3  # and 1.2e-3 on a reward of ~1e-2 after the first step (measured)
 # The same sums as transformers' in another order: ~1e-6 relative on a loss or norm (measured 8e-7). The
-# weights after three steps: measured at most 3.9e-6 apart (AdamW scales an element whose gradient is
-# float32 noise up to lr-sized steps), 1.3e-9 on average per tensor.
+# weights after five steps: measured at most 3.9e-6 apart on one process, 1.1e-6 on tp2 and 4.2e-6 on dp2
+# ZeRO-3 (AdamW scales an element whose gradient is float32 noise up to lr-sized steps), under 2e-9 on
+# average per tensor.
 EXACT_RTOL, PARAM_ATOL, PARAM_MEAN = 1e-5, 2e-5, 1e-8
 
 
@@ -62,10 +63,11 @@ class _Rewards(Hook):
         self.records.append({k: v for k, v in record.items() if k in ("loss", "grad_norm") or k.startswith("rewards/")})
 
 
-def _ours(folder, train, val, out):
+def _ours(folder, train, val, out, parallel):
     config = from_dict(
         {
             "model": model_settings(folder),
+            "parallel": parallel,
             "training": {
                 "task": "dpo", "steps": STEPS, "global_batch_size": PAIRS_PER_STEP, "lr": LR, "min_lr": LR,
                 "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "beta2": 0.999,
@@ -81,6 +83,8 @@ def _ours(folder, train, val, out):
         config, Mesh(config.parallel.mesh_axes), out, log=False, init_from=f"hf:{folder}", hooks=[rewards]
     )
     trainer.run()
+    if not trainer.rank0:
+        return None
     state = consolidate(next((out / "checkpoints").glob("step_*")))
     return rewards.records, hf_state(state, config.model)
 
@@ -143,11 +147,25 @@ def _autograd(folder, train):
     return steps, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.long  # ~25 s: two trainers and the written-out reference, three steps each
-def test_dpo_follows_trls_dpo_trainer_and_the_formula_on_transformers(distributed, setup, tmp_path):
+LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "dp2-zero3": {"dp": 2, "zero_stage": 3}}
+
+
+@pytest.fixture(scope="module")
+def references(setup, tmp_path_factory):
+    """TRL's logged steps, and the written-out reference's (loss, norm) steps and weights: once for every layout."""
+    folder, train, _ = setup
+    theirs, _ = _trls(folder, train, tmp_path_factory.mktemp("trl"))
+    return theirs, *_autograd(folder, train)
+
+
+@pytest.mark.long  # ~30 s: two trainers and the written-out reference, five steps each
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_dpo_follows_trls_dpo_trainer_and_the_formula_on_transformers(distributed, setup, references, tmp_path, name):
     folder, train, val = setup
-    ours, weights = distributed.run(1, _ours, folder, train, val, tmp_path / "ours")[0]
-    theirs, _ = _trls(folder, train, tmp_path / "trl")
+    theirs, exact, exact_weights = references
+    parallel = LAYOUTS[name]
+    ranks = max(1, parallel.get("tp", 1) * parallel.get("dp", 1))
+    ours, weights = distributed.run(ranks, _ours, folder, train, val, tmp_path / "ours", parallel)[0]
     assert len(ours) == len(theirs) == STEPS
     for step, (mine, logged) in enumerate(zip(ours, theirs), start=1):
         assert mine["loss"] == pytest.approx(logged["loss"], rel=TRL_TOL), f"step {step}"
@@ -157,7 +175,6 @@ def test_dpo_follows_trls_dpo_trainer_and_the_formula_on_transformers(distribute
         assert abs(mine["rewards/accuracies"] - logged["rewards/accuracies"]) <= 1 / PAIRS_PER_STEP
     assert ours[0]["loss"] == theirs[0]["loss"]  # policy = reference: log 2 on both, to the bit
 
-    exact, exact_weights = _autograd(folder, train)
     got = [number for r in ours for number in (r["loss"], r["grad_norm"])]
     assert got == pytest.approx([number for pair in exact for number in pair], rel=EXACT_RTOL)
     started = load_file(folder / "model.safetensors")
