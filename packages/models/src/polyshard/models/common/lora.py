@@ -42,9 +42,20 @@ ADAPTER_PARTS = ("lora_A", "lora_B")
 """The names the two factors take under the adapted linear (PEFT's, without its adapter name)."""
 
 
+EXPERT_ADAPTER_SUFFIXES = ("_lora_A", "_lora_B")
+"""What a routed expert weight's two factors append to its name (``experts.w1`` -> ``experts.w1_lora_A``:
+:mod:`polyshard.models.common.moe.lora`); they stay beside the weight so that ep shards them with it."""
+
+
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is a LoRA factor's (``...q_proj.lora_A.weight``)."""
-    return any(f".{part}." in f".{name}" for part in ADAPTER_PARTS)
+    """Whether a parameter name is a LoRA factor's: a linear's (``...q_proj.lora_A.weight``) or the routed
+    experts' (``...moe.experts.w1_lora_A``)."""
+    return any(f".{part}." in f".{name}" for part in ADAPTER_PARTS) or is_expert_adapter(name)
+
+
+def is_expert_adapter(name: str) -> bool:
+    """Whether a parameter name is a factor of the routed experts' adapters (``...moe.experts.w1_lora_A``)."""
+    return name.endswith(EXPERT_ADAPTER_SUFFIXES) and ".experts." in f".{name}"
 
 
 def lora_scale(rank: int, alpha: float, rslora: bool) -> float:

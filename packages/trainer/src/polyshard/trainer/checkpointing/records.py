@@ -29,7 +29,7 @@ from polyshard.dp import ShardSpec, shard_record
 from polyshard.ep import planned_expert_placement
 from polyshard.mesh import MeshLayout, Replicate, Shard, TensorPlacement
 from polyshard.models import build_model, layer_of, spec_of, tied_names
-from polyshard.models.common.lora import is_adapter
+from polyshard.models.common.lora import is_adapter, is_expert_adapter
 from polyshard.pp import make_schedule
 from polyshard.tp import planned_placement
 from polyshard.tp.plan import Plan
@@ -73,8 +73,8 @@ def _adapter_record(plan: Plan, name: str, shape: tuple[int, ...], tp: int) -> T
     """A LoRA factor's record over tp, from its base linear's (:mod:`polyshard.models.common.lora`): beside a
     column-parallel base (weight split by rows) B is split by rows, beside a row-parallel one (split by
     columns) A by columns; the other factor is whole on every tp rank. None for a name that is no factor."""
-    if not is_adapter(name):
-        return None
+    if not is_adapter(name) or is_expert_adapter(name):
+        return None  # the routed experts' adapters are whole on every tp rank, as the experts are
     linear, part, _ = name.rsplit(".", 2)
     # A linear's split does not depend on its shape (only vocabulary rows are padded, and no adapter sits
     # beside an embedding or the head), so the factor's shape stands in for its base's.

@@ -26,6 +26,11 @@ class LoRAConfig:
     """The linears to adapt, by their Hugging Face module names ("q_proj", "k_proj", "v_proj", "o_proj",
     "gate_proj", "up_proj", "down_proj", MLA's "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"), or
     "all-linear": every linear of the blocks (never the output head)."""
+    experts: bool = False
+    """Adapt the routed experts themselves too (an MoE model's stacked expert weights, which ``targets`` never
+    selects: gate/up/down, or fc_in/fc_out): one rank-r adapter per expert and matrix, stacked like the experts
+    (A (E, in, r), B (E, r, out)) and split over ep with them, PEFT's initialisation and scale; PEFT's
+    ``target_parameters`` on the experts. False: the experts stay frozen, their shared linears adapted."""
     rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(rank) (PEFT's use_rslora)."""
     init: str | None = None
@@ -42,6 +47,8 @@ class LoRAConfig:
         names = [self.targets] if isinstance(self.targets, str) else self.targets
         if not names or any(not name for name in names):
             raise ConfigError(f'lora.targets={self.targets!r} must name modules, e.g. ["q_proj", "v_proj"]')
+        if not isinstance(self.experts, bool):
+            raise ConfigError(f"lora.experts={self.experts!r} must be true or false")
         if self.init is not None and (not self.init.startswith(PEFT_PREFIX) or self.init == PEFT_PREFIX):
             raise ConfigError(
                 f'lora.init={self.init!r} must be "peft:DIR" (a PEFT adapter folder), or unset (PEFT\'s initialisation)'

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from polyshard.models.anatomy import moe_layers
+from polyshard.models.build import spec_of
 from polyshard.models.common.lora import attach_lora, is_adapter
+from polyshard.models.common.moe.lora import attach_expert_lora
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.peft_folder import read_peft
@@ -41,7 +44,24 @@ def check_lora(config: Config) -> None:
     has a frozen base to keep."""
     _check_frozen_dtype(config)
     lora_targets(config)
+    _check_experts(config)
     read_peft(config)
+
+
+def _check_experts(config: Config) -> None:
+    lora = config.lora
+    if lora is None or not lora.experts:
+        return
+    if not spec_of(config.model).has_experts:
+        raise ConfigError(
+            f"lora.experts = true adapts routed experts, but model.kind={config.model.kind!r} has none; "
+            "set lora.experts = false or choose an MoE model"
+        )
+    if lora.init is not None:
+        raise ConfigError(
+            f"lora.init={lora.init!r} with lora.experts = true: a PEFT folder's adapters are read onto the linears "
+            "only; start the expert adapters fresh (unset lora.init) or set lora.experts = false"
+        )
 
 
 def _check_frozen_dtype(config: Config) -> None:
@@ -66,8 +86,8 @@ def _check_frozen_dtype(config: Config) -> None:
 
 
 def apply_lora(model: nn.Module, config: Config) -> int:
-    """Adapt the targets this rank holds in ``model`` (names ``layers.<i>....``) and freeze the rest;
-    returns how many linears were adapted here."""
+    """Adapt the targets this rank holds in ``model`` (names ``layers.<i>....``), and with ``lora.experts``
+    its routed experts' stacked weights, and freeze the rest; returns how many matrices were adapted here."""
     lora = config.lora
     if lora is None:
         return 0
@@ -88,6 +108,17 @@ def apply_lora(model: nn.Module, config: Config) -> int:
             initial=read.get(target.name),
         )
         adapted += 1
+    if lora.experts:  # after ep: this rank's experts' adapters only
+        for name, layer in moe_layers(model):
+            adapted += attach_expert_lora(
+                layer,
+                name,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                rslora=lora.rslora,
+                seed=config.training.seed,
+            )
     for name, param in model.named_parameters():
         if not is_adapter(name):
             param.requires_grad_(False)

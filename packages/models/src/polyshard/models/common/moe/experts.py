@@ -46,6 +46,10 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(_init(num_experts, hidden, ffn_hidden)) if activation == "swiglu" else None
         self.w1_bias = nn.Parameter(torch.zeros(num_experts, first)) if bias else None
         self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
+        self.lora_scale = 0.0
+        """LoRA on the experts (:mod:`.lora`): each weight ``w`` with an adapter has ``w_lora_A`` (E, K, r) and
+        ``w_lora_B`` (E, r, M) beside it, its update scaled by this; 0 (no adapters) until one is attached."""
+        self.lora_dropout: nn.Module = nn.Identity()
 
     @property
     def num_experts(self) -> int:
@@ -58,15 +62,27 @@ class GroupedExperts(nn.Module):
         One grouped matmul per weight over all local experts (:func:`grouped_mm`); an expert with no
         rows costs nothing and its gradient is zero.
         """
-        h = self._biased(grouped_mm(x, self.w1, counts), self.w1_bias, counts)  # (N, H) x (E, H, F) -> (N, F)
+        h = self._biased(self._project(x, "w1", counts), self.w1_bias, counts)  # (N, H) x (E, H, F) -> (N, F)
         if self.activation == "clamped-swiglu":  # (N, 2F) -> (N, F)
             gate, up = h[:, ::2].clamp(max=self.limit), h[:, 1::2].clamp(-self.limit, self.limit)
             h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         elif self.w3 is not None:
-            h = F.silu(h) * grouped_mm(x, self.w3, counts)
+            h = F.silu(h) * self._project(x, "w3", counts)
         else:
             h = F.gelu(h)
-        return self._biased(grouped_mm(h, self.w2, counts), self.w2_bias, counts)  # (N, F) x (E, F, H) -> (N, H)
+        return self._biased(self._project(h, "w2", counts), self.w2_bias, counts)  # (N, F) x (E, F, H) -> (N, H)
+
+    def _project(self, x: torch.Tensor, weight: str, counts: Sequence[int]) -> torch.Tensor:
+        """(N, K) rows times each row's expert's ``weight`` (E, K, M), plus that expert's LoRA update
+        scale * (x A_e) B_e when the weight has an adapter: the same grouped matmul, twice, r wide."""
+        out = grouped_mm(x, getattr(self, weight), counts)  # (N, K) x (E, K, M) -> (N, M)
+        a: torch.Tensor | None = getattr(self, f"{weight}_lora_A", None)
+        if a is None:
+            return out
+        b: torch.Tensor = getattr(self, f"{weight}_lora_B")
+        x = self.lora_dropout(x).to(a.dtype)  # a base kept in bf16 reads bf16 rows, the adapter float32
+        update = grouped_mm(grouped_mm(x, a, counts), b, counts)  # (N, K) x (E, K, r) x (E, r, M) -> (N, M)
+        return out + update * self.lora_scale
 
     @staticmethod
     def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: Sequence[int]) -> torch.Tensor:
