@@ -28,6 +28,7 @@ from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError
 from polyshard.checkpoint.hf import check_new_folder
 from polyshard.checkpoint.output import new_folder, reading
 from polyshard.models.common.lora import lora_scale
+from polyshard.models.common.moe.lora import merge_expert_adapters
 from polyshard.models.hf_families import family_of
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.checkpointing.base_and_adapters import recorded_folder
@@ -113,6 +114,12 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
     """A PEFT folder of ``source``'s adapters in ``destination`` (new, or replaced with ``overwrite``);
     built under a temporary name and renamed, so it is whole or absent."""
     config = saved_config(source)
+    if config.lora is not None and config.lora.experts:
+        raise CheckpointError(
+            f"{source.folder}: its adapters on the routed experts (lora.experts = true) are not written as a PEFT "
+            "folder (its layout for fused experts, target_parameters, is not implemented here); export "
+            "--format hf --merge, or train with lora.experts = false for a PEFT folder"
+        )
     targets = peft_targets(config, str(source.folder))
     check_peft_loads(config, targets, str(source.folder))
     destination = check_new_folder(destination, overwrite=overwrite, protected=reading(source.folder))
@@ -135,7 +142,8 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
 
 def merged_weights(source: Checkpoint) -> dict[str, torch.Tensor]:
     """``source``'s unsharded weights with each adapter folded into its linear, W + scale B A (computed in
-    float32, stored in W's dtype): the plain model's weights, for ``--format hf --merge``."""
+    float32, stored in W's dtype), and the routed experts' into theirs, W + scale A @ B per expert: the
+    plain model's weights, for ``--format hf --merge``."""
     config = saved_config(source)
     lora = config.lora
     if lora is None:
@@ -146,4 +154,6 @@ def merged_weights(source: Checkpoint) -> dict[str, torch.Tensor]:
         a, b = state.pop(f"{target.name}.lora_A.weight"), state.pop(f"{target.name}.lora_B.weight")
         weight = state[f"{target.name}.weight"]
         state[f"{target.name}.weight"] = (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
+    if lora.experts:
+        merge_expert_adapters(state, scale)
     return state
