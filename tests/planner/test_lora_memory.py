@@ -9,12 +9,14 @@ from polyshard.trainer.config import from_dict
 from tests.planner.test_memory import _held_after_a_step
 
 
-def _config(frozen_dtype=None, precision="fp32", **parallel):
+def _config(frozen_dtype=None, precision="fp32", experts=False, **parallel):
     # gpt tiny, vocabulary 250 (ZeRO pads it); adapters on every linear of the blocks (GPT-2's fused
-    # c_attn, c_proj, c_fc and the MLP's c_proj), rank 3 so no factor divides 2 evenly
-    model = {"kind": "gpt", "preset": "tiny", "vocab_size": 250, "frozen_dtype": frozen_dtype}
+    # c_attn, c_proj, c_fc and the MLP's c_proj), rank 3 so no factor divides 2 evenly; experts: the
+    # MoE GPT tiny with adapters on every routed expert too (lora.experts)
+    kind = "moe-gpt" if experts else "gpt"
+    model = {"kind": kind, "preset": "tiny", "vocab_size": 250, "frozen_dtype": frozen_dtype}
     training = {"global_batch_size": 8, "precision": precision}
-    lora = {"rank": 3, "targets": "all-linear"}
+    lora = {"rank": 3, "targets": "all-linear", "experts": experts}
     return from_dict({"model": model, "parallel": parallel, "training": training, "lora": lora})
 
 
@@ -27,6 +29,10 @@ LAYOUTS = [
     (2, {"dp": 2, "zero_stage": 3, "precision": "bf16"}),
     (2, {"tp": 2, "sequence_parallel": True, "frozen_dtype": "float16"}),
     (2, {"pp": 2, "microbatches": 2}),
+    # the routed experts' adapters split over ep with them (a bf16 base beside them), and whole under tp
+    (2, {"ep": 2, "experts": True, "frozen_dtype": "bfloat16"}),
+    (2, {"dp": 2, "zero_stage": 1, "experts": True}),
+    (2, {"tp": 2, "sequence_parallel": True, "experts": True}),
 ]
 
 

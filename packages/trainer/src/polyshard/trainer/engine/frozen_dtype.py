@@ -41,9 +41,11 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _holds_frozen_matrices(module: nn.Module) -> bool:
-    own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-    return bool(own) and not any(p.requires_grad for p in own) and any(p.dim() >= 2 for p in own)
+def _frozen_own(module: nn.Module) -> list[nn.Parameter]:
+    """The module's own frozen floating parameters if they include a matrix (else none): a linear's weight and
+    bias, or stacked experts' weights beside their own adapters (``lora.experts``), which stay float32."""
+    own = [p for p in module.parameters(recurse=False) if p.is_floating_point() and not p.requires_grad]
+    return own if any(p.dim() >= 2 for p in own) else []
 
 
 def keep_frozen_in_dtype(model: nn.Module, config: Config) -> int:
@@ -62,11 +64,11 @@ def keep_frozen_in_dtype(model: nn.Module, config: Config) -> int:
 
     converted = 0
     for module in model.modules():
-        if not _holds_frozen_matrices(module):
+        frozen = _frozen_own(module)
+        if not frozen:
             continue
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)  # the same Parameter: its name and placement record stay
+        for param in frozen:
+            param.data = param.data.to(dtype)  # the same Parameter: its name and placement record stay
         module.register_forward_pre_hook(cast_in, with_kwargs=True)
         module.register_forward_hook(cast_out)
         converted += 1

@@ -80,9 +80,9 @@ class GroupedExperts(nn.Module):
         if a is None:
             return out
         b: torch.Tensor = getattr(self, f"{weight}_lora_B")
-        x = self.lora_dropout(x).to(a.dtype)  # a base kept in bf16 reads bf16 rows, the adapter float32
+        x = self.lora_dropout(x).to(a.dtype)  # a base kept in bf16 (model.frozen_dtype): float32 adapters
         update = grouped_mm(grouped_mm(x, a, counts), b, counts)  # (N, K) x (E, K, r) x (E, r, M) -> (N, M)
-        return out + update * self.lora_scale
+        return (out + update * self.lora_scale).to(out.dtype)  # the base's dtype, as PEFT returns it
 
     @staticmethod
     def _biased(y: torch.Tensor, bias: torch.Tensor | None, counts: Sequence[int]) -> torch.Tensor:
