@@ -17,6 +17,20 @@ from tests.trainer.test_hf import _tokens
 
 ROUND_OFF = 1e-5  # float32: the same sums as transformers', taken in another order
 
+# The meshes a family's import test scores on (each test says which run in the default suite).
+MESHES = {
+    "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
+}  # fmt: skip
+
+
+def transformers_logits(folder: Path) -> torch.Tensor:
+    """transformers' (B, S - 1, V) logits of the shared tokens from the model in ``folder``, in eval mode."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(_tokens()[:, :-1]).logits
+
 
 def assert_scores_as_transformers(
     label: str, config: Config, logits: torch.Tensor, losses: list[float] | None, hf_logits: torch.Tensor

@@ -23,7 +23,13 @@ from safetensors.torch import load_file
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.trainer.checkpointing.hugging_face import model_settings, write_hf
-from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
+from tests.trainer._hf import (
+    MESHES,
+    ROUND_OFF,
+    assert_export_gives_the_folder_back,
+    assert_scores_as_transformers,
+    transformers_logits,
+)
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
@@ -69,15 +75,6 @@ def folders(tmp_path_factory):
     return {name: _save(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
 
 
-def _hf_logits(folder):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(_tokens()[:, :-1]).logits
-
-
-MESHES = {
-    "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
-}  # fmt: skip
 # The default suite: one process for each family; `make test-long` the table (ep2 x tp2 and the rest).
 QUICK = {("deepseek_v3", "one"), ("deepseek_v2", "one")}
 LAYOUTS = [(f, m) for f in FAMILIES for m in MESHES]
@@ -93,7 +90,7 @@ def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus,
     if config.parallel.cp > 1:  # cp splits whole contexts: the rows of _tokens(), 12 tokens (a run may choose it)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, context_length=12))
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = _hf_logits(folder)
+    hf_logits = transformers_logits(folder)
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
     assert_scores_as_transformers(f"{family} {mesh}", config, logits, None, hf_logits)
     assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)

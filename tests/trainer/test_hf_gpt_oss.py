@@ -23,8 +23,12 @@ from safetensors.torch import load_file
 from polyshard.checkpoint import CheckpointError
 from polyshard.trainer.checkpointing.hugging_face import HFSource, model_settings, write_hf
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import assert_export_gives_the_folder_back, assert_scores_as_transformers
-from tests.trainer.test_hf import _tokens
+from tests.trainer._hf import (
+    MESHES,
+    assert_export_gives_the_folder_back,
+    assert_scores_as_transformers,
+    transformers_logits,
+)
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
@@ -56,15 +60,6 @@ def folder(tmp_path_factory):
     return _save(tmp_path_factory.mktemp("gpt_oss"))
 
 
-def _hf_logits(folder):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(_tokens()[:, :-1]).logits
-
-
-MESHES = {
-    "one": {}, "tp2": {"tp": 2}, "ep2": {"ep": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "ep2xtp2": {"ep": 2, "tp": 2},
-}  # fmt: skip
 # The default suite keeps one process and cp2 (windows under the ring); `make test-long` the rest.
 QUICK = {"one", "cp2"}
 
@@ -73,7 +68,7 @@ QUICK = {"one", "cp2"}
 def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, tmp_path, mesh):
     config = _config(folder, corpus, **MESHES[mesh])
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = _hf_logits(folder)
+    hf_logits = transformers_logits(folder)
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
     assert_scores_as_transformers(f"gpt-oss {mesh}", config, logits, [loss for loss, _ in results], hf_logits)
     assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)

@@ -29,7 +29,12 @@ from polyshard.trainer.checkpointing.hugging_face import (
     write_hf,
 )
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
+from tests.trainer._hf import (
+    ROUND_OFF,
+    assert_export_gives_the_folder_back,
+    assert_scores_as_transformers,
+    transformers_logits,
+)
 from tests.trainer.test_hf import _asdict, _tokens
 
 transformers = pytest.importorskip("transformers")
@@ -78,12 +83,6 @@ def _config(folder, corpus, **parallel):
             "logging": {"progress_bar": False},
         }
     )
-
-
-def _hf_logits(folder):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(_tokens()[:, :-1]).logits
 
 
 def _import_and_score(config, folder, out):
@@ -148,7 +147,7 @@ def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_pat
     folder = folders[name]
     config = _config(folder, corpus, **parallel)
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = _hf_logits(folder)
+    hf_logits = transformers_logits(folder)
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
     assert_scores_as_transformers(layout, config, logits, [loss for loss, _ in results], hf_logits)
     assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits, streamed=False)

@@ -31,7 +31,12 @@ from polyshard.trainer.checkpointing.hugging_face import (
     write_hf,
 )
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import ROUND_OFF, assert_export_gives_the_folder_back, assert_scores_as_transformers
+from tests.trainer._hf import (
+    ROUND_OFF,
+    assert_export_gives_the_folder_back,
+    assert_scores_as_transformers,
+    transformers_logits,
+)
 from tests.trainer.test_hf import _tokens
 from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
@@ -86,12 +91,6 @@ def folders(tmp_path_factory):
     return {name: _save(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
 
 
-def _hf_logits(folder):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        return model(_tokens()[:, :-1]).logits
-
-
 MESHES = {"one": {}, "ep2": {"ep": 2}, "tp2": {"tp": 2}, "ep2xtp2": {"ep": 2, "tp": 2}, "pp2": {"pp": 2}}
 DENSE = ("qwen2", "qwen3")
 LAYOUTS = [(family, mesh) for family in FAMILIES for mesh in MESHES if not (family in DENSE and "ep" in mesh)]
@@ -112,7 +111,7 @@ def test_import_lays_the_family_out_on_any_mesh(distributed, folders, corpus, tm
     folder = folders[family]
     config = _config(folder, corpus, **MESHES[mesh])
     results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = _hf_logits(folder)
+    hf_logits = transformers_logits(folder)
     logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
     assert_scores_as_transformers(f"{family} {mesh}", config, logits, [loss for loss, _ in results], hf_logits)
     assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
