@@ -120,7 +120,8 @@ def _nan_on_one_rank(config):
     if dist.get_rank() == 1:  # only rank 1's activations turn NaN
         first = next(m for m in stage.modules() if isinstance(m, torch.nn.Embedding))
         hook = first.register_forward_hook(lambda module, args, out: out * float("nan"))
-    loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-3)
+    measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-3)
+    loss, norm = measured.loss, measured.grad_norm
     if hook is not None:
         hook.remove()
     after = _weights(engine)

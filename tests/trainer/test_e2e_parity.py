@@ -495,7 +495,8 @@ def _nan_on_one_rank(config):
     head = engine.stages[0][-1].proj.weight
     if mesh.rank == 1:  # a faulty device: one rank's gradient turns NaN
         head.register_hook(lambda grad: grad * float("nan"))
-    loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-2)
+    measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=1e-2)
+    loss, norm = measured.loss, measured.grad_norm
     unchanged = all(torch.equal(p, before[n]) for n, p in engine.stages[0].named_parameters())
     return loss, norm, unchanged
 

@@ -116,9 +116,9 @@ def _train(config, out=None, chunks=None):
     for step in range(STEPS):
         active[0] = step >= 1
         inputs, targets = split_batch(config, train_data.next_batch())
-        loss, norm = train_step(engine, inputs, targets, 1e-2, keep_first_gradients)
-        losses.append(loss)
-        norms.append(norm)
+        measured = train_step(engine, inputs, targets, 1e-2, keep_first_gradients)
+        losses.append(measured.loss)
+        norms.append(measured.grad_norm)
         if step == 0:
             after_first = parameter_pieces(engine)
     return {

@@ -107,12 +107,12 @@ def _run(config):
     lr = schedule_of(config.training)
     losses, norms, biases = [], [], []
     for step in range(STEPS):
-        loss, norm = train_step(engine, *split_batch(config, train_data.next_batch()), lr=lr(step))
-        losses.append(loss)
-        norms.append(norm)
+        measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=lr(step))
+        losses.append(measured.loss)
+        norms.append(measured.grad_norm)
         biases.append({n: r.bias.clone() for n, r in _routers(engine).items() if r.bias is not None})
     weights = _router_weights(engine)
-    loads = {i: load.tokens_per_expert for i, load in engine.expert_load.items()}
+    loads = {i: load.tokens_per_expert for i, load in measured.expert_load.items()}
     return losses + norms, weights, biases, loads
 
 
@@ -264,8 +264,8 @@ def _balance_curve(config, skew, steps=BALANCE_STEPS):
     train_data, _ = make_loaders(config, mesh)
     curve = []
     for _ in range(steps):
-        train_step(engine, *split_batch(config, train_data.next_batch()), lr=config.training.lr)
-        curve.append(max(load.max_over_mean for load in engine.expert_load.values()))
+        measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=config.training.lr)
+        curve.append(max(load.max_over_mean for load in measured.expert_load.values()))
     return curve
 
 

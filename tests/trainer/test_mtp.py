@@ -174,8 +174,8 @@ def _run(config, documents=False):
 
     for step in range(STEPS):
         seg = None if segments is None else segments[step][rows]
-        loss, _ = train_step(engine, inputs[step][rows], targets[step][rows], LR, keep_gradients, seg)
-        losses.append([loss, *engine.mtp_losses])
+        measured = train_step(engine, inputs[step][rows], targets[step][rows], LR, keep_gradients, seg)
+        losses.append([measured.loss, *measured.mtp_losses])
     return {**where(mesh), "losses": losses, "grads": grads, "params": parameter_pieces(engine)}
 
 

@@ -136,7 +136,7 @@ def _reference(config):
     engine.optimizers[:] = [PlainMuon(named, config.training.weight_decay)]
     schedule = schedule_of(config.training)
     data, _ = make_loaders(config, mesh)
-    losses = [train_step(engine, *split_batch(config, data.next_batch()), lr=schedule(s))[0] for s in range(STEPS)]
+    losses = [train_step(engine, *split_batch(config, data.next_batch()), lr=schedule(s)).loss for s in range(STEPS)]
     return losses, {n: p.detach().clone() for n, p in named}, initial
 
 

@@ -96,14 +96,14 @@ def _loads(config):
     out = []
     for step in range(STEPS):
         batch = {k: v[data_rank * rows : (data_rank + 1) * rows] for k, v in _batch(step).items()}
-        train_step(engine, *split_batch(config, batch), LR)
+        measured = train_step(engine, *split_batch(config, batch), LR)
         biases = {
             name: module.router.bias.clone()
             for stage in engine.stages.values()
             for name, module in stage.named_modules()
             if isinstance(module, MoELayer)
         }
-        out.append((engine.expert_load, biases))
+        out.append((measured.expert_load, biases))
     return out
 
 

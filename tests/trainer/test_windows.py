@@ -76,7 +76,8 @@ def _train(config, out=None):
         batch = {k: v[data_rank * rows : (data_rank + 1) * rows] for k, v in _batch(step).items()}
         inputs, targets = split_batch(config, batch)
         segments = batch_segments(config, batch)
-        loss, norm = train_step(engine, inputs, targets, LR, keep_first_gradients, segments)
+        measured = train_step(engine, inputs, targets, LR, keep_first_gradients, segments)
+        loss, norm = measured.loss, measured.grad_norm
         losses.append(loss)
         norms.append(norm)
     return {

@@ -206,8 +206,7 @@ class Ours:
         self.engine = build_engine(config, self.mesh, device=device)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        loss, _ = train_step(self.engine, inputs, targets, self.config.training.lr)
-        return loss
+        return train_step(self.engine, inputs, targets, self.config.training.lr).loss
 
     def held(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
         """Bytes held at the end of one more step, after the optimizer step and before the gradients

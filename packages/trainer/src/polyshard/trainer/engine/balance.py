@@ -20,6 +20,7 @@ Limit: one MoE layer per pipeline layer (every moe-gpt block has one).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,7 @@ def balance_experts(engine: Engine, stepped: bool) -> dict[int, LayerLoad]:
     return out
 
 
-def load_metrics(loads: dict[int, LayerLoad]) -> dict[str, float | int | list[int]]:
+def load_metrics(loads: Mapping[int, LayerLoad]) -> dict[str, float | int | list[int]]:
     """The metrics record's fields for each MoE layer: ``moe/layer{i}/...``."""
     out: dict[str, float | int | list[int]] = {}
     for i, load in sorted(loads.items()):

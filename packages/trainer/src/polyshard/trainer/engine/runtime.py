@@ -21,7 +21,7 @@ from polyshard.dp import (
 from polyshard.mesh import Mesh, TensorPlacement
 from polyshard.models import layer_of, tied_names
 from polyshard.models.common.mtp import PredictionInputs
-from polyshard.pp import PipelineExecutor, SideInputs, Stage, Timeline
+from polyshard.pp import PipelineExecutor, SideInputs, Stage, StepResult
 from polyshard.tp import (
     is_sequence_parallel,
 )
@@ -48,14 +48,9 @@ class Engine:
     optimizers: list[torch.optim.Optimizer | ZeroOptimizer]
     executor: PipelineExecutor
     tied_group: dist.ProcessGroup | None = None  # the pipeline ranks holding copies of a tied weight
-    timeline: Timeline | None = None  # this rank's spans of the last training step (the executor's)
     pipeline_layers: int = 0  # layers of the whole model (every stage's), numbered as layer_ids numbers them
-    # MoE models: every MoE layer's load in the last training step, by pipeline layer (engine.balance.LayerLoad)
-    expert_load: dict[int, Any] = field(default_factory=dict)
-    # Multi-token prediction (model.mtp_depth > 0): each depth's loss function on the last stage's rank
-    # (engine.mtp), and each depth's loss in the last training step (the global batch's, every rank alike)
+    # Multi-token prediction (model.mtp_depth > 0): each depth's loss function on the last stage's rank (engine.mtp)
     mtp_loss_fns: list[TokenMeanLoss] = field(default_factory=list)
-    mtp_losses: list[float] = field(default_factory=list)
     _names: dict[int, dict[str, str]] = field(default_factory=dict, repr=False)  # see global_names
 
     @property
@@ -70,6 +65,12 @@ class Engine:
     def holds_first_stage(self) -> bool:
         return 0 in self.stages
 
+    @property
+    def loss_counts_tokens(self) -> bool:
+        """Whether the training loss is a mean over the global batch's counted tokens, told their count
+        per microbatch through ``forward_backward(tokens=...)`` (a TokenMeanLoss; the ViT's is not)."""
+        return isinstance(self.executor.loss_fn, TokenMeanLoss)
+
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch along the sequence: its cp chunks (all of it without cp)."""
         return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
@@ -83,29 +84,28 @@ class Engine:
         *,
         tokens: float | None = None,
         mtp_tokens: Sequence[float | None] = (),
-    ) -> torch.Tensor | None:
-        """Run one step's microbatches; returns this data rank's mean loss on the last stage, else None.
+    ) -> StepResult:
+        """Run one step's microbatches; returns the executor's result: this data rank's mean loss on the
+        last stage (else None) and this rank's timeline.
         ``segments``: the inputs' document ids, whole rows (document masking; see engine.documents).
         ``shifted``: multi-token prediction's inputs and targets, this rank's chunks (see engine.mtp).
         ``tokens`` / ``mtp_tokens``: the counted tokens per microbatch of the global batch that the loss
         and each depth's loss divide by (:func:`polyshard.trainer.tasks.loss.tokens_per_microbatch`;
-        None: each microbatch's own count)."""
+        None: each microbatch's own count; ``tokens`` only where :attr:`loss_counts_tokens`)."""
         num_microbatches = self.executor.schedule.num_microbatches
         prediction = None
         if shifted is not None and self.mtp_loss_fns:
             counts = list(mtp_tokens) or [None] * len(self.mtp_loss_fns)
             prediction = microbatch_predictions(*shifted, self.mtp_loss_fns, counts, num_microbatches)
         loss_fn = self.executor.loss_fn
-        if tokens is not None and isinstance(loss_fn, TokenMeanLoss):
-            loss_fn = functools.partial(loss_fn, tokens_per_microbatch=tokens)
-        result = self.executor.step(
+        if tokens is not None:  # the caller asked loss_counts_tokens
+            loss_fn = functools.partial(cast(TokenMeanLoss, loss_fn), tokens_per_microbatch=tokens)
+        return self.executor.step(
             inputs if self.holds_first_stage else None,
             targets if self.holds_last_stage else None,
             side_inputs=self.side_inputs(segments, num_microbatches, prediction, length=inputs.shape[1]),
             loss_fn=loss_fn,
         )
-        self.timeline = result.timeline
-        return result.loss
 
     def forward_only(
         self, inputs: torch.Tensor, on_output: Callable[[torch.Tensor], T], segments: torch.Tensor | None = None

@@ -18,6 +18,7 @@ from polyshard.trainer.engine.compiling import CompileStats, compile_stats, grap
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.loop.faults import inject
 from polyshard.trainer.loop.integrity import check_replicas
+from polyshard.trainer.loop.step import TrainStepResult
 
 
 class Hook:
@@ -32,6 +33,10 @@ class Hook:
 
     def before_zero_grad(self, step: int) -> None:
         """After the optimizer step, while the gradients are still held."""
+
+    def after_update(self, step: int, measured: TrainStepResult) -> None:
+        """What the step measured (loss, gradient norm, MTP losses, expert load, this rank's timeline),
+        once the update is done and before the metrics record is made."""
 
     def after_step(self, step: int, seconds: float, record: dict[str, Any]) -> None:
         """The step's metrics record, before evaluation; a hook may add to it (the record is then logged)."""

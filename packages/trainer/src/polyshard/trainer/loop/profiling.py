@@ -28,6 +28,7 @@ import torch.distributed as dist
 from polyshard.pp import Timeline, gather_timeline, measured_costs, simulate
 from polyshard.trainer.config import Config
 from polyshard.trainer.loop.hooks import Hook
+from polyshard.trainer.loop.step import TrainStepResult
 
 FOLDER = "profile"
 
@@ -42,6 +43,7 @@ class StepProfiler(Hook):
         self.config, self.engine, self.folder = config, engine, Path(out) / FOLDER
         self.profiler: torch.profiler.profile | None = None
         self.range: torch.profiler.record_function | None = None  # the step's range in the trace
+        self.timeline: Timeline | None = None  # this rank's spans of the last profiled step
 
     def begin_step(self, step: int) -> None:
         """At the start of step ``step`` (counted from 1), on every rank."""
@@ -55,6 +57,10 @@ class StepProfiler(Hook):
             self.profiler.start()
         self.range = torch.profiler.record_function(f"step {step}")
         self.range.__enter__()
+
+    def after_update(self, step: int, measured: TrainStepResult) -> None:
+        if step == self.last:
+            self.timeline = measured.timeline
 
     def end_step(self, step: int) -> None:
         """At the end of step ``step``, after its metrics, evaluation and checkpoint, on every rank."""
@@ -78,8 +84,9 @@ class StepProfiler(Hook):
     def _pipeline(self, step: int) -> None:
         """Gather the step's timeline over every pipeline group (a collective); rank 0 writes its group's."""
         engine, executor = self.engine, self.engine.executor
+        assert self.timeline is not None, "after_update keeps the last profiled step's timeline"
         measured = gather_timeline(
-            engine.timeline, executor.schedule, engine.mesh.group("pp"), engine.device, program=executor.program
+            self.timeline, executor.schedule, engine.mesh.group("pp"), engine.device, program=executor.program
         )
         if dist.get_rank() == 0:
             txt, svg = pipeline_report(measured, executor.schedule, executor.program, self._title(step))

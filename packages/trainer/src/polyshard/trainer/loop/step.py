@@ -3,7 +3,8 @@
 this data rank's batch -> pipeline forward/backward over microbatches (dp reduces once,
 overlapped with the last backward) -> finish gradient reductions -> one global norm clip ->
 optimizer step (skipped by every rank alike when the loss or the norm is not finite) -> the experts'
-load of the step, and the routers' balancing bias moved by it (MoE models).
+load of the step, and the routers' balancing bias moved by it (MoE models). What the step measured comes
+back as one :class:`TrainStepResult`; nothing of it is left on the engine.
 """
 
 from __future__ import annotations
@@ -11,23 +12,46 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from polyshard.collectives import ops
 from polyshard.models import output_width, spec_of
+from polyshard.pp import Timeline
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.balance import balance_experts
+from polyshard.trainer.engine.balance import LayerLoad, balance_experts
 from polyshard.trainer.engine.experts import keep_idle_experts
 from polyshard.trainer.engine.mtp import shifted_tokens
 from polyshard.trainer.engine.optim import clip_to, local_squared_norm
 from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.tasks import task_for
-from polyshard.trainer.tasks.loss import TokenMeanLoss, tokens_per_microbatch
+from polyshard.trainer.tasks.loss import tokens_per_microbatch
 
 Batch = Mapping[str, np.ndarray | torch.Tensor]  # a loader's rows (numpy), or tensors
+
+
+@dataclass(frozen=True)
+class TrainStepResult:
+    """What one optimizer step measured, the same on every rank but ``timeline``."""
+
+    loss: float
+    """The global batch's loss: the mean over its counted target tokens (polyshard.trainer.tasks.loss)."""
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    mtp_losses: tuple[float, ...] = ()
+    """Multi-token prediction: each depth's loss of the global batch, depth 1 first (empty without MTP)."""
+    expert_load: Mapping[int, LayerLoad] = field(default_factory=dict)
+    """MoE models: every MoE layer's load over the step's tokens, by pipeline layer (empty otherwise)."""
+    timeline: Timeline | None = None
+    """This rank's spans of the step, as the pipeline executor recorded them."""
+
+    @property
+    def finite(self) -> bool:
+        """Whether the loss and the norm are finite: the optimizer stepped (else no rank did)."""
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
 def _tensors(batch: Batch) -> dict[str, torch.Tensor]:
@@ -69,11 +93,12 @@ def train_step(
     lr: float,
     before_zero_grad: Callable[[], None] | None = None,
     segments: torch.Tensor | None = None,
-) -> tuple[float, float]:
+) -> TrainStepResult:
     """One optimizer step on this data rank's batch: pipeline forward/backward over the microbatches,
-    gradient reductions, one global-norm clip, AdamW. Returns (the loss of the global batch: the mean
-    over its counted target tokens, whichever rank and microbatch holds them (polyshard.trainer.tasks.loss);
-    the gradient norm before clipping), the same on every rank.
+    gradient reductions, one global-norm clip, AdamW. Returns what it measured (:class:`TrainStepResult`):
+    the loss of the global batch (the mean over its counted target tokens, whichever rank and microbatch
+    holds them), the gradient norm before clipping, the MTP depths' losses and the experts' load, the same
+    on every rank, and this rank's timeline.
 
     Both numbers come out of one all-reduce, so every rank sees the same ones: when either is NaN or
     infinite, no rank updates (the step is skipped, as Megatron-LM does with an overflowing loss
@@ -94,27 +119,27 @@ def train_step(
     microbatches = engine.executor.schedule.num_microbatches
     # The losses divide by the global batch's counted tokens (one all-reduce each), told through the call.
     tokens = None
-    if isinstance(engine.executor.loss_fn, TokenMeanLoss):  # not the ViT's
+    if engine.loss_counts_tokens:  # not the ViT's
         tokens = tokens_per_microbatch(targets, replica_group, microbatches)
     mtp_tokens: list[float | None] = []
     if shifted is not None:  # made above whenever there are depths
         mtp_tokens = [tokens_per_microbatch(shifted[1][..., k], replica_group, microbatches) for k in range(depths)]
-    local_loss = engine.forward_backward(inputs, targets, segments, shifted, tokens=tokens, mtp_tokens=mtp_tokens)
+    ran = engine.forward_backward(inputs, targets, segments, shifted, tokens=tokens, mtp_tokens=mtp_tokens)
     engine.finish_gradients()
     gradients, tied_copies = engine.gradients()
     # One all-reduce over the world gives every rank both numbers (the squared norm's parts first, as
     # clip_grad_norm reduces them alone, then the loss's; each element is summed as it would be alone).
     squared_norm = local_squared_norm(gradients, engine.mesh.layout.as_dict()).to(engine.device)
-    parts = [squared_norm, _loss_part(engine, local_loss)]
+    parts = [squared_norm, _loss_part(engine, ran.loss)]
     if depths:  # each depth's loss, the mean over microbatches (as the executor's loss), summed like it
         taken = engine.take_mtp_losses()
         parts += [_loss_part(engine, None if taken is None else taken[k] / microbatches) for k in range(depths)]
     sums = torch.stack(parts)
     ops.all_reduce(sums)
     grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.config.parallel.replicas
-    engine.mtp_losses = [float(v) / engine.config.parallel.replicas for v in sums[2:]]
+    mtp_losses = tuple(float(v) / engine.config.parallel.replicas for v in sums[2:])
     clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
-    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)  # TrainStepResult.finite
     if stepped:
         # training.idle_experts = "skip": experts no rank routed a token to come out of the step unchanged;
         # "step" (the default): AdamW steps them with their zero gradient, as one stacked tensor.
@@ -122,9 +147,10 @@ def train_step(
         with keep_idle_experts(engine) if skip_idle else contextlib.nullcontext():
             for optimizer in engine.optimizers:
                 optimizer.step()
+    expert_load: dict[int, LayerLoad] = {}
     if spec_of(engine.config.model).has_experts:  # the step's load over every token; sigmoid routers rebalance
-        engine.expert_load = balance_experts(engine, stepped)
+        expert_load = balance_experts(engine, stepped)
     if before_zero_grad is not None:
         before_zero_grad()
     engine.zero_grad()
-    return loss, grad_norm
+    return TrainStepResult(loss, grad_norm, mtp_losses, expert_load, ran.timeline)

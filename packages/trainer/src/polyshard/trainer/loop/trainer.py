@@ -62,7 +62,7 @@ from polyshard.trainer.loop.reference_start import REFERENCE_KEY, rebuilt_refere
 from polyshard.trainer.loop.resume import checkpoint_to_load, continue_from, job_id, lora_base_of
 from polyshard.trainer.loop.rollouts import RolloutRun
 from polyshard.trainer.loop.sample import sample_text
-from polyshard.trainer.loop.step import batch_segments, split_batch, train_step
+from polyshard.trainer.loop.step import TrainStepResult, batch_segments, split_batch, train_step
 from polyshard.trainer.loop.wandb_run import WandbRun
 from polyshard.trainer.tasks import PREFERENCES, ROLLOUTS, task_for, task_of
 
@@ -262,17 +262,18 @@ class Trainer:
         with contextlib.ExitStack() as around:
             for hook in self.hooks:
                 around.enter_context(hook.around_update(step))
-            loss, grad_norm = train_step(
+            measured = train_step(
                 self.engine, inputs, targets, lr, lambda: self._call("before_zero_grad", step), segments
             )
-        self.nonfinite = 0 if math.isfinite(loss) and math.isfinite(grad_norm) else self.nonfinite + 1
-        self.result.losses.append(loss)
-        self.result.grad_norms.append(grad_norm)
-        record, hooked = self._record(step, loss, grad_norm, lr, time.perf_counter() - started, generation)
+        self.nonfinite = 0 if measured.finite else self.nonfinite + 1
+        self.result.losses.append(measured.loss)
+        self.result.grad_norms.append(measured.grad_norm)
+        self._call("after_update", step, measured)
+        record, hooked = self._record(step, measured, lr, time.perf_counter() - started, generation)
         if train.eval_every and (step % train.eval_every == 0 or step == train.steps):
             record.update(self.evaluate())
         self._log(step, record, always=hooked)
-        self._stop_if_nonfinite(step, loss, grad_norm)
+        self._stop_if_nonfinite(step, measured)
         every = self.config.checkpoint.every
         saving = step == self.end or bool(every and step % every == 0)
         self._call("before_save", step, saving)  # a drifted replica stops the run before it is saved
@@ -286,13 +287,13 @@ class Trainer:
             getattr(hook, point)(*args)
 
     def _record(
-        self, step: int, loss: float, grad_norm: float, lr: float, seconds: float, generation: dict[str, float]
+        self, step: int, measured: TrainStepResult, lr: float, seconds: float, generation: dict[str, float]
     ) -> tuple[dict[str, Any], bool]:
         """The step's metrics, and whether a hook added to them (what a hook adds is always logged)."""
         record: dict[str, Any] = {
             "step": step,
-            "loss": loss,
-            "grad_norm": grad_norm,
+            "loss": measured.loss,
+            "grad_norm": measured.grad_norm,
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,
         }
@@ -303,11 +304,12 @@ class Trainer:
             record.update(generation)
             if "generation_s" in generation:
                 record["training_s"] = seconds - generation["generation_s"]
-        record.update(load_metrics(self.engine.expert_load))  # MoE: each layer's load over the global step
-        if self.engine.mtp_losses:  # multi-token prediction: the depths' mean loss (unweighted), and each
-            record["mtp_loss"] = sum(self.engine.mtp_losses) / len(self.engine.mtp_losses)
-            if len(self.engine.mtp_losses) > 1:
-                record.update({f"mtp_loss/depth{k + 1}": v for k, v in enumerate(self.engine.mtp_losses)})
+        record.update(load_metrics(measured.expert_load))  # MoE: each layer's load over the global step
+        mtp = measured.mtp_losses
+        if mtp:  # multi-token prediction: the depths' mean loss (unweighted), and each
+            record["mtp_loss"] = sum(mtp) / len(mtp)
+            if len(mtp) > 1:
+                record.update({f"mtp_loss/depth{k + 1}": v for k, v in enumerate(mtp)})
         if len(self.train_data.sources) > 1:  # a mixture: the share of each source in the batches so far
             record["data_shares"] = self.train_data.shares()
         if self.nonfinite:
@@ -346,13 +348,13 @@ class Trainer:
             self.metrics.write(record)  # a skipped step is always on record
         self.progress.update(step - 1, record["loss"], record["tokens_per_s"], record.get("mfu"))
 
-    def _stop_if_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+    def _stop_if_nonfinite(self, step: int, measured: TrainStepResult) -> None:
         train = self.config.training
         if self.nonfinite and (train.on_nonfinite == "stop" or self.nonfinite >= train.nonfinite_patience):
             raise NonFiniteError(
-                f"step {step}: loss {loss} and gradient norm {grad_norm}, non-finite for {self.nonfinite} "
-                f"step(s) in a row; no rank updated in them and no checkpoint holds them. Lower training.lr "
-                f"(now {train.lr}) or warm up longer, then resume from the last checkpoint"
+                f"step {step}: loss {measured.loss} and gradient norm {measured.grad_norm}, non-finite for "
+                f"{self.nonfinite} step(s) in a row; no rank updated in them and no checkpoint holds them. "
+                f"Lower training.lr (now {train.lr}) or warm up longer, then resume from the last checkpoint"
             )
 
     def save(self, step: int) -> Path:
@@ -433,7 +435,7 @@ class Trainer:
             plot_losses(records, self.out / "loss.png")
             if self.rollouts is not None:  # GRPO: the reward curve beside the loss's
                 plot_rewards(records, self.out / "rewards.png")
-            if self.engine.expert_load:
+            if any(key.startswith("moe/") for record in records for key in record):  # an MoE run's load
                 plot_expert_load(records, self.out / "expert_load.png")
         return self.result
 
