@@ -150,11 +150,13 @@ def interpolate(table: dict[int, float], x: float) -> float:
     return table[lo] * (1 - w) + table[hi] * w
 
 
-def _gpu(tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, nic_gbps: float) -> dict[str, Any]:
+def _gpu(
+    tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, nic_gbps: float, matmul_fraction: float
+) -> dict[str, Any]:
     links = {"intra": {8: Link(10e-6, 0.8 * nvlink_gbps)}, "inter": {8: Link(20e-6, 0.8 * nic_gbps)}}
     return {
         "source": "vendor figures (NVIDIA datasheets), derated as the notes say",
-        "matmul_tflops": {1: {4096: 0.75 * tflops}},
+        "matmul_tflops": {1: {4096: matmul_fraction * tflops}},
         "elementwise_gbps": {1: {4096: 0.8 * hbm_gbps / 8}},
         "block_overhead_s": {1: {4096: 300e-6}},
         "memory_gbps": {1: 0.8 * hbm_gbps},
@@ -164,7 +166,8 @@ def _gpu(tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, n
         "devices_per_node": 8,
         "overlap": 1.0,
         "notes": [
-            "matmul: 75% of the dense BF16 peak (large GEMMs reach 70-80%; an assumption)",
+            f"matmul: {matmul_fraction:.1%} of the dense BF16 peak, fitted on published runs "
+            "(polyshard.planner.calibrate_published; the table in published_runs.toml)",
             "elementwise: 8 passes over each saved byte at 80% of the HBM bandwidth, and 0.3 ms of launches and "
             "Python per block forward and backward (assumptions)",
             "collectives: bus bandwidth 80% of the per-direction link rate; latency 10 us inside a node (NVLink), "
@@ -177,10 +180,20 @@ def _gpu(tflops: float, hbm_gbps: float, memory_gb: float, nvlink_gbps: float, n
 # 141 GB HBM3e at 4.8 TB/s; both NVLink 4 at 900 GB/s per GPU (450 each way) in 8-GPU HGX nodes with one
 # ConnectX-7 NDR InfiniBand port per GPU (400 Gb/s = 50 GB/s each way). A100 SXM 80GB: 312 TFLOP/s BF16,
 # HBM2e at 2.04 TB/s, NVLink 3 at 600 GB/s (300 each way), one HDR port per GPU (200 Gb/s = 25 GB/s).
+PEAK_TFLOPS = {"h100": 989.0, "a100": 312.0}
+MATMUL_FRACTION = {"h100": 0.799, "a100": 0.693}
+"""Share of the dense BF16 peak the planner's matmuls run at: fitted on the ``fit`` rows of the published runs
+(``python -m polyshard.planner.calibrate_published``, 2026-12-07); H200 takes H100's (the same chip)."""
 BUILTIN: dict[str, Profile] = {
-    "h100-nvlink-ib": Profile(name="h100-nvlink-ib", **_gpu(989.0, 3350.0, 80.0, 450.0, 50.0)),
-    "h200-nvlink-ib": Profile(name="h200-nvlink-ib", **_gpu(989.0, 4800.0, 141.0, 450.0, 50.0)),
-    "a100-nvlink-ib": Profile(name="a100-nvlink-ib", **_gpu(312.0, 2039.0, 80.0, 300.0, 25.0)),
+    "h100-nvlink-ib": Profile(
+        name="h100-nvlink-ib", **_gpu(PEAK_TFLOPS["h100"], 3350.0, 80.0, 450.0, 50.0, MATMUL_FRACTION["h100"])
+    ),
+    "h200-nvlink-ib": Profile(
+        name="h200-nvlink-ib", **_gpu(PEAK_TFLOPS["h100"], 4800.0, 141.0, 450.0, 50.0, MATMUL_FRACTION["h100"])
+    ),
+    "a100-nvlink-ib": Profile(
+        name="a100-nvlink-ib", **_gpu(PEAK_TFLOPS["a100"], 2039.0, 80.0, 300.0, 25.0, MATMUL_FRACTION["a100"])
+    ),
 }
 
 
