@@ -65,6 +65,20 @@ def test_every_choice_the_search_makes_can_be_fixed(tmp_path, profile):
     # an interleaved pipeline of 3 stages a rank: llama-tiny's 2 blocks + embedding + head split 2 x 3 ways
     layouts = _layouts(tmp_path, *base, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3")
     assert layouts and all(e["virtual_stages"] == 3 and e["schedule"] == "interleaved" for e in layouts)
+    # how cp splits attention, and the all-to-all group of Ulysses x ring (Llama 3's 131K run: all-gather cp 16)
+    layouts = _layouts(tmp_path, *base, "--cp", "4", "--cp-style", "allgather")
+    assert layouts and all(e["cp"] == 4 and e["cp_style"] == "allgather" for e in layouts)
+    layouts = _layouts(tmp_path, *base, "--cp", "4", "--cp-style", "ulysses+ring", "--cp-ulysses", "2")
+    assert layouts and all(e["cp_style"] == "ulysses+ring" and e["cp_ulysses"] == 2 for e in layouts)
+
+
+def test_plan_prints_the_flop_convention_it_uses(profile):
+    from polyshard.models.flops import flops_per_token
+
+    result = _plan("tiny", "--devices", "2", "--global-batch", "8", "--profile", profile)
+    assert result.exit_code == 0, result.output
+    tokens = flops_per_token(from_dict({"model": {"preset": "tiny"}}).model)
+    assert f"FLOPs per token {tokens:.4g} (polyshard.models.flops: 6N + " in result.output
 
 
 def test_sequence_parallelism_is_weighed_with_every_zero_stage(tmp_path, profile):
@@ -107,6 +121,7 @@ def test_models_by_config_file_and_hugging_face_folder(tmp_path, profile):
         (["tiny", "--devices", "4", "--memory-gb", "-1"], "--memory-gb"),
         (["tiny", "--devices", "4", "--precision", "fp8"], "training.precision"),
         (["tiny", "--devices", "4", "--cp", "3"], "do not divide"),
+        (["tiny", "--devices", "4", "--cp-style", "spiral"], "--cp-style 'spiral'; choose one of"),
         (["tiny", "--devices", "4", "--activation-checkpointing", "some"], "choose none, full or selective"),
     ],
 )

@@ -41,6 +41,12 @@ def plan_command(
     pp: int | None = typer.Option(None, "--pp", min=1, help="Fix the pipeline size."),
     ep: int | None = typer.Option(None, "--ep", min=1, help="Fix the expert-parallel size."),
     cp: int | None = typer.Option(None, "--cp", min=1, help="Fix the context-parallel size."),
+    cp_style: str | None = typer.Option(
+        None, "--cp-style", help="Fix how cp splits attention: ring, allgather, ulysses or ulysses+ring."
+    ),
+    cp_ulysses: int | None = typer.Option(
+        None, "--cp-ulysses", min=1, help="Fix the all-to-all group of cp style ulysses+ring (a divisor of --cp)."
+    ),
     sequence_parallel: bool | None = typer.Option(
         None, "--sequence-parallel/--no-sequence-parallel", help="Fix sequence parallelism on or off (with tp)."
     ),
@@ -70,7 +76,7 @@ def plan_command(
     from polyshard.planner.calibrate import FULL, QUICK
     from polyshard.planner.calibrate import calibrate as measure
     from polyshard.planner.profile import load_profile
-    from polyshard.planner.report import table
+    from polyshard.planner.report import flops_line, table
     from polyshard.planner.search import Request, search
     from polyshard.trainer import ConfigError, sequence_length
 
@@ -85,6 +91,7 @@ def plan_command(
     given: dict[str, int | str | None] = {"dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero_stage": zero}
     given |= {"microbatches": microbatches, "schedule": schedule, "dp_shard": dp_shard, "cp": cp}
     given |= {"sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages}
+    given |= {"cp_style": cp_style, "cp_ulysses": cp_ulysses}
     if activation_checkpointing is not None:  # the config's spelling: false for none
         given["activation_checkpointing"] = False if activation_checkpointing == "none" else activation_checkpointing
     fixed = {key: value for key, value in given.items() if value is not None}
@@ -109,6 +116,7 @@ def plan_command(
         f"{config.training.global_batch_size} x {tokens} tokens, {config.training.precision}; "
         f"profile {profile.name}: {profile.source}"
     )
+    typer.echo(flops_line(config.model, tokens))
     typer.echo(f"{plan.considered} layouts considered, {plan.fitting} fit; the best {len(plan.ranked)} simulated:")
     if not plan.ranked:
         typer.echo("no layout fits: give more devices or memory, a smaller batch, or fewer fixed axes", err=True)
@@ -171,7 +179,10 @@ def default_profile() -> Path:
 
 def _check_fixed(fixed: dict[str, Any], devices: int) -> None:
     from polyshard.trainer import SCHEDULES, ConfigError
+    from polyshard.trainer.config.sections import CP_STYLES
 
+    if fixed.get("cp_style", "ring") not in CP_STYLES:
+        raise ConfigError(f"--cp-style {fixed['cp_style']!r}; choose one of {list(CP_STYLES)}")
     if "schedule" in fixed and fixed["schedule"] not in SCHEDULES:
         raise ConfigError(f"--schedule {fixed['schedule']!r}; choose one of {list(SCHEDULES)}")
     if fixed.get("activation_checkpointing", False) not in (False, "full", "selective"):

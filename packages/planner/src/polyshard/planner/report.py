@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from polyshard.models.config import ModelConfig
+from polyshard.models.flops import flops_per_token
 from polyshard.planner.search import Candidate, label
 
 COLUMNS = (
@@ -47,3 +49,12 @@ def table(ranked: Sequence[Candidate]) -> str:
 
     header = [h.format(unit=unit) for h, _ in COLUMNS] + [f"{axis} {unit}" for axis in axes]
     return "\n".join([line(header), *(line(_cells(i + 1, c, scale, axes)) for i, c in enumerate(ranked))])
+
+
+def flops_line(model: ModelConfig, tokens: int) -> str:
+    """The FLOP count the step times rest on and its convention (the one MFU uses too), for ``polyshard plan``."""
+    return (
+        f"FLOPs per token {flops_per_token(model):.4g} (polyshard.models.flops: 6N + 6·s·n(Dqk + Dv)/2 per "
+        f"attention layer at s = {tokens}, N the matmul weights: PaLM's 6N + 12·l·h·s with causal attention's "
+        "masked half left out); recompute adds the forward again"
+    )

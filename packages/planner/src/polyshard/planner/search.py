@@ -199,7 +199,7 @@ def layouts(config: Config, request: Request) -> Iterator[ParallelConfig]:
                 continue  # fewer layers than stages
             if (schedule == "interleaved" and m % pp) or (schedule == "dualpipev" and m < 2 * pp):
                 continue
-            for style, ulysses in _cp_styles(config, mesh["cp"], mesh["tp"]):
+            for style, ulysses in _cp_styles(config, mesh["cp"], mesh["tp"], fixed.get("cp_ulysses")):
                 yield from _fixed(
                     config.parallel,
                     request,
@@ -232,10 +232,10 @@ def _fixed(
             yield candidate
 
 
-def _cp_styles(config: Config, cp: int, tp: int) -> list[tuple[str, int | None]]:
+def _cp_styles(config: Config, cp: int, tp: int, wanted: object = None) -> list[tuple[str, int | None]]:
     """The cp styles weighed for ``cp`` ranks: the config's own without cp (it does nothing then); with cp the
     ring, the all-gather, Ulysses where a tp rank's heads split over cp, and Ulysses x ring with the largest
-    all-to-all group the heads allow (for more cp ranks than heads)."""
+    all-to-all group the heads allow (for more cp ranks than heads), or the group the user fixed (``wanted``)."""
     if cp == 1:
         style = config.parallel.cp_style
         return [("ring", None) if style == "ulysses+ring" else (style, None)]
@@ -246,7 +246,7 @@ def _cp_styles(config: Config, cp: int, tp: int) -> list[tuple[str, int | None]]
 
     out: list[tuple[str, int | None]] = [("ring", None), ("allgather", None)]
     out += [("ulysses", None)] if splits(cp) else []
-    inner = [u for u in divisors(cp) if 1 < u < cp and splits(u)]
+    inner = [u for u in divisors(cp) if 1 < u < cp and splits(u) and wanted in (None, u)]
     return out + ([("ulysses+ring", inner[-1])] if inner else [])
 
 
