@@ -13,13 +13,16 @@ Some adapters a PEFT file can name but peft cannot load where they belong: peft 
 re-targets, in the families whose routed experts transformers fuses into stacked parameters, every module
 named like a v4 expert projection (a dense block's or a shared expert's ``gate_proj`` too) at those
 experts (``_convert_peft_config_moe`` in ``peft/utils/transformers_weight_conversion.py``, by transformers'
-``_MODEL_TO_CONVERSION_PATTERN``). Those are refused by name rather than written to load wrongly.
+``_MODEL_TO_CONVERSION_PATTERN``). Those are refused by name rather than written to load wrongly. The
+routed experts' own adapters (``lora.experts``) go out as PEFT's ``target_parameters``
+(:mod:`.peft_experts`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +35,7 @@ from polyshard.models.common.moe.lora import merge_expert_adapters
 from polyshard.models.hf_families import family_of
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.checkpointing.base_and_adapters import recorded_folder
+from polyshard.trainer.checkpointing.peft_experts import expert_patterns, expert_target_parameters, expert_tensors
 from polyshard.trainer.checkpointing.run_export import check_saved_shapes, consolidate, saved_config
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import LoRAConfig
@@ -114,14 +118,10 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
     """A PEFT folder of ``source``'s adapters in ``destination`` (new, or replaced with ``overwrite``);
     built under a temporary name and renamed, so it is whole or absent."""
     config = saved_config(source)
-    if config.lora is not None and config.lora.experts:
-        raise CheckpointError(
-            f"{source.folder}: its adapters on the routed experts (lora.experts = true) are not written as a PEFT "
-            "folder (its layout for fused experts, target_parameters, is not implemented here); export "
-            "--format hf --merge, or train with lora.experts = false for a PEFT folder"
-        )
     targets = peft_targets(config, str(source.folder))
     check_peft_loads(config, targets, str(source.folder))
+    experts = config.lora is not None and config.lora.experts  # the routed experts' own: peft_experts.py
+    parameters = expert_target_parameters(config, str(source.folder)) if experts else []
     destination = check_new_folder(destination, overwrite=overwrite, protected=reading(source.folder))
     check_saved_shapes(source)
     tensors = {}
@@ -135,6 +135,12 @@ def write_peft(source: Checkpoint, destination: str | Path, *, overwrite: bool =
     with new_folder(destination, overwrite=overwrite) as tmp:
         modules = target_modules(config, targets)
         settings = adapter_config(config.lora, targets, modules, recorded_folder(source))
+        if parameters:
+            tensors |= expert_tensors(config, source)
+            ranks, alphas = expert_patterns(config)
+            settings["target_parameters"] = parameters
+            settings["rank_pattern"] = {**cast(dict[str, int], settings["rank_pattern"]), **ranks}
+            settings["alpha_pattern"] = {**cast(dict[str, float], settings["alpha_pattern"]), **alphas}
         (tmp / CONFIG_FILE).write_text(json.dumps(settings, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     return destination
