@@ -69,6 +69,12 @@ def test_the_dry_run_names_what_a_lora_run_trains():
     assert "the frozen base's matrices in bfloat16" in text
     states = rank_model_states(config, 0)  # the memory lines are the planner's LoRA figures
     assert f"grads {states.grads / 2**20:,.1f} MiB, optimizer {states.optimizer / 2**20:,.1f} MiB" in text
+    # lora.experts: the routed experts' adapters counted too, as the engine builds them
+    config = _config(experts=True, ep=2)
+    model = build_model(config.model, seed=0)
+    apply_lora(model, config)
+    trained = sum(p.numel() for p in adapter_parameters(model).values())
+    assert f"linears and every routed expert: {trained:,} trainable parameters" in describe(config)
 
 
 def test_plan_ranks_layouts_for_a_lora_job():

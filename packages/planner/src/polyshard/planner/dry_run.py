@@ -20,6 +20,7 @@ from polyshard.models import active_parameter_count, build_model, layer_of, para
 from polyshard.models.moe_gpt.model import routing_summary
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
+from polyshard.planner.lora_states import adapter_shapes
 from polyshard.planner.model_states import rank_model_states
 from polyshard.pp import make_schedule
 from polyshard.trainer.config import Config, TrainingConfig
@@ -99,10 +100,11 @@ def describe(config: Config) -> str:
 def _lora_summary(config: Config, lora: LoRAConfig, num_params: int) -> str:
     """What a LoRA run (``lora``: its section) trains and keeps: the adapters' parameters, the base's dtype."""
     targets = lora_targets(config)
-    trained = sum(lora.rank * (t.in_features + t.out_features) for t in targets)
+    trained = sum(math.prod(shape) for shape in adapter_shapes(config).values())
+    experts = " and every routed expert" if lora.experts else ""
     dtype = config.model.frozen_dtype or ("bfloat16" if config.training.precision == "bf16" else "float32")
     return (
-        f"LoRA rank {lora.rank} on {len(targets)} linears: {trained:,} trainable parameters "
+        f"LoRA rank {lora.rank} on {len(targets)} linears{experts}: {trained:,} trainable parameters "
         f"({100 * trained / num_params:.2f}% of the model), the only ones with gradients and optimizer state; "
         f"the frozen base's matrices in {dtype}"
     )
