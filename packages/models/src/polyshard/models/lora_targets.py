@@ -9,7 +9,8 @@ its Hugging Face path is the fused module's, with the part's place in it (PEFT's
 on the whole of ``c_attn``, which the PEFT writer and reader build from and split into the parts'). ``"all-linear"``
 selects every linear of the blocks, as PEFT's does (never the output head), but not a mixture of
 experts' router, a shared expert's gate (Qwen2-MoE's one-wide ``shared_expert_gate``) or the routed
-experts: the shared expert's linears are adapted, the routed ones are not yet.
+experts: the shared expert's linears are adapted; the routed experts' stacked weights are no linears,
+and ``lora.experts`` adapts them (:mod:`polyshard.models.common.moe.lora`).
 """
 
 from __future__ import annotations
