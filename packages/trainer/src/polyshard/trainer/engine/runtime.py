@@ -19,7 +19,7 @@ from polyshard.dp import (
     ZeroOptimizer,
 )
 from polyshard.mesh import Mesh, TensorPlacement
-from polyshard.models import layer_of, tied_names
+from polyshard.models import layer_of, output_width, spec_of, tied_names
 from polyshard.models.common.mtp import PredictionInputs
 from polyshard.pp import PipelineExecutor, SideInputs, Stage, StepResult
 from polyshard.tp import (
@@ -31,6 +31,7 @@ from polyshard.trainer.engine.documents import documents_of, microbatch_document
 from polyshard.trainer.engine.layout import global_names
 from polyshard.trainer.engine.mtp import microbatch_predictions, prediction_modules
 from polyshard.trainer.errors import TiedWeightError
+from polyshard.trainer.tasks import task_of
 from polyshard.trainer.tasks.loss import TokenMeanLoss
 
 T = TypeVar("T")
@@ -65,6 +66,57 @@ class Engine:
     def holds_first_stage(self) -> bool:
         return 0 in self.stages
 
+    # -- narrow answers about the run, so the loop need not read the config or the executor ------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.executor.schedule.num_microbatches
+
+    @property
+    def loss_fn(self) -> Callable[..., torch.Tensor]:
+        """The task's training loss, as the executor calls it on the last stage's output."""
+        return self.executor.loss_fn
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that each hold a part of the global batch's loss (dp x ep x cp): the loss sums over them."""
+        return self.config.parallel.replicas
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        """The group of those ranks (:attr:`replicas`) around this one."""
+        return self.mesh.group(self.config.parallel.replica_axes)
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group, None without cp."""
+        return self.mesh.group("cp") if self.config.parallel.cp > 1 else None
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group, None without tp."""
+        return self.mesh.group("tp") if self.config.parallel.tp > 1 else None
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3: each dp rank holds only its rows of the parameters (the stages' own are freed)."""
+        return self.config.parallel.zero_stage == 3
+
+    @property
+    def has_experts(self) -> bool:
+        """An MoE model: a step counts its experts' load (engine.balance)."""
+        return spec_of(self.config.model).has_experts
+
+    @property
+    def vocab_width(self) -> int:
+        """The output head's real width (the vocabulary or the classes), without tp's padding."""
+        return output_width(self.config.model)
+
+    @property
+    def reports_accuracy(self) -> bool:
+        """Whether the task's evaluation reports an accuracy beside the loss (classification)."""
+        return task_of(self.config.model).reports_accuracy
+
     @property
     def loss_counts_tokens(self) -> bool:
         """Whether the training loss is a mean over the global batch's counted tokens, told their count
@@ -73,7 +125,7 @@ class Engine:
 
     def local_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch along the sequence: its cp chunks (all of it without cp)."""
-        return local_tokens(tokens, self.mesh.group("cp") if self.config.parallel.cp > 1 else None)
+        return local_tokens(tokens, self.cp_group)
 
     def forward_backward(
         self,
@@ -92,7 +144,7 @@ class Engine:
         ``tokens`` / ``mtp_tokens``: the counted tokens per microbatch of the global batch that the loss
         and each depth's loss divide by (:func:`polyshard.trainer.tasks.loss.tokens_per_microbatch`;
         None: each microbatch's own count; ``tokens`` only where :attr:`loss_counts_tokens`)."""
-        num_microbatches = self.executor.schedule.num_microbatches
+        num_microbatches = self.num_microbatches
         prediction = None
         if shifted is not None and self.mtp_loss_fns:
             counts = list(mtp_tokens) or [None] * len(self.mtp_loss_fns)

@@ -8,7 +8,6 @@ import torch
 
 from polyshard.collectives import ops
 from polyshard.trainer.engine.runtime import Engine
-from polyshard.trainer.tasks import task_of
 from polyshard.trainer.tasks.loss import IGNORE_INDEX
 
 
@@ -45,7 +44,7 @@ def evaluate_batches(
     totals = totals.to(engine.device)
     ops.all_reduce(totals)
     loss, correct, count = totals.tolist()
-    return loss / count, (correct / count if task_of(engine.config.model).reports_accuracy else None)
+    return loss / count, (correct / count if engine.reports_accuracy else None)
 
 
 def _evaluate(
@@ -55,12 +54,12 @@ def _evaluate(
     pipeline's forward-only program runs it, so any batch size works (an empty part still runs the
     stages, whose collectives its peers need, but scores nothing). Under cp each rank scores its chunks."""
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)
-    n, accuracy = int((targets != IGNORE_INDEX).sum()), task_of(engine.config.model).reports_accuracy
+    n, accuracy = int((targets != IGNORE_INDEX).sum()), engine.reports_accuracy
 
     def score(output: torch.Tensor) -> torch.Tensor:
         totals = torch.zeros(3, dtype=torch.float64)
         if n:  # the loss is the batch's mean over its counted targets
-            totals[0] = float(engine.executor.loss_fn(output, targets)) * n
+            totals[0] = float(engine.loss_fn(output, targets)) * n
             totals[1] = float((output.argmax(-1) == targets).sum()) if accuracy else 0.0
             totals[2] = n
         return totals

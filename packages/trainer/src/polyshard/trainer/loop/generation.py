@@ -236,9 +236,9 @@ def _next_logits(engine: Engine, tokens: torch.Tensor, start: int) -> torch.Tens
     head = engine.stages[0][-1]
     if not getattr(head, "logits", True):  # chunked loss: the head gave normed hidden states
         out = cast(nn.Module, head.proj)(out)
-    if engine.config.parallel.tp > 1:  # this rank's vocabulary columns -> all of them, padding included
-        out = ops.all_gather(out.contiguous(), dim=-1, group=engine.mesh.group("tp"))
-    return out[:, : output_width(engine.config.model)].float()
+    if engine.tp_group is not None:  # this rank's vocabulary columns -> all of them, padding included
+        out = ops.all_gather(out.contiguous(), dim=-1, group=engine.tp_group)
+    return out[:, : engine.vocab_width].float()
 
 
 def _anyone_busy(busy: bool, device: torch.device) -> bool:

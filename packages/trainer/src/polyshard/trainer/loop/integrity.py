@@ -91,7 +91,7 @@ def _flag_odd_ranks(engine: Engine, mine: int, axes: tuple[str, ...], flags: tor
 
 def weights_finite(engine: Engine) -> bool:
     """Whether every rank's parameters (and fp32 masters) are finite: one all-reduce of a flag."""
-    if engine.config.parallel.zero_stage == 3:  # the rows live outside the (freed) parameters
+    if engine.shards_parameters:  # the rows live outside the (freed) parameters
         # ZeRO-3's wrappers are FullyShardedDataParallel.
         tensors = [
             t for w in engine.wrappers.values() for t in cast(FullyShardedDataParallel, w).local_shards().values()

@@ -53,8 +53,8 @@ class PreferenceRun:
         reference: Reference | None = None,
     ):
         self.engine = engine
-        self.loss = cast(PreferenceLoss, engine.executor.loss_fn)
-        self.cp_group = engine.mesh.group("cp") if engine.config.parallel.cp > 1 else None
+        self.loss = cast(PreferenceLoss, engine.loss_fn)
+        self.cp_group = engine.cp_group
         self.loss.cp_group = self.cp_group  # the loss adds its rows' parts over cp (tasks.dpo.whole_row_sums)
         self.reference: Reference | None = None
         self.stored: reference_logps.StoredLogps | None = None

@@ -80,7 +80,7 @@ class RolloutRun:
             top_k=self.grpo.top_k,
             stop_ids=() if end is None else (end,),
         )
-        self.loss = engine.executor.loss_fn
+        self.loss = engine.loss_fn
         self.data_group = engine.mesh.group(config.parallel.batch_axes)
         self.data_rank = engine.mesh.group_rank(config.parallel.batch_axes)
         self.current: Rollouts | None = None
@@ -206,10 +206,8 @@ class RolloutRun:
         reference = None
         if self.reference is not None:
             reference = self.reference.token_logps(inputs, labels, temperature=self.grpo.temperature)
-        replicas = (
-            self.engine.mesh.group(self.config.parallel.replica_axes) if self.config.parallel.replicas > 1 else None
-        )
-        microbatches = self.engine.executor.schedule.num_microbatches
+        replicas = self.engine.replica_group if self.engine.replicas > 1 else None
+        microbatches = self.engine.num_microbatches
         normaliser = loss_normaliser(self.grpo, labels, replicas, microbatches)
         return pack_targets(labels, old, reference, rollouts.advantages, normaliser)
 

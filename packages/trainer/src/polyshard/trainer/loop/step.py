@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from polyshard.collectives import ops
-from polyshard.models import output_width, spec_of
+from polyshard.models import output_width
 from polyshard.pp import Timeline
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import LayerLoad, balance_experts
@@ -115,8 +115,8 @@ def train_step(
         whole = shifted_tokens(inputs, targets, depths, None if segments is None else segments.to(inputs.device))
         shifted = (engine.local_tokens(whole[0]), engine.local_tokens(whole[1]))
     inputs, targets = engine.local_tokens(inputs), engine.local_tokens(targets)  # this cp rank's chunks
-    replica_group = engine.mesh.group(engine.config.parallel.replica_axes)  # every holder of a loss part
-    microbatches = engine.executor.schedule.num_microbatches
+    replica_group = engine.replica_group  # every holder of a loss part
+    microbatches = engine.num_microbatches
     # The losses divide by the global batch's counted tokens (one all-reduce each), told through the call.
     tokens = None
     if engine.loss_counts_tokens:  # not the ViT's
@@ -136,8 +136,8 @@ def train_step(
         parts += [_loss_part(engine, None if taken is None else taken[k] / microbatches) for k in range(depths)]
     sums = torch.stack(parts)
     ops.all_reduce(sums)
-    grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.config.parallel.replicas
-    mtp_losses = tuple(float(v) / engine.config.parallel.replicas for v in sums[2:])
+    grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.replicas
+    mtp_losses = tuple(float(v) / engine.replicas for v in sums[2:])
     clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
     stepped = math.isfinite(loss) and math.isfinite(grad_norm)  # TrainStepResult.finite
     if stepped:
@@ -148,7 +148,7 @@ def train_step(
             for optimizer in engine.optimizers:
                 optimizer.step()
     expert_load: dict[int, LayerLoad] = {}
-    if spec_of(engine.config.model).has_experts:  # the step's load over every token; sigmoid routers rebalance
+    if engine.has_experts:  # the step's load over every token; sigmoid routers rebalance
         expert_load = balance_experts(engine, stepped)
     if before_zero_grad is not None:
         before_zero_grad()
