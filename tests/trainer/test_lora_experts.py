@@ -38,7 +38,8 @@ def _config(corpus, **parallel):
 # The tolerance is test_lora_parity's (test_e2e_parity's bounds): only the order of float32 sums differs from
 # one process (the all-to-all hands each expert its rows in another order, dp and tp sum gradients).
 @pytest.mark.parametrize(
-    "name", [layout("ep2"), layout("dp2xep2-zero1", LONG), layout("tp2"), layout("ep2xtp2-sp", LONG)]
+    "name",
+    [layout("ep2"), layout("tp2"), layout("dp2xep2-zero1", LONG), layout("ep2xtp2-sp", LONG), layout("pp2-1f1b", LONG)],
 )
 def test_expert_adapters_train_as_on_one_process(parity, corpus, tmp_path, name):
     config_of = functools.partial(_config, corpus)

@@ -76,9 +76,9 @@ class GroupedExperts(nn.Module):
         """(N, K) rows times each row's expert's ``weight`` (E, K, M), plus that expert's LoRA update
         scale * (x A_e) B_e when the weight has an adapter: the same grouped matmul, twice, r wide."""
         out = grouped_mm(x, getattr(self, weight), counts)  # (N, K) x (E, K, M) -> (N, M)
-        a: torch.Tensor | None = getattr(self, f"{weight}_lora_A", None)
-        if a is None:
+        if not self.lora_scale:  # no adapters (a plain float: no module attribute lookup on the common path)
             return out
+        a: torch.Tensor = getattr(self, f"{weight}_lora_A")
         b: torch.Tensor = getattr(self, f"{weight}_lora_B")
         x = self.lora_dropout(x).to(a.dtype)  # a base kept in bf16 (model.frozen_dtype): float32 adapters
         update = grouped_mm(grouped_mm(x, a, counts), b, counts)  # (N, K) x (E, K, r) x (E, r, M) -> (N, M)
