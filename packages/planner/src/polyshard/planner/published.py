@@ -139,3 +139,13 @@ def predict(run: PublishedRun, profile: Profile | None = None) -> Candidate:
     if not plan.ranked:
         raise ConfigError(f"{run.name}: the published layout does not fit {MEMORY_GB:g} GB in the planner's count")
     return plan.ranked[0]
+
+
+def auto_choice(run: PublishedRun, profile: Profile | None = None) -> Candidate:
+    """What ``--layout auto`` picks for ``run``'s model, batch and GPUs with no axis fixed (its recompute is
+    the planner's choice too): the fastest predicted layout that fits."""
+    request = Request(devices=run.gpus, devices_per_node=DEVICES_PER_NODE, memory_gb=MEMORY_GB)
+    plan = search(run.config(), request, profile or run.profile())
+    if not plan.ranked:
+        raise ConfigError(f"{run.name}: no layout fits {MEMORY_GB:g} GB in the planner's count")
+    return plan.ranked[0]
