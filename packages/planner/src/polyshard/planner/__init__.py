@@ -10,6 +10,8 @@ comm.py         every collective per step: axis, op, group, bytes
 pipeline.py     the simulator as the planner asks it (cached, extrapolated for long steps)
 profile.py      a machine: matmul and elementwise rates, AdamW, collectives (measured, or vendor figures)
 calibrate.py    measures this machine into a profile (`polyshard plan --calibrate`)
+published.py    published large runs (published_runs.toml) and the planner's step time at each one's layout
+calibrate_published.py  fits the built-in profiles' matmul share on the published runs marked fit
 cost.py         step time: compute from FLOPs, collectives from bytes, bubbles from the simulator
 search.py       every layout of a model on N devices: keep those that fit, rank by step time; their labels
 report.py       the ranked table
