@@ -101,8 +101,10 @@ def test_a_bad_row_is_a_one_line_error(tmp_path):
         load_runs(table)
 
 
-@pytest.mark.long  # a search over every layout: 20 s for 1.7B on 32 GPUs to minutes for the 405B rows
-@pytest.mark.parametrize("name", MODELED)
+# A search over every layout takes 20 s for 1.7B on 32 GPUs and minutes to a quarter hour for the 405B and
+# larger rows; make test-long keeps the smallest (docs/guides/planner.md lists the picks of the others).
+@pytest.mark.long
+@pytest.mark.parametrize("name", ["megatron-1.7b"])
 def test_layout_auto_on_a_published_run_picks_one_it_predicts_no_slower(name):
     from polyshard.planner.published import auto_choice
     from polyshard.planner.search import label
