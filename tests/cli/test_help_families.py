@@ -22,7 +22,7 @@ def _help(args: list[str]) -> str:
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda a: a[0])
 def test_the_help_names_every_registered_hugging_face_family(args):
     text = _help(args)
-    titles = [family.title for spec in SPECS.values() for family in spec.hf_families]
+    titles = [family.title for spec in SPECS.values() for family in spec.hf_adapters]
     assert len(titles) >= 10 and {"GPT-2", "Llama", "DeepSeek-V3", "gpt-oss"} <= set(titles)
     assert [t for t in titles if t not in text] == []
     assert HF_FAMILIES not in text and "GPT-2orLlama" not in text
@@ -31,8 +31,8 @@ def test_the_help_names_every_registered_hugging_face_family(args):
 @pytest.mark.parametrize("args", COMMANDS, ids=lambda a: a[0])
 def test_a_family_registered_later_shows_in_the_next_help(args, monkeypatch):
     gpt = SPECS["gpt"]
-    made_up = dataclasses.replace(gpt.hf_families[0], model_type="made_up", title="Made-Up-Family")
-    monkeypatch.setitem(SPECS, "gpt", dataclasses.replace(gpt, hf_families=(*gpt.hf_families, made_up)))
+    made_up = dataclasses.replace(gpt.hf_adapters[0], model_type="made_up", title="Made-Up-Family")
+    monkeypatch.setitem(SPECS, "gpt", dataclasses.replace(gpt, hf_adapters=(*gpt.hf_adapters, made_up)))
     assert "Made-Up-Family" in _help(args)
     monkeypatch.undo()
     assert "Made-Up-Family" not in _help(args)  # filled for each print, not written into the command once

@@ -15,7 +15,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from polyshard.trainer.loop.plan_check import Prediction
+from polyshard.trainer.loop.plan_check import PlannedStep
 
 from ._machine import flat_profile
 
@@ -37,10 +37,10 @@ def test_the_chosen_layout_goes_into_the_config_and_its_prediction_into_a_file(t
     assert expected.step_s == best.step_s and len(expected.states_bytes) == chosen.parallel.pp
     assert expected.states_bytes[0] == rank_model_states(chosen, 0).total  # the chosen layout's, not the input's
     expected.write(tmp_path / "plan.json")
-    assert Prediction.read(tmp_path / "plan.json") == expected
+    assert PlannedStep.read(tmp_path / "plan.json") == expected
     (tmp_path / "bad.json").write_text(json.dumps({"step_s": -1, "states_bytes": [1], "activation_bytes": [1]}))
     with pytest.raises(ConfigError, match="bad.json: not a plan prediction"):
-        Prediction.read(tmp_path / "bad.json")
+        PlannedStep.read(tmp_path / "bad.json")
 
 
 @pytest.mark.long
@@ -74,7 +74,7 @@ def test_a_planned_run_logs_predicted_against_measured(distributed, corpus, tmp_
         }
     )
     states = float(rank_model_states(config, 0).total)
-    planned = Prediction(step_s=0.5, states_bytes=(states,), activation_bytes=(float(activation_bytes(config, 0)),))
+    planned = PlannedStep(step_s=0.5, states_bytes=(states,), activation_bytes=(float(activation_bytes(config, 0)),))
     [record] = distributed.run(2, _planned_run, config, str(tmp_path), planned)[0]
     assert record["step"] == 4 and record["plan_step_s_predicted"] == 0.5 and record["plan_step_s_measured"] > 0
     assert record["plan_states_bytes_held"] == record["plan_states_bytes_predicted"]  # to the byte

@@ -10,7 +10,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.engine.optim import ADAMW_KERNELS, decay_rule, param_groups
+from polyshard.trainer.engine.optimizer import ADAMW_KERNELS, decay_rule, param_groups
 from polyshard.trainer.loop import train
 from tests.trainer._short import short_training
 

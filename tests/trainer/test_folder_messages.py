@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from polyshard.models.hf_families import hf_families
+from polyshard.models.hf_adapters import hf_adapters
 from polyshard.models.hf_keys import in_folder_terms, setting_keys
 from polyshard.trainer.config import from_dict
 
@@ -81,7 +81,7 @@ def test_deepseek_rotates_only_its_rope_dims():
 
 
 def test_the_keys_each_setting_came_from():
-    families = hf_families()
+    families = hf_adapters()
     hf = transformers.MixtralConfig(**MIXTRAL).to_dict()
     keys = setting_keys(families["mixtral"], hf, "config.json")
     assert keys["moe.num_experts"] == "num_local_experts" and keys["hidden"] == "hidden_size"

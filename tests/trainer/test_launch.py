@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from polyshard.trainer import ConfigError, Prediction, prepare_launch, read_settings
+from polyshard.trainer import ConfigError, PlannedStep, prepare_launch, read_settings
 from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, read_resolved
 
 
@@ -31,11 +31,11 @@ def test_the_resolved_config_keeps_dp_auto_for_every_node_count(corpus, tmp_path
 
 def test_a_planned_launch_hands_its_prediction_to_the_workers(corpus, tmp_path):
     out = tmp_path / "run"
-    planned = Prediction(step_s=0.5, states_bytes=(1.0,), activation_bytes=(2.0,))
+    planned = PlannedStep(step_s=0.5, states_bytes=(1.0,), activation_bytes=(2.0,))
     launch = prepare_launch(_settings(corpus, dp=2, tp=1), out=out, nproc=2, prediction=planned)
     launch.write()
     assert launch.worker_args()[-2:] == ["--plan", str((out / "plan.json").resolve())]
-    assert Prediction.read(out / "plan.json") == planned
+    assert PlannedStep.read(out / "plan.json") == planned
 
 
 def test_a_mistake_is_named_before_anything_is_written(corpus, tmp_path):

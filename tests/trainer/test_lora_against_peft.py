@@ -24,7 +24,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.checkpointing.hugging_face import model_settings
 from polyshard.trainer.checkpointing.peft import write_peft
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.engine.optim import schedule_of
+from polyshard.trainer.engine.schedule import schedule_of
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.step import split_batch
 from polyshard.trainer.loop.trainer import make_loaders

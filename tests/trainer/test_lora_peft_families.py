@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError, latest_checkpoint
 from polyshard.models import build_model
-from polyshard.models.hf_families import hf_families
+from polyshard.models.hf_adapters import hf_adapters
 from polyshard.trainer.checkpointing.hugging_face import HFSource
 from polyshard.trainer.checkpointing.peft import PEFT_EXPERT_NAMES, write_peft
 from polyshard.trainer.checkpointing.run_export import consolidate
@@ -73,7 +73,7 @@ def _round_trip(config, folder, out):
 
 
 def test_every_family_with_a_hugging_face_adapter_is_a_row():
-    assert set(FAMILIES) == set(hf_families())
+    assert set(FAMILIES) == set(hf_adapters())
 
 
 @pytest.mark.parametrize("family", [f if f in QUICK else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES])
@@ -206,7 +206,7 @@ def test_the_refused_names_are_the_installed_pefts():
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     found = {}
-    for family in hf_families():
+    for family in hf_adapters():
         pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(family)
         names = conversion._MOE_TARGET_MODULE_MAPPING.get(pattern or "", {})
         if names and get_checkpoint_conversion_mapping(family) is not None:

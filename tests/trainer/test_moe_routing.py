@@ -97,7 +97,7 @@ def _router_weights(engine):
 
 def _run(config):
     from polyshard.trainer.engine.builder import build_engine
-    from polyshard.trainer.engine.optim import schedule_of
+    from polyshard.trainer.engine.schedule import schedule_of
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

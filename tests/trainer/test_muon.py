@@ -125,7 +125,7 @@ class PlainMuon:
 
 def _reference(config):
     from polyshard.trainer.engine.builder import build_engine
-    from polyshard.trainer.engine.optim import schedule_of
+    from polyshard.trainer.engine.schedule import schedule_of
     from polyshard.trainer.loop import make_loaders, split_batch, train_step
 
     mesh = Mesh(config.parallel.mesh_axes)

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from polyshard.mesh import MeshLayout, Replicate, Shard, TensorPlacement, set_placement
-from polyshard.trainer.engine.optim import clip_grad_norm, lr_at, parameter_gradients
+from polyshard.trainer.engine.gradient_norm import clip_grad_norm, parameter_gradients
+from polyshard.trainer.engine.schedule import lr_at
 
 
 def test_warmup_then_cosine():
@@ -44,7 +45,7 @@ def _reference(step: int, kind: str, shape: str = "linear") -> float:
 )  # fmt: skip
 def test_every_schedule_equals_its_closed_form_at_every_step(kind, shape):
     from polyshard.trainer.config import from_dict
-    from polyshard.trainer.engine.optim import schedule_of
+    from polyshard.trainer.engine.schedule import schedule_of
 
     train = {"lr": 2.0, "min_lr": 0.5, "warmup_steps": 3, "steps": 20, "schedule": kind, "decay_fraction": 0.25}
     schedule = schedule_of(from_dict({"training": {**train, "decay_shape": shape}}).training)

@@ -6,7 +6,7 @@ summed over tp; ZeRO reduce-scatters gradients over dp during backward and keeps
 The two sums commute: tp peers hold the same dp coordinate, so the same rows of the same replicated
 parameter, and summing those rows over tp after the reduce-scatter equals reduce-scattering the tp sum.
 The engine therefore all-reduces, over tp, each sequence-parallel parameter's *shard* as the optimizer
-reads it (polyshard.trainer.engine.runtime.Runtime.finish_gradients): one coalesced all-reduce of the few
+reads it (polyshard.trainer.engine.engine.Engine.finish_gradients): one coalesced all-reduce of the few
 norm rows per step, no extra pass over the other gradients. Compared as in tests/trainer/test_e2e_parity.py
 (losses, every first-step gradient as the optimizer reads it, every parameter after AdamW with weight
 decay), on dense, tied and Llama models, and on hybrid sharding and a pipeline in the long tests.

@@ -141,10 +141,10 @@ def test_the_vit_has_no_windows_or_sinks():
 @pytest.mark.parametrize("extra", [{"sliding_window": 8}, {"attention_sinks": True}])
 def test_the_hugging_face_export_refuses_windows_and_sinks(extra):
     from polyshard.checkpoint import CheckpointError
-    from polyshard.models.hf_families import family_of
+    from polyshard.models.hf_adapters import hf_adapter_of
 
     llama = from_dict({"model": {**LLAMA, "num_kv_heads": 2}}).model
-    assert family_of(llama).title == "Llama"  # the same model without them is a Llama
+    assert hf_adapter_of(llama).title == "Llama"  # the same model without them is a Llama
     key = next(iter(extra))
     with pytest.raises(CheckpointError, match=f"Llama would need .*{key}="):
-        family_of(from_dict({"model": {**LLAMA, "num_kv_heads": 2, **extra}}).model)
+        hf_adapter_of(from_dict({"model": {**LLAMA, "num_kv_heads": 2, **extra}}).model)

@@ -24,7 +24,8 @@ from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.presets import PRESETS
 from polyshard.trainer.config import Config, DataConfig, TrainingConfig
 from polyshard.trainer.data import language_data
-from polyshard.trainer.engine.optim import param_groups, schedule_of
+from polyshard.trainer.engine.optimizer import param_groups
+from polyshard.trainer.engine.schedule import schedule_of
 
 
 def config_for(rule: str, args: argparse.Namespace) -> Config:

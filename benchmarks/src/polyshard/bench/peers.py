@@ -71,7 +71,7 @@ from polyshard.models import build_model, output_width, sequence_length, spec_of
 from polyshard.trainer.config import Config, from_dict
 from polyshard.trainer.engine.builder import build_engine
 from polyshard.trainer.engine.layout import global_names, pipeline_bounds
-from polyshard.trainer.engine.optim import param_groups
+from polyshard.trainer.engine.optimizer import param_groups
 from polyshard.trainer.loop import train_step
 
 GROUPS = ("dp", "tp", "pp", "ep", "cp", "composed")

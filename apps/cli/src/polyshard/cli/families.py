@@ -12,15 +12,15 @@ from typing import Any
 
 from typer.core import TyperCommand
 
-HF_FAMILIES = "{hf_families}"
+HF_FAMILIES = "{hf_adapters}"
 """Stands for the Hugging Face families polyshard reads and writes, e.g. ``GPT-2, Llama, Qwen2, ...``."""
 
 
 def hf_family_titles() -> list[str]:
     """Every registered family's Hugging Face counterparts, by title, in the registry's order."""
-    from polyshard.trainer import hf_families
+    from polyshard.trainer import hf_adapters
 
-    return [family.title for family in hf_families().values()]
+    return [family.title for family in hf_adapters().values()]
 
 
 class RegistryHelp(TyperCommand):

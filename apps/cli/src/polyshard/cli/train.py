@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from polyshard.trainer import Prediction
+    from polyshard.trainer import PlannedStep
 
 from polyshard.cli.errors import fail
 from polyshard.cli.families import HF_FAMILIES
@@ -142,7 +142,7 @@ def _memory_refusal(config: Any, nproc: int, dry_run: bool) -> str | None:
 
 def _planned(
     settings: dict[str, Any], nproc: int | None, nodes: tuple[int, int], profile: str | None
-) -> tuple[dict[str, Any], Prediction]:
+) -> tuple[dict[str, Any], PlannedStep]:
     """``settings`` laid out as the planner chose for ``nproc`` processes per node (printed with why),
     and the planner's prediction for that layout."""
     from polyshard.cli.plan import default_profile

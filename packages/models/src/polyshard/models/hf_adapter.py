@@ -1,6 +1,6 @@
 """What one Hugging Face model family declares, and typed reads of its untrusted ``config.json``.
 
-A :class:`Family` is a small record of functions: ``config.json`` -> polyshard's ``[model]``
+A :class:`HFAdapter` is a small record of functions: ``config.json`` -> polyshard's ``[model]``
 settings, our parameter names -> where each lives in the family's files, and back. The reader
 and writer in :mod:`polyshard.trainer.checkpointing.hugging_face` know nothing of any one family; a model-spec
 registry can point a model kind at one of these records.
@@ -18,7 +18,7 @@ from polyshard.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
-class Family:
+class HFAdapter:
     """One Hugging Face model family polyshard reads and writes."""
 
     model_type: str

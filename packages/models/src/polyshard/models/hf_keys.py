@@ -1,7 +1,7 @@
 """Which ``config.json`` key each ``[model]`` setting of a Hugging Face folder came from, and a setting's
 message said in the folder's terms.
 
-A folder's sizes are read into polyshard's settings by its family (:class:`polyshard.models.hf_adapter.Family`)
+A folder's sizes are read into polyshard's settings by its family (:class:`polyshard.models.hf_adapter.HFAdapter`)
 and then checked like any ``[model]`` table. A size no run can take is the file's fault, so its message
 names the file and the key (``config.json: num_local_experts = 1000000000 is past 65,536 ...``), not a
 ``[model]`` field with a ``--set`` fix that cannot help.
@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from polyshard.models.hf_adapter import Family
+from polyshard.models.hf_adapter import HFAdapter
 
 
 class _FromKey(int):
@@ -45,7 +45,7 @@ def _tagged(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def setting_keys(family: Family, hf: Mapping[str, Any], where: str) -> dict[str, str]:
+def setting_keys(family: HFAdapter, hf: Mapping[str, Any], where: str) -> dict[str, str]:
     """``[model]`` setting -> the ``config.json`` key its value was read from (integers only)."""
     try:
         settings = family.settings(_tagged(hf), where)

@@ -1,7 +1,7 @@
 """Which linears ``lora.targets`` selects, named as Hugging Face names them (``q_proj``, ``down_proj``,
 MLA's ``q_a_proj`` ...), with the Hugging Face module path each one has (PEFT's keys).
 
-The names come from the family's Hugging Face adapter (:class:`polyshard.models.hf_adapter.Family`'s
+The names come from the family's Hugging Face adapter (:class:`polyshard.models.hf_adapter.HFAdapter`'s
 ``locations``: our parameter -> its tensor in the family's files), so there is one table of names, not
 two. A linear whose weight is one part of a fused tensor (GPT-2's ``c_attn`` holds q, k and v) is named
 both ways: by our name (``q_proj``, that part alone) and by the fused module's (``c_attn``, every part);
@@ -24,7 +24,7 @@ from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.build import build_model, spec_of
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
-from polyshard.models.hf_families import family_of
+from polyshard.models.hf_adapters import hf_adapter_of
 
 ALL_LINEAR = "all-linear"
 
@@ -54,11 +54,11 @@ class Target:
 
 def _locations(model: ModelConfig) -> dict[str, TensorLocation]:
     """The family's tensor locations: the family ``model`` is exactly, else the first of its kind's."""
-    families = spec_of(model).hf_families
+    families = spec_of(model).hf_adapters
     if not families:
         return {}
     try:
-        return family_of(model).locations(model)
+        return hf_adapter_of(model).locations(model)
     except CheckpointError:  # not exactly a Hugging Face architecture: its kind's names still apply
         return families[0].locations(model)
 

@@ -28,7 +28,7 @@ from polyshard.mesh import divisors
 from polyshard.models.common.initialise import init_weights
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
-from polyshard.models.hf_adapter import Family
+from polyshard.models.hf_adapter import HFAdapter
 from polyshard.models.shape import ModelShape, plain_shape
 from polyshard.tp import (
     ColumnParallel,
@@ -137,7 +137,7 @@ class ModelSpec:
     """Positions per example the transformer sees."""
     output_width: Callable[[ModelConfig], int] = _no_sequence
     """Outputs per position: the vocabulary of a language model, the classes of a classifier."""
-    hf_families: tuple[Family, ...] = ()
+    hf_adapters: tuple[HFAdapter, ...] = ()
     presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     """Named settings (``model.preset``), each a ``[model]`` table."""
     """The Hugging Face architectures (``model_type``) its weights can map to (its adapters, one per ``model_type``)."""

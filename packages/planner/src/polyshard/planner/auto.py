@@ -21,7 +21,7 @@ from polyshard.planner.report import table
 from polyshard.planner.search import CHOSEN, Candidate, Plan, Request, label, search
 from polyshard.trainer.config import Config
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.loop.plan_check import Prediction
+from polyshard.trainer.loop.plan_check import PlannedStep
 
 
 def choose(
@@ -56,12 +56,12 @@ def laid_out(settings: Mapping[str, Any], chosen: Candidate) -> dict[str, Any]:
     return {**settings, "parallel": parallel, "training": training}
 
 
-def prediction(chosen: Candidate) -> Prediction:
+def prediction(chosen: Candidate) -> PlannedStep:
     """What the run of ``chosen`` (the searched config laid out as it says) should measure: its step
     time and, per pipeline rank, the model-state bytes and the bytes saved for backward at peak."""
     config = chosen.config
     stages = range(config.parallel.pp)
-    return Prediction(
+    return PlannedStep(
         step_s=chosen.step_s,
         states_bytes=tuple(float(rank_model_states(config, rank).total) for rank in stages),
         activation_bytes=tuple(float(activation_bytes(config, rank)) for rank in stages),

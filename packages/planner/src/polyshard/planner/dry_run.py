@@ -27,7 +27,7 @@ from polyshard.trainer.config import Config, TrainingConfig
 from polyshard.trainer.config.lora import LoRAConfig
 from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
 from polyshard.trainer.engine.lora import lora_targets
-from polyshard.trainer.engine.optim import schedule_of
+from polyshard.trainer.engine.schedule import schedule_of
 
 
 def describe(config: Config) -> str:

@@ -34,11 +34,11 @@ _EXPORTS = {
     "prepare_launch": "polyshard.trainer.runtime.launch",
     "read_settings": "polyshard.trainer.runtime.launch",
     "train": "polyshard.trainer.loop",
-    "Prediction": "polyshard.trainer.loop.plan_check",
+    "PlannedStep": "polyshard.trainer.loop.plan_check",
     "sample_text": "polyshard.trainer.loop",
     "build_model": "polyshard.models",
     "spec_of": "polyshard.models",
-    "hf_families": "polyshard.models.hf_families",
+    "hf_adapters": "polyshard.models.hf_adapters",
     "saved_config": "polyshard.trainer.checkpointing.run_export",
     "consolidate": "polyshard.trainer.checkpointing.run_export",
     "export": "polyshard.trainer.checkpointing.run_export",
@@ -65,7 +65,7 @@ __all__ = [
     "MESH_AXES",
     "NonFiniteError",
     "PRESETS",
-    "Prediction",
+    "PlannedStep",
     "SCHEDULES",
     "apply_overrides",
     "build_model",
@@ -74,7 +74,7 @@ __all__ = [
     "export",
     "export_note",
     "from_dict",
-    "hf_families",
+    "hf_adapters",
     "load_config",
     "load_tokenizer",
     "local_files",
@@ -104,7 +104,7 @@ if TYPE_CHECKING:
     from polyshard.checkpoint import CheckpointError
     from polyshard.data.tokenizer import load_tokenizer, train_bpe
     from polyshard.models import build_model, sequence_length, spec_of
-    from polyshard.models.hf_families import hf_families
+    from polyshard.models.hf_adapters import hf_adapters
     from polyshard.trainer.checkpointing.hugging_face import export_note, model_settings, write_hf
     from polyshard.trainer.checkpointing.run_export import consolidate, export, saved_config
     from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
@@ -113,6 +113,6 @@ if TYPE_CHECKING:
     from polyshard.trainer.engine.constraints import validate
     from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError
     from polyshard.trainer.loop import sample_text, train
-    from polyshard.trainer.loop.plan_check import Prediction
+    from polyshard.trainer.loop.plan_check import PlannedStep
     from polyshard.trainer.runtime.launch import Launch, prepare_launch, read_settings
     from polyshard.trainer.runtime.lifetime import die_with_parent

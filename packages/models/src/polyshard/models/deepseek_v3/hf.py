@@ -28,7 +28,7 @@ from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.models.hf_adapter import (
     YARN_KEYS,
-    Family,
+    HFAdapter,
     read_bool,
     read_int,
     read_number,
@@ -244,8 +244,8 @@ def v2_config(model: DeepSeekV3Config) -> dict[str, object]:
     }
 
 
-def _family(model_type: str, title: str, shape: Mapping[str, object], settings: Any, config: Any) -> Family:
-    return Family(
+def _family(model_type: str, title: str, shape: Mapping[str, object], settings: Any, config: Any) -> HFAdapter:
+    return HFAdapter(
         model_type=model_type,
         title=title,
         settings=settings,

@@ -70,5 +70,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     context_parallel=True,
-    hf_families=(DEEPSEEK_V3, DEEPSEEK_V2),
+    hf_adapters=(DEEPSEEK_V3, DEEPSEEK_V2),
 )

@@ -11,7 +11,7 @@ from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.hf_adapter import (
     FULL_ATTENTION,
-    Family,
+    HFAdapter,
     read_bool,
     read_int,
     read_number,
@@ -107,7 +107,7 @@ def config(model: GPTConfig) -> dict[str, object]:
     }
 
 
-GPT2 = Family(
+GPT2 = HFAdapter(
     model_type="gpt2",
     title="GPT-2",
     settings=settings,

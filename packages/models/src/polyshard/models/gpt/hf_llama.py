@@ -13,7 +13,7 @@ from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import (
     FULL_ATTENTION,
-    Family,
+    HFAdapter,
     read_bool,
     read_int,
     read_number,
@@ -205,7 +205,7 @@ def decoder_config(model: GPTConfig) -> dict[str, object]:
     }
 
 
-LLAMA_FAMILY = Family(
+LLAMA_FAMILY = HFAdapter(
     model_type="llama",
     title="Llama",
     settings=settings,
@@ -226,10 +226,10 @@ def decoder_family(
     settings: Callable[[Mapping[str, Any], str], dict[str, object]],
     locations: Callable[[Any], dict[str, TensorLocation]],
     config: Callable[[Any], dict[str, object]],
-) -> Family:
+) -> HFAdapter:
     """A Llama-like family (Qwen2, Qwen3, Mixtral, Qwen-MoE): Llama's file layout under ``model.``, a
     model of the family has ``shape``'s settings, and it may train on sequences shorter than its folder's."""
-    return Family(
+    return HFAdapter(
         model_type=model_type,
         title=title,
         settings=settings,

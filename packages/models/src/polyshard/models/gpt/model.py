@@ -329,5 +329,5 @@ SPEC = ModelSpec(
     check=check,
     context_parallel=True,
     # polyshard.trainer.checkpointing.hugging_face's name tables; the architecture fields pick one
-    hf_families=(GPT2, LLAMA_FAMILY, QWEN2, QWEN3),
+    hf_adapters=(GPT2, LLAMA_FAMILY, QWEN2, QWEN3),
 )

@@ -32,7 +32,7 @@ from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.hf_llama import decoder_config, decoder_locations, decoder_settings
 from polyshard.models.gpt_oss.config import GptOssConfig
 from polyshard.models.hf_adapter import (
-    Family,
+    HFAdapter,
     read_bool,
     read_int,
     read_number,
@@ -193,7 +193,7 @@ def config(model: GptOssConfig) -> dict[str, object]:
     }
 
 
-GPT_OSS = Family(
+GPT_OSS = HFAdapter(
     model_type="gpt_oss",
     title="gpt-oss",
     settings=settings,

@@ -29,5 +29,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     context_parallel=True,  # cp's ring skips key/value blocks outside a sliding window; sinks per query head
-    hf_families=(GPT_OSS,),
+    hf_adapters=(GPT_OSS,),
 )

@@ -128,5 +128,5 @@ SPEC = ModelSpec(
     tied=gpt.tied,
     check=check,
     context_parallel=True,  # each cp rank routes its chunks; aux losses, capacity over the cp group (ep.token_group)
-    hf_families=(MIXTRAL, QWEN3_MOE, QWEN2_MOE),
+    hf_adapters=(MIXTRAL, QWEN3_MOE, QWEN2_MOE),
 )

@@ -44,7 +44,7 @@ exactly as an online reshard reads a polyshard checkpoint. Export: :func:`write_
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
 Each family is one record (:mod:`polyshard.models.gpt.hf_gpt2`, :mod:`polyshard.models.gpt.hf_llama`,
-declared as :class:`polyshard.models.hf_adapter.Family`); this module reads and writes any of them.
+declared as :class:`polyshard.models.hf_adapter.HFAdapter`); this module reads and writes any of them.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ from polyshard.checkpoint.hf import (
 from polyshard.checkpoint.output import reading
 from polyshard.data.tokenizer import FileTokenizer
 from polyshard.models import build_model, check_model
-from polyshard.models.hf_adapter import Family, setting
-from polyshard.models.hf_families import family_of, hf_families
+from polyshard.models.hf_adapter import HFAdapter, setting
+from polyshard.models.hf_adapters import hf_adapter_of, hf_adapters
 from polyshard.models.hf_keys import in_folder_terms, setting_keys
 from polyshard.trainer.checkpointing.saved import check_saved_shapes
 from polyshard.trainer.checkpointing.state import persistent_buffers
@@ -87,7 +87,7 @@ __all__ = [
     "HFSource",
     "check_matches",
     "export_note",
-    "family_of",
+    "hf_adapter_of",
     "hf_config",
     "hf_state",
     "model_settings",
@@ -103,7 +103,7 @@ def model_settings(folder: str | Path) -> dict[str, object]:
     return {key: value for key, value in _checked_settings(family, hf, where).items() if value is not None}
 
 
-def _checked_settings(family: Family, hf: Mapping[str, Any], where: str) -> dict[str, object]:
+def _checked_settings(family: HFAdapter, hf: Mapping[str, Any], where: str) -> dict[str, object]:
     """The folder's settings, refused in the folder's terms (its config.json and key, issue 46) when they
     make no model a run can take (num_local_experts 1e9, an odd qk_rope_head_dim): the file is at fault."""
     wanted = family.settings(hf, where)
@@ -114,7 +114,7 @@ def _checked_settings(family: Family, hf: Mapping[str, Any], where: str) -> dict
     return wanted
 
 
-def check_matches(folder: str | Path, model: ModelConfig) -> Family:
+def check_matches(folder: str | Path, model: ModelConfig) -> HFAdapter:
     """The folder's family; a :class:`CheckpointError` naming every setting of ``model`` the folder
     disagrees with (as the ``--set model.…`` values that would fix it) when they differ."""
     family, hf, where = _read_config(Path(folder))
@@ -171,11 +171,11 @@ def _shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in [*skeleton.named_parameters(), *persistent_buffers(skeleton)]}
 
 
-def _read_config(folder: Path) -> tuple[Family, dict[str, Any], str]:
+def _read_config(folder: Path) -> tuple[HFAdapter, dict[str, Any], str]:
     """The folder's family, its parsed ``config.json`` and that file's path (for messages)."""
     hf, path = read_config(folder)
     kind = hf.get("model_type")
-    families = hf_families()
+    families = hf_adapters()
     if not isinstance(kind, str) or kind not in families:
         raise CheckpointError(f"{path}: model_type {kind!r} is not supported; polyshard reads {sorted(families)}")
     return families[kind], hf, str(path)
@@ -218,7 +218,7 @@ def _hf_tensors(
 def _parts(model: ModelConfig) -> dict[str, list[Part]]:
     """HF tensor name -> the pieces of ours it is made of, in their order."""
     parts: dict[str, list[Part]] = {}
-    for name, location in family_of(model).locations(model).items():
+    for name, location in hf_adapter_of(model).locations(model).items():
         if location.stacked:  # one HF tensor per expert, each one row of our stacked tensor
             for expert, hf_name in enumerate(location.stacked):
                 parts.setdefault(hf_name, []).append((name, location.transposed, expert))
@@ -240,7 +240,7 @@ def hf_state(state: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str,
 
 def export_note(model: ModelConfig) -> str | None:
     """What an export of ``model`` to its family's format changes, to tell the user (None: nothing)."""
-    family = family_of(model)
+    family = hf_adapter_of(model)
     notes = [family.note(model)]
     depth = model.prediction_depth
     if depth and not any(".mtp." in name for name in family.locations(model)):
@@ -254,7 +254,7 @@ def export_note(model: ModelConfig) -> str | None:
 
 def hf_config(model: ModelConfig) -> dict[str, object]:
     """The ``config.json`` of ``model``'s family."""
-    return family_of(model).config(model)
+    return hf_adapter_of(model).config(model)
 
 
 def write_hf(

@@ -32,7 +32,7 @@ from polyshard.checkpoint.hf import check_new_folder
 from polyshard.checkpoint.output import new_folder, reading
 from polyshard.models.common.lora import lora_scale
 from polyshard.models.common.moe.lora import merge_expert_adapters
-from polyshard.models.hf_families import family_of
+from polyshard.models.hf_adapters import hf_adapter_of
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.checkpointing.base_and_adapters import recorded_folder
 from polyshard.trainer.checkpointing.peft_experts import expert_patterns, expert_target_parameters, expert_tensors
@@ -60,7 +60,7 @@ PEFT_EXPERT_NAMES: dict[str, tuple[str, ...]] = {
 
 def check_peft_loads(config: Config, targets: list[Target], where: str) -> None:
     """Refuse adapters that peft would load onto a family's routed experts instead of their own module."""
-    family = family_of(config.model)
+    family = hf_adapter_of(config.model)
     names = PEFT_EXPERT_NAMES.get(family.model_type, ())
     wrong = sorted({t.hf_path for t in targets if t.hf_short in names and t.hf_path})
     if wrong:
@@ -78,7 +78,7 @@ def target_modules(config: Config, targets: list[Target]) -> list[str]:
     routed expert's ``gate_proj`` beside an adapted shared expert's)."""
     every = {
         name.removesuffix(".weight")
-        for location in family_of(config.model).locations(config.model).values()
+        for location in hf_adapter_of(config.model).locations(config.model).values()
         for name in (location.stacked or (location.name,))
     }
     adapted = {t.hf_path for t in targets}

@@ -27,7 +27,7 @@ import math
 import torch
 
 from polyshard.checkpoint import MODEL, Checkpoint, CheckpointError
-from polyshard.models.hf_families import family_of
+from polyshard.models.hf_adapters import hf_adapter_of
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.peft_folder import peft_keys
 
@@ -39,7 +39,7 @@ def expert_target_parameters(config: Config, where: str) -> list[str]:
     """PEFT's ``target_parameters`` for the run's expert adapters; a one-line refusal where PEFT cannot hold
     them as trained (another family, dropout)."""
     assert config.lora is not None
-    family = family_of(config.model)
+    family = hf_adapter_of(config.model)
     if family.model_type not in FUSED:
         raise CheckpointError(
             f"{where}: its adapters on the routed experts (lora.experts = true) go out to PEFT for "
@@ -63,7 +63,7 @@ def expert_patterns(config: Config) -> tuple[dict[str, int], dict[str, float]]:
 
 def expert_tensors(config: Config, source: Checkpoint) -> dict[str, torch.Tensor]:
     """Every MoE layer's expert adapters in PEFT's keys and layout (see the module docstring)."""
-    locations = family_of(config.model).locations(config.model)
+    locations = hf_adapter_of(config.model).locations(config.model)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(source.params()):
         if not name.endswith(".experts.w1_lora_A"):

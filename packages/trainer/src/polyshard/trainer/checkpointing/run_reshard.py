@@ -34,7 +34,7 @@ from polyshard.trainer.checkpointing.run_export import check_saved_shapes, saved
 from polyshard.trainer.checkpointing.state import load_state_tensors, optimizer_entries, state_tensors
 from polyshard.trainer.config import MESH_AXES, Config, from_dict
 from polyshard.trainer.engine.constraints import validate
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 
 # -- offline -------------------------------------------------------------------------------------------
 

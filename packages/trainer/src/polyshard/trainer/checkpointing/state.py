@@ -23,7 +23,7 @@ from polyshard.dp import MOMENTUM, FullyShardedDataParallel, Muon, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.models import layer_of
 from polyshard.models.common.lora import is_adapter
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 
 
 def persistent_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

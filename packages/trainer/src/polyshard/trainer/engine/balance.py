@@ -29,7 +29,7 @@ from polyshard.collectives import ops
 from polyshard.models import anatomy
 from polyshard.models.common.moe import MoELayer, Router
 from polyshard.models.moe_gpt.config import moe_config
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import ConfigError
 
 # Per layer: E loads, the tokens that lost every expert, the tokens routed, then the E biases before the update.

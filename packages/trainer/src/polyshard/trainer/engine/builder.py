@@ -66,11 +66,11 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.config.sections import SPLIT_BACKWARD
 from polyshard.trainer.engine.compiling import compile_blocks
 from polyshard.trainer.engine.context import apply_context_parallel
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.engine.frozen_dtype import keep_frozen_in_dtype
 from polyshard.trainer.engine.layout import global_names, pipeline_bounds, tp_plan
 from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.optimizer import build_optimizer
-from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.tasks import LossFn, task_for
 from polyshard.trainer.tasks.loss import TokenMeanLoss
 

@@ -15,7 +15,7 @@ from torch._dynamo.eval_frame import is_dynamo_supported
 from polyshard.checkpoint import CheckpointError
 from polyshard.mesh import divisors
 from polyshard.models import check_model, sequence_length, spec_of
-from polyshard.models.hf_families import family_of
+from polyshard.models.hf_adapters import hf_adapter_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer import extras
 from polyshard.trainer.config import Config
@@ -224,7 +224,7 @@ def _check_hf_checkpoints(config: Config) -> None:
             f"folder is written from the checkpoint of the same step; e.g. hf_every={every * -(-hf_every // every)}"
         )
     try:
-        family_of(config.model)
+        hf_adapter_of(config.model)
     except CheckpointError as err:
         raise ConfigError(f"checkpoint.hf_every={hf_every}: {err}") from err
 

@@ -40,7 +40,7 @@ from polyshard.dp import FullyShardedDataParallel, ZeroOptimizer
 from polyshard.mesh import TensorPlacement, get_placement
 from polyshard.models.anatomy import moe_layers
 from polyshard.models.common.moe import MoELayer
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 
 
 def _moe_layers(engine: Engine) -> list[tuple[int, str, MoELayer]]:

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from polyshard.checkpoint import CheckpointError
 from polyshard.checkpoint.untrusted import check_inside, read_json
-from polyshard.models.hf_families import family_of
+from polyshard.models.hf_adapters import hf_adapter_of
 from polyshard.models.lora_targets import Target, select_targets
 from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import PEFT_PREFIX, LoRAConfig
@@ -43,7 +43,7 @@ def peft_targets(config: Config, where: str) -> list[Target]:
     lora = config.lora
     if lora is None:
         raise CheckpointError(f"{where} trained no LoRA adapters ([lora] was not set); --format hf writes its model")
-    family_of(config.model)  # a model of a Hugging Face family, or an error naming what it would need
+    hf_adapter_of(config.model)  # a model of a Hugging Face family, or an error naming what it would need
     targets = select_targets(config.model, lora.target_list, lora.rank)
     for path, group in peft_modules(targets).items():
         if path is None or len(group) != group[0].parts:

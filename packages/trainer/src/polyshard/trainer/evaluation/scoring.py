@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from polyshard.collectives import ops
 from polyshard.models import output_width, sequence_length
 from polyshard.tp import vocab_parallel_cross_entropy
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.tasks.loss import IGNORE_INDEX
 
 MODEL_AXES = ("pp", "ep", "cp", "tp")  # every axis but dp: the ranks that run one data rank's batches together

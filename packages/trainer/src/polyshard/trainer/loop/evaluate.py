@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 
 from polyshard.collectives import ops
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.tasks.loss import IGNORE_INDEX
 
 

@@ -47,7 +47,7 @@ from polyshard.models import output_width, sequence_length, spec_of
 from polyshard.models.anatomy import transformer_blocks
 from polyshard.models.common import caching
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import ConfigError, DataError
 
 

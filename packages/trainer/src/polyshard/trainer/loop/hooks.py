@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from polyshard.trainer.engine.compiling import CompileStats, compile_stats, graph_break_reasons
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.loop.faults import inject
 from polyshard.trainer.loop.integrity import check_replicas
 from polyshard.trainer.loop.step import TrainStepResult

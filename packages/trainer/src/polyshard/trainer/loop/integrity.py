@@ -18,7 +18,7 @@ from polyshard.collectives import ops
 from polyshard.dp import FullyShardedDataParallel
 from polyshard.trainer.checkpointing.records import model_buffers
 from polyshard.trainer.checkpointing.state import persistent_buffers
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import ReplicaMismatchError
 
 # A float's bits read as a signed integer of the same width, so a checksum sees every bit.

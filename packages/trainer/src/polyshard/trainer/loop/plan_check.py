@@ -1,7 +1,7 @@
 """The plan check: a run the planner laid out holds the planner's predictions against what it measures.
 
 The launcher (``polyshard train --layout auto``) writes the prediction for the chosen layout into
-the run folder (:data:`PLAN_FILE`, a :class:`Prediction`) and names it to the workers; the trainer
+the run folder (:data:`PLAN_FILE`, a :class:`PlannedStep`) and names it to the workers; the trainer
 needs nothing of the planner to compare (:class:`PlanCheck`).
 
 :class:`SavedTensorMeter` counts the bytes autograd saves for backward while a step runs, through
@@ -99,7 +99,7 @@ def model_state_bytes_held(engine: Any) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class PlannedStep:
     """What the planner predicts for a layout: the step time, and per pipeline rank the model-state
     bytes and the peak bytes saved for backward."""
 
@@ -114,7 +114,7 @@ class Prediction:
         tmp.replace(path)
 
     @classmethod
-    def read(cls, path: str | Path) -> Prediction:
+    def read(cls, path: str | Path) -> PlannedStep:
         """A prediction file (untrusted: each value is checked; a bad one is a ConfigError naming it)."""
         try:
             raw = json.loads(Path(path).read_text())
@@ -132,13 +132,13 @@ class Prediction:
 
 
 class PlanCheck(Hook):
-    """After the first steps of a run the planner laid out (given a :class:`Prediction`): the
+    """After the first steps of a run the planner laid out (given a :class:`PlannedStep`): the
     predicted step time against the median of steps 2 and 3 (step 1 warms up), and on step 4 the
     planner's memory per rank against the model-state bytes the engine holds at the optimizer step
     and the peak of bytes saved for backward (:class:`SavedTensorMeter`, whose hooks slow that step,
     so it is not timed). The rank the planner expects to be heaviest is reported."""
 
-    def __init__(self, prediction: Prediction | None, engine: Any, start: int, verbose: bool = False):
+    def __init__(self, prediction: PlannedStep | None, engine: Any, start: int, verbose: bool = False):
         self.prediction, self.engine, self.verbose = prediction, engine, verbose
         self.enabled = prediction is not None
         self.timed, self.checked = (start + 2, start + 3), start + 4  # steps counted from 1

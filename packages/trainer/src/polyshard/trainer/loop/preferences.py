@@ -25,7 +25,7 @@ import torch
 
 from polyshard.collectives import ops
 from polyshard.data.loader import ShardedLoader
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.loop import reference_logps
 from polyshard.trainer.loop.reference import Reference
 from polyshard.trainer.loop.step import Batch, split_batch

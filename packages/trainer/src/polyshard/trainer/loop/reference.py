@@ -34,7 +34,7 @@ from polyshard.dp import FullyShardedDataParallel
 from polyshard.dp.units import Unit
 from polyshard.models import output_width
 from polyshard.pp import PipelineExecutor
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.tasks.dpo import sequence_logps
 from polyshard.trainer.tasks.loss import token_logps
 

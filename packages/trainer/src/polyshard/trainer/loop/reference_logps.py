@@ -32,7 +32,7 @@ import torch
 from polyshard.collectives import ops
 from polyshard.data.examples import Examples, Rows
 from polyshard.data.loader import ShardedLoader
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.loop.step import split_batch
 

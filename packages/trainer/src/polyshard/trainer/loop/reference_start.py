@@ -38,7 +38,7 @@ from polyshard.trainer.checkpointing.lora_base import (
 )
 from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.loop.reference import Reference
 from polyshard.trainer.tasks import PREFERENCES, ROLLOUTS, task_for
 

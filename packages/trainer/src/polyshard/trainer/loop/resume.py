@@ -27,7 +27,7 @@ from polyshard.trainer.checkpointing.lora_base import (
 from polyshard.trainer.checkpointing.run_export import saved_config
 from polyshard.trainer.checkpointing.run_reshard import load_into
 from polyshard.trainer.config import Config
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 
 
 def continue_from(

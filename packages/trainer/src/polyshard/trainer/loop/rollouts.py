@@ -28,7 +28,7 @@ from polyshard.collectives import ops
 from polyshard.data.tokenizer import Tokenizer
 from polyshard.models import output_width, sequence_length
 from polyshard.trainer.data.prompts import Prompt, prompt_sets
-from polyshard.trainer.engine.runtime import Engine
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop.generation import Sampling, generate
 from polyshard.trainer.loop.reference import Reference

@@ -22,10 +22,10 @@ from polyshard.models import output_width
 from polyshard.pp import Timeline
 from polyshard.trainer.config import Config
 from polyshard.trainer.engine.balance import LayerLoad, balance_experts
+from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.engine.experts import keep_idle_experts
+from polyshard.trainer.engine.gradient_norm import clip_to, local_squared_norm
 from polyshard.trainer.engine.mtp import shifted_tokens
-from polyshard.trainer.engine.optim import clip_to, local_squared_norm
-from polyshard.trainer.engine.runtime import Engine
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.tasks import task_for
 from polyshard.trainer.tasks.loss import tokens_per_microbatch

@@ -40,7 +40,7 @@ from polyshard.trainer.config import Config
 from polyshard.trainer.engine import compiling
 from polyshard.trainer.engine.balance import load_metrics
 from polyshard.trainer.engine.builder import build_engine
-from polyshard.trainer.engine.optim import schedule_of
+from polyshard.trainer.engine.schedule import schedule_of
 from polyshard.trainer.errors import ConfigError, NonFiniteError
 from polyshard.trainer.loop.evaluate import evaluate_batches
 from polyshard.trainer.loop.hooks import CompileLog, FaultInjection, Hook, ReplicaCheck
@@ -55,7 +55,7 @@ from polyshard.trainer.loop.metrics import (
     plot_rewards,
 )
 from polyshard.trainer.loop.mfu import Utilisation, resolve_peak
-from polyshard.trainer.loop.plan_check import PlanCheck, Prediction
+from polyshard.trainer.loop.plan_check import PlanCheck, PlannedStep
 from polyshard.trainer.loop.preferences import PreferenceRun
 from polyshard.trainer.loop.profiling import StepProfiler
 from polyshard.trainer.loop.reference_start import REFERENCE_KEY, rebuilt_reference, reference_record
@@ -151,7 +151,7 @@ class Trainer:
         log: bool = True,
         resume: bool = False,
         init_from: str | Path | None = None,
-        prediction: Prediction | None = None,
+        prediction: PlannedStep | None = None,
         hooks: Sequence[Hook] = (),
     ):
         self.config, self.mesh, self.out = config, mesh, out
@@ -448,7 +448,7 @@ def train(
     log: bool = True,
     resume: bool = False,
     init_from: str | Path | None = None,
-    prediction: Prediction | None = None,
+    prediction: PlannedStep | None = None,
     hooks: Sequence[Hook] = (),
 ) -> RunResult:
     """Build a :class:`Trainer` and run it (the arguments are its)."""

@@ -30,7 +30,7 @@ from polyshard.trainer.config import Config, apply_overrides, from_dict, read_to
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
-from polyshard.trainer.loop.plan_check import PLAN_FILE, Prediction
+from polyshard.trainer.loop.plan_check import PLAN_FILE, PlannedStep
 from polyshard.trainer.tasks import task_for
 
 RESOLVED_CONFIG = "config.json"  # in the run folder: the settings every worker (and every restart) reads
@@ -60,7 +60,7 @@ class Launch:
     """A checkpoint folder, or ``hf:DIR`` (a model id from the cache resolved to its folder); absolute."""
     notes: list[str] = field(default_factory=list)
     """What the layout does that the user may not expect."""
-    prediction: Prediction | None = None
+    prediction: PlannedStep | None = None
     """The planner's, when it chose the layout (``--layout auto``)."""
 
     def write(self) -> Path:
@@ -96,7 +96,7 @@ def prepare_launch(
     nodes: tuple[int, int] = (1, 1),
     resume: bool = False,
     init_from: str | None = None,
-    prediction: Prediction | None = None,
+    prediction: PlannedStep | None = None,
     overwrite: bool = False,
 ) -> Launch:
     """Check a run before any process starts; a user's mistake is a :class:`ConfigError`,

@@ -22,7 +22,7 @@ from polyshard.mesh import Mesh, init_distributed
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError, DataError, NonFiniteError, ReplicaMismatchError
 from polyshard.trainer.loop import saved_by_this_job, train
-from polyshard.trainer.loop.plan_check import Prediction
+from polyshard.trainer.loop.plan_check import PlannedStep
 from polyshard.trainer.runtime.heartbeat import Heartbeat
 from polyshard.trainer.runtime.launch import RESOLVED_CONFIG, USER_ERROR_MARK, read_resolved
 from polyshard.trainer.runtime.lifetime import die_with_parent, quiet_interrupts
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # torchrun's WORLD_SIZE: after an elastic restart it counts the processes present now.
     world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     config = read_resolved(Path(args.out) / RESOLVED_CONFIG, world_size)
-    prediction = Prediction.read(args.plan) if args.plan else None
+    prediction = PlannedStep.read(args.plan) if args.plan else None
     ctx = init_distributed(mesh_axes=config.parallel.mesh_axes, timeout_s=config.parallel.timeout_s)
     validate(config, world_size=ctx.world_size)
     out = Path(args.out)

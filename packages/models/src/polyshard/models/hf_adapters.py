@@ -5,18 +5,18 @@ from __future__ import annotations
 from polyshard.checkpoint import CheckpointError
 from polyshard.models.build import spec_of
 from polyshard.models.config import ModelConfig
-from polyshard.models.hf_adapter import Family
+from polyshard.models.hf_adapter import HFAdapter
 from polyshard.models.registry import SPECS
 
 
-def hf_families() -> dict[str, Family]:
+def hf_adapters() -> dict[str, HFAdapter]:
     """The adapters of every registered family, by the ``model_type`` of a Hugging Face ``config.json``."""
-    return {family.model_type: family for spec in SPECS.values() for family in spec.hf_families}
+    return {family.model_type: family for spec in SPECS.values() for family in spec.hf_adapters}
 
 
-def family_of(model: ModelConfig) -> Family:
+def hf_adapter_of(model: ModelConfig) -> HFAdapter:
     """The family whose architecture ``model`` has; an error naming what each would need otherwise."""
-    allowed = spec_of(model).hf_families
+    allowed = spec_of(model).hf_adapters
     if not allowed:
         raise CheckpointError(f"model.kind={model.kind!r} has no Hugging Face counterpart polyshard reads or writes")
     needs = {}
