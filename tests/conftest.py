@@ -1,4 +1,5 @@
-"""Shared fixtures: `distributed` runs a function on N live worker processes.
+"""Shared fixtures: `distributed` runs a function on N live worker processes; `parity` trains a config on a
+named layout and on one process and compares them (tests/_layouts.py).
 
     def _body(x):                       # module level, so workers can import it
         ...                             # torch.distributed is initialised here
@@ -17,6 +18,7 @@ import tempfile
 import pytest
 
 from polyshard.mesh.testing import PoolCache
+from tests._layouts import Parity
 
 # One inductor cache for every compile test (training.compile), in this process and the worker processes it
 # spawns (they inherit the environment): a block graph compiled once is a cache hit for every later test, and
@@ -41,3 +43,10 @@ def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("corpus") / "text.txt"
     path.write_text("\n".join(" ".join(rng.choice(words) for _ in range(12)) for _ in range(300)))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def parity(distributed, tmp_path_factory):
+    """Trains a config on a named layout and on one process and compares them (tests/_layouts.py); each
+    reference is trained once per session."""
+    return Parity(distributed, tmp_path_factory.mktemp("parity"))

@@ -12,7 +12,7 @@ from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.optimizer import ADAMW_KERNELS, decay_rule, param_groups
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
+from tests._short import short_training
 
 STEPS = 5
 # As the end-to-end parity tests: layouts differ from one process only in the order float32 sums are

@@ -13,7 +13,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_training
 
 STEPS = 4
 # Inductor fuses elementwise work and reorders float32 sums inside a block (its kernels against eager's):

@@ -7,8 +7,7 @@ import torch
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-
-from ._short import SMALL_LLAMA
+from tests._short import SMALL_LLAMA
 
 CONTEXT, SHORT = 32, 8  # rows of 8 tokens: 2 per chunk on cp2 (4 chunks)
 

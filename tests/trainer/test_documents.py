@@ -16,7 +16,7 @@ from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from tests.trainer._pieces import assemble, gradient_pieces, where
+from tests._pieces import assemble, gradient_pieces, where
 
 VOCAB, CONTEXT, ROWS = 64, 24, 4
 # Documents per row, in tokens of the row's CONTEXT + 1 (inputs are the first CONTEXT). Under cp=2 the
@@ -80,7 +80,7 @@ def _reference(config):
 
 def _run(config, masked=True, documents=DOCUMENTS):
     """One training step's forward/backward and an evaluation forward of the same batch on this rank: its
-    logits (or None), its pieces of the gradients (tests/trainer/_pieces.py), where it sits, the evaluation loss."""
+    logits (or None), its pieces of the gradients (tests/_pieces.py), where it sits, the evaluation loss."""
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, evaluate, split_batch
     from polyshard.trainer.tasks.loss import tokens_per_microbatch

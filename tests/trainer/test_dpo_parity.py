@@ -1,4 +1,4 @@
-"""DPO trains on every layout it runs on as on one process (tests/trainer/_layouts.py's runner): losses,
+"""DPO trains on every layout it runs on as on one process (tests/_layouts.py's runner): losses,
 pre-clip gradient norms, every gradient of the first step and every parameter after AdamW with weight
 decay, and TRL's reward metrics step by step; the reference stays bit for bit what it was built as.
 
@@ -16,8 +16,8 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
+from tests._short import SMALL_LLAMA, short_training
 
 STEPS = 4
 WORDS = "the king queen lord love death night day sweet fair".split()
@@ -76,7 +76,7 @@ class _Rewards(Hook):
 
 
 def train_dpo(config, out):
-    """tests/trainer/_layouts.py's worker, plus the rewards and whether the reference changed."""
+    """tests/_layouts.py's worker, plus the rewards and whether the reference changed."""
     mesh = Mesh(config.parallel.mesh_axes)
     first, rewards = _FirstGradients(), _Rewards()
     trainer = Trainer(config, mesh, out, log=False, hooks=[first, rewards])

@@ -18,9 +18,9 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.loop import Trainer
 from polyshard.trainer.loop.reference_logps import FILE
-from tests.trainer._layouts import Tolerance, _FirstGradients, compared_pieces, layout
-from tests.trainer._pieces import parameter_pieces
-from tests.trainer._short import short_training
+from tests._layouts import Tolerance, _FirstGradients, compared_pieces, layout
+from tests._pieces import parameter_pieces
+from tests._short import short_training
 
 STEPS = 4
 WORDS = "the king queen lord love death night day sweet fair".split()
@@ -59,7 +59,7 @@ def _config(pairs, reference="precomputed", **parallel):
 
 
 def train_dpo(config, out):
-    """tests/trainer/_layouts.py's worker, plus the validation loss and whether a reference is held."""
+    """tests/_layouts.py's worker, plus the validation loss and whether a reference is held."""
     mesh = Mesh(config.parallel.mesh_axes)
     first = _FirstGradients()
     trainer = Trainer(config, mesh, out, log=False, hooks=[first])

@@ -24,7 +24,7 @@ from polyshard.trainer.checkpointing.hugging_face import hf_state, model_setting
 from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer.test_hf_llama import VOCAB, _save_llama
+from tests.models.test_hf_llama import VOCAB, _save_llama
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")

@@ -2,7 +2,7 @@
 
 Each layout runs the real training loop (data loader, pipeline executor, dp/ZeRO wrappers, tp plan,
 clip, AdamW with warmup and weight decay) on live processes and is compared with one process on the same
-config by tests/trainer/_layouts.py's runner: losses and pre-clip gradient norms, every gradient of the
+config by tests/_layouts.py's runner: losses and pre-clip gradient norms, every gradient of the
 first step (as the optimizer reads it: reduced, clipped), every parameter after the last step. The global
 batch of each step is the same whatever the layout (see polyshard.trainer.data.loader).
 """
@@ -16,8 +16,8 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._layouts import LAYOUTS, LONG, Tolerance, layout, without
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._layouts import LAYOUTS, LONG, Tolerance, layout, without
+from tests._short import SMALL_LLAMA, short_training
 
 STEPS = 6
 # Dense layouts differ from one process only in the order float32 sums are taken

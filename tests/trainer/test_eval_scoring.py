@@ -20,7 +20,7 @@ import torch
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import ROUND_OFF
+from tests.models._hf import ROUND_OFF
 
 VOCAB = 67  # odd: under tp2 the head holds 68 columns, one of them padding the argmax must pass over
 LONGEST = 8  # continuation tokens scored in one row
@@ -109,7 +109,7 @@ def _save(config, out):
     from polyshard.checkpoint import save_checkpoint
     from polyshard.trainer.checkpointing.state import state_tensors
     from polyshard.trainer.engine.builder import build_engine
-    from tests.trainer.test_hf import _asdict
+    from tests.models.test_hf import _asdict
 
     engine = build_engine(config, Mesh(config.parallel.mesh_axes))
     save_checkpoint(out, 0, state_tensors(engine), mesh_axes=config.parallel.mesh_axes, config=_asdict(config))

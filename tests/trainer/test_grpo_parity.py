@@ -1,4 +1,4 @@
-"""GRPO trains on every layout it runs on as on one process (tests/trainer/_layouts.py's runner): each data
+"""GRPO trains on every layout it runs on as on one process (tests/_layouts.py's runner): each data
 rank draws exactly the completions one process draws for its prompts (generation is seeded per prompt
 and sample, loop.generation), so the rewards, advantages, losses, pre-clip gradient norms, every gradient
 of the first step and every parameter after AdamW with weight decay agree within float tolerance.
@@ -17,7 +17,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
+from tests._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
 
 STEPS = 3  # with iterations = 2: generation batches at steps 1 and 3
 # Gradients, parameters and norms: as test_dpo_parity.py's (float32 sums taken in another order, ~1e-7
@@ -104,7 +104,7 @@ class _Rollouts(Hook):
 
 
 def train_grpo(config, out):
-    """tests/trainer/_layouts.py's worker, plus each step's rows and rewards."""
+    """tests/_layouts.py's worker, plus each step's rows and rewards."""
     mesh = Mesh(config.parallel.mesh_axes)
     first, rollouts = _FirstGradients(), _Rollouts()
     trainer = Trainer(config, mesh, out, log=False, hooks=[first, rollouts])

@@ -4,7 +4,7 @@ dp = 4 with dp_shard = 2 shards ZeRO over pairs of neighbouring data ranks and
 all-reduces each shard across the two pairs. The losses and gradient norms of
 the real training loop must equal one process's (as every layout of
 tests/trainer/test_e2e_parity.py does), for ZeRO-1/2/3 and composed with tp,
-pp, ep and cp (every gradient and parameter too, by tests/trainer/_layouts.py's
+pp, ep and cp (every gradient and parameter too, by tests/_layouts.py's
 runner); a checkpoint saved under it reshards bit for bit to layouts without it
 (and back), and training continues from it on them.
 """
@@ -19,8 +19,8 @@ from polyshard.checkpoint import Checkpoint, read_index, step_dir
 from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_reshard import reshard
 from polyshard.trainer.errors import ConfigError
+from tests._layouts import LAYOUTS, LONG, layout
 
-from ._layouts import LAYOUTS, LONG, layout
 from .test_e2e_parity import DENSE_RTOL, MOE_RTOL, TOLERANCE, _numbers
 from .test_e2e_parity import _config as _parity_config
 from .test_e2e_parity import _train as _parity_train

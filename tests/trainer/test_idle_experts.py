@@ -25,8 +25,8 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.models.common.moe import MoELayer, Routing
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import Tolerance, layout
-from tests.trainer._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
+from tests._layouts import Tolerance, layout
+from tests._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
 from tests.trainer.test_e2e_parity import DENSE_RTOL, GRAD_TOL
 
 STEPS = 4
@@ -86,7 +86,7 @@ def _avoid_expert_zero(router, active, hidden_positions=None):
 
 
 def _train(config, out=None, chunks=None):
-    """The runner's worker (tests/trainer/_layouts.py): STEPS steps at lr 1e-2, the routers avoiding expert 0
+    """The runner's worker (tests/_layouts.py): STEPS steps at lr 1e-2, the routers avoiding expert 0
     from the second step on (with ``chunks``, only at the positions of these of each sequence's 4 chunks);
     beside the compared pieces, every parameter before the first step and after it."""
     from polyshard.trainer.engine.builder import build_engine

@@ -7,7 +7,7 @@ Tolerances: the accuracies and exact matches are counts of discrete choices, so 
 log-likelihood is a sum over the continuation's tokens of log-softmax values computed in float32 by
 two implementations of the same model (ours and transformers', with other summation orders, tp's split
 matmuls and vocabulary-parallel softmax), which agree to ROUND_OFF = 1e-5 on values of size ~1 per
-token (tests/trainer/_hf.py); a sum of n tokens may drift n times that, and no continuation here has
+token (tests/models/_hf.py); a sum of n tokens may drift n times that, and no continuation here has
 more than 40 tokens (a rolling window is at most the 32-token context), so 40 x ROUND_OFF absolute.
 """
 
@@ -24,7 +24,7 @@ import pytest
 from polyshard.data.tokenizer import ByteTokenizer
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import ROUND_OFF
+from tests.models._hf import ROUND_OFF
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")

@@ -41,10 +41,10 @@ LR = 1e-3
 
 def _base(folder, family):
     if family == "llama":
-        from tests.trainer.test_hf_llama import _save_llama
+        from tests.models.test_hf_llama import _save_llama
 
         return _save_llama(folder, tie=False)
-    from tests.trainer.test_hf_moe import _save
+    from tests.models.test_hf_moe import _save
 
     return _save(folder, family)
 

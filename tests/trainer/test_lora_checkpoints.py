@@ -25,8 +25,8 @@ from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_export import consolidate, saved_config
 from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
-from tests.trainer._short import SMALL_LLAMA, short_training
-from tests.trainer.test_hf_llama import _save_llama
+from tests._short import SMALL_LLAMA, short_training
+from tests.models.test_hf_llama import _save_llama
 
 transformers = pytest.importorskip("transformers")
 

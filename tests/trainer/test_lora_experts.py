@@ -1,6 +1,6 @@
 """``lora.experts``: adapters on the routed experts themselves (one per expert and matrix, stacked like the
 experts and split over ep with them) train alike on one process and on ep2, dp2 x ep2 with ZeRO-1, tp2 and
-(long) ep2 x tp2 + SP (tests/trainer/_layouts.py's runner): losses, every adapter gradient of the first step,
+(long) ep2 x tp2 + SP (tests/_layouts.py's runner): losses, every adapter gradient of the first step,
 every adapter after AdamW steps with weight decay; the frozen base, experts included, exactly as built."""
 
 import functools
@@ -11,8 +11,8 @@ import torch
 from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter, is_expert_adapter
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, assemble, layout
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._layouts import LONG, assemble, layout
+from tests._short import SMALL_LLAMA, short_training
 from tests.trainer.test_lora_parity import STEPS, TOLERANCE
 
 EXPERTS, BLOCKS = 4, 2

@@ -3,7 +3,7 @@ transformers, LoRA on attention and every expert trained from it on ep2, its che
 folder (``target_parameters`` on transformers 5's fused ``gate_up_proj`` and ``down_proj``) that
 ``peft.PeftModel.from_pretrained`` loads onto the transformers base with exactly our tensors and our
 logits; what PEFT cannot hold as trained is refused in one line. Tolerance: ROUND_OFF, as
-tests/trainer/_hf.py's (float32 sums in another order)."""
+tests/models/_hf.py's (float32 sums in another order)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from polyshard.models.common.lora import is_expert_adapter
 from polyshard.trainer.checkpointing.peft import write_peft
 from polyshard.trainer.checkpointing.peft_experts import expert_target_parameters
 from polyshard.trainer.checkpointing.run_export import consolidate
-from tests.trainer._hf import ROUND_OFF
-from tests.trainer.test_hf import _tokens
-from tests.trainer.test_hf_moe import _save
+from tests.models._hf import ROUND_OFF
+from tests.models.test_hf import _tokens
+from tests.models.test_hf_moe import _save
 from tests.trainer.test_lora_peft import _config, _ours, _train_from_hf
 
 transformers = pytest.importorskip("transformers")

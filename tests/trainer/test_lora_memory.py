@@ -2,7 +2,7 @@
 Measured on real engines after real steps (the bytes of live storages, polyshard.dp.bytes_held), not timed:
 the parameters a rank holds fall to its ZeRO-3 rows and the frozen matrices to half their bytes, while a
 bf16 base trains within bf16 round-off of the float32 run on one process and on dp2 ZeRO-3. A ZeRO-3 run
-whose base is sharded trains as one process does (tests/trainer/_layouts.py's runner and
+whose base is sharded trains as one process does (tests/_layouts.py's runner and
 test_lora_parity's tolerance: losses, adapter gradients, adapters after AdamW steps with weight decay),
 the base coming back from every rank's rows bit for bit as built."""
 
@@ -17,9 +17,9 @@ from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from tests.trainer._layouts import LONG
-from tests.trainer._pieces import assemble
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._layouts import LONG
+from tests._pieces import assemble
+from tests._short import SMALL_LLAMA, short_training
 from tests.trainer.test_lora_parity import TOLERANCE
 
 STEPS = 4

@@ -1,6 +1,6 @@
 """LoRA on every linear of a small Llama trains alike on every layout: one process against dp2, ZeRO-1/2/3,
 tp2 with and without sequence parallelism, pp2, cp2, and (long) tp2 x pp2 and dp2 x tp2 SP ZeRO-3
-(tests/trainer/_layouts.py's runner): losses and pre-clip gradient norms, every gradient of the first
+(tests/_layouts.py's runner): losses and pre-clip gradient norms, every gradient of the first
 step, every parameter after the AdamW steps with weight decay; the frozen base stays exactly as built; a
 stopped run resumes bit for bit from a checkpoint holding the adapters and their optimizer state (the base
 is named, not saved: tests/trainer/test_lora_checkpoints.py)."""
@@ -16,8 +16,8 @@ from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, Tolerance, assemble, layout
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._layouts import LONG, Tolerance, assemble, layout
+from tests._short import SMALL_LLAMA, short_training
 from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
 STEPS = 4

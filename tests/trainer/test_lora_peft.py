@@ -1,7 +1,7 @@
 """LoRA from a Hugging Face folder to a PEFT folder and back: trained on tp2 from ``hf:DIR``, exported with
 ``--format peft``'s writer, the folder loads onto the transformers base with peft with exactly our keys and
 gives our logits; ``lora.init = "peft:DIR"`` starts a run (on tp2) from it; bad folders are refused in one
-line naming the file. Tolerances: ROUND_OFF (float32 sums in another order), as tests/trainer/_hf.py's."""
+line naming the file. Tolerances: ROUND_OFF (float32 sums in another order), as tests/models/_hf.py's."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.peft_folder import peft_targets, read_peft
-from tests.trainer._hf import ROUND_OFF
-from tests.trainer._pieces import assemble, parameter_pieces, where
-from tests.trainer.test_hf import _tokens
-from tests.trainer.test_hf_llama import _save_llama
+from tests._pieces import assemble, parameter_pieces, where
+from tests.models._hf import ROUND_OFF
+from tests.models.test_hf import _tokens
+from tests.models.test_hf_llama import _save_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

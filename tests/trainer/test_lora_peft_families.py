@@ -1,10 +1,10 @@
 """The PEFT round trip on every family with a Hugging Face adapter: a tiny random model saved with
-transformers (the savers of tests/trainer/test_hf*.py), LoRA trained from ``hf:`` that folder on one
+transformers (the savers of tests/models/test_hf*.py), LoRA trained from ``hf:`` that folder on one
 process, its checkpoint written as a PEFT folder that ``peft.PeftModel.from_pretrained`` loads onto the
 transformers base with exactly our tensors and our logits, and read back by ``lora.init = "peft:DIR"``.
 GPT-2's fused ``c_attn`` both ways (ours as one adapter of rank 3r, PEFT's own of rank r); the adapters
 peft 0.21 would load onto a family's routed experts refused by name. Tolerances: ROUND_OFF, as
-tests/trainer/_hf.py's (float32 sums in another order)."""
+tests/models/_hf.py's (float32 sums in another order)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from polyshard.trainer.checkpointing.peft import PEFT_EXPERT_NAMES, write_peft
 from polyshard.trainer.checkpointing.run_export import consolidate
 from polyshard.trainer.engine.lora import apply_lora
 from polyshard.trainer.engine.peft_folder import read_peft
-from tests.trainer._hf import ROUND_OFF
-from tests.trainer.test_hf import _tokens
+from tests.models._hf import ROUND_OFF
+from tests.models.test_hf import _tokens
 from tests.trainer.test_lora_peft import _config, _ours, _train_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ FAMILIES = (*QUICK, "llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek
 
 
 def _save_family(folder, family):
-    from tests.trainer import test_hf, test_hf_deepseek, test_hf_gpt_oss, test_hf_llama, test_hf_moe
+    from tests.models import test_hf, test_hf_deepseek, test_hf_gpt_oss, test_hf_llama, test_hf_moe
 
     if family == "gpt2":
         return test_hf._save_gpt2(folder, tie=True)
@@ -111,7 +111,7 @@ def _ours_from_folder(config, folder):
 
 def test_a_peft_made_gpt2_adapter_reads_as_peft_computes(corpus, tmp_path):
     # PEFT's own all-linear adapter on GPT-2: c_attn (q, k, v in one Conv1D) at rank r, c_proj and c_fc
-    from tests.trainer.test_hf import _save_gpt2
+    from tests.models.test_hf import _save_gpt2
 
     folder = _save_gpt2(tmp_path / "hf", tie=False)  # a head of its own: the folder holds every weight we load
     config = _config(folder, corpus)

@@ -1,7 +1,7 @@
 """training.loss_chunks: the head's projection and the cross-entropy in chunks of tokens train the same
 numbers as the whole logits, on one process and on tp (vocabulary-parallel) and pp (the last stage):
 losses and pre-clip gradient norms, every gradient of the first step and every parameter after the last
-(tests/trainer/_layouts.py's runner, against the whole logits on one process)."""
+(tests/_layouts.py's runner, against the whole logits on one process)."""
 
 import functools
 
@@ -12,8 +12,8 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
-from tests.trainer._layouts import LONG, Tolerance, layout
-from tests.trainer._short import short_training
+from tests._layouts import LONG, Tolerance, layout
+from tests._short import short_training
 from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
 STEPS = 4

@@ -20,7 +20,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.models.common.moe import MoELayer
 from polyshard.trainer.config import from_dict
-from tests.trainer._short import short_training
+from tests._short import short_training
 from tests.trainer.test_e2e_parity import _stop_and_resume
 
 STEPS = 6

@@ -19,8 +19,8 @@ from polyshard.trainer.checkpointing.hugging_face import write_hf
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Trainer
 from polyshard.trainer.loop.reference_start import REFERENCE_KEY
-from tests.trainer._pieces import parameter_pieces
-from tests.trainer._short import short_training
+from tests._pieces import parameter_pieces
+from tests._short import short_training
 from tests.trainer.test_dpo_parity import pairs  # noqa: F401  (the fixture)
 
 STEPS = 4

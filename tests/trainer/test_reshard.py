@@ -20,7 +20,7 @@ from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from tests.trainer._short import SMALL_LLAMA
+from tests._short import SMALL_LLAMA
 
 STEPS = 4
 SAVE_AT = 2

@@ -21,7 +21,7 @@ from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from tests.trainer._short import SMALL_LLAMA
+from tests._short import SMALL_LLAMA
 
 # The bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
 # checkpointing is left out: its norms and autocast's bf16 weight copies are saved in float32 / per weight,

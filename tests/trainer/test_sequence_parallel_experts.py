@@ -2,13 +2,13 @@
 exchanges it over its ep group and keeps the output sequence-sharded; the router and experts, replicated
 over tp, get their gradients summed over tp; the balance losses, the capacity rule and the selection
 bias's load are the whole sequences'. Trained on tp2 + SP (and ep2 x tp2 + SP) against one process on the
-same batches with the harness of tests/trainer/test_windows.py: every loss and gradient norm of a few
+same batches with the harness of tests/models/test_windows.py: every loss and gradient norm of a few
 AdamW steps with weight decay, every gradient of the first step, every parameter after the last.
 
 Models: a Qwen2-MoE-like tiny (a gated shared expert, Switch balance loss and z-loss), the same with a
 capacity factor that drops assignments, and DeepSeek-V3's (MLA, a dense first block, sigmoid scores in
 groups, a shared expert, the sequence-wise balance loss and the selection bias moved by the load).
-gpt-oss's tp2 + SP row is in tests/trainer/test_gpt_oss_training.py. The selection bias and the load
+gpt-oss's tp2 + SP row is in tests/models/test_gpt_oss_training.py. The selection bias and the load
 metrics are compared exactly (the bias is a buffer, and a load counted on one tp rank only moves it in
 the same directions here, so the parity rows alone would not see it).
 
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, layout
-from tests.trainer.test_windows import CONTEXT, ROWS, TOLERANCE, VOCAB, _train
+from tests._layouts import LONG, layout
+from tests.models.test_windows import CONTEXT, ROWS, TOLERANCE, VOCAB, _train
 
 QWEN = {
     "kind": "moe-gpt", "vocab_size": VOCAB, "context_length": CONTEXT, "hidden": 32, "num_layers": 2,
@@ -87,7 +87,7 @@ def _loads(config):
     from polyshard.models.common.moe import MoELayer
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import split_batch, train_step
-    from tests.trainer.test_windows import LR, STEPS, _batch
+    from tests.models.test_windows import LR, STEPS, _batch
 
     par = config.parallel
     mesh = Mesh(par.mesh_axes)

@@ -17,7 +17,7 @@ import functools
 
 import pytest
 
-from tests.trainer._layouts import LONG, layout
+from tests._layouts import LONG, layout
 from tests.trainer.test_e2e_parity import TOLERANCE, _config, _model
 
 SP_ZERO_LAYOUTS = [

@@ -15,7 +15,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
+from tests._short import short_training
 
 STEPS = 4
 # Layouts differ from one process in the order float32 sums are taken (all-reduces of gradients over

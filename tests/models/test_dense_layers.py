@@ -16,7 +16,7 @@ import pytest
 from polyshard.models import build_model, parameter_count
 from polyshard.models.moe_gpt.model import MoEMLP
 from polyshard.trainer.config import from_dict
-from tests.trainer._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_training
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS, _train
 
 MODEL = {

@@ -14,7 +14,7 @@ from polyshard.models.common import RopeScaling, rope_frequencies, rotate
 from polyshard.trainer.config import from_dict
 
 transformers = pytest.importorskip("transformers")
-# As tests/trainer/test_hf.py: float32 sums of a tiny model in another order than transformers'.
+# As tests/models/test_hf.py: float32 sums of a tiny model in another order than transformers'.
 ROUND_OFF = 1e-5
 
 

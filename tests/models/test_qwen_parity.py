@@ -2,7 +2,7 @@
 replicated over tp while its heads are split, so its gradient is summed over tp), a head dim of its own,
 q/k/v-only biases, and a gated shared expert split by tp beside ep's routed experts. Each layout runs the
 real training loop (6 AdamW steps with weight decay, warmup, clipping) and is compared with one process by
-tests/trainer/_layouts.py's runner: losses and pre-clip gradient norms, every gradient of the first step and
+tests/_layouts.py's runner: losses and pre-clip gradient norms, every gradient of the first step and
 every parameter after the last (a gradient of the q/k norms or the shared expert summed over the wrong ranks
 shows in that tensor at once).
 
@@ -17,8 +17,8 @@ import functools
 import pytest
 
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, layout
-from tests.trainer._short import short_training
+from tests._layouts import LONG, layout
+from tests._short import short_training
 from tests.trainer.test_e2e_parity import STEPS, TOLERANCE
 
 ARCH = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}

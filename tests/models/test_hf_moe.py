@@ -31,14 +31,14 @@ from polyshard.trainer.checkpointing.hugging_face import (
     write_hf,
 )
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import (
+from tests.models._hf import (
     ROUND_OFF,
     assert_export_gives_the_folder_back,
     assert_scores_as_transformers,
     transformers_logits,
 )
-from tests.trainer.test_hf import _tokens
-from tests.trainer.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
+from tests.models.test_hf import _tokens
+from tests.models.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
 
 transformers = pytest.importorskip("transformers")
 

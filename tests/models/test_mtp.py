@@ -20,7 +20,7 @@ from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.mtp import shifted_tokens
 from polyshard.trainer.errors import ConfigError
-from tests.trainer._pieces import assemble, gradient_pieces, parameter_pieces, where
+from tests._pieces import assemble, gradient_pieces, parameter_pieces, where
 
 STEPS, ROWS, LENGTH, VOCAB, LR = 2, 4, 16, 67, 1e-3
 # Layouts differ from one process only in the order float32 sums are taken (all-reduces, sharded

@@ -2,8 +2,8 @@
 
 ``LAYOUTS`` is the one table: a name (the test id) -> the world size and the ``[parallel]`` settings. A
 parity test lists the names it runs (:func:`layout` makes the pytest rows, marks included) and calls the
-``parity`` fixture (tests/trainer/conftest.py), which trains the same config on one process (once per
-config, cached for the session) and on the layout, then compares through tests/trainer/_pieces.py:
+``parity`` fixture (tests/conftest.py), which trains the same config on one process (once per
+config, cached for the session) and on the layout, then compares through tests/_pieces.py:
 
     TOLERANCE = Tolerance(numbers=2e-5, grads={...}, params={...})   # each with a comment saying why
 
@@ -14,7 +14,7 @@ config, cached for the session) and on the layout, then compares through tests/t
 What is compared: every rank's losses and pre-clip gradient norms (equal on every rank, and within
 ``numbers`` of the reference's, relative), every gradient of the first step as the optimizer reads it
 (reduced, clipped), every parameter and every saved buffer after the last step; replicas (over dp, tp,
-cp, a tied weight's copies) must be equal bit for bit (:func:`tests.trainer._pieces.assemble`). The
+cp, a tied weight's copies) must be equal bit for bit (:func:`tests._pieces.assemble`). The
 returned :class:`Compared` names every tensor compared and the largest difference seen, so a test can
 say what it expects to be there (a sink, a router's bias) and a tolerance's comment can quote a measurement.
 """
@@ -32,7 +32,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import Config
 from polyshard.trainer.loop import Hook, Trainer
-from tests.trainer._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
+from tests._pieces import assemble, buffer_pieces, gradient_pieces, parameter_pieces, where
 
 LONG = pytest.mark.long
 
@@ -128,7 +128,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 def layout(name: str, *marks: pytest.MarkDecorator, model: str | None = None) -> Any:
     """The pytest row of layout ``name`` (its id), with ``model`` before it when a test runs several."""
     if name not in LAYOUTS:
-        raise KeyError(f"no layout {name!r} in tests/trainer/_layouts.py's LAYOUTS")
+        raise KeyError(f"no layout {name!r} in tests/_layouts.py's LAYOUTS")
     if model is None:
         return pytest.param(name, id=name, marks=marks)
     return pytest.param(model, name, id=f"{model}-{name}", marks=marks)

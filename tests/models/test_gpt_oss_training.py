@@ -2,13 +2,13 @@
 top-2 router over 4 biased clamped-SwiGLU experts) trained from scratch with document masks on tp2, tp2 +
 sequence parallelism, ep2, cp2 (ring) and dp2 with ZeRO-3 against one process on the same batches: every
 loss and gradient norm of a few AdamW steps with weight decay, every gradient of the first step, and every
-parameter after the last (the harness and its tolerances are tests/trainer/test_windows.py's)."""
+parameter after the last (the harness and its tolerances are tests/models/test_windows.py's)."""
 
 import pytest
 
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, layout
-from tests.trainer.test_windows import CONTEXT, ROWS, TOLERANCE, VOCAB, _train
+from tests._layouts import LONG, layout
+from tests.models.test_windows import CONTEXT, ROWS, TOLERANCE, VOCAB, _train
 
 MODEL = {
     "kind": "gpt-oss", "vocab_size": VOCAB, "context_length": CONTEXT, "hidden": 32, "num_layers": 2,

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from polyshard.checkpoint import CheckpointError, mxfp4
 from polyshard.trainer.checkpointing.hugging_face import HFSource
-from tests.trainer.test_hf_gpt_oss import folder  # noqa: F401  (the module's tiny gpt-oss folder)
-from tests.trainer.test_hf_llama import _broken, _config
+from tests.models.test_hf_gpt_oss import folder  # noqa: F401  (the module's tiny gpt-oss folder)
+from tests.models.test_hf_llama import _broken, _config
 
 NAME = "model.layers.1.mlp.experts.gate_up_proj"
 

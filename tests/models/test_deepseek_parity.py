@@ -4,8 +4,8 @@ whose head dims differ), a dense first block beside MoE blocks (sigmoid scores, 
 global load after each step, two groups, a shared expert). Each layout runs the real training loop (6 AdamW
 steps with weight decay, warmup, clipping) and is compared with one process: losses and pre-clip gradient
 norms, every gradient of the first step (as the optimizer reads it: reduced, clipped), every parameter and
-every router's selection bias after the last step (tests/trainer/_layouts.py's runner: whole tensors from
-each rank's pieces by their placement records, tests/trainer/_pieces.py).
+every router's selection bias after the last step (tests/_layouts.py's runner: whole tensors from
+each rank's pieces by their placement records, tests/_pieces.py).
 
 Tolerances: DENSE_RTOL (test_e2e_parity) for the numbers, the ones below for the tensors: float32 sums
 taken in another order. The MoE model trains without balance losses (the selection bias balances it, from
@@ -20,8 +20,8 @@ import functools
 import pytest
 
 from polyshard.trainer.config import from_dict
-from tests.trainer._layouts import LONG, Tolerance, layout
-from tests.trainer._short import short_training
+from tests._layouts import LONG, Tolerance, layout
+from tests._short import short_training
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS
 
 # Gradients of the first step (reduced and clipped, as the optimizer reads them): float32 sums taken in

@@ -1,4 +1,4 @@
-"""A family registered from outside polyshard.models (tests/trainer/outside_family) trains on tp2 and
+"""A family registered from outside polyshard.models (tests/models/outside_family) trains on tp2 and
 pp2 with no change to the trainer, and matches one process: the seam a new family uses."""
 
 import pytest
@@ -7,8 +7,8 @@ from polyshard.mesh import Mesh
 from polyshard.models import ConfigError
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests.trainer._short import short_training
-from tests.trainer.outside_family import KIND, register_outside_family
+from tests._short import short_training
+from tests.models.outside_family import KIND, register_outside_family
 
 STEPS = 4
 # Layouts differ from one process only in the order float32 sums are taken: the dense parity tests' bound.

@@ -29,13 +29,13 @@ from polyshard.trainer.checkpointing.hugging_face import (
     write_hf,
 )
 from polyshard.trainer.config import from_dict
-from tests.trainer._hf import (
+from tests.models._hf import (
     ROUND_OFF,
     assert_export_gives_the_folder_back,
     assert_scores_as_transformers,
     transformers_logits,
 )
-from tests.trainer.test_hf import _asdict, _tokens
+from tests.models.test_hf import _asdict, _tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """Sliding windows (alternating with full attention, as gpt-oss's layer_types) and per-head attention sinks,
 with document masks, trained on tp2, tp2 + sequence parallelism, cp 2 and an uneven cp 3 (ring and
 all-gather), Ulysses on cp 2 and with the ring on 2 x 2, pp2 and dp2 with ZeRO-3 against one process
-on the same batches by tests/trainer/_layouts.py's runner, with this file's own loop (:func:`_train`): every
+on the same batches by tests/_layouts.py's runner, with this file's own loop (:func:`_train`): every
 loss and gradient norm of a few AdamW steps with weight decay, every gradient of the first step, and every
 parameter after the last."""
 
@@ -11,8 +11,8 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
-from tests.trainer._layouts import LONG, Tolerance, layout
-from tests.trainer._pieces import buffer_pieces, gradient_pieces, parameter_pieces, where
+from tests._layouts import LONG, Tolerance, layout
+from tests._pieces import buffer_pieces, gradient_pieces, parameter_pieces, where
 
 VOCAB, CONTEXT, ROWS, STEPS, LR = 64, 24, 4, 3, 1e-3
 # Documents per row in tokens of CONTEXT + 1: under cp 2 (chunks of 6) and cp 3 (chunks of 4) documents cross
@@ -58,7 +58,7 @@ def _batch(step):
 
 def _train(config, out=None):
     """STEPS training steps on this rank on :func:`_batch`'s rows (documents that change places): the
-    runner's worker dict (tests/trainer/_layouts.py), the first step's gradients as the optimizer read them."""
+    runner's worker dict (tests/_layouts.py), the first step's gradients as the optimizer read them."""
     from polyshard.trainer.engine.builder import build_engine
     from polyshard.trainer.loop import batch_segments, split_batch, train_step
 

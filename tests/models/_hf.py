@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from polyshard.checkpoint import Checkpoint
 from polyshard.trainer.checkpointing.hugging_face import hf_state, write_hf
 from polyshard.trainer.config import Config
-from tests.trainer.test_hf import _tokens
+from tests.models.test_hf import _tokens
 
 ROUND_OFF = 1e-5  # float32: the same sums as transformers', taken in another order
 
