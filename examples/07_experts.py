@@ -17,12 +17,12 @@ from polyshard.ep import apply_expert_parallel
 from polyshard.mesh.pool import WorkerPool
 from polyshard.models.common.moe import MoEConfig, MoELayer, expert_capacity
 
-CONFIG = dict(hidden=16, ffn_hidden=32, num_experts=4, top_k=2)
+CONFIG = dict(ffn_hidden=32, num_experts=4, top_k=2)
 
 
 def ep_forward(capacity_factor: float | None) -> dict[str, object]:
     torch.manual_seed(0)
-    reference = MoELayer(MoEConfig(**CONFIG, capacity_factor=capacity_factor))
+    reference = MoELayer(MoEConfig(**CONFIG, capacity_factor=capacity_factor), hidden=16)
     x = torch.randn(2, 2, 16, 16)  # (ranks, B, S, H): every rank draws all, takes its own
     rank = dist.get_rank()
     layer = apply_expert_parallel(copy.deepcopy(reference), group=dist.group.WORLD)

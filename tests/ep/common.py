@@ -25,7 +25,8 @@ def make_layer(seed: int = 0, **overrides) -> MoELayer:
     config = dict(hidden=16, ffn_hidden=24, num_experts=4, top_k=2)
     config.update(overrides)
     torch.manual_seed(seed)
-    return MoELayer(MoEConfig(**config))
+    hidden = config.pop("hidden")
+    return MoELayer(MoEConfig(**config), hidden=hidden)
 
 
 def rank_tokens(world: int, num_tokens: int, hidden: int, seed: int = 100) -> list[torch.Tensor]:

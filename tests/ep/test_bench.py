@@ -39,7 +39,7 @@ def test_torch_ops_moe_equals_the_layer_with_gradients():
     from polyshard.models.common.moe import MoEConfig, MoELayer
 
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden=16, ffn_hidden=24, num_experts=4, top_k=2))
+    layer = MoELayer(MoEConfig(ffn_hidden=24, num_experts=4, top_k=2), hidden=16)
     x = torch.randn(32, 16)
     y, aux = layer(x)
     grads = torch.autograd.grad(y.sum() + aux, list(layer.parameters()))

@@ -12,7 +12,7 @@ from polyshard.models.common.moe import MoEConfig, MoEConfigError
 
 from .common import make_layer
 
-BASE = dict(hidden=16, ffn_hidden=24, num_experts=4)
+BASE = dict(ffn_hidden=24, num_experts=4)
 
 
 def test_top_k_above_num_experts():
@@ -25,7 +25,7 @@ def test_top_k_above_num_experts():
     [
         ("capacity_factor", 0.0, r"capacity_factor=0.0 must be > 0 \(e.g. 1.25\), or None for dropless"),
         ("activation", "relu", r"activation='relu' is unknown; choose one of \('swiglu', 'gelu', 'clamped-swiglu'\)"),
-        ("top_k", 0, r"top_k=0 must be a positive integer"),
+        ("top_k", 0, r"model.moe.top_k=0 must be an integer >= 1"),
         ("z_loss_coef", -1.0, r"must be >= 0.*use 0 to turn a loss off"),
     ],
 )

@@ -105,8 +105,8 @@ def test_sequence_balance_loss_matches_the_per_sequence_formula():
 
 def test_sequence_balance_loss_gradient_reaches_the_router():
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, top_k=2, aux_loss_coef=0.0,
-                               score="sigmoid", seq_aux_loss_coef=0.1))  # fmt: skip
+    layer = MoELayer(MoEConfig(ffn_hidden=8, num_experts=4, top_k=2, aux_loss_coef=0.0,
+                               score="sigmoid", seq_aux_loss_coef=0.1), hidden=16)  # fmt: skip
     _, aux = layer(torch.randn(2, 6, 16))
     assert layer.last_metrics.sequence_balance_loss > 0
     assert aux.item() == pytest.approx(0.1 * layer.last_metrics.sequence_balance_loss)
@@ -132,7 +132,7 @@ def test_only_sigmoid_routers_carry_a_bias_and_it_is_saved():
 
 def test_layer_counts_the_load_of_training_forwards_once():
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, top_k=2, capacity_factor=0.5))
+    layer = MoELayer(MoEConfig(ffn_hidden=8, num_experts=4, top_k=2, capacity_factor=0.5), hidden=16)
     x = torch.randn(2, 6, 16)
     layer(x)
     with torch.no_grad():
@@ -161,4 +161,4 @@ def test_layer_counts_the_load_of_training_forwards_once():
 )
 def test_bad_routing_configs_name_the_field(fields, match):
     with pytest.raises(MoEConfigError, match=match):
-        MoEConfig(**{"hidden": 16, "ffn_hidden": 8, "num_experts": 8, "top_k": 2, **fields})
+        MoEConfig(**{"ffn_hidden": 8, "num_experts": 8, "top_k": 2, **fields})

@@ -27,7 +27,7 @@ class Block(nn.Module):
         # No biases: the key bias has an exactly-zero true gradient (softmax ignores a shift), so
         # its computed gradient is rounding noise that Adam would scale up to full lr-sized steps.
         self.attn = nn.MultiheadAttention(HIDDEN, num_heads=2, batch_first=True, bias=False)
-        self.moe = MoELayer(config)
+        self.moe = MoELayer(config, hidden=HIDDEN)
 
     def forward(self, x, causal_mask):
         h = self.ln1(x)
@@ -67,7 +67,7 @@ def _train(top_k):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = ep_mesh()
     torch.manual_seed(0)
-    config = MoEConfig(hidden=HIDDEN, ffn_hidden=24, num_experts=4, top_k=top_k, z_loss_coef=1e-3)
+    config = MoEConfig(ffn_hidden=24, num_experts=4, top_k=top_k, z_loss_coef=1e-3)
     reference = TinyMoETransformer(config)
     parallel = apply_expert_parallel(copy.deepcopy(reference), group=mesh.group("ep"))
     initial = {name: p.detach().clone() for name, p in reference.named_parameters()}

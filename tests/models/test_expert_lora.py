@@ -19,8 +19,8 @@ NAME = "layers.1.mlp.moe"
 
 def _layers(rank=4, alpha=8.0, rslora=False):
     torch.manual_seed(0)
-    config = MoEConfig(hidden=16, num_experts=4, top_k=2, ffn_hidden=12, aux_loss_coef=0.0)
-    adapted, base = MoELayer(config), MoELayer(config)
+    config = MoEConfig(num_experts=4, top_k=2, ffn_hidden=12, aux_loss_coef=0.0)
+    adapted, base = MoELayer(config, hidden=16), MoELayer(config, hidden=16)
     base.load_state_dict(adapted.state_dict())
     attach_expert_lora(adapted, NAME, rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, seed=3)
     return adapted, base

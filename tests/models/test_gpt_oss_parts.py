@@ -72,8 +72,8 @@ def test_router_and_experts_are_transformers():
         for p in theirs.parameters():
             p.normal_(0.0, 1.0)  # large values: the clamps at +-7 bite, the router is decisive
     layer = MoELayer(
-        MoEConfig(hidden=16, ffn_hidden=8, num_experts=4, top_k=2, score="topk-softmax", router_bias=True,
-                  expert_bias=True, activation="clamped-swiglu", renormalize=False)
+        MoEConfig(ffn_hidden=8, num_experts=4, top_k=2, score="topk-softmax", router_bias=True,
+                  expert_bias=True, activation="clamped-swiglu", renormalize=False), hidden=16
     )  # fmt: skip
     with torch.no_grad():
         layer.router.weight.copy_(theirs.router.weight)
@@ -101,4 +101,4 @@ def test_router_and_experts_are_transformers():
 )
 def test_new_options_are_checked(settings, message):
     with pytest.raises(MoEConfigError, match=message):
-        MoEConfig(hidden=8, ffn_hidden=8, num_experts=4, top_k=2, **settings)
+        MoEConfig(ffn_hidden=8, num_experts=4, top_k=2, **settings)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from polyshard.mesh import Mesh
-from polyshard.models.common.moe import MoESettings
+from polyshard.models.common.moe import MoEConfig
 from polyshard.models.moe_gpt.config import MoEGPTConfig
 from polyshard.trainer.config import from_dict
 
@@ -98,7 +98,7 @@ def test_a_router_bias_that_drifted_is_found_on_expert_parallel_ranks(distribute
     # ep3 alone has no dp replicas of the experts to compare, but the sigmoid router's bias is
     # replicated state on every rank of a stage: a rank whose bias drifted is named.
     config = _config(corpus, ep=3)
-    moe = MoESettings(num_experts=3, top_k=1, score="sigmoid", bias_update_rate=0.01)
+    moe = MoEConfig(num_experts=3, top_k=1, score="sigmoid", bias_update_rate=0.01)
     config = dataclasses.replace(config, model=MoEGPTConfig(**{**config.model.__dict__, "kind": "moe-gpt", "moe": moe}))
     errors = distributed.run(3, _drift_one_bias, config, 1)
     assert all(e is not None and e == errors[0] for e in errors)

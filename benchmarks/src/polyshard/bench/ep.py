@@ -86,8 +86,8 @@ def _case(args: argparse.Namespace, top_k: int) -> Record:
     p, rank = dist.get_world_size(), dist.get_rank()
     group = cast(dist.ProcessGroup, dist.group.WORLD)  # typed Optional; initialised here
     torch.manual_seed(0)
-    config = MoEConfig(hidden=args.hidden, ffn_hidden=args.ffn, num_experts=args.experts, top_k=top_k)
-    peer_layer = MoELayer(config)
+    config = MoEConfig(ffn_hidden=args.ffn, num_experts=args.experts, top_k=top_k)
+    peer_layer = MoELayer(config, hidden=args.hidden)
     ours_layer = apply_expert_parallel(copy.deepcopy(peer_layer), group=group)
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(p, args.tokens, args.hidden, generator=g)  # every rank's tokens, (P, T, H)

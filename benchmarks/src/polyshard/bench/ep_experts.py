@@ -103,7 +103,7 @@ def grouped_vs_loop(*, experts: int, rows: int, hidden: int, ffn: int, iters: in
 
 def layer_vs_torch_ops(*, experts: int, tokens: int, hidden: int, ffn: int, top_k: int, iters: int) -> Record:
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden=hidden, ffn_hidden=ffn, num_experts=experts, top_k=top_k))
+    layer = MoELayer(MoEConfig(ffn_hidden=ffn, num_experts=experts, top_k=top_k), hidden=hidden)
     peer = TorchOpsMoE(layer)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, hidden, generator=g, requires_grad=True)

@@ -10,8 +10,9 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field and says what would work."""
 
 
-class MoEConfigError(ValueError):
-    """A mixture-of-experts layer's settings that cannot work (expert count, top-k, capacity...)."""
+class MoEConfigError(ConfigError):
+    """``[model.moe]`` settings that cannot work (expert count, top-k, capacity...), read from a config or
+    given to a layer built by hand."""
 
 
 def check_positive(name: str, value: Any) -> None:

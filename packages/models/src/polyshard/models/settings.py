@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from polyshard.models.common.moe import LEGACY_NAMES, MoESettings
+from polyshard.models.common.moe import LEGACY_NAMES, MoEConfig
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.registry import SPECS
@@ -163,27 +163,27 @@ def model_config(values: Mapping[str, Any], *, saved: bool = False, note: Note |
 
 
 def _table(name: str, value: Any) -> dict[str, Any]:
-    if isinstance(value, MoESettings):
+    if isinstance(value, MoEConfig):
         return dataclasses.asdict(value)
     if not isinstance(value, Mapping):
         raise ConfigError(f"model.{name} must be a table of key = value pairs ([model.{name}]), not {value!r}")
     return dict(value)
 
 
-def _default_moe(cls: type) -> MoESettings:
+def _default_moe(cls: type) -> MoEConfig:
     """The family's own ``[model.moe]`` defaults (gpt-oss's router and experts differ from Mixtral's)."""
     field = next(f for f in dataclasses.fields(cls) if f.name == "moe")
-    made = field.default_factory() if field.default_factory is not dataclasses.MISSING else MoESettings()
-    return made if isinstance(made, MoESettings) else MoESettings()
+    made = field.default_factory() if field.default_factory is not dataclasses.MISSING else MoEConfig()
+    return made if isinstance(made, MoEConfig) else MoEConfig()
 
 
-def _moe(values: dict[str, Any], default: MoESettings | None = None) -> MoESettings:
-    known = [f.name for f in dataclasses.fields(MoESettings)]
+def _moe(values: dict[str, Any], default: MoEConfig | None = None) -> MoEConfig:
+    known = [f.name for f in dataclasses.fields(MoEConfig)]
     for key in values:
         if key not in known:
             raise unknown("key in [model.moe]", key, known)
-    checked = {k: check_value(f"model.moe.{k}", declared_type(MoESettings, k), v) for k, v in values.items()}
-    return dataclasses.replace(default, **checked) if default is not None else MoESettings(**checked)
+    checked = {k: check_value(f"model.moe.{k}", declared_type(MoEConfig, k), v) for k, v in values.items()}
+    return dataclasses.replace(default, **checked) if default is not None else MoEConfig(**checked)
 
 
 def _translated(

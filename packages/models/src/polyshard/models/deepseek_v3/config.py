@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from polyshard.models.common import yarn_mscale
-from polyshard.models.common.moe import MoESettings
+from polyshard.models.common.moe import MoEConfig
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError, check_positive
 from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_shape
@@ -46,7 +46,7 @@ class DeepSeekV3Config(MoEGPTConfig):
     """Biases on the down projections and the output projection (Hugging Face's attention_bias)."""
     rope_interleave: bool = True
     """The checkpoints store rotary dims in interleaved pairs (0, 1), (2, 3), ... (DeepSeek's layout)."""
-    moe: MoESettings = field(default_factory=lambda: MoESettings(dense_layers=[0]))
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig(dense_layers=[0]))
     """The experts (``[model.moe]``); ``moe.dense_layers`` names the first blocks, which keep a dense SwiGLU
     MLP mlp_hidden wide (Hugging Face's first_k_dense_replace; DeepSeek-V3: [0, 1, 2], V2-Lite: [0])."""
     all_dense_allowed: ClassVar[bool] = True

@@ -46,13 +46,18 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     """The GPT's layers with MLA in each block, MoE MLPs in the sparse ones (:meth:`~DeepSeekV3Config.sparse_layer`)."""
     config = deepseek_config(config)
     model = gpt.build(config, options)
-    layer = config.layer()
     head = cast(gpt.LMHead, model.layers[-1])
     depths = [cast(PredictionDepth, depth).block for depth in head.mtp.depths] if head.mtp is not None else []
     for i, block in enumerate([*model.layers[1:-1], *depths]):  # a prediction depth's block is like the last
         block.attn = mla(config)
         if config.sparse_layer(min(i, config.num_layers - 1)):
-            block.mlp = moe_gpt.MoEMLP(layer, aux_loss_scale=options.aux_loss_scale, shared_hidden=config.shared_width)
+            block.mlp = moe_gpt.MoEMLP(
+                config.moe,
+                hidden=config.hidden,
+                ffn_hidden=config.expert_width,
+                aux_loss_scale=options.aux_loss_scale,
+                shared_hidden=config.shared_width,
+            )
     return model
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polyshard.models.common.moe import MoESettings
+from polyshard.models.common.moe import MoEConfig
 from polyshard.models.moe_gpt.config import MoEGPTConfig
 
 
-def gpt_oss_experts() -> MoESettings:
+def gpt_oss_experts() -> MoEConfig:
     """gpt-oss's ``[model.moe]`` defaults: a biased router whose top-k logits are softmaxed, biased experts
     with the clamped SwiGLU (alpha 1.702, limit 7), and transformers' router_aux_loss_coef (0.001)."""
-    return MoESettings(
+    return MoEConfig(
         num_experts=32,
         top_k=4,
         score="topk-softmax",
@@ -37,5 +37,5 @@ class GptOssConfig(MoEGPTConfig):
     rope_type: str = "yarn"
     rope_truncate: bool = False
     rope_original_context: int = 4096
-    moe: MoESettings = field(default_factory=gpt_oss_experts)
+    moe: MoEConfig = field(default_factory=gpt_oss_experts)
     """Every block's MLP is a mixture of experts with these settings (``[model.moe]``; gpt-oss's defaults)."""

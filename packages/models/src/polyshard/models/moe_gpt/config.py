@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from polyshard.models.common.moe import MoEConfig, MoESettings
+from polyshard.models.common.moe import MoEConfig
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt.config import GPTConfig, gpt_shape
@@ -16,14 +16,13 @@ from polyshard.models.shape import ExpertShape, ModelShape
 @dataclass(kw_only=True, frozen=True)
 class MoEGPTConfig(GPTConfig):
     kind: str = "moe-gpt"
-    moe: MoESettings = field(default_factory=MoESettings)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     """Every block's MLP (but ``moe.dense_layers``') is a mixture of experts with these settings (``[model.moe]``)."""
     all_dense_allowed: ClassVar[bool] = False
     """Whether every block may be dense (DeepSeek's MLA is a model of its own without experts)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.layer()  # the routing rules against this model's widths
         dense = self.moe.dense_layers
         outside = [i for i in dense if i >= self.num_layers]
         if outside:
@@ -50,10 +49,6 @@ class MoEGPTConfig(GPTConfig):
     def dense_width(self) -> int:
         """Width of the dense blocks' MLP: moe.dense_ffn_hidden, or the model's MLP width when unset."""
         return self.moe.dense_ffn_hidden or self.mlp_width
-
-    def layer(self) -> MoEConfig:
-        """Each block's MoE layer."""
-        return self.moe.layer(hidden=self.hidden, ffn_hidden=self.expert_width)
 
     @property
     def expert_width(self) -> int:

@@ -42,12 +42,19 @@ class MoEMLP(nn.Module):
     as each microbatch's aux loss, like its cross-entropy, counts 1/m."""
 
     def __init__(
-        self, config: MoEConfig, *, aux_loss_scale: float = 1.0, shared_hidden: int = 0, shared_gate: bool = False
+        self,
+        config: MoEConfig,
+        *,
+        hidden: int,
+        ffn_hidden: int,
+        aux_loss_scale: float = 1.0,
+        shared_hidden: int = 0,
+        shared_gate: bool = False,
     ):
         super().__init__()
-        self.moe = MoELayer(config)
-        self.shared_expert = SwiGLU(config.hidden, shared_hidden) if shared_hidden else None
-        self.shared_expert_gate = nn.Linear(config.hidden, 1, bias=False) if shared_gate else None
+        self.moe = MoELayer(config, hidden=hidden, ffn_hidden=ffn_hidden)
+        self.shared_expert = SwiGLU(hidden, shared_hidden) if shared_hidden else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
         self.aux_loss_scale = aux_loss_scale
         self.last_aux_loss = 0.0
 
@@ -76,7 +83,6 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     the blocks in ``model.moe.dense_layers`` keep a dense MLP ``model.moe.dense_ffn_hidden`` wide."""
     config = moe_config(config)
     model = gpt.build(config, options)
-    layer = config.layer()  # experts by default about a dense MLP's active FLOPs wide
     head = cast(gpt.LMHead, model.layers[-1])
     mtp: list[nn.Module] = list(head.mtp.depths) if head.mtp is not None else []
     depths = [cast(PredictionDepth, depth).block for depth in mtp]  # DeepSeek-V3's depths are MoE blocks too
@@ -87,7 +93,9 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
                 block.mlp = dense(config.hidden, config.dense_width, bias=config.bias)
             continue
         block.mlp = MoEMLP(
-            layer,
+            config.moe,
+            hidden=config.hidden,
+            ffn_hidden=config.expert_width,  # by default about a dense MLP's active FLOPs
             aux_loss_scale=options.aux_loss_scale,
             shared_hidden=config.shared_width,
             shared_gate=config.moe.shared_gate,

@@ -1,9 +1,9 @@
 """The mixture-of-experts layer every MoE family uses: the router, the grouped experts, the layer that
 routes, dispatches (through :mod:`polyshard.ep`, over the ep ranks when it is expert-parallel) and
 combines, the balancing losses (over a token group under cp and sequence parallelism), and the
-``[model.moe]`` settings that configure it."""
+``[model.moe]`` settings that configure it (:class:`MoEConfig`, one class for a config and a layer built by hand)."""
 
-from polyshard.models.common.moe.config import ACTIVATIONS, MoEConfig
+from polyshard.models.common.moe.config import ACTIVATIONS, LEGACY_NAMES, MAX_EXPERTS, MoEConfig
 from polyshard.models.common.moe.experts import GroupedExperts, grouped_mm
 from polyshard.models.common.moe.layer import MoELayer, MoEMetrics, moe_metrics
 from polyshard.models.common.moe.router import (
@@ -18,7 +18,6 @@ from polyshard.models.common.moe.router import (
     tokens_per_expert,
     z_loss,
 )
-from polyshard.models.common.moe.settings import LEGACY_NAMES, MAX_EXPERTS, MoESettings
 from polyshard.models.common.moe.token_group import capacity_keep, router_losses, sequence_loss, sum_over_tokens
 from polyshard.models.errors import MoEConfigError
 
@@ -32,7 +31,6 @@ __all__ = [
     "MoEConfigError",
     "MoELayer",
     "MoEMetrics",
-    "MoESettings",
     "Router",
     "Routing",
     "capacity_keep",

@@ -17,6 +17,7 @@ from polyshard.models.common.moe.config import MoEConfig
 from polyshard.models.common.moe.experts import GroupedExperts
 from polyshard.models.common.moe.router import Router, tokens_per_expert
 from polyshard.models.common.moe.token_group import capacity_keep, router_losses, sequence_loss
+from polyshard.models.errors import MoEConfigError
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,26 @@ class MoELayer(nn.Module):
     applies capacity and computes the auxiliary losses on its own tokens only,
     or, with a ``token_group`` (context parallelism), the losses of the whole
     sequences whose chunks the group's ranks hold.
+
+    ``config``: the ``[model.moe]`` settings (the layer reads the routing, the experts' activation and
+    the losses); ``hidden``: the model's width H; ``ffn_hidden``: each expert's width F, when
+    ``config.ffn_hidden`` is None (a model passes its default, the MLP width / top_k).
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, *, hidden: int, ffn_hidden: int | None = None):
         super().__init__()
+        width = config.ffn_hidden or ffn_hidden
+        for name, value in (("hidden", hidden), ("ffn_hidden", width)):
+            if not isinstance(value, int) or value < 1:
+                raise MoEConfigError(
+                    f"MoELayer {name}={value!r} must be a positive integer"
+                    + (" (set model.moe.ffn_hidden or pass ffn_hidden=)" if name == "ffn_hidden" else "")
+                )
+        assert width is not None  # checked above
         self.config = config
+        self.hidden, self.ffn_hidden = hidden, width
         self.router = Router(
-            config.hidden,
+            hidden,
             config.num_experts,
             config.top_k,
             config.renormalize,
@@ -67,8 +81,8 @@ class MoELayer(nn.Module):
         )
         self.experts = GroupedExperts(
             config.num_experts,
-            config.hidden,
-            config.ffn_hidden,
+            hidden,
+            width,
             config.activation,
             bias=config.expert_bias,
             alpha=config.swiglu_alpha,
@@ -112,7 +126,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., H) -> ((..., H), scalar aux loss). The sequence-wise loss reads (B, S, H) as B sequences."""
         cfg = self.config
-        tokens = x.reshape(-1, cfg.hidden)  # (T, H)
+        tokens = x.reshape(-1, self.hidden)  # (T, H)
         routing = self.router(tokens)
         keep = None
         if cfg.capacity_factor is not None:  # (T, k); over the token group's whole batch when there is one
