@@ -45,14 +45,18 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2-zero1": (2, {"dp": 2, "zero_stage": 1}),
     "dp2-zero2": (2, {"dp": 2, "zero_stage": 2}),
     "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),
+    "dp3-zero1": (3, {"dp": 3, "zero_stage": 1}),  # rows split unevenly (padding), owners 0, 1, 2, 0, ...
+    "dp3-zero2": (3, {"dp": 3, "zero_stage": 2}),
     # tensor parallel, with sequence parallelism (-sp)
     "tp2": (2, {"tp": 2}),
     "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
     "tp4": (4, {"tp": 4}),
     "tp4-sp": (4, {"tp": 4, "sequence_parallel": True}),
     # pipelines: the schedule, and microbatches (m2: fewer than a V's or three stages' stages)
+    "pp2-m1": (2, {"pp": 2}),  # one microbatch: the stages take turns (evaluation and generation)
     "pp2-1f1b": (2, {"pp": 2, "microbatches": 2, "schedule": "1f1b"}),
     "pp2-zbh1": (2, {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}),
+    "pp2-zbh1-m2": (2, {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}),
     "pp2-interleaved": (2, {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}),
     # V placements: rank 0 holds the embedding and the head (stages 0 and 3), rank 1 the two middle stages
     "pp2-zbv": (2, {"pp": 2, "microbatches": 4, "schedule": "zb-v", "virtual_stages": 2}),
@@ -68,13 +72,17 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "cp2-ulysses": (2, {"cp": 2, "cp_style": "ulysses"}),
     "cp3-ring": (3, {"cp": 3}),  # an odd group: 2 x 3 chunks, rank r holding r and 5 - r
     "cp3-allgather": (3, {"cp": 3, "cp_style": "allgather"}),
+    "cp3-ulysses": (3, {"cp": 3, "cp_style": "ulysses"}),
     "cp4-ring": (4, {"cp": 4}),
     "cp4-allgather": (4, {"cp": 4, "cp_style": "allgather"}),
+    "cp4-ulysses": (4, {"cp": 4, "cp_style": "ulysses"}),
     "cp2x2-ulysses-ring": (4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}),
     # experts
     "ep2": (2, {"ep": 2}),
+    "ep4": (4, {"ep": 4}),
     # two axes
     "dp2xtp2": (4, {"dp": 2, "tp": 2}),
+    "dp2xtp2-zero2": (4, {"dp": 2, "tp": 2, "zero_stage": 2}),
     # sequence parallelism under each ZeRO stage: the sequence-sharded norms' gradients summed over tp
     "dp2xtp2-sp-zero1": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 1}),
     "dp2xtp2-sp-zero2": (4, {"dp": 2, "tp": 2, "sequence_parallel": True, "zero_stage": 2}),
@@ -104,9 +112,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "cp2xep2-allgather": (4, {"cp": 2, "ep": 2, "cp_style": "allgather"}),
     "cp2xep2-ulysses": (4, {"cp": 2, "ep": 2, "cp_style": "ulysses"}),
     "cp2xep2-zero1": (4, {"cp": 2, "ep": 2, "zero_stage": 1}),
+    "cp2xep2-ulysses-zero1": (4, {"cp": 2, "ep": 2, "cp_style": "ulysses", "zero_stage": 1}),
     # three axes: eight processes (~20 s each on two cores), make test-long's
     "dp2xtp2xpp2": (8, {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}),
     "dp2xcp2xtp2": (8, {"dp": 2, "cp": 2, "tp": 2}),
+    "dp2xcp2xtp2-sp": (8, {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}),
     "dp2xcp2xep2": (8, {"dp": 2, "cp": 2, "ep": 2}),
     # hybrid sharding: ZeRO over groups of dp_shard neighbouring data ranks, all-reduced across the groups
     "dp4-shard2-zero1": (4, {"dp": 4, "dp_shard": 2, "zero_stage": 1}),
@@ -132,6 +142,16 @@ def layout(name: str, *marks: pytest.MarkDecorator, model: str | None = None) ->
     if model is None:
         return pytest.param(name, id=name, marks=marks)
     return pytest.param(model, name, id=f"{model}-{name}", marks=marks)
+
+
+def mesh_row(name: str, *marks: pytest.MarkDecorator, id: str | None = None, **extra: Any) -> Any:
+    """The pytest row ``(world size, [parallel] settings)`` of layout ``name``, for a test that runs the
+    layout its own way; ``extra`` settings join the layout's (a recompute mode, document masks), and the
+    row's id then says so (``id``)."""
+    if name not in LAYOUTS:
+        raise KeyError(f"no layout {name!r} in tests/_layouts.py's LAYOUTS")
+    world, parallel = LAYOUTS[name]
+    return pytest.param(world, {**parallel, **extra}, id=id or name, marks=marks)
 
 
 def without(name: str, *axes: str) -> dict[str, Any]:
@@ -177,6 +197,16 @@ class _FirstGradients(Hook):
     def before_zero_grad(self, step: int) -> None:
         if step == 1:
             self.pieces = gradient_pieces(self.engine)
+
+
+def trained_numbers(config: Config, out: Path) -> list[float]:
+    """A worker for runs whose tensors no reference shares: the real training loop on this rank, then its
+    losses and pre-clip gradient norms (losses alone would not see a gradient scaled by a constant: AdamW
+    and clipping normalise it away; the norm does)."""
+    from polyshard.trainer.loop import train
+
+    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
+    return result.losses + result.grad_norms
 
 
 def train_pieces(config: Config, out: Path) -> dict[str, Any]:

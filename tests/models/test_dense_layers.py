@@ -16,8 +16,9 @@ import pytest
 from polyshard.models import build_model, parameter_count
 from polyshard.models.moe_gpt.model import MoEMLP
 from polyshard.trainer.config import from_dict
+from tests._layouts import trained_numbers
 from tests._short import SMALL_LLAMA, short_training
-from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS, _train
+from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS
 
 MODEL = {
     **SMALL_LLAMA, "kind": "moe-gpt", "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16,
@@ -40,7 +41,7 @@ def _config(corpus, **parallel):
 
 @pytest.fixture(scope="module")
 def reference(distributed, corpus, tmp_path_factory):
-    return distributed.run(1, _train, _config(corpus), tmp_path_factory.mktemp("ref"))[0]
+    return distributed.run(1, trained_numbers, _config(corpus), tmp_path_factory.mktemp("ref"))[0]
 
 
 LAYOUTS = [
@@ -53,7 +54,7 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("world, parallel", LAYOUTS)
 def test_layers_that_differ_train_as_on_one_process(distributed, corpus, reference, tmp_path, world, parallel):
-    results = distributed.run(world, _train, _config(corpus, **parallel), tmp_path)
+    results = distributed.run(world, trained_numbers, _config(corpus, **parallel), tmp_path)
     assert all(r == results[0] for r in results)
     assert results[0] == pytest.approx(reference, rel=DENSE_RTOL)  # losses and pre-clip grad norms
     assert results[0][STEPS - 1] < results[0][0]  # it learns

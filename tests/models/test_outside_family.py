@@ -3,23 +3,15 @@ pp2 with no change to the trainer, and matches one process: the seam a new famil
 
 import pytest
 
-from polyshard.mesh import Mesh
 from polyshard.models import ConfigError
 from polyshard.trainer.config import from_dict
-from polyshard.trainer.loop import train
+from tests._layouts import trained_numbers
 from tests._short import short_training
 from tests.models.outside_family import KIND, register_outside_family
 
 STEPS = 4
 # Layouts differ from one process only in the order float32 sums are taken: the dense parity tests' bound.
 DENSE_RTOL = 2e-5
-
-
-def _train(raw, out):
-    register_outside_family()  # in each worker: a family is registered per process
-    config = from_dict(raw)
-    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
-    return result.losses + result.grad_norms
 
 
 def _raw(corpus, **parallel):
@@ -30,6 +22,11 @@ def _raw(corpus, **parallel):
         "data": {"source": corpus},
         "logging": {"progress_bar": False},
     }
+
+
+def _train(raw, out):
+    register_outside_family()  # in each worker: a family is registered per process
+    return trained_numbers(from_dict(raw), out)
 
 
 def test_an_unregistered_kind_is_named():

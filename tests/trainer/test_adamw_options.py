@@ -11,7 +11,7 @@ from polyshard.mesh import Mesh
 from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.optimizer import ADAMW_KERNELS, decay_rule, param_groups
-from polyshard.trainer.loop import train
+from tests._layouts import LAYOUTS, LONG, trained_numbers
 from tests._short import short_training
 
 STEPS = 5
@@ -44,11 +44,6 @@ def _config(corpus, impl, params, **parallel):
             "logging": {"progress_bar": False},
         }
     )
-
-
-def _train(config, out):
-    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
-    return result.losses + result.grad_norms
 
 
 def _built_optimizer(config):
@@ -87,7 +82,7 @@ def test_all_decays_every_parameter_and_matrices_only_the_blocks_and_head():
 def references(distributed, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
     settings = [("fused", "all"), ("for-loop", "all"), ("foreach", "matrices")]
-    return {s: distributed.run(1, _train, _config(corpus, *s), out)[0] for s in settings}
+    return {s: distributed.run(1, trained_numbers, _config(corpus, *s), out)[0] for s in settings}
 
 
 def test_the_settings_change_the_numbers_they_should_and_no_other(references):
@@ -102,17 +97,15 @@ def test_the_settings_change_the_numbers_they_should_and_no_other(references):
     assert max(abs(a - b) / abs(b) for a, b in zip(fused[1:STEPS], matrices[1:STEPS])) > 10 * RTOL
 
 
-LAYOUTS = [
-    pytest.param(2, {"dp": 2, "zero_stage": 1}, ("fused", "all"), id="dp2-zero1-fused-all"),
-    pytest.param(2, {"tp": 2}, ("for-loop", "all"), id="tp2-forloop-all"),
-    pytest.param(
-        3, {"dp": 3, "zero_stage": 2}, ("foreach", "matrices"), id="dp3-zero2-foreach", marks=pytest.mark.long
-    ),
+ROWS = [
+    pytest.param("dp2-zero1", ("fused", "all"), id="dp2-zero1-fused-all"),
+    pytest.param("tp2", ("for-loop", "all"), id="tp2-forloop-all"),
+    pytest.param("dp3-zero2", ("foreach", "matrices"), id="dp3-zero2-foreach", marks=LONG),
 ]
 
 
-@pytest.mark.parametrize("world, parallel, setting", LAYOUTS)
-def test_a_layout_matches_one_process_with_the_same_adamw(distributed, corpus, references, tmp_path, world, parallel,
-                                                         setting):  # fmt: skip
-    got = distributed.run(world, _train, _config(corpus, *setting, **parallel), tmp_path)[0]
+@pytest.mark.parametrize("name, setting", ROWS)
+def test_a_layout_matches_one_process_with_the_same_adamw(distributed, corpus, references, tmp_path, name, setting):
+    world, parallel = LAYOUTS[name]
+    got = distributed.run(world, trained_numbers, _config(corpus, *setting, **parallel), tmp_path)[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(references[setting]), rtol=RTOL, atol=0)

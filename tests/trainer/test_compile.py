@@ -13,6 +13,7 @@ import pytest
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
+from tests._layouts import LAYOUTS
 from tests._short import SMALL_LLAMA, short_training
 
 STEPS = 4
@@ -82,30 +83,30 @@ def test_one_process_compiled_matches_eager_and_logs_its_compiles(distributed, c
     assert all("compile" not in r for r in records[1:]), "a later step compiled again"
 
 
-LAYOUTS = [
-    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 3}, {}, id="dp2-zero3"),
-    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 1}, {"precision": "bf16"}, id="dp2-zero1-bf16"),
-    pytest.param(2, "gpt", {"tp": 2, "sequence_parallel": True}, {}, id="tp2-sp"),
-    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, {}, id="pp2-1f1b"),
-    pytest.param(
-        2, "gpt", {"pp": 2, "microbatches": 2, "schedule": "zb-h1"}, {"activation_checkpointing": True}, id="pp2-zb-ac"
-    ),
-    pytest.param(2, "gpt", {"cp": 2}, {}, id="cp2-ring"),
-    pytest.param(2, "gpt", {"cp": 2, "cp_style": "ulysses"}, {}, id="cp2-ulysses"),
-    pytest.param(2, "gpt", {"dp": 2}, {"activation_checkpointing": "selective"}, id="dp2-selective"),
+# (model, layout, [training] settings, document masks)
+ROWS = [
+    pytest.param("gpt", "dp2-zero3", {}, False, id="dp2-zero3"),
+    pytest.param("gpt", "dp2-zero1", {"precision": "bf16"}, False, id="dp2-zero1-bf16"),
+    pytest.param("gpt", "tp2-sp", {}, False, id="tp2-sp"),
+    pytest.param("gpt", "pp2-1f1b", {}, False, id="pp2-1f1b"),
+    pytest.param("gpt", "pp2-zbh1-m2", {"activation_checkpointing": True}, False, id="pp2-zb-ac"),
+    pytest.param("gpt", "cp2-ring", {}, False, id="cp2-ring"),
+    pytest.param("gpt", "cp2-ulysses", {}, False, id="cp2-ulysses"),
+    pytest.param("gpt", "dp2", {"activation_checkpointing": "selective"}, False, id="dp2-selective"),
     # Document masking: each microbatch's documents are set on the blocks around its forward.
-    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2, "document_mask": True}, {}, id="pp2-documents"),
-    pytest.param(2, "moe-gpt", {"ep": 2}, {}, id="ep2"),
+    pytest.param("gpt", "pp2-1f1b", {}, True, id="pp2-documents"),
+    pytest.param("moe-gpt", "ep2", {}, False, id="ep2"),
 ]
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("world, kind, parallel, training", LAYOUTS)
+@pytest.mark.parametrize("kind, name, training, documents", ROWS)
 def test_compiled_layouts_match_eager_one_process(
-    distributed, corpus, eager, tmp_path, world, kind, parallel, training
+    distributed, corpus, eager, tmp_path, kind, name, training, documents
 ):
+    world, parallel = LAYOUTS[name]
+    parallel = {**parallel, "document_mask": True} if documents else parallel
     config = _config(corpus, kind, compiled=True, training=training, **parallel)
-    documents = parallel.get("document_mask", False)
     results = distributed.run(world, _train, config, tmp_path, timeout_s=TIMEOUT_S)
     bf16 = training.get("precision") == "bf16"
     rtol = MOE_RTOL if kind == "moe-gpt" else COMPILE_RTOL

@@ -16,6 +16,7 @@ from polyshard.mesh import Mesh
 from polyshard.models import build_model
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
+from tests._layouts import LONG, mesh_row
 from tests._pieces import assemble, gradient_pieces, where
 
 VOCAB, CONTEXT, ROWS = 64, 24, 4
@@ -135,29 +136,28 @@ def _check_exact(config, results):
 
 # selective recompute: kept matmul outputs replayed in both halves of the split backward; the ring redone
 SELECTIVE = [
-    pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "zb-h1", "activation_checkpointing": "selective"},
-                 id="pp2-zbh1-selective"),
-    pytest.param(2, {"cp": 2, "activation_checkpointing": "selective"}, id="cp2-ring-selective"),
-]  # fmt: skip
-LAYOUTS = [
-    pytest.param(1, {}, id="one-process"),
-    pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
-    pytest.param(2, {"pp": 2, "microbatches": 2, "activation_checkpointing": True}, id="pp2-1f1b-recompute"),
-    pytest.param(2, {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}, id="pp2-zbh1-split-backward"),
-    pytest.param(2, {"dp": 2, "zero_stage": 3}, id="dp2-zero3"),
-    pytest.param(2, {"cp": 2}, id="cp2-ring"),
-    pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
+    mesh_row("pp2-zbh1", activation_checkpointing="selective", id="pp2-zbh1-selective"),
+    mesh_row("cp2-ring", activation_checkpointing="selective", id="cp2-ring-selective"),
+]
+MESHES = [
+    mesh_row("one-process"),
+    mesh_row("tp2-sp"),
+    mesh_row("pp2-1f1b", activation_checkpointing=True, id="pp2-1f1b-recompute"),
+    mesh_row("pp2-zbh1", id="pp2-zbh1-split-backward"),
+    mesh_row("dp2-zero3"),
+    mesh_row("cp2-ring"),
+    mesh_row("cp2-allgather"),
     # Ulysses gathers each row's document ids for the model's core; the 2-D scheme's ring masks its blocks
-    pytest.param(2, {"cp": 2, "cp_style": "ulysses"}, id="cp2-ulysses"),
-    pytest.param(4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}, id="cp2x2-ulysses-ring"),
-    pytest.param(4, {"cp": 2, "tp": 2, "cp_style": "ulysses"}, id="cp2xtp2-ulysses", marks=pytest.mark.long),
+    mesh_row("cp2-ulysses"),
+    mesh_row("cp2x2-ulysses-ring"),
+    mesh_row("cp2xtp2-ulysses", LONG),
     *SELECTIVE,
-    pytest.param(8, {"dp": 2, "cp": 2, "tp": 2, "sequence_parallel": True}, id="dp2xcp2xtp2", marks=pytest.mark.long),
+    mesh_row("dp2xcp2xtp2-sp", LONG),
 ]
 
 
 @pytest.mark.parametrize("llama", [False, True], ids=["gpt", "llama"])
-@pytest.mark.parametrize("world, parallel", LAYOUTS)
+@pytest.mark.parametrize("world, parallel", MESHES)
 def test_masked_packed_rows_match_each_document_alone(distributed, world, parallel, llama):
     config = _config(llama, **parallel)
     _check_exact(config, distributed.run(world, _run, config))
@@ -166,10 +166,10 @@ def test_masked_packed_rows_match_each_document_alone(distributed, world, parall
 @pytest.mark.parametrize(
     "world, parallel",
     [
-        pytest.param(1, {}, id="one-process"),
-        pytest.param(2, {"ep": 2}, id="ep2"),
-        pytest.param(2, {"ep": 2, "activation_checkpointing": "selective"}, id="ep2-selective"),
-        pytest.param(4, {"ep": 2, "cp": 2, "cp_style": "ulysses"}, id="ep2xcp2-ulysses"),
+        mesh_row("one-process"),
+        mesh_row("ep2"),
+        mesh_row("ep2", activation_checkpointing="selective", id="ep2-selective"),
+        mesh_row("cp2xep2-ulysses", id="ep2xcp2-ulysses"),
     ],
 )
 def test_moe_masked_packed_rows_match_each_document_alone(distributed, world, parallel):
@@ -187,10 +187,10 @@ def _masked_and_plain(config):
 @pytest.mark.parametrize(
     "world, parallel",
     [
-        pytest.param(1, {}, id="one-process"),
-        pytest.param(2, {"cp": 2}, id="cp2-ring"),
-        pytest.param(2, {"cp": 2, "cp_style": "allgather"}, id="cp2-allgather"),
-        pytest.param(2, {"cp": 2, "cp_style": "ulysses"}, id="cp2-ulysses"),
+        mesh_row("one-process"),
+        mesh_row("cp2-ring"),
+        mesh_row("cp2-allgather"),
+        mesh_row("cp2-ulysses"),
         *SELECTIVE,
     ],
 )

@@ -16,7 +16,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
-from tests._layouts import LAYOUTS, LONG, Tolerance, layout, without
+from tests._layouts import LAYOUTS, LONG, Tolerance, layout, trained_numbers, without
 from tests._short import SMALL_LLAMA, short_training
 
 STEPS = 6
@@ -81,15 +81,6 @@ MODELS = {
 def _model(corpus, model):
     """``config_of(**parallel)`` for the parity runner: ``model``'s config on those settings."""
     return functools.partial(_config, corpus, **MODELS[model])
-
-
-def _train(config, out):
-    """Losses and pre-clip gradient norms alone, for the runs whose tensors no reference shares (the
-    aux loss's layouts, bf16) and for tests/trainer/test_hybrid_sharding.py."""
-    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
-    # Losses alone would not see a gradient scaled by a constant (AdamW and clipping normalise it
-    # away); the global gradient norm before clipping does.
-    return result.losses + result.grad_norms
 
 
 def _numbers(parity, corpus, model, **settings):
@@ -166,7 +157,7 @@ def test_llama_trains_as_on_one_process(parity, corpus, tmp_path, name):
 def test_llama_moe_matches_one_process(parity, corpus, tmp_path):
     # Llama's attention with SwiGLU experts split over ep, the variant Mixtral made common. The aux loss
     # differs by layout (see MOE_RTOL): losses and gradient norms only.
-    results = parity.run(4, _config(corpus, "moe-gpt", llama=True, ep=2, tp=2), tmp_path, _train)
+    results = parity.run(4, _config(corpus, "moe-gpt", llama=True, ep=2, tp=2), tmp_path, trained_numbers)
     assert all(r == results[0] for r in results)
     assert results[0] == pytest.approx(_numbers(parity, corpus, "llama-moe"), rel=MOE_RTOL)
 
@@ -199,7 +190,7 @@ def test_bf16_gradient_norms_are_measured(parity, corpus, tmp_path):
     # the norm used to read p.grad, so it was 0 and clipping never ran.
     config = _config(corpus, dp=2)
     config = dataclasses.replace(config, training=dataclasses.replace(config.training, precision="bf16"))
-    norms = parity.run(2, config, tmp_path, _train)[0][STEPS:]
+    norms = parity.run(2, config, tmp_path, trained_numbers)[0][STEPS:]
     # bf16 weights and activations: the norms agree with float32's to a few percent, not to round-off.
     assert norms == pytest.approx(_numbers(parity, corpus, "gpt")[STEPS:], rel=5e-2)
 
@@ -253,7 +244,7 @@ def test_moe_gpt_trains_as_on_one_process(parity, corpus, tmp_path, name):
     parity.check(name, _model(corpus, "moe-gpt-no-aux"), TOLERANCE, tmp_path / "exact")
     # With it, each data rank's own balance loss: losses only (see MOE_RTOL).
     world, settings = LAYOUTS[name]
-    results = parity.run(world, _config(corpus, "moe-gpt", **settings), tmp_path, _train)
+    results = parity.run(world, _config(corpus, "moe-gpt", **settings), tmp_path, trained_numbers)
     assert results[0][:STEPS] == pytest.approx(_numbers(parity, corpus, "moe-gpt")[:STEPS], rel=MOE_RTOL)
 
 

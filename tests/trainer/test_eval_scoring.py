@@ -20,6 +20,7 @@ import torch
 
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
+from tests._layouts import LAYOUTS, LONG, layout
 from tests.models._hf import ROUND_OFF
 
 VOCAB = 67  # odd: under tp2 the head holds 68 columns, one of them padding the argmax must pass over
@@ -85,15 +86,9 @@ def _plain(config, stop):
     return scores, generated
 
 
-LAYOUTS = {"one": {}, "tp2": {"tp": 2}, "dp2": {"dp": 2}, "pp2": {"pp": 2}}
-QUICK = {"one", "tp2"}
-
-
-@pytest.mark.parametrize(
-    "layout", [name if name in QUICK else pytest.param(name, marks=pytest.mark.long) for name in LAYOUTS]
-)
-def test_scores_and_greedy_tokens_equal_the_plain_models(distributed, corpus, layout):
-    config = _config(corpus, **LAYOUTS[layout])
+@pytest.mark.parametrize("name", [layout("one-process"), layout("tp2"), layout("dp2", LONG), layout("pp2-m1", LONG)])
+def test_scores_and_greedy_tokens_equal_the_plain_models(distributed, corpus, name):
+    config = _config(corpus, **LAYOUTS[name][1])
     stop = _plain(config, stop=-1)[1][0][1]  # the first prompt's second greedy token ends its row
     results = distributed.run(config.parallel.world_size, _on_mesh, config, stop)
     scores, generated = _plain(config, stop)

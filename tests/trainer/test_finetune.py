@@ -23,6 +23,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.data import check_language_data, language_data
 from polyshard.trainer.errors import DataError
 from polyshard.trainer.tasks.loss import IGNORE_INDEX, tokens_per_microbatch
+from tests._layouts import LAYOUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the king queen lord love death night day sweet fair heaven earth sword crown blood".split()
@@ -341,17 +342,20 @@ def test_the_first_step_is_the_mean_over_response_tokens(distributed, pairs_file
     assert abs(norm_of_means - norm) > 1e-4 * norm
 
 
-LAYOUTS = [
-    pytest.param(1, False, {"microbatches": 2}, id="mb2"),
-    pytest.param(2, False, {"dp": 2}, id="dp2"),
-    pytest.param(2, False, {"tp": 2}, id="tp2"),
-    pytest.param(2, False, {"pp": 2, "microbatches": 2}, id="pp2-mb2"),
-    pytest.param(2, True, {"dp": 2}, id="dp2-packed"),
+# (layout, packed rows, settings beside the layout's)
+ROWS = [
+    pytest.param("one-process", False, {"microbatches": 2}, id="mb2"),
+    pytest.param("dp2", False, {}, id="dp2"),
+    pytest.param("tp2", False, {}, id="tp2"),
+    pytest.param("pp2-1f1b", False, {}, id="pp2-mb2"),
+    pytest.param("dp2", True, {}, id="dp2-packed"),
 ]
 
 
-@pytest.mark.parametrize("world, packing, parallel", LAYOUTS)
-def test_fine_tuning_matches_one_process(distributed, pairs_file, reference, tmp_path, world, packing, parallel):
+@pytest.mark.parametrize("name, packing, extra", ROWS)
+def test_fine_tuning_matches_one_process(distributed, pairs_file, reference, tmp_path, name, packing, extra):
+    world, parallel = LAYOUTS[name]
+    parallel = {**parallel, **extra}
     results = distributed.run(world, _train, _config(pairs_file, packing, **parallel), tmp_path)
     numbers, state = results[0]
     want_numbers, want_state = reference[packing]

@@ -19,11 +19,10 @@ from polyshard.checkpoint import Checkpoint, read_index, step_dir
 from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_reshard import reshard
 from polyshard.trainer.errors import ConfigError
-from tests._layouts import LAYOUTS, LONG, layout
+from tests._layouts import LAYOUTS, LONG, layout, trained_numbers
 
 from .test_e2e_parity import DENSE_RTOL, MOE_RTOL, TOLERANCE, _numbers
 from .test_e2e_parity import _config as _parity_config
-from .test_e2e_parity import _train as _parity_train
 from .test_reshard import SAVE_AT, _assert_same_state, _files, _global_state, _reshard, _with_vocab
 from .test_reshard import _config as _reshard_config
 from .test_reshard import _train as _reshard_train
@@ -48,7 +47,7 @@ def test_hybrid_layouts_train_as_on_one_process(parity, corpus, tmp_path, kind, 
     if kind == "gpt":
         parity.check(name, functools.partial(_parity_config, corpus), TOLERANCE, tmp_path)
     else:  # the aux loss is each data rank's own (see MOE_RTOL): losses and gradient norms
-        got = parity.run(world, _parity_config(corpus, kind, **settings), tmp_path, _parity_train)[0]
+        got = parity.run(world, _parity_config(corpus, kind, **settings), tmp_path, trained_numbers)[0]
         assert got == pytest.approx(_numbers(parity, corpus, "moe-gpt"), rel=MOE_RTOL)
 
 

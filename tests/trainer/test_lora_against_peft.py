@@ -28,6 +28,7 @@ from polyshard.trainer.engine.schedule import schedule_of
 from polyshard.trainer.loop import train
 from polyshard.trainer.loop.step import split_batch
 from polyshard.trainer.loop.trainer import make_loaders
+from tests._layouts import LAYOUTS
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -130,15 +131,8 @@ def _peft(config, base, adapters):
     return losses, {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
 
 
-LAYOUTS = {
-    "one": (1, {}),
-    "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),
-    "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}),
-    "pp2": (2, {"pp": 2, "microbatches": 2}),
-    "ep2": (2, {"ep": 2}),
-}
-ROWS = [("llama", name) for name in ("one", "dp2-zero3", "tp2-sp", "pp2")]
-ROWS += [("qwen3", "one"), ("qwen3", "tp2-sp"), ("qwen3_moe", "one"), ("qwen3_moe", "ep2")]
+ROWS = [("llama", name) for name in ("one-process", "dp2-zero3", "tp2-sp", "pp2-1f1b")]
+ROWS += [("qwen3", "one-process"), ("qwen3", "tp2-sp"), ("qwen3_moe", "one-process"), ("qwen3_moe", "ep2")]
 
 
 @pytest.fixture(scope="module")

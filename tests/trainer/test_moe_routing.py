@@ -20,6 +20,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.models.common.moe import MoELayer
 from polyshard.trainer.config import from_dict
+from tests._layouts import LAYOUTS
 from tests._short import short_training
 from tests.trainer.test_e2e_parity import _stop_and_resume
 
@@ -129,22 +130,21 @@ def one_process(distributed, corpus):
     return get
 
 
-LAYOUTS = {
-    "ep2": (2, {"ep": 2}),
-    "ep4": (4, {"ep": 4}),
-    "dp2xep2-zero1": (4, {"dp": 2, "ep": 2, "zero_stage": 1}),
-    "ep2xpp2": (4, {"ep": 2, "pp": 2, "microbatches": 2}),
-    "ep2xtp2": (4, {"ep": 2, "tp": 2}),
-    "dp2-zero3": (2, {"dp": 2, "zero_stage": 3}),
-    # cp splits each sequence: the load sums over cp ranks too, the seq-wise loss sums each sequence's parts
-    "cp2xep2": (4, {"cp": 2, "ep": 2}),  # the bias beside parameters ZeRO-3 frees after use
-}
+MOE_LAYOUTS = (
+    "ep2",
+    "ep4",
+    "dp2xep2-zero1",
+    "ep2xpp2",
+    "ep2xtp2",
+    "dp2-zero3",  # the bias beside parameters ZeRO-3 frees after use
+    "cp2xep2",  # cp splits each sequence: the load sums over cp ranks too, the seq-wise loss sums each one's parts
+)
 # The default suite runs one layout per rule (each layout once); `make test-long` runs the whole table.
 FAST = {"softmax": "ep2xpp2", "softmax-raw": "ep2", "sigmoid": "dp2xep2-zero1", "grouped": "ep2xtp2"}
 ROWS = [
     pytest.param(rule, layout, id=f"{rule}-{layout}", marks=() if FAST[rule] == layout else pytest.mark.long)
     for rule in RULES
-    for layout in LAYOUTS
+    for layout in MOE_LAYOUTS
 ]
 
 

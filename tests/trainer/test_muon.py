@@ -15,6 +15,7 @@ import torch
 from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
+from tests._layouts import LAYOUTS, LONG, layout
 
 STEPS = 6
 # Layouts differ from one process only in the order float32 sums are taken (~1e-7 relative per
@@ -163,40 +164,30 @@ def reference(distributed, corpus):
     return of
 
 
-LAYOUTS = [
-    pytest.param(1, "gpt", {}, id="single", marks=pytest.mark.long),
-    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 1}, id="zero1"),
-    pytest.param(2, "gpt", {"tp": 2}, id="tp2"),
-    pytest.param(2, "moe-gpt", {"ep": 2}, id="ep2", marks=pytest.mark.long),
-    pytest.param(2, "gpt", {"dp": 2}, id="dp2", marks=pytest.mark.long),
-    pytest.param(2, "gpt", {"dp": 2, "zero_stage": 3}, id="zero3", marks=pytest.mark.long),
-    pytest.param(2, "gpt", {"tp": 2, "sequence_parallel": True}, id="tp2-sp", marks=pytest.mark.long),
-    pytest.param(2, "gpt", {"pp": 2, "microbatches": 2}, id="pp2", marks=pytest.mark.long),
-    # ZeRO rows of tp slices: each matrix gathered from four ranks over tp x dp
-    pytest.param(4, "gpt", {"dp": 2, "tp": 2, "zero_stage": 2}, id="dp2xtp2-zero2", marks=pytest.mark.long),
-    # three ranks: rows split unevenly (padding), owners 0, 1, 2, 0, ...
-    pytest.param(3, "gpt", {"dp": 3, "zero_stage": 1}, id="zero1-dp3", marks=pytest.mark.long),
-    pytest.param(8, "gpt", {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}, id="dp2xtp2xpp2", marks=pytest.mark.long),
-    pytest.param(4, "moe-gpt", {"dp": 2, "ep": 2, "zero_stage": 1}, id="dp2xep2-zero1", marks=pytest.mark.long),
-    # two stages per rank: two optimizers step one after the other
-    pytest.param(
-        2,
-        "gpt",
-        {"pp": 2, "microbatches": 2, "schedule": "interleaved", "virtual_stages": 2},
-        id="pp2-interleaved",
-        marks=pytest.mark.long,
-    ),
+ROWS = [
+    layout("one-process", LONG, model="gpt"),
+    layout("dp2-zero1", model="gpt"),
+    layout("tp2", model="gpt"),
+    layout("ep2", LONG, model="moe-gpt"),
+    layout("dp2", LONG, model="gpt"),
+    layout("dp2-zero3", LONG, model="gpt"),
+    layout("tp2-sp", LONG, model="gpt"),
+    layout("pp2-1f1b", LONG, model="gpt"),
+    layout("dp2xtp2-zero2", LONG, model="gpt"),  # ZeRO rows of tp slices: each matrix gathered from four ranks
+    layout("dp3-zero1", LONG, model="gpt"),  # three ranks: rows split unevenly (padding), owners 0, 1, 2, 0, ...
+    layout("dp2xtp2xpp2", LONG, model="gpt"),
+    layout("dp2xep2-zero1", LONG, model="moe-gpt"),
+    layout("pp2-interleaved", LONG, model="gpt"),  # two stages per rank: two optimizers step one after the other
     # hybrid sharding: ZeRO rows over dp_shard=2 only, replicated across the two dp_replicate groups
-    pytest.param(
-        4, "gpt", {"dp": 4, "dp_shard": 2, "zero_stage": 3}, id="hsdp-dp4-shard2-zero3", marks=pytest.mark.long
-    ),
+    layout("dp4-shard2-zero3", LONG, model="gpt"),
     # Llama's 2 kv heads on tp=4: k/v whole on every tp rank (replicated, no gather), q/o/MLP in 4 pieces
-    pytest.param(4, "llama", {"tp": 4}, id="llama-tp4-kv-replicated", marks=pytest.mark.long),
+    layout("tp4", LONG, model="llama"),
 ]
 
 
-@pytest.mark.parametrize("world, kind, parallel", LAYOUTS)
-def test_muon_matches_the_plain_reference(distributed, corpus, reference, tmp_path, world, kind, parallel):
+@pytest.mark.parametrize("kind, name", ROWS)
+def test_muon_matches_the_plain_reference(distributed, corpus, reference, tmp_path, kind, name):
+    world, parallel = LAYOUTS[name]
     llama = kind == "llama"
     kind = "gpt" if llama else kind
     config = _config(corpus, kind, llama, **parallel)

@@ -12,7 +12,6 @@ import torch
 
 from polyshard.bench.recompute import _config as bench_config
 from polyshard.bench.recompute import block_bytes
-from polyshard.mesh import Mesh
 from polyshard.models.gpt import GPT
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.cost import estimate_step
@@ -20,7 +19,7 @@ from polyshard.planner.dry_run import describe
 from polyshard.planner.profile import load_profile
 from polyshard.trainer.config import from_dict, load_config
 from polyshard.trainer.errors import ConfigError
-from polyshard.trainer.loop import train
+from tests._layouts import trained_numbers
 from tests._short import SMALL_LLAMA
 
 # The bound. fp32 counts match to the byte (the planner counts exactly these tensors); bf16 without
@@ -112,14 +111,9 @@ def _config(corpus, checkpointing, **parallel):
     )  # fmt: skip
 
 
-def _train(config, out):
-    result = train(config, Mesh(config.parallel.mesh_axes), out, log=False)
-    return result.losses + result.grad_norms  # gradient norms see a gradient that losses alone would not
-
-
 @pytest.fixture(scope="module")
 def reference(distributed, corpus, tmp_path_factory):
-    return distributed.run(1, _train, _config(corpus, False), tmp_path_factory.mktemp("reference"))[0]
+    return distributed.run(1, trained_numbers, _config(corpus, False), tmp_path_factory.mktemp("reference"))[0]
 
 
 @pytest.mark.parametrize(
@@ -131,6 +125,6 @@ def reference(distributed, corpus, tmp_path_factory):
     ],
 )
 def test_selective_trains_as_no_checkpointing(distributed, corpus, reference, tmp_path, world, parallel):
-    results = distributed.run(world, _train, _config(corpus, "selective", **parallel), tmp_path)
+    results = distributed.run(world, trained_numbers, _config(corpus, "selective", **parallel), tmp_path)
     assert all(r == results[0] for r in results)
     assert results[0] == pytest.approx(reference, rel=DENSE_RTOL)

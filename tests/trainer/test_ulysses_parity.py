@@ -15,6 +15,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
+from tests._layouts import LAYOUTS, LONG, layout
 from tests._short import short_training
 
 STEPS = 4
@@ -61,25 +62,20 @@ def reference(distributed, corpus, tmp_path_factory):
     }
 
 
-LAYOUTS = [
-    pytest.param("gpt", 2, {"cp": 2, "cp_style": "ulysses"}, id="gpt-cp2"),
-    pytest.param("gpt", 3, {"cp": 3, "cp_style": "ulysses"}, id="gpt-cp3"),
-    pytest.param("llama", 2, {"cp": 2, "cp_style": "ulysses"}, id="llama-cp2"),
-    pytest.param("llama", 4, {"cp": 4, "cp_style": "ulysses"}, id="llama-cp4-kv-replicated"),
-    pytest.param("llama", 4, {"cp": 2, "tp": 2, "cp_style": "ulysses"}, id="llama-cp2xtp2"),
-    pytest.param("llama", 4, {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2}, id="llama-cp2x2-ulysses-ring"),
-    pytest.param(
-        "gpt",
-        4,
-        {"cp": 4, "cp_style": "ulysses+ring", "cp_ulysses": 2},
-        id="gpt-cp2x2-ulysses-ring",
-        marks=pytest.mark.long,
-    ),
+ROWS = [
+    layout("cp2-ulysses", model="gpt"),
+    layout("cp3-ulysses", model="gpt"),
+    layout("cp2-ulysses", model="llama"),
+    layout("cp4-ulysses", model="llama"),  # 2 kv heads on 4 ranks: replicated
+    layout("cp2xtp2-ulysses", model="llama"),
+    layout("cp2x2-ulysses-ring", model="llama"),
+    layout("cp2x2-ulysses-ring", LONG, model="gpt"),
 ]
 
 
-@pytest.mark.parametrize("model, world, parallel", LAYOUTS)
-def test_ulysses_training_matches_one_process(distributed, corpus, reference, tmp_path, model, world, parallel):
+@pytest.mark.parametrize("model, layout_name", ROWS)
+def test_ulysses_training_matches_one_process(distributed, corpus, reference, tmp_path, model, layout_name):
+    world, parallel = LAYOUTS[layout_name]
     results = distributed.run(world, _train, _config(corpus, model, **parallel), tmp_path)
     assert all(r[0] == results[0][0] for r in results)  # every rank logs the same losses and norms
     (curves, params), (ref_curves, ref_params) = results[0], reference[model]
