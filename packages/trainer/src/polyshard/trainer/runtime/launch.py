@@ -134,15 +134,20 @@ def prepare_launch(
     base_settings = recorded_folder_settings(latest) if latest is not None else None  # a LoRA run from hf:DIR
     if base_settings is not None and isinstance(settings.get("model", {}), Mapping):
         settings["model"] = with_folder_settings(settings.get("model", {}), base_settings)
+    # Every size an elastic job may take must be a valid mesh, each read once. An old spelling is read with
+    # one note.
+    spellings: list[str] = []
+    sizes: dict[int, Config] = {}
     if nproc is None:  # the config's mesh size (dp='auto' asks for --nproc here)
-        nproc = from_dict(settings).parallel.world_size // low
+        fixed = from_dict(settings, note=spellings.append)
+        nproc = fixed.parallel.world_size // low
+        if fixed.parallel.world_size == nproc * low:
+            sizes[low] = fixed
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give at least one process per node")
-    # Every size an elastic job may take must be a valid mesh. An old spelling is read with one note.
-    spellings: list[str] = []
-    sizes = {
-        count: from_dict(settings, world_size=nproc * count, note=spellings.append) for count in range(low, high + 1)
-    }
+    for count in range(low, high + 1):
+        if count not in sizes:
+            sizes[count] = from_dict(settings, world_size=nproc * count, note=spellings.append)
     for line in dict.fromkeys(spellings):
         print(line, file=sys.stderr)
     if spellings:  # the run folder and its workers hold the new spelling
