@@ -61,6 +61,10 @@ LAYOUTS = [
     (4, {"dp": 2, "pp": 2, "zero_stage": 3, "microbatches": 2, "loss_chunks": 2}),  # 1F1B: once per microbatch
     (2, {"tp": 2}),
     (2, {"tp": 2, "sequence_parallel": True}),
+    # SwiGLU's gate and up enter the tp region once, as q, k and v do: one all-gather and one reduce-scatter
+    # (one all-reduce without SP) for the MLP's input, not one per matrix
+    (2, {"tp": 2, "preset": "llama-tiny"}),
+    (2, {"tp": 2, "sequence_parallel": True, "preset": "llama-tiny"}),
     (2, {"pp": 2, "microbatches": 4}),
     # a tied embedding and head on the two ends: their gradients summed over pp, as this rank holds them
     # (whole, or its ZeRO rows) with the count of copies that had none

@@ -180,11 +180,17 @@ def attention_plan(
 
 def mlp_plan(block: str, sp: bool, activation: str, mlp: str = "mlp") -> dict[str, object]:
     """The MLP's first matrices by columns and its last by rows: each rank's share is a whole MLP
-    (SwiGLU's gate and up split alike). ``mlp``: its name in the block (an MoE's ``mlp.shared_expert``)."""
+    (SwiGLU's gate and up split alike). ``mlp``: its name in the block (an MoE's ``mlp.shared_expert``).
+
+    SwiGLU's gate and up read one input: the MLP enters the tp region once for both (as attention does for
+    q, k and v), so under sequence parallelism one all-gather brings the sequence and one copy of it is
+    saved for their weight gradients, and their input gradients are summed before one reduce-scatter
+    (all-reduce without SP). Each entering on its own gathered, saved and reduced it twice."""
     if activation == "swiglu":
         return {
-            f"{block}.{mlp}.gate_proj": ColumnParallel(sequence_parallel=sp),
-            f"{block}.{mlp}.up_proj": ColumnParallel(sequence_parallel=sp),
+            f"{block}.{mlp}": TPEntry(sequence_parallel=sp),
+            f"{block}.{mlp}.gate_proj": ColumnParallel(input_entered=True),
+            f"{block}.{mlp}.up_proj": ColumnParallel(input_entered=True),
             f"{block}.{mlp}.down_proj": RowParallel(sequence_parallel=sp),
         }
     return {
