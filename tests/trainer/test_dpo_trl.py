@@ -143,8 +143,8 @@ def _autograd(folder, train):
                 ref = [logps(reference, pair, side) for side in ("chosen_ids", "rejected_ids")]
             chosen, rejected = (logps(model, pair, side) for side in ("chosen_ids", "rejected_ids"))
             losses.append(-torch.nn.functional.logsigmoid(BETA * ((chosen - ref[0]) - (rejected - ref[1]))))
-            chosen_rewards.append(BETA * float(chosen - ref[0]))
-            rejected_rewards.append(BETA * float(rejected - ref[1]))
+            chosen_rewards.append(BETA * float(chosen.detach() - ref[0]))
+            rejected_rewards.append(BETA * float(rejected.detach() - ref[1]))
         margins = [c - r for c, r in zip(chosen_rewards, rejected_rewards)]
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         rewards.append(
