@@ -35,8 +35,25 @@ CASES = [
 ]
 
 
+def _bf16_attention_runs() -> bool:
+    """Whether torch's CPU attention runs in bf16 here. torch 2.13's flash kernel on an AVX-512 CPU made to
+    take lower kernels (ATEN_CPU_CAPABILITY=avx2 or default, as `make test-cpus` does) raises "pack_vnni2 is
+    only supported when avx512 is supported": it packs for the hardware it sees, not the kernels it was told.
+    (64 queries: shorter rows take another path, which runs.)"""
+    q = torch.zeros(1, 1, 64, 16, dtype=torch.bfloat16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as err:
+        if "pack_vnni2" in str(err):
+            return False
+        raise
+    return True
+
+
 @pytest.mark.parametrize("preset, precision, mode", CASES, ids=[f"{p}-{q}-{m or 'none'}" for p, q, m in CASES])
 def test_bytes_kept_per_block_are_within_10_percent_of_the_planner(preset, precision, mode):
+    if precision == "bf16" and not _bf16_attention_runs():
+        pytest.skip("torch's bf16 CPU attention fails under forced lower kernels here (see _bf16_attention_runs)")
     measured, planned = block_bytes(bench_config(preset, mode, 4, precision))
     assert abs(planned - measured) <= TOLERANCE * measured, f"measured {measured}, planned {planned}"
 
