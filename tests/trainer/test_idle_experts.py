@@ -199,10 +199,11 @@ def test_an_expert_idle_on_one_cp_rank_alone_still_trains(parity, corpus, tmp_pa
         assert beyond <= weights.numel() // 1000, f"{name}: {beyond} of {weights.numel()} past TOLERANCE's bound"
 
 
-# As TOLERANCE, but the tp all-reduces reorder more sums: 2.1e-5 seen on one entry of 8192 (an expert's w3,
-# |w| ~ 0.1: within atol + rtol x |w|), still 0.2% of one lr-sized (1e-2) update; a put-back or misplaced
-# expert is off by a whole update.
-SP_TOLERANCE = dataclasses.replace(TOLERANCE, params={"rtol": 1e-4, "atol": 2e-5})
+# As TOLERANCE, but the tp all-reduces reorder more sums, and Adam magnifies the noise of an entry whose
+# gradient is at round-off (2.1e-5 seen on one entry of 8192 on AVX2, 2.4e-5 on AVX-512 under avx2 kernels):
+# every entry within a tenth of one lr-sized (1e-2) update, all but 0.1% within TOLERANCE's bound; a
+# put-back or misplaced expert is off by a whole update in most of its entries.
+SP_TOLERANCE = dataclasses.replace(TOLERANCE, params_outliers=(1e-3, 1e-2 / 10))
 
 
 def test_an_expert_idle_on_one_tp_rank_alone_still_trains_under_sequence_parallelism(parity, corpus, tmp_path):
