@@ -44,6 +44,21 @@ def assert_scores_as_transformers(
         assert losses == pytest.approx([hf_loss] * len(losses), rel=ROUND_OFF)
 
 
+def assert_imports_as_transformers(
+    distributed, label: str, config: Config, folder: Path, tmp_path: Path, *, losses: bool = True, streamed: bool = True
+) -> None:
+    """``folder`` imported on ``config``'s layout (tests/models/test_hf_llama.py's worker): its logits, put
+    back whole from every rank, and (with ``losses``) each rank's mean loss score as transformers' do, and
+    the checkpoint saved right after the import exports the folder back."""
+    from tests.models.test_hf_llama import _import_and_score, _whole_logits
+
+    results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
+    hf_logits = transformers_logits(folder)
+    logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
+    assert_scores_as_transformers(label, config, logits, [loss for loss, _ in results] if losses else None, hf_logits)
+    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits, streamed=streamed)
+
+
 def assert_export_gives_the_folder_back(
     tmp_path: Path, folder: Path, config: Config, hf_logits: torch.Tensor, *, streamed: bool = True
 ) -> None:

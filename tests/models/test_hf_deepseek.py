@@ -26,12 +26,10 @@ from polyshard.trainer.checkpointing.hugging_face import model_settings, write_h
 from tests.models._hf import (
     MESHES,
     ROUND_OFF,
-    assert_export_gives_the_folder_back,
-    assert_scores_as_transformers,
-    transformers_logits,
+    assert_imports_as_transformers,
 )
 from tests.models.test_hf import _tokens
-from tests.models.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
+from tests.models.test_hf_llama import _broken, _config
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,11 +87,7 @@ def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus,
     config = _config(folder, corpus, **MESHES[mesh])
     if config.parallel.cp > 1:  # cp splits whole contexts: the rows of _tokens(), 12 tokens (a run may choose it)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, context_length=12))
-    results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = transformers_logits(folder)
-    logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    assert_scores_as_transformers(f"{family} {mesh}", config, logits, None, hf_logits)
-    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
+    assert_imports_as_transformers(distributed, f"{family} {mesh}", config, folder, tmp_path, losses=False)
 
 
 def test_the_settings_are_the_folders(folders, tmp_path):

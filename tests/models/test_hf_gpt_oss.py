@@ -25,11 +25,9 @@ from polyshard.trainer.checkpointing.hugging_face import HFSource, model_setting
 from polyshard.trainer.config import from_dict
 from tests.models._hf import (
     MESHES,
-    assert_export_gives_the_folder_back,
-    assert_scores_as_transformers,
-    transformers_logits,
+    assert_imports_as_transformers,
 )
-from tests.models.test_hf_llama import _broken, _config, _import_and_score, _whole_logits
+from tests.models.test_hf_llama import _broken, _config
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,11 +65,7 @@ QUICK = {"one", "cp2"}
 @pytest.mark.parametrize("mesh", [pytest.param(m, marks=() if m in QUICK else pytest.mark.long) for m in MESHES])
 def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, tmp_path, mesh):
     config = _config(folder, corpus, **MESHES[mesh])
-    results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = transformers_logits(folder)
-    logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    assert_scores_as_transformers(f"gpt-oss {mesh}", config, logits, [loss for loss, _ in results], hf_logits)
-    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits)
+    assert_imports_as_transformers(distributed, f"gpt-oss {mesh}", config, folder, tmp_path)
 
 
 def test_the_settings_are_the_folders(folder, tmp_path):

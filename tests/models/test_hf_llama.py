@@ -31,9 +31,7 @@ from polyshard.trainer.checkpointing.hugging_face import (
 from polyshard.trainer.config import from_dict
 from tests.models._hf import (
     ROUND_OFF,
-    assert_export_gives_the_folder_back,
-    assert_scores_as_transformers,
-    transformers_logits,
+    assert_imports_as_transformers,
 )
 from tests.models.test_hf import _asdict, _tokens
 
@@ -146,11 +144,7 @@ def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_pat
     name, parallel = LAYOUTS[layout]
     folder = folders[name]
     config = _config(folder, corpus, **parallel)
-    results = distributed.run(config.parallel.world_size, _import_and_score, config, folder, tmp_path)
-    hf_logits = transformers_logits(folder)
-    logits = _whole_logits([piece for _, piece in results], config.model.vocab_size)
-    assert_scores_as_transformers(layout, config, logits, [loss for loss, _ in results], hf_logits)
-    assert_export_gives_the_folder_back(tmp_path, folder, config, hf_logits, streamed=False)
+    assert_imports_as_transformers(distributed, layout, config, folder, tmp_path, streamed=False)
 
 
 def test_the_settings_are_the_folders(folders):
