@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import polyshard.cp.blocksparse as blocksparse
-from polyshard.models.common import Attention, CoreAttention
+from polyshard.models.common import Attention, CoreAttention, RopeConfig
 from polyshard.models.common.cores import (
     Visibility,
     block_sparse_attention,
@@ -149,13 +149,13 @@ def test_plain_causal_attention_is_sdpa_bit_for_bit():
 
 def test_attention_with_sinks_and_a_window_matches_the_reference():
     torch.manual_seed(0)
-    attention = Attention(32, 4, 2, window=5, sinks=True, rope_theta=10000.0)
+    attention = Attention(32, 4, 2, window=5, sinks=True, rope=RopeConfig())
     torch.nn.init.normal_(attention.sinks)
     x = torch.randn(2, 22, 32)
     out = attention(x)
     out.square().sum().backward()
     # The same layer with the dense reference as its core: every parameter's gradient, the sinks' too.
-    reference = Attention(32, 4, 2, window=5, sinks=True, rope_theta=10000.0)
+    reference = Attention(32, 4, 2, window=5, sinks=True, rope=RopeConfig())
     reference.load_state_dict(attention.state_dict())
     reference.core.forward = lambda q, k, v, sinks=None: dense_attention(q, k, v, window=5, sinks=sinks)
     expected = reference(x)

@@ -41,7 +41,7 @@ BIAS_TOL = {"rtol": 0.0, "atol": 0.0}
 MLA = {
     "kind": "deepseek-v3", "hidden": 32, "num_layers": 3, "num_heads": 4, "context_length": 16, "mlp_hidden": 48,
     "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
-    "rope_scale_factor": 4.0, "rope_original_context": 8, "rope_mscale": 1.0, "rope_mscale_all_dim": 1.0,
+    "rope": {"factor": 4.0, "original_context": 8, "mscale": 1.0, "mscale_all_dim": 1.0},
 }  # fmt: skip
 MOE = {
     "num_experts": 4, "top_k": 2, "ffn_hidden": 16, "score": "sigmoid", "groups": 2, "group_topk": 1, "scale": 2.5,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polyshard.models import parameter_count
-from polyshard.models.common import MLA, Documents, RopeScaling, document_positions, rope_frequencies
+from polyshard.models.common import MLA, Documents, RopeConfig, document_positions, rope_frequencies
 from polyshard.trainer.config import from_dict
 from tests._bounds import reordered_sum
 
@@ -46,15 +46,15 @@ def test_yarn_is_transformers_yarn():
 
     hf = _hf_config("deepseek-v3")
     inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-    yarn = RopeScaling(factor=40.0, kind="yarn", original_context=4096, mscale=1.0, mscale_all_dim=1.0)
-    assert torch.equal(rope_frequencies(64, 10000.0, yarn), inv)
+    yarn = RopeConfig(factor=40.0, scaling="yarn", original_context=4096, mscale=1.0, mscale_all_dim=1.0)
+    assert torch.equal(rope_frequencies(64, yarn), inv)
     assert yarn.attention_scale == factor
 
 
 def _mla():
     torch.manual_seed(0)
     mla = MLA(32, 4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-              rope_theta=10000.0, core="blocksparse")  # fmt: skip
+              rope=RopeConfig(), core="blocksparse")  # fmt: skip
     for p in mla.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return mla
@@ -77,10 +77,10 @@ def test_document_masks_keep_mla_inside_each_document():
     "model, message",
     [
         ({"qk_rope_head_dim": 7, "qk_nope_head_dim": 15}, "model.qk_rope_head_dim=7 must be even"),
-        ({"num_kv_heads": 2}, "model.num_kv_heads=2 is the GPT's attention's"),
+        ({"num_kv_heads": 2}, "model.num_kv_heads is not a setting of model.kind='deepseek-v3'"),
         ({"moe": {"dense_layers": [9]}}, r"model.moe.dense_layers=\[9\] names blocks \[9\] past the last block"),
         ({"kv_lora_rank": 0}, "model.kv_lora_rank=0"),
-        ({"rope_scale_factor": 0.5}, "model.rope_scale_factor=0.5 must be a finite number >= 1"),
+        ({"rope": {"factor": 0.5}}, "model.rope.factor=0.5 must be a finite number >= 1"),
         ({"norm": "layer"}, "model.norm='layer': DeepSeek's blocks use 'rms'"),
     ],
 )

@@ -10,7 +10,7 @@ per expert): float32 round-off on O(1) values, 1e-6."""
 import pytest
 import torch
 
-from polyshard.models.common import RopeScaling, rope_frequencies
+from polyshard.models.common import RopeConfig, rope_frequencies
 from polyshard.models.common.moe import MoEConfig, MoEConfigError, MoELayer
 
 transformers = pytest.importorskip("transformers")
@@ -40,10 +40,11 @@ YARN = {
 def test_yarn_is_transformers(name):
     head_dim, theta, params = YARN[name]
     inv, scale = _hf_yarn(head_dim, theta, **params)
-    ours = RopeScaling(
+    ours = RopeConfig(
+        theta=theta,
         factor=params["factor"],
         original_context=params["original_max_position_embeddings"],
-        kind="yarn",
+        scaling="yarn",
         beta_fast=params.get("beta_fast", 32.0),
         beta_slow=params.get("beta_slow", 1.0),
         truncate=params.get("truncate", True),
@@ -51,17 +52,19 @@ def test_yarn_is_transformers(name):
         mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"),
     )
-    assert torch.equal(rope_frequencies(head_dim, theta, ours), inv)
+    assert torch.equal(rope_frequencies(head_dim, ours), inv)
     assert ours.attention_scale == pytest.approx(scale, rel=1e-15)
 
 
 def test_yarn_settings_are_checked():
-    with pytest.raises(ValueError, match="rope_type='ntk' is unknown"):
-        RopeScaling(factor=2.0, kind="ntk")
-    with pytest.raises(ValueError, match="rope_beta_slow=0.0"):
-        RopeScaling(factor=2.0, kind="yarn", beta_slow=0.0)
-    with pytest.raises(ValueError, match="rope_mscale=-1"):
-        RopeScaling(factor=2.0, kind="yarn", mscale=-1)
+    with pytest.raises(ValueError, match=r"model.rope.scaling='ntk'; choose one of \['none', 'llama3', 'yarn'\]"):
+        RopeConfig(factor=2.0, scaling="ntk")
+    with pytest.raises(ValueError, match="model.rope.beta_slow=0.0"):
+        RopeConfig(factor=2.0, scaling="yarn", beta_slow=0.0)
+    with pytest.raises(ValueError, match="model.rope.mscale=-1"):
+        RopeConfig(factor=2.0, scaling="yarn", mscale=-1)
+    with pytest.raises(ValueError, match="model.rope.factor=2.0 stretches the context by a rule"):
+        RopeConfig(factor=2.0)
 
 
 def test_router_and_experts_are_transformers():

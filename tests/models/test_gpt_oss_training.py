@@ -13,7 +13,7 @@ from tests.models.test_windows import CONTEXT, ROWS, TOLERANCE, VOCAB, _train
 MODEL = {
     "kind": "gpt-oss", "vocab_size": VOCAB, "context_length": CONTEXT, "hidden": 32, "num_layers": 2,
     "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "sliding_window": 5,
-    "layer_types": ["sliding_attention", "full_attention"], "rope_scale_factor": 4.0, "rope_original_context": 8,
+    "layer_types": ["sliding_attention", "full_attention"], "rope": {"factor": 4.0, "original_context": 8},
     # Every rank's balancing loss is over its own tokens (as on each data rank of any MoE), so a layout that
     # splits the batch computes another aux loss than one process: off, as transformers trains gpt-oss.
     "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden": 16, "aux_loss_coef": 0.0},

@@ -95,7 +95,7 @@ def test_the_settings_are_the_folders(folders, tmp_path):
     assert (v3["kind"], v3["q_lora_rank"], v3["moe.score"], v3["moe.groups"], v3["moe.scale"]) == (
         "deepseek-v3", 24, "sigmoid", 2, 2.5,
     )  # fmt: skip
-    assert (v3["rope_scale_factor"], v3["rope_mscale_all_dim"], v3["moe.dense_layers"]) == (4.0, 1.0, [0])
+    assert (v3["rope.factor"], v3["rope.mscale_all_dim"], v3["moe.dense_layers"]) == (4.0, 1.0, [0])
     assert (v2["moe.score"], v2["moe.renormalize"], "q_lora_rank" not in v2 or v2["q_lora_rank"] is None) == (
         "softmax", False, True,
     )  # fmt: skip

@@ -71,7 +71,7 @@ def test_import_scores_as_transformers_on_any_mesh(distributed, folder, corpus, 
 def test_the_settings_are_the_folders(folder, tmp_path):
     settings = model_settings(folder)
     assert settings["kind"] == "gpt-oss" and settings["layer_types"] == ["sliding_attention", "full_attention"]
-    assert (settings["sliding_window"], settings["rope_type"], settings["rope_scale_factor"]) == (4, "yarn", 4.0)
+    assert (settings["sliding_window"], settings["rope.scaling"], settings["rope.factor"]) == (4, "yarn", 4.0)
     assert (settings["moe.ffn_hidden"], settings["moe.num_experts"], settings["moe.top_k"]) == (24, 4, 2)
     assert settings["moe.aux_loss_coef"] == 0.0  # transformers trains without it unless output_router_logits
     model = from_dict({"model": settings}).model

@@ -150,9 +150,9 @@ def test_import_lays_llama_out_on_any_mesh(distributed, folders, corpus, tmp_pat
 def test_the_settings_are_the_folders(folders):
     tied, scaled = model_settings(folders["tied"]), model_settings(folders["scaled"])
     assert tied["norm"] == "rms" and tied["activation"] == "swiglu" and tied["positions"] == "rope"
-    assert (tied["num_kv_heads"], tied["mlp_hidden"], tied["norm_eps"], tied["rope_theta"]) == (2, 88, 1e-6, 5e5)
-    assert tied["rope_scale_factor"] == 1.0 and "rope_original_context" not in tied
-    assert (scaled["rope_scale_factor"], scaled["rope_original_context"], scaled["rope_theta"]) == (8.0, 32, 1e4)
+    assert (tied["num_kv_heads"], tied["mlp_hidden"], tied["norm_eps"], tied["rope.theta"]) == (2, 88, 1e-6, 5e5)
+    assert (tied["rope.scaling"], tied["rope.factor"]) == ("none", 1.0) and "rope.original_context" not in tied
+    assert (scaled["rope.factor"], scaled["rope.original_context"], scaled["rope.theta"]) == (8.0, 32, 1e4)
     # A config.json in transformers 4's spelling (rope_theta and rope_scaling at the top) reads the same.
     hf = json.loads((folders["scaled"] / "config.json").read_text())
     parameters = hf.pop("rope_parameters")
@@ -246,8 +246,10 @@ def test_a_folder_that_does_not_fit_is_refused_naming_what(folders, corpus, tmp_
     longer = from_dict({"model": {**_asdict(config)["model"], "context_length": 32}}).model
     with pytest.raises(CheckpointError, match=r"--set model.context_length=16 \(or less\)"):
         check_matches(folders["tied"], longer)
-    unscaled = from_dict({"model": {**_asdict(config)["model"], "rope_scale_factor": 8.0}}).model
-    with pytest.raises(CheckpointError, match="--set model.rope_scale_factor=1.0"):
+    settings = _asdict(config)["model"]
+    scaled = {**settings["rope"], "scaling": "llama3", "factor": 8.0}
+    unscaled = from_dict({"model": {**settings, "rope": scaled}}).model
+    with pytest.raises(CheckpointError, match='--set model.rope.scaling="none" --set model.rope.factor=1.0'):
         check_matches(folders["tied"], unscaled)
     # A missing tensor and a stray one are both named; the tied head's weight is not needed.
     layer = "model.layers.1"

@@ -130,7 +130,7 @@ def test_the_settings_are_the_folders(folders):
     mixtral, qwen3 = model_settings(folders["mixtral"]), model_settings(folders["qwen3"])
     qwen3_moe, qwen2_moe = model_settings(folders["qwen3_moe"]), model_settings(folders["qwen2_moe"])
     assert (mixtral["kind"], mixtral["moe.ffn_hidden"], mixtral["moe.renormalize"]) == ("moe-gpt", 24, True)
-    assert mixtral["rope_theta"] == 1e6  # MixtralConfig's default base
+    assert mixtral["rope.theta"] == 1e6  # MixtralConfig's default base
     assert (qwen3["kind"], qwen3["head_dim"], qwen3["qk_norm"], qwen3["tie_embeddings"]) == ("gpt", 16, True, True)
     assert (qwen3_moe["qk_norm"], qwen3_moe["moe.renormalize"], qwen3_moe["moe.num_experts"]) == (True, True, 4)
     shared = (qwen2_moe["moe.shared_experts"], qwen2_moe["moe.shared_ffn_hidden"], qwen2_moe["moe.shared_gate"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polyshard.models import GPT, ConfigError
-from polyshard.models.common import MLA, Attention, RopeScaling, caching
+from polyshard.models.common import MLA, Attention, RopeConfig, caching
 
 # Every step's logits: the cached step attends its one query over T cached keys (SDPA without a mask, or
 # the sinks' float32 softmax), the recomputation runs causal SDPA over the whole prefix: the same float32
@@ -26,7 +26,7 @@ ARCHITECTURES = {
         "bias": False,
         "num_kv_heads": 2,
         "qk_norm": True,
-        "rope_scaling": RopeScaling(factor=8.0, original_context=16),
+        "rope": RopeConfig(scaling="llama3", factor=8.0, original_context=16),
     },
     "qwen2": {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "qkv_bias": True},
     "gpt-oss": {
@@ -114,7 +114,7 @@ def test_the_cache_refuses_what_it_cannot_hold():
             qk_nope_head_dim=8,
             qk_rope_head_dim=4,
             v_head_dim=8,
-            rope_theta=1e4,
+            rope=RopeConfig(),
         )
     )
     with pytest.raises(ConfigError, match="multi-head latent attention"), caching(latent):

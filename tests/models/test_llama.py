@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from polyshard.models import build_model
-from polyshard.models.common import RopeScaling, rope_frequencies, rotate
+from polyshard.models.common import RopeConfig, rope_frequencies, rotate
 from polyshard.trainer.config import from_dict
 
 transformers = pytest.importorskip("transformers")
@@ -25,8 +25,8 @@ def test_rotary_positions_are_llamas():
     q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8)
     cos, sin = modeling_llama.LlamaRotaryEmbedding(config=config)(q, torch.arange(10)[None].expand(2, -1))
     want_q, want_k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
-    torch.testing.assert_close(rotate(q, 500000.0), want_q, rtol=ROUND_OFF, atol=ROUND_OFF)
-    torch.testing.assert_close(rotate(k, 500000.0), want_k, rtol=ROUND_OFF, atol=ROUND_OFF)
+    torch.testing.assert_close(rotate(q, RopeConfig(theta=500000.0)), want_q, rtol=ROUND_OFF, atol=ROUND_OFF)
+    torch.testing.assert_close(rotate(k, RopeConfig(theta=500000.0)), want_k, rtol=ROUND_OFF, atol=ROUND_OFF)
 
 
 def test_llama3_rope_scaling_is_transformers():
@@ -35,7 +35,7 @@ def test_llama3_rope_scaling_is_transformers():
     frequencies in all three bands (kept, blended, divided), so each branch of the rule is checked."""
     from transformers.models.llama import modeling_llama
 
-    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=64)
+    scaling = RopeConfig(scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=64)
     config = transformers.LlamaConfig(
         hidden_size=128, num_attention_heads=4, max_position_embeddings=512,
         rope_parameters={
@@ -44,8 +44,8 @@ def test_llama3_rope_scaling_is_transformers():
         },
     )  # fmt: skip
     theirs = modeling_llama.LlamaRotaryEmbedding(config=config)
-    inv = rope_frequencies(32, 10000.0, scaling)
-    wavelength = 2 * torch.pi / rope_frequencies(32, 10000.0)
+    inv = rope_frequencies(32, scaling)
+    wavelength = 2 * torch.pi / rope_frequencies(32, RopeConfig())
     assert (wavelength < 16).any() and ((wavelength > 16) & (wavelength < 64)).any() and (wavelength > 64).any()
     # The frequencies themselves: the same float32 operations in the same order, so bit for bit.
     assert torch.equal(inv, theirs.inv_freq)
@@ -55,16 +55,17 @@ def test_llama3_rope_scaling_is_transformers():
     want_q, want_k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     # Both sides run the same float32 operations (equal today, bit for bit); 1e-5 leaves room for
     # another order of the final multiply-add, on values of size ~1.
-    torch.testing.assert_close(rotate(q, 10000.0, scaling), want_q, rtol=ROUND_OFF, atol=ROUND_OFF)
-    torch.testing.assert_close(rotate(k, 10000.0, scaling), want_k, rtol=ROUND_OFF, atol=ROUND_OFF)
-    assert not torch.allclose(rotate(q, 10000.0), want_q, atol=1e-3)  # scaling changed something
+    torch.testing.assert_close(rotate(q, scaling), want_q, rtol=ROUND_OFF, atol=ROUND_OFF)
+    torch.testing.assert_close(rotate(k, scaling), want_k, rtol=ROUND_OFF, atol=ROUND_OFF)
+    assert not torch.allclose(rotate(q, RopeConfig()), want_q, atol=1e-3)  # scaling changed something
 
 
 def test_the_llama_3_2_preset_scales_its_rotary_frequencies():
     config = from_dict({"model": {"preset": "llama-3.2-1b"}}).model
-    assert (config.rope_scale_factor, config.rope_low_freq_factor, config.rope_high_freq_factor) == (32.0, 1.0, 4.0)
-    assert config.rope_original_context == 8192 and config.norm_eps == 1e-5
-    assert from_dict({"model": {"preset": "llama-3-8b"}}).model.rope_scale_factor == 1.0  # Llama 3, not 3.1
+    rope = config.rope
+    assert (rope.scaling, rope.factor, rope.low_freq_factor, rope.high_freq_factor) == ("llama3", 32.0, 1.0, 4.0)
+    assert rope.original_context == 8192 and config.norm_eps == 1e-5
+    assert not from_dict({"model": {"preset": "llama-3-8b"}}).model.rope.stretched  # Llama 3, not 3.1
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -80,7 +81,7 @@ def test_the_llama_preset_computes_what_transformers_llama_does(tie):
                 "mlp_hidden": 88,
                 "vocab_size": 300,
                 "context_length": 16,
-                "rope_theta": 500000.0,
+                "rope": {"theta": 500000.0},
                 "tie_embeddings": tie,
             }
         }

@@ -1,6 +1,7 @@
 """The rest of polyshard asks the model's spec, never its class (issue 45): no ``isinstance`` against a
 class of ``packages/models`` and no ``getattr(model, ...)`` in the planner, trainer or checkpoint sources;
-and MFU's FLOPs per token are the planner's, for every preset of every family."""
+no family's config derives from another's; and MFU's FLOPs per token are the planner's, for every preset
+of every family."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from polyshard.models.flops import layer_flops
+from polyshard.models.registry import SPECS
 from polyshard.models.settings import model_config, presets
 from polyshard.planner.cost import stage_flops
 from polyshard.planner.model_states import stage_bounds
@@ -82,7 +84,7 @@ def test_the_scan_finds_what_it_forbids() -> None:
 
 def test_planner_trainer_and_checkpoint_ask_the_spec_not_the_class() -> None:
     classes = _model_classes()
-    assert {"Block", "MoELayer", "MLA", "Attention", "DeepSeekV3Config", "GPTConfig"} <= classes
+    assert {"Block", "MoELayer", "MLA", "Attention", "DeepSeekV3Config", "GPTConfig", "GroupedAttention"} <= classes
     found = [
         line
         for root in ASKERS
@@ -91,6 +93,15 @@ def test_planner_trainer_and_checkpoint_ask_the_spec_not_the_class() -> None:
     ]
     found.sort()
     assert not found, "ask polyshard.models (its anatomy, shape or flops) instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_no_family_config_derives_from_another_familys(kind: str) -> None:
+    """A family's config is parts (polyshard.models.decoder) with its defaults, never another family's
+    config with fields refused: no other family's config class is among its bases."""
+    cls = SPECS[kind].config
+    others = {spec.config for other, spec in SPECS.items() if other != kind and spec.config is not cls}
+    assert not others & set(cls.__mro__[1:]), f"{cls.__name__} derives from {others & set(cls.__mro__)}"
 
 
 @pytest.mark.parametrize("preset", sorted(presets()))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from polyshard.models import BuildOptions, ModelConfig, ModelSpec, ParallelSizes, register
-from polyshard.models.common import Block, norm_layer
+from polyshard.models.common import Block, RopeConfig, norm_layer
 from polyshard.models.errors import check_positive
 from polyshard.models.spec import attention_plan, check_mlp_split, mlp_plan, sequence_plan, split_sequence
 from polyshard.tp import VocabParallel
@@ -54,7 +54,7 @@ class Head(nn.Module):
 class OutsideLM(nn.Module):
     def __init__(self, config: OutsideConfig, options: BuildOptions):
         super().__init__()
-        arch = {"norm": "rms", "activation": "swiglu", "bias": False, "rope_theta": 10000.0}
+        arch = {"norm": "rms", "activation": "swiglu", "bias": False, "rope": RopeConfig()}
         blocks = [
             Block(config.hidden, config.num_heads, mlp_ratio=config.mlp_ratio, norm_eps=config.norm_eps,
                   checkpoint_activations=options.checkpoint_activations, **arch)

@@ -42,7 +42,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
     import torch.nn.functional as F
 
     from polyshard.bench.peak_memory import PeakGrowth
-    from polyshard.models.common import Attention, Documents, document_mask, document_positions
+    from polyshard.models.common import Attention, Documents, RopeConfig, document_mask, document_positions
     from polyshard.models.common.cores import BLOCK, Visibility, plan_sparse_blocks
 
     if args.threads:
@@ -50,7 +50,7 @@ def run_one(variant: str, length: int, args: argparse.Namespace) -> dict[str, ob
     torch.manual_seed(0)
     device = torch.device(args.device)
     core = "blocksparse" if variant == "blocksparse" else "auto"
-    layer = Attention(args.hidden, args.heads, args.kv_heads, bias=False, rope_theta=10000.0, core=core).to(device)
+    layer = Attention(args.hidden, args.heads, args.kv_heads, bias=False, rope=RopeConfig(), core=core).to(device)
     x = torch.randn(1, length, args.hidden, device=device, requires_grad=True)
     segments = _segments(length, args.document, seed=length).to(device)
     documents = None if variant == "causal-sdpa" else Documents(segments, document_positions(segments))

@@ -53,12 +53,12 @@ class Row:
 
 
 def blocks(num_blocks: int = 2, hidden: int = 256, heads: int = 8) -> nn.Sequential:
-    from polyshard.models.common import Block
+    from polyshard.models.common import Block, RopeConfig
 
     torch.manual_seed(0)
     return nn.Sequential(
         *(
-            Block(hidden, heads, norm="rms", activation="swiglu", bias=False, rope_theta=10000.0, mlp_hidden=4 * hidden)
+            Block(hidden, heads, norm="rms", activation="swiglu", bias=False, rope=RopeConfig(), mlp_hidden=4 * hidden)
             for _ in range(num_blocks)
         )
     )

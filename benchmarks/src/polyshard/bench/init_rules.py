@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from polyshard.models import build_model, spec_of
+from polyshard.models.common import RopeConfig
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.presets import PRESETS
 from polyshard.trainer.config import Config, DataConfig, TrainingConfig
@@ -31,7 +32,7 @@ from polyshard.trainer.engine.schedule import schedule_of
 def config_for(rule: str, args: argparse.Namespace) -> Config:
     llama = {**PRESETS["llama-tiny"], "hidden": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.heads, "mlp_hidden": 3 * args.hidden, "vocab_size": args.vocab,
-             "context_length": args.seq, "rope_theta": 500000.0}  # fmt: skip
+             "context_length": args.seq, "rope": RopeConfig(theta=500000.0)}  # fmt: skip
     training = TrainingConfig(
         steps=args.steps, global_batch_size=args.batch, lr=8e-4, min_lr=8e-5, warmup_steps=3, seed=args.seed,
         weight_decay=0.1, grad_clip=1.0,

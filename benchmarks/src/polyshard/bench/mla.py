@@ -21,11 +21,11 @@ import time
 
 def layers(hidden: int, heads: int, kv_heads: int, kv_lora: int, q_lora: int):  # type: ignore[no-untyped-def]
     """(MLA layer, GQA layer), float32 on the CPU."""
-    from polyshard.models.common import MLA, Attention
+    from polyshard.models.common import MLA, Attention, RopeConfig
 
     mla = MLA(hidden, heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=64, qk_rope_head_dim=32,
-              v_head_dim=64, rope_theta=10000.0)  # fmt: skip
-    gqa = Attention(hidden, heads, kv_heads, bias=False, rope_theta=10000.0, head_dim=64)
+              v_head_dim=64, rope=RopeConfig())  # fmt: skip
+    gqa = Attention(hidden, heads, kv_heads, bias=False, rope=RopeConfig(), head_dim=64)
     return mla, gqa
 
 

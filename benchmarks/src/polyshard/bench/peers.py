@@ -112,8 +112,8 @@ class Shape:
 # theta 5e5 with Llama 3.1's frequency scaling).
 _LLAMA3 = {
     "norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "norm_eps": 1e-5,
-    "rope_theta": 500000.0, "rope_scale_factor": 8.0, "rope_low_freq_factor": 1.0,
-    "rope_high_freq_factor": 4.0, "rope_original_context": 8192,
+    "rope": {"theta": 500000.0, "scaling": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_context": 8192},
 }  # fmt: skip
 
 

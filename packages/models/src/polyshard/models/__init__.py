@@ -1,8 +1,9 @@
 """polyshard.models: the model families polyshard trains, as plain PyTorch modules with no parallelism
-inside. :mod:`.common` holds the blocks every family shares; each family is a folder (:mod:`.gpt`,
-:mod:`.moe_gpt`, :mod:`.vit`) with its config, model, parallel plan, Hugging Face adapters and presets,
-declared by one :class:`ModelSpec` in :mod:`.registry`. :func:`load` rebuilds a model that
-``polyshard export`` wrote (:mod:`.exported`)."""
+inside. :mod:`.common` holds the blocks every family shares and :mod:`.decoder` the parts a decoder
+family's settings are made of (its attention, its experts, ``[model.rope]``); each family is a folder
+(:mod:`.gpt`, :mod:`.moe_gpt`, :mod:`.gpt_oss`, :mod:`.deepseek_v3`, :mod:`.vit`) with its config, model,
+parallel plan, Hugging Face adapters and presets, declared by one :class:`ModelSpec` in :mod:`.registry`.
+:func:`load` rebuilds a model that ``polyshard export`` wrote (:mod:`.exported`)."""
 
 from polyshard.models.build import (
     active_parameter_count,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
+from polyshard.models.common.rotary import RopeConfig
 from polyshard.models.config import ModelConfig
 
 
@@ -80,7 +81,7 @@ def setting(model: ModelConfig, key: str) -> object:
 def shape_differences(model: Any, shape: Mapping[str, object]) -> dict[str, object]:
     """The entries of ``shape`` (setting -> required value) that ``model`` does not have (an unset
     qkv_bias follows bias: only bias is named then)."""
-    follows = model.qkv_bias is None and shape.get("qkv_bias", shape.get("bias")) == shape.get("bias")
+    follows = "qkv_bias" in shape and model.qkv_bias is None and shape["qkv_bias"] == shape.get("bias")
     return {
         key: value
         for key, value in shape.items()
@@ -133,7 +134,7 @@ YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_sl
 
 
 def read_yarn(params: Mapping[str, Any], where: str) -> dict[str, object]:
-    """YaRN's ``rope_parameters`` as the GPT's rope_* settings (gpt-oss, DeepSeek-V2/V3). An mscale of 0 is
+    """YaRN's ``rope_parameters`` as ``[model.rope]`` settings (gpt-oss, DeepSeek-V2/V3). An mscale of 0 is
     read as unset, as transformers reads it (a falsy mscale falls back to 0.1 ln(factor) + 1)."""
     factor = read_number(params, "factor", where, above=0.0)
     if factor < 1.0:
@@ -143,26 +144,29 @@ def read_yarn(params: Mapping[str, Any], where: str) -> dict[str, object]:
         for key in ("mscale", "mscale_all_dim", "attention_factor")
     }
     return {
-        "rope_type": "yarn",
-        "rope_scale_factor": factor,
-        "rope_original_context": read_int(params, "original_max_position_embeddings", where),
-        "rope_beta_fast": read_number(params, "beta_fast", where, default=32.0, above=0.0),
-        "rope_beta_slow": read_number(params, "beta_slow", where, default=1.0, above=0.0),
-        "rope_truncate": read_bool(params, "truncate", where, default=True),
-        **{f"rope_{key}": value for key, value in optional.items()},
+        "rope.scaling": "yarn",
+        "rope.factor": factor,
+        "rope.original_context": read_int(params, "original_max_position_embeddings", where),
+        "rope.beta_fast": read_number(params, "beta_fast", where, default=32.0, above=0.0),
+        "rope.beta_slow": read_number(params, "beta_slow", where, default=1.0, above=0.0),
+        "rope.truncate": read_bool(params, "truncate", where, default=True),
+        **{f"rope.{key}": value for key, value in optional.items()},
     }
 
 
-def yarn_parameters(model: Any) -> dict[str, object]:
-    """The GPT's rope_* settings as transformers' ``rope_parameters`` for YaRN (unset mscales left out)."""
+def yarn_parameters(rope: RopeConfig) -> dict[str, object]:
+    """``[model.rope]`` as transformers' ``rope_parameters``: YaRN's when it stretches (unset mscales left
+    out), else the default rule's."""
+    if not rope.stretched:
+        return {"rope_type": "default", "rope_theta": rope.theta}
     out: dict[str, object] = {
-        "rope_type": "yarn", "rope_theta": model.rope_theta, "factor": model.rope_scale_factor,
-        "beta_fast": model.rope_beta_fast, "beta_slow": model.rope_beta_slow, "truncate": model.rope_truncate,
-        "original_max_position_embeddings": model.rope_original_context,
+        "rope_type": "yarn", "rope_theta": rope.theta, "factor": rope.factor, "beta_fast": rope.beta_fast,
+        "beta_slow": rope.beta_slow, "truncate": rope.truncate,
+        "original_max_position_embeddings": rope.original_context,
     }  # fmt: skip
     for key in ("mscale", "mscale_all_dim", "attention_factor"):
-        if getattr(model, f"rope_{key}") is not None:
-            out[key] = getattr(model, f"rope_{key}")
+        if getattr(rope, key) is not None:
+            out[key] = getattr(rope, key)
     return out
 
 

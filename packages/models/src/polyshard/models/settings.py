@@ -1,5 +1,6 @@
 """Reading ``[model]``: the family it names, that family's fields only, each value of its field's type,
-and 0.2's flat spellings (one ``[model]`` table for every family) read with a note naming the new one.
+its sub-tables (``[model.moe]``, ``[model.rope]``), and earlier versions' flat spellings (0.2's one
+``[model]`` table for every family, 0.3's ``rope_*`` keys) read with a note naming the new one.
 
 A run folder's or a checkpoint's saved config (``saved=True``) lists every field 0.2 had, a family's own
 and the others' (at their defaults, or values that family never read): those others are dropped quietly,
@@ -12,16 +13,18 @@ import dataclasses
 import difflib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from polyshard.models.common.moe import LEGACY_NAMES, MoEConfig
+from polyshard.models.common.rotary import RopeConfig
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.registry import SPECS
 
 Note = Callable[[str], None]
 
-# 0.2's one flat [model] section: every field and its default (saved configs hold them all).
+# 0.2's one flat [model] section: every field and its default (saved configs hold them all; a family
+# passes over those it does not have).
 LEGACY_DEFAULTS: dict[str, object] = {
     "vocab_size": 256, "context_length": 64, "num_kv_heads": None, "tie_embeddings": False, "norm": "layer",
     "activation": "gelu", "positions": "learned", "bias": True, "rope_theta": 10000.0, "rope_scale_factor": 1.0,
@@ -31,7 +34,34 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "shared_expert_hidden": None, "shared_expert_gate": False, "router": "softmax", "router_bias_update_rate": 0.0,
     "router_groups": 1, "router_group_topk": 1, "router_scale": 1.0, "seq_aux_loss_weight": 0.0,
     "router_z_loss_weight": 0.0, "image_size": 8, "patch_size": 2, "channels": 1, "num_classes": 10,
+    # 0.4 saved DeepSeek's config with the GPT's attention fields it refused, at their defaults.
+    "sliding_window": None, "layer_types": None, "attention_sinks": False,
 }  # fmt: skip
+
+# The sub-tables of [model] (a family holds those its config declares): name -> their settings' class.
+TABLES: dict[str, type] = {"moe": MoEConfig, "rope": RopeConfig}
+
+# 0.3's flat [model] spellings of the rotary settings -> [model.rope] keys (read with a note).
+ROPE_LEGACY_NAMES = {
+    "rope_theta": "theta",
+    "rope_type": "scaling",
+    "rope_scale_factor": "factor",
+    "rope_original_context": "original_context",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_beta_fast": "beta_fast",
+    "rope_beta_slow": "beta_slow",
+    "rope_truncate": "truncate",
+    "rope_mscale": "mscale",
+    "rope_mscale_all_dim": "mscale_all_dim",
+    "rope_attention_factor": "attention_factor",
+}
+
+# Every flat spelling an earlier version read -> (its table, its key there).
+LEGACY_KEYS: dict[str, tuple[str, str]] = {
+    **{old: ("moe", new) for old, new in LEGACY_NAMES.items()},
+    **{old: ("rope", new) for old, new in ROPE_LEGACY_NAMES.items()},
+}
 
 # -- values of a declared type -------------------------------------------------------------------------
 _TYPE_WORDS = {
@@ -126,10 +156,9 @@ def field_type(values: Mapping[str, Any], path: str) -> str | None:
         return None
     *tables, key = path.split(".")
     for table in tables:
-        nested = {f.name: f for f in dataclasses.fields(cls)}.get(table)
-        if nested is None or not isinstance(nested.default_factory, type):
+        if table not in TABLES or table not in cls.field_names():  # type: ignore[attr-defined]
             return None
-        cls = nested.default_factory
+        cls = TABLES[table]
     return declared_type(cls, key)
 
 
@@ -151,66 +180,89 @@ def model_config(values: Mapping[str, Any], *, saved: bool = False, note: Note |
             raise ConfigError(
                 f"model.{key} is not a setting of model.kind={kind!r}; {hint}its settings are: {', '.join(fields)}"
             )
-    checked = {k: v if k == "moe" else check_value(f"model.{k}", declared_type(cls, k), v) for k, v in own.items()}
+    checked = {k: v if k in TABLES else check_value(f"model.{k}", declared_type(cls, k), v) for k, v in own.items()}
     base = dict(presets()[preset][1]) if isinstance(preset, str) else {}
     base.pop("kind", None)
     merged = {**base, **checked, "kind": kind}
-    if "moe" in fields:
-        merged["moe"] = _moe({**base.get("moe", {}), **_table("moe", checked.get("moe", {}))}, _default_moe(cls))
-    elif "moe" in base:
-        raise ConfigError(f"model.preset={preset!r} has experts; model.kind={kind!r} has none")
+    for name in TABLES:
+        if name in fields:
+            merged[name] = _sub_config(name, {**base.get(name, {}), **_table(name, checked.get(name, {}))}, cls)
+        elif name in base:
+            raise ConfigError(f"model.preset={preset!r} sets [model.{name}]; model.kind={kind!r} has none")
     return cls(**merged)
 
 
 def _table(name: str, value: Any) -> dict[str, Any]:
-    if isinstance(value, MoEConfig):
-        return dataclasses.asdict(value)
+    if isinstance(value, TABLES[name]):
+        return dataclasses.asdict(cast(Any, value))
     if not isinstance(value, Mapping):
         raise ConfigError(f"model.{name} must be a table of key = value pairs ([model.{name}]), not {value!r}")
     return dict(value)
 
 
-def _default_moe(cls: type) -> MoEConfig:
-    """The family's own ``[model.moe]`` defaults (gpt-oss's router and experts differ from Mixtral's)."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == "moe")
-    made = field.default_factory() if field.default_factory is not dataclasses.MISSING else MoEConfig()
-    return made if isinstance(made, MoEConfig) else MoEConfig()
+def family_default(cls: type, name: str) -> Any:
+    """The family's own ``[model.<name>]`` defaults (gpt-oss's router and rotary scaling differ from Mixtral's)."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else TABLES[name]()
 
 
-def _moe(values: dict[str, Any], default: MoEConfig | None = None) -> MoEConfig:
-    known = [f.name for f in dataclasses.fields(MoEConfig)]
+def _sub_config(name: str, values: dict[str, Any], cls: type) -> Any:
+    """``[model.<name>]``: the family's defaults with ``values`` set, each of its field's type."""
+    table = TABLES[name]
+    known = [f.name for f in dataclasses.fields(table)]
     for key in values:
         if key not in known:
-            raise unknown("key in [model.moe]", key, known)
-    checked = {k: check_value(f"model.moe.{k}", declared_type(MoEConfig, k), v) for k, v in values.items()}
-    return dataclasses.replace(default, **checked) if default is not None else MoEConfig(**checked)
+            raise unknown(f"key in [model.{name}]", key, known)
+    checked = {k: check_value(f"model.{name}.{k}", declared_type(table, k), v) for k, v in values.items()}
+    return dataclasses.replace(family_default(cls, name), **checked)
 
 
 def _translated(
     values: dict[str, Any], kind: str, fields: list[str], *, saved: bool, note: Note | None
 ) -> dict[str, Any]:
-    """``values`` with 0.2's flat spellings moved to where ``kind``'s config holds them."""
+    """``values`` with the flat spellings of earlier versions moved to the tables where ``kind``'s config
+    holds them, and dotted keys (TOML's ``moe.top_k = 2``) into theirs."""
     out: dict[str, Any] = {}
-    moe: dict[str, Any] = dict(_table("moe", values.pop("moe"))) if "moe" in values else {}
+    tables: dict[str, dict[str, Any]] = {
+        name: dict(_table(name, values.pop(name))) for name in TABLES if name in values
+    }
+    legacy: dict[str, dict[str, Any]] = {}
     for key, value in values.items():
-        if key.startswith("moe.") and "moe" in fields:  # a dotted key, as TOML's moe.top_k = 2
-            moe[key.removeprefix("moe.")] = value
+        table, _, name = key.partition(".")
+        if name and table in TABLES and table in fields:
+            tables.setdefault(table, {})[name] = value
         elif key in fields:
             out[key] = value
-        elif key in LEGACY_NAMES and "moe" in fields:
-            new = LEGACY_NAMES[key]
-            if new in moe:
-                raise ConfigError(f"model.{key} and model.moe.{new} are one setting; keep model.moe.{new}")
-            moe[new] = value
+        elif key in LEGACY_KEYS and LEGACY_KEYS[key][0] in fields:
+            table, new = LEGACY_KEYS[key]
+            if new in tables.get(table, {}):
+                raise ConfigError(f"model.{key} and model.{table}.{new} are one setting; keep model.{table}.{new}")
+            legacy.setdefault(table, {})[new] = value
             if note is not None and not saved:
-                note(f"note: model.{key} is now model.moe.{new} (read as such)")
-        elif saved and key in LEGACY_DEFAULTS:
+                note(f"note: model.{key} is now model.{table}.{new} (read as such)")
+        elif saved and (key in LEGACY_DEFAULTS or key in LEGACY_KEYS):
             continue  # 0.2 saved every family's fields in one table; this family never read this one
         else:
             out[key] = value  # named as not a setting of the family by the caller
-    if moe:
-        out["moe"] = moe
-    return out
+    if "rope" in legacy:
+        legacy["rope"] = _legacy_rope(legacy["rope"], tables.get("rope", {}), SPECS[kind].config)
+    for table, moved in legacy.items():
+        tables[table] = {**tables.get(table, {}), **moved}
+    return {**out, **{name: table for name, table in tables.items() if table}}
+
+
+def _legacy_rope(rope: dict[str, Any], given: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """0.3's rotary spellings as ``[model.rope]``: its rope_type (default llama3) only chose the rule when
+    rope_scale_factor was above 1, so a rule named without a factor is dropped, and a factor named without
+    a rule (here or in ``given``, the new table) takes the family's (llama3 where the family has none)."""
+    rope = dict(rope)
+    factor = rope.get("factor", given.get("factor", 1.0))
+    if factor == 1.0:
+        rope.pop("scaling", None)
+    elif "scaling" not in rope and "scaling" not in given:
+        default = family_default(cls, "rope").scaling
+        rope["scaling"] = default if default != "none" else "llama3"
+    return rope
 
 
 def with_folder_settings(values: Mapping[str, Any], folder: Mapping[str, Any]) -> dict[str, Any]:
@@ -250,8 +302,8 @@ def _flat(values: Mapping[str, Any]) -> dict[str, Any]:
     """A ``[model]`` table's settings as dotted keys (``{"moe": {"top_k": 2}}`` -> ``{"moe.top_k": 2}``)."""
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if key == "moe":
-            out |= {f"moe.{k}": v for k, v in _table("moe", value).items()}
+        if key in TABLES:
+            out |= {f"{key}.{k}": v for k, v in _table(key, value).items()}
         else:
             out[key] = value
     return out

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from polyshard.collectives.ledger import bus_factor
 from polyshard.dp import ShardSpec
 from polyshard.models import sequence_length, spec_of, tied_names
-from polyshard.models.moe_gpt.config import moe_config
+from polyshard.models.decoder import moe_config
 from polyshard.planner.activations import micro_batch_size
 from polyshard.planner.model_states import Held, gathered_once, holdings, stage_bounds, tied_copy_elements
 from polyshard.planner.pipeline import stages_by_rank

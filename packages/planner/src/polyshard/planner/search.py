@@ -21,7 +21,7 @@ from typing import Any
 
 from polyshard.mesh import divisors
 from polyshard.models import sequence_length, spec_of
-from polyshard.models.moe_gpt.config import moe_config
+from polyshard.models.decoder import moe_config
 from polyshard.planner.activations import activation_bytes
 from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.cost import StepEstimate, estimate_step

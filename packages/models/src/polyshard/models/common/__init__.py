@@ -10,7 +10,7 @@ from polyshard.models.common.kv_cache import KVCache
 from polyshard.models.common.mla import MLA, kv_cache_width
 from polyshard.models.common.mlp import MLP, NORMS, SwiGLU, norm_layer
 from polyshard.models.common.recompute import checkpoint_mode, selective_contexts
-from polyshard.models.common.rotary import RopeScaling, deinterleave, rope_frequencies, rotate, yarn_mscale
+from polyshard.models.common.rotary import RopeConfig, deinterleave, rope_frequencies, rotate, yarn_mscale
 
 __all__ = [
     "ACTIVATIONS",
@@ -22,7 +22,7 @@ __all__ = [
     "CoreAttention",
     "KVCache",
     "Documents",
-    "RopeScaling",
+    "RopeConfig",
     "SwiGLU",
     "caching",
     "checkpoint_mode",

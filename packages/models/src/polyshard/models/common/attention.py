@@ -16,7 +16,7 @@ from torch import nn
 from polyshard.models.common.cores import CORES, block_sparse_attention, choose_core, flex_core
 from polyshard.models.common.documents import Documents
 from polyshard.models.common.kv_cache import KVCache
-from polyshard.models.common.rotary import RopeScaling, rotate
+from polyshard.models.common.rotary import RopeConfig, rotate
 
 
 class CoreAttention(nn.Module):
@@ -66,8 +66,8 @@ class CoreAttention(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention with separate q/k/v projections; ``num_kv_heads`` (default: all) key/value heads;
-    rotary positions on q and k when ``rope_theta`` is given (Llama; ``rope_scaling`` for Llama 3.1's
-    long context); ``bias`` on the projections (GPT-2), or ``qkv_bias`` on q, k and v only (Qwen2).
+    rotary positions on q and k when ``rope`` is given (Llama; its scaling for Llama 3.1's long context);
+    ``bias`` on the projections (GPT-2), or ``qkv_bias`` on q, k and v only (Qwen2).
     ``head_dim`` (default hidden / num_heads) may differ from that (Qwen3: 128 whatever the width).
     ``qk_norm``: an RMSNorm over each head's q and k, before rotary positions (Qwen3, OLMo 2's per-head
     form); its weight has one entry per head dim, shared by every head, so tp replicates it.
@@ -89,8 +89,7 @@ class Attention(nn.Module):
         causal: bool = True,
         dropout: float = 0.0,
         bias: bool = True,
-        rope_theta: float | None = None,
-        rope_scaling: RopeScaling | None = None,
+        rope: RopeConfig | None = None,
         head_dim: int | None = None,
         qkv_bias: bool | None = None,
         qk_norm: bool = False,
@@ -103,7 +102,7 @@ class Attention(nn.Module):
         num_kv_heads = num_kv_heads or num_heads
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = head_dim or hidden // num_heads
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.rope = rope
         self.core = CoreAttention(causal=causal, dropout=dropout, window=window, core=core)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.q_proj = nn.Linear(hidden, num_heads * self.head_dim, bias=qkv_bias)
@@ -134,10 +133,10 @@ class Attention(nn.Module):
                 raise ValueError("a KV cache holds one sequence per row: generate without document masks")
             if positions is None:
                 positions = cache.positions(q.shape[2], q.device)
-        if self.rope_theta is not None:
+        if self.rope is not None:
             positions = positions if documents is None else documents.positions
-            q = rotate(q, self.rope_theta, self.rope_scaling, positions)
-            k = rotate(k, self.rope_theta, self.rope_scaling, positions)
+            q = rotate(q, self.rope, positions)
+            k = rotate(k, self.rope, positions)
         if cache is not None:
             y = cache.attend(q, k, v, window=getattr(self.core, "window", None), sinks=self.sinks)
             return self.o_proj(y.transpose(1, 2).flatten(2))  # type: ignore[no-any-return]

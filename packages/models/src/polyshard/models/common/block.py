@@ -20,7 +20,7 @@ from polyshard.models.common.attention import Attention
 from polyshard.models.common.documents import Documents
 from polyshard.models.common.mlp import MLP, SwiGLU, norm_layer
 from polyshard.models.common.recompute import checkpoint_mode, selective_contexts
-from polyshard.models.common.rotary import RopeScaling
+from polyshard.models.common.rotary import RopeConfig
 
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -29,9 +29,9 @@ class Block(nn.Module):
     """x + attn(norm1(x)), then x + mlp(norm2(x)); ``mlp`` may be replaced (e.g. by an MoE layer).
 
     GPT-2 by default; Llama with ``norm="rms"``, ``activation="swiglu"``, ``bias=False`` and a
-    ``rope_theta`` (and ``rope_scaling`` for Llama 3.1+); ``norm_eps`` is every norm's epsilon (q/k norm's
-    too); ``head_dim``, ``qkv_bias`` and ``qk_norm`` are :class:`Attention`'s (Qwen2, Qwen3), and so are
-    ``window`` (a sliding-window layer), ``sinks`` (gpt-oss) and ``attention_core`` (its ``core``).
+    ``rope`` (:class:`RopeConfig`: its theta, and a scaling for Llama 3.1+); ``norm_eps`` is every norm's
+    epsilon (q/k norm's too); ``head_dim``, ``qkv_bias`` and ``qk_norm`` are :class:`Attention`'s (Qwen2,
+    Qwen3), and so are ``window`` (a sliding-window layer), ``sinks`` (gpt-oss) and ``attention_core`` (its ``core``).
     With ``checkpoint_activations`` ``"full"`` (or True) only the block's input is kept for backward;
     everything inside is recomputed then (Chen et al. 1604.06174), trading a
     second forward for the memory of every intermediate activation. ``"selective"`` also keeps the
@@ -56,8 +56,7 @@ class Block(nn.Module):
         norm: str = "layer",
         activation: str = "gelu",
         bias: bool = True,
-        rope_theta: float | None = None,
-        rope_scaling: RopeScaling | None = None,
+        rope: RopeConfig | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
         head_dim: int | None = None,
@@ -79,8 +78,7 @@ class Block(nn.Module):
             causal=causal,
             dropout=dropout,
             bias=bias,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            rope=rope,
             head_dim=head_dim,
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,

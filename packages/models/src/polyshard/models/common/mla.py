@@ -34,7 +34,7 @@ from torch import nn
 
 from polyshard.models.common.attention import CoreAttention
 from polyshard.models.common.documents import Documents
-from polyshard.models.common.rotary import RopeScaling, deinterleave, rotate
+from polyshard.models.common.rotary import RopeConfig, deinterleave, rotate
 
 
 def kv_cache_width(kv_lora_rank: int, qk_rope_head_dim: int) -> int:
@@ -56,8 +56,7 @@ class MLA(nn.Module):
         qk_nope_head_dim: int,
         qk_rope_head_dim: int,
         v_head_dim: int,
-        rope_theta: float,
-        rope_scaling: RopeScaling | None = None,
+        rope: RopeConfig,
         softmax_scale: float | None = None,
         norm_eps: float = 1e-6,
         bias: bool = False,
@@ -67,7 +66,7 @@ class MLA(nn.Module):
         super().__init__()
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank, self.interleaved = kv_lora_rank, interleaved
-        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.rope = rope
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         scale = qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         self.q_factor = scale * math.sqrt(qk_head_dim)  # the core scales by 1 / sqrt(D): q carries the rest
@@ -90,7 +89,7 @@ class MLA(nn.Module):
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         if self.interleaved:
             x = deinterleave(x)
-        return rotate(x, self.rope_theta, self.rope_scaling, positions)
+        return rotate(x, self.rope, positions)
 
     def forward(
         self, x: torch.Tensor, documents: Documents | None = None, positions: torch.Tensor | None = None

@@ -16,7 +16,7 @@ polyshard (``layers.<i>``) -> Hugging Face (``model.layers.<i-1>``), the same la
 The rotary dims stay in the file's interleaved order (MLA de-interleaves them when it runs), so import
 then export is bit for bit. Refused, naming the key: another rope type than default or YaRN, grouped
 key/value heads (MLA has none), ``moe_layer_freq`` other than 1, V2's ``group_limited_greedy`` routing
-(a group scored by its best expert), tied embeddings, another activation.
+(a group scored by its best expert), another activation.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     theta = read_number({**hf, **params}, "rope_theta", where, default=10000.0, above=0.0)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": theta}
+        return {"rope.theta": theta, "rope.factor": 1.0}
     if kind != "yarn":
         raise CheckpointError(
             f"{where}: {name}.rope_type={kind!r} is not supported; polyshard computes 'default' and 'yarn'"
         )
-    return {"rope_theta": theta, **read_yarn(params, f"{where}: {name}")}
+    return {"rope.theta": theta, **read_yarn(params, f"{where}: {name}")}
 
 
 def _common(hf: Mapping[str, Any], where: str) -> dict[str, object]:
@@ -80,7 +80,6 @@ def _common(hf: Mapping[str, Any], where: str) -> dict[str, object]:
             f"{where}: num_key_value_heads must equal num_attention_heads={heads} (MLA has every head)"
         )
     require(hf, "hidden_act", where, ("silu", "swish"), "polyshard's SwiGLU gates with SiLU")
-    require(hf, "tie_word_embeddings", where, (False,), "DeepSeek's head is its own")
     require(hf, "moe_layer_freq", where, (1,), "every block after the dense ones is sparse")
     q_lora = hf.get("q_lora_rank")
     experts = read_int(hf, "n_routed_experts", where)
@@ -100,6 +99,7 @@ def _common(hf: Mapping[str, Any], where: str) -> dict[str, object]:
         "num_layers": layers,
         "num_heads": heads,
         "norm_eps": read_number(hf, "rms_norm_eps", where, default=1e-6, above=0.0, below=1.0),
+        "tie_embeddings": read_bool(hf, "tie_word_embeddings", where, default=False),
         "mlp_hidden": read_int(hf, "intermediate_size", where),
         "q_lora_rank": None if q_lora is None else read_int(hf, "q_lora_rank", where),
         "kv_lora_rank": read_int(hf, "kv_lora_rank", where),
@@ -172,7 +172,8 @@ def locations(model: DeepSeekV3Config) -> dict[str, TensorLocation]:
             for p in ("gate_proj", "up_proj", "down_proj"):
                 out[f"{ours}.mlp.shared_expert.{p}.weight"] = TensorLocation(f"{hf}.mlp.shared_experts.{p}.weight")
     out[f"layers.{last}.norm.weight"] = TensorLocation("model.norm.weight")
-    out[f"layers.{last}.proj.weight"] = TensorLocation("lm_head.weight")
+    if not model.tie_embeddings:
+        out[f"layers.{last}.proj.weight"] = TensorLocation("lm_head.weight")
     return out
 
 
@@ -188,9 +189,7 @@ def _first_dense(model: DeepSeekV3Config) -> int:
 
 
 def _config(model: DeepSeekV3Config) -> dict[str, object]:
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling is not None:
-        rope = yarn_parameters(model)
+    rope = yarn_parameters(model.rope)
     return {
         "vocab_size": model.vocab_size,
         "max_position_embeddings": model.context_length,
@@ -215,7 +214,7 @@ def _config(model: DeepSeekV3Config) -> dict[str, object]:
         "rope_parameters": rope,
         "attention_bias": model.attention_bias,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": model.tie_embeddings,
         "torch_dtype": "float32",
     }
 

@@ -10,9 +10,10 @@ from typing import cast
 from polyshard.models.common.mla import MLA
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
-from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config, deepseek_shape
+from polyshard.models.decoder import LatentAttention, decoder_shape
+from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.models.deepseek_v3.hf import DEEPSEEK_V2, DEEPSEEK_V3
-from polyshard.models.deepseek_v3.plan import check, tp_plan
+from polyshard.models.deepseek_v3.plan import check, deepseek, tp_plan
 from polyshard.models.deepseek_v3.presets import PRESETS
 from polyshard.models.gpt import model as gpt
 from polyshard.models.moe_gpt import model as moe_gpt
@@ -22,7 +23,7 @@ from polyshard.models.spec import (
 )
 
 
-def mla(config: DeepSeekV3Config) -> MLA:
+def mla(config: LatentAttention) -> MLA:
     """One block's attention."""
     return MLA(
         config.hidden,
@@ -32,8 +33,7 @@ def mla(config: DeepSeekV3Config) -> MLA:
         qk_nope_head_dim=config.qk_nope_head_dim,
         qk_rope_head_dim=config.qk_rope_head_dim,
         v_head_dim=config.v_head_dim,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
+        rope=config.rope,
         softmax_scale=config.softmax_scale,
         norm_eps=1e-6,  # the latents' norms keep DeepSeek's epsilon whatever rms_norm_eps says (as transformers)
         bias=config.attention_bias,
@@ -44,8 +44,8 @@ def mla(config: DeepSeekV3Config) -> MLA:
 
 def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     """The GPT's layers with MLA in each block, MoE MLPs in the sparse ones (:meth:`~DeepSeekV3Config.sparse_layer`)."""
-    config = deepseek_config(config)
-    model = gpt.build(config, options)
+    config = deepseek(config)
+    model = gpt.build_decoder(config, options, attention={})  # each block's attention is replaced by MLA
     head = cast(gpt.LMHead, model.layers[-1])
     depths = [cast(PredictionDepth, depth).block for depth in head.mtp.depths] if head.mtp is not None else []
     for i, block in enumerate([*model.layers[1:-1], *depths]):  # a prediction depth's block is like the last
@@ -62,7 +62,7 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
 
 
 SPEC = ModelSpec(
-    shape=deepseek_shape,
+    shape=decoder_shape,
     kind="deepseek-v3",
     config=DeepSeekV3Config,
     presets=PRESETS,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from polyshard.mesh import divisors
 from polyshard.models.config import ModelConfig
-from polyshard.models.deepseek_v3.config import DeepSeekV3Config, deepseek_config
+from polyshard.models.decoder import LatentAttention
+from polyshard.models.deepseek_v3.config import DeepSeekV3Config
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import plan as gpt_plan
 from polyshard.models.moe_gpt import plan as moe_gpt_plan
@@ -19,7 +20,14 @@ from polyshard.models.spec import (
 from polyshard.tp import ColumnParallel, HeadNorm, RowParallel, TPEntry
 
 
-def mla_plan(block: str, config: DeepSeekV3Config, sp: bool) -> dict[str, object]:
+def deepseek(model: ModelConfig) -> DeepSeekV3Config:
+    """``model`` as DeepSeek's settings (the spec's functions are declared over every family's)."""
+    if not isinstance(model, DeepSeekV3Config):
+        raise ConfigError(f"model.kind={model.kind!r} is not DeepSeek's; this needs model.kind='deepseek-v3'")
+    return model
+
+
+def mla_plan(block: str, config: LatentAttention, sp: bool) -> dict[str, object]:
     """Heads split over tp: the up projections by columns, the output by rows. The down projections and
     their norms stay whole on every rank; each rank's heads use part of their outputs, so their
     gradients are summed over tp (flagged as a q/k norm's are). The attention's input enters the tp
@@ -37,7 +45,7 @@ def mla_plan(block: str, config: DeepSeekV3Config, sp: bool) -> dict[str, object
 
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """MLA's heads split; dense MLPs and shared experts split like Llama's MLP; routed experts are ep's."""
-    config = deepseek_config(model)
+    config = deepseek(model)
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
     depths = [f"layers.{config.num_layers + 1}.mtp.depths.{k}.block" for k in range(config.mtp_depth)]
@@ -54,7 +62,7 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 def check(model: ModelConfig, parallel: ParallelSizes) -> None:
     """The MoE GPT's rules where there are sparse blocks (ep divides the experts, no ZeRO-3 with ep), and
     tp divides the heads and the dense MLPs."""
-    config = deepseek_config(model)
+    config = deepseek(model)
     if config.sparse_layers:
         moe_gpt_plan.check(config, parallel)  # with the MTP rules
     else:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.gpt.config import GPTConfig
+from polyshard.models.decoder import GroupedAttention
 from polyshard.models.gpt.presets import LLAMA
 from polyshard.models.hf_adapter import (
     FULL_ATTENTION,
@@ -96,7 +96,7 @@ def _rope(hf: Mapping[str, Any], where: str, context: int, default_theta: float 
         )
     theta = read_number({**hf, **params}, "rope_theta", where, default=default_theta, above=0.0)
     if kind == "default":
-        return {"rope_theta": theta, "rope_scale_factor": 1.0}
+        return {"rope.theta": theta, "rope.scaling": "none", "rope.factor": 1.0}
     inside = f"{where}: {name}"
     factor = read_number(params, "factor", inside, above=0.0)
     if factor < 1.0:
@@ -107,25 +107,26 @@ def _rope(hf: Mapping[str, Any], where: str, context: int, default_theta: float 
     else:
         original = read_int(params, "original_max_position_embeddings", inside, default=context)
     return {
-        "rope_theta": theta,
-        "rope_scale_factor": factor,
-        "rope_low_freq_factor": low,
-        "rope_high_freq_factor": read_number(params, "high_freq_factor", inside, above=low),
-        "rope_original_context": original,
+        "rope.theta": theta,
+        "rope.scaling": "llama3",
+        "rope.factor": factor,
+        "rope.low_freq_factor": low,
+        "rope.high_freq_factor": read_number(params, "high_freq_factor", inside, above=low),
+        "rope.original_context": original,
     }
 
 
-def differences(model: GPTConfig) -> dict[str, object]:
+def differences(model: GroupedAttention) -> dict[str, object]:
     return shape_differences(model, {**SHAPE, **llama3_rope(model)})
 
 
 def llama3_rope(model: Any) -> dict[str, object]:
     """What a Llama-like file needs of a model's rotary scaling: Llama 3.1's rule, when it scales at all
     (their config.json writes only that rule)."""
-    return {"rope_type": "llama3"} if model.rope_scale_factor != 1.0 else {}
+    return {"rope.scaling": "llama3"} if model.rope.stretched else {}
 
 
-def locations(model: GPTConfig) -> dict[str, TensorLocation]:
+def locations(model: GroupedAttention) -> dict[str, TensorLocation]:
     """Our parameter name -> where it lives in a Llama file (the same layout, other names)."""
     return decoder_locations(model, dense_mlp)
 
@@ -138,7 +139,7 @@ def dense_mlp(ours: str, hf: str) -> dict[str, TensorLocation]:
 
 
 def decoder_locations(
-    model: GPTConfig, mlp: Callable[[str, str], dict[str, TensorLocation]]
+    model: GroupedAttention, mlp: Callable[[str, str], dict[str, TensorLocation]]
 ) -> dict[str, TensorLocation]:
     """The names of a Llama-like file (Llama, Mixtral, Qwen): embedding, each block's norms and attention
     (with q/k/v biases and q/k norms where ``model`` has them), its MLP as ``mlp(ours, hf)`` places it
@@ -163,29 +164,29 @@ def decoder_locations(
     return out
 
 
-def config(model: GPTConfig) -> dict[str, object]:
+def config(model: GroupedAttention) -> dict[str, object]:
     """``config.json`` in the names transformers 4 writes (``rope_theta``, ``rope_scaling``), which
     transformers 5 reads too. ``max_position_embeddings`` is the context polyshard trained on."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **decoder_config(model),
+        **decoder_config_json(model),
         "intermediate_size": model.mlp_width,
         "attention_bias": False,
         "mlp_bias": False,
     }
 
 
-def decoder_config(model: GPTConfig) -> dict[str, object]:
+def decoder_config_json(model: GroupedAttention) -> dict[str, object]:
     """The ``config.json`` entries every Llama-like family writes alike (:func:`decoder_settings`'s)."""
     scaling = None
-    if model.rope_scale_factor != 1.0:
+    if model.rope.stretched:
         scaling = {
             "rope_type": "llama3",
-            "factor": model.rope_scale_factor,
-            "low_freq_factor": model.rope_low_freq_factor,
-            "high_freq_factor": model.rope_high_freq_factor,
-            "original_max_position_embeddings": model.rope_original_context,
+            "factor": model.rope.factor,
+            "low_freq_factor": model.rope.low_freq_factor,
+            "high_freq_factor": model.rope.high_freq_factor,
+            "original_max_position_embeddings": model.rope.original_context,
         }
     return {
         "vocab_size": model.vocab_size,
@@ -197,7 +198,7 @@ def decoder_config(model: GPTConfig) -> dict[str, object]:
         "head_dim": model.attention_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
+        "rope_theta": model.rope.theta,
         "rope_scaling": scaling,
         "attention_dropout": 0.0,
         "tie_word_embeddings": model.tie_embeddings,

@@ -10,7 +10,7 @@ from typing import Any
 from polyshard.checkpoint import TensorLocation
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.hf_llama import (
-    decoder_config,
+    decoder_config_json,
     decoder_family,
     decoder_locations,
     decoder_settings,
@@ -37,7 +37,7 @@ def config(model: GPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        **decoder_config(model),
+        **decoder_config_json(model),
         "intermediate_size": model.mlp_width,
         "use_sliding_window": False,
     }

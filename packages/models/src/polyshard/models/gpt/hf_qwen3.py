@@ -11,7 +11,7 @@ from typing import Any
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.hf_llama import (
-    decoder_config,
+    decoder_config_json,
     decoder_family,
     decoder_locations,
     decoder_settings,
@@ -58,7 +58,7 @@ def config(model: GPTConfig) -> dict[str, object]:
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        **decoder_config(model),
+        **decoder_config_json(model),
         "intermediate_size": model.mlp_width,
         "attention_bias": False,
         "use_sliding_window": False,

@@ -20,11 +20,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from polyshard.models.common import Block, Documents, RopeScaling, norm_layer
+from polyshard.models.common import Block, Documents, RopeConfig, norm_layer
 from polyshard.models.common.caching import caching
 from polyshard.models.common.mtp import MultiTokenPrediction, PredictionDepth, PredictionInputs
 from polyshard.models.config import ModelConfig
-from polyshard.models.gpt.config import GPTConfig, gpt_config, gpt_shape
+from polyshard.models.decoder import DecoderConfig, decoder_config, decoder_shape, grouped_attention
+from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.hf_gpt2 import GPT2
 from polyshard.models.gpt.hf_llama import LLAMA_FAMILY
 from polyshard.models.gpt.hf_qwen2 import QWEN2
@@ -116,8 +117,7 @@ class GPT(nn.Module):
         activation: str = "gelu",
         positions: str = "learned",
         bias: bool = True,
-        rope_theta: float = 10000.0,
-        rope_scaling: RopeScaling | None = None,
+        rope: RopeConfig | None = None,
         mlp_hidden: int | None = None,
         norm_eps: float = 1e-5,
         head_dim: int | None = None,
@@ -141,8 +141,7 @@ class GPT(nn.Module):
             "norm": norm,
             "activation": activation,
             "bias": bias,
-            "rope_theta": rope_theta if positions == "rope" else None,
-            "rope_scaling": rope_scaling if positions == "rope" else None,
+            "rope": (rope or RopeConfig()) if positions == "rope" else None,
             "mlp_hidden": mlp_hidden,
             "norm_eps": norm_eps,
             "head_dim": head_dim,
@@ -261,14 +260,29 @@ def _draw(
 
 
 def build(config: ModelConfig, options: BuildOptions) -> GPT:
-    config = gpt_config(config)
+    config = grouped_attention(config)
+    attention = {
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "qkv_bias": config.qkv_bias,
+        "qk_norm": config.qk_norm,
+        "sliding_window": config.sliding_window,
+        "layer_types": config.layer_types,
+        "sinks": config.attention_sinks,
+    }
+    return build_decoder(config, options, attention)
+
+
+def build_decoder(config: DecoderConfig, options: BuildOptions, attention: dict[str, Any]) -> GPT:
+    """The decoder's layers with :class:`~polyshard.models.common.Attention` built from ``attention`` (its
+    grouped heads, windows, sinks); a family with another attention (DeepSeek's MLA) puts its own in each
+    block after, and passes none."""
     return GPT(
         vocab_size=config.vocab_size,
         context_length=config.context_length,
         hidden=config.hidden,
         num_layers=config.num_layers,
         num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
         mlp_ratio=config.mlp_ratio,
         tie_embeddings=config.tie_embeddings,
         dropout=config.dropout,
@@ -277,28 +291,22 @@ def build(config: ModelConfig, options: BuildOptions) -> GPT:
         activation=config.activation,
         positions=config.positions,
         bias=config.bias,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
+        rope=config.rope,
         mlp_hidden=config.mlp_width,
         norm_eps=config.norm_eps,
-        head_dim=config.head_dim,
-        qkv_bias=config.qkv_bias,
-        qk_norm=config.qk_norm,
         attention_core=config.attention_core,
-        sliding_window=config.sliding_window,
-        layer_types=config.layer_types,
-        sinks=config.attention_sinks,
         head_logits=options.head_logits,
         mtp_depth=config.mtp_depth,
         mtp_loss_weight=options.mtp_loss_weight,
         mtp_loss_scale=options.aux_loss_scale,  # 1 / microbatches: each microbatch's MTP loss counts 1/m
+        **attention,
     )
 
 
 def tied(model: ModelConfig) -> dict[str, str]:
     """With ``tie_embeddings`` the output head's weight is the token embedding (GPT-2, Llama-3.2); with
     ``mtp_depth`` > 0 the prediction depths' embedding is it too (a pipeline's last stage holds a copy)."""
-    config, last = gpt_config(model), model.num_layers + 1
+    config, last = decoder_config(model), model.num_layers + 1
     ties = {f"layers.{last}.proj.weight": "layers.0.tok.weight"} if config.tie_embeddings else {}
     if config.mtp_depth:
         ties[f"layers.{last}.mtp.embed.weight"] = "layers.0.tok.weight"
@@ -307,16 +315,16 @@ def tied(model: ModelConfig) -> dict[str, str]:
 
 def sequence_length(model: ModelConfig) -> int:
     """Tokens per row: the context length."""
-    return gpt_config(model).context_length
+    return decoder_config(model).context_length
 
 
 def vocab_size(model: ModelConfig) -> int:
     """Logits per position: the vocabulary."""
-    return gpt_config(model).vocab_size
+    return decoder_config(model).vocab_size
 
 
 SPEC = ModelSpec(
-    shape=gpt_shape,
+    shape=decoder_shape,
     kind="gpt",
     sequence_length=sequence_length,
     output_width=vocab_size,

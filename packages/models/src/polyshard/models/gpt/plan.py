@@ -5,8 +5,8 @@ and the layouts it cannot run."""
 from __future__ import annotations
 
 from polyshard.models.config import ModelConfig
+from polyshard.models.decoder import decoder_config, grouped_attention
 from polyshard.models.errors import ConfigError
-from polyshard.models.gpt.config import gpt_config
 from polyshard.models.spec import (
     ParallelSizes,
     attention_plan,
@@ -20,7 +20,7 @@ from polyshard.tp import SequenceParallel, VocabParallel
 
 def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """The embedding and the output head split along the vocabulary (the loss is vocabulary-parallel)."""
-    model = gpt_config(model)
+    model = decoder_config(model)
     last, sp = model.num_layers + 1, parallel.sequence_parallel
     plan: dict[str, object] = {"layers.0.tok": VocabParallel()}
     plan[f"layers.{last}.proj"] = VocabParallel(sequence_parallel=sp)
@@ -33,7 +33,7 @@ def vocab_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]
 
 def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     """Megatron-LM's plan: heads and MLP columns split in each block, the vocabulary at both ends."""
-    model = gpt_config(model)
+    model = grouped_attention(model)
     plan: dict[str, object] = {}
     sp = parallel.sequence_parallel
     for i in range(1, model.num_layers + 1):
@@ -48,7 +48,7 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
 def mtp_plan(model: ModelConfig, parallel: ParallelSizes, mlp: bool = True) -> dict[str, object]:
     """Each prediction depth's block splits like the model's blocks (heads and MLP columns over tp); its
     norms and its (2H -> H) combination are replicated, and run on whole sequences (no SP inside)."""
-    config, plan = gpt_config(model), dict[str, object]()
+    config, plan = grouped_attention(model), dict[str, object]()
     for k in range(config.mtp_depth):
         block = f"layers.{model.num_layers + 1}.mtp.depths.{k}.block"
         plan |= attention_plan(block, config, parallel, qk_norm=config.qk_norm, sinks=config.attention_sinks)
@@ -64,8 +64,8 @@ def check(model: ModelConfig, parallel: ParallelSizes) -> None:
 
 def check_mtp(model: ModelConfig, parallel: ParallelSizes) -> None:
     """What multi-token prediction does not run with."""
-    if gpt_config(model).mtp_depth and parallel.sequence_parallel:
+    if decoder_config(model).mtp_depth and parallel.sequence_parallel:
         raise ConfigError(
-            f"model.mtp_depth={gpt_config(model).mtp_depth} with parallel.sequence_parallel is not supported "
+            f"model.mtp_depth={decoder_config(model).mtp_depth} with parallel.sequence_parallel is not supported "
             "(the prediction depths run on whole sequences); turn sequence_parallel off or set mtp_depth = 0"
         )

@@ -16,13 +16,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "llama-3.2-1b": {
         **LLAMA, "hidden": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
-        "mlp_hidden": 8192, "vocab_size": 128256, "rope_theta": 500000.0, "tie_embeddings": True, "norm_eps": 1e-5,
-        "rope_scale_factor": 32.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
-        "rope_original_context": 8192,
+        "mlp_hidden": 8192, "vocab_size": 128256, "tie_embeddings": True, "norm_eps": 1e-5,
+        "rope": {"theta": 500000.0, "scaling": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_context": 8192},
     },
     "llama-3-8b": {
         **LLAMA, "hidden": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "context_length": 8192,
-        "mlp_hidden": 14336, "vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5,
+        "mlp_hidden": 14336, "vocab_size": 128256, "rope": {"theta": 500000.0}, "norm_eps": 1e-5,
     },
     # Qwen3: Llama's architecture with q/k norms and 128-dim heads at every width.
     "qwen3-tiny": {
@@ -31,7 +31,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "qwen3-8b": {
         **LLAMA, "qk_norm": True, "hidden": 4096, "num_layers": 36, "num_heads": 32, "num_kv_heads": 8,
-        "head_dim": 128, "context_length": 40960, "mlp_hidden": 12288, "vocab_size": 151936, "rope_theta": 1e6,
+        "head_dim": 128, "context_length": 40960, "mlp_hidden": 12288, "vocab_size": 151936, "rope": {"theta": 1e6},
         "norm_eps": 1e-6,
     },
 }  # fmt: skip

@@ -1,12 +1,13 @@
-"""gpt-oss's settings (``[model] kind = "gpt-oss"``): the MoE GPT's fields with gpt-oss's architecture as
-the defaults, so a config states only the sizes (or a preset)."""
+"""gpt-oss's settings (``[model] kind = "gpt-oss"``): the parts the MoE GPT has (grouped attention,
+experts), with gpt-oss's architecture as their defaults, so a config states only the sizes (or a preset)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from polyshard.models.common.moe import MoEConfig
-from polyshard.models.moe_gpt.config import MoEGPTConfig
+from polyshard.models.common.rotary import RopeConfig
+from polyshard.models.decoder import Experts, GroupedAttention
 
 
 def gpt_oss_experts() -> MoEConfig:
@@ -24,8 +25,14 @@ def gpt_oss_experts() -> MoEConfig:
     )
 
 
+def gpt_oss_rope() -> RopeConfig:
+    """gpt-oss's ``[model.rope]`` defaults: theta 150000 and YaRN without truncation over 4096 positions
+    (the factor, 32 in the releases, comes with the sizes)."""
+    return RopeConfig(theta=150000.0, scaling="yarn", truncate=False, original_context=4096)
+
+
 @dataclass(kw_only=True, frozen=True)
-class GptOssConfig(MoEGPTConfig):
+class GptOssConfig(Experts, GroupedAttention):
     kind: str = "gpt-oss"
     norm: str = "rms"
     activation: str = "swiglu"
@@ -33,9 +40,6 @@ class GptOssConfig(MoEGPTConfig):
     bias: bool = True
     """Biases on q, k, v and o (gpt-oss's attention_bias)."""
     attention_sinks: bool = True
-    rope_theta: float = 150000.0
-    rope_type: str = "yarn"
-    rope_truncate: bool = False
-    rope_original_context: int = 4096
+    rope: RopeConfig = field(default_factory=gpt_oss_rope)
     moe: MoEConfig = field(default_factory=gpt_oss_experts)
     """Every block's MLP is a mixture of experts with these settings (``[model.moe]``; gpt-oss's defaults)."""

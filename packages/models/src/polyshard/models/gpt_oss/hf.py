@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
-from polyshard.models.gpt.hf_llama import decoder_config, decoder_locations, decoder_settings
+from polyshard.models.gpt.hf_llama import decoder_config_json, decoder_locations, decoder_settings
 from polyshard.models.gpt_oss.config import GptOssConfig
 from polyshard.models.hf_adapter import (
     HFAdapter,
@@ -117,12 +117,12 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, object]:
     theta = read_number({**hf, **params}, "rope_theta", where, default=150000.0, above=0.0)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": theta, "rope_scale_factor": 1.0}
+        return {"rope.theta": theta, "rope.factor": 1.0}
     if kind != "yarn":
         raise CheckpointError(
             f"{where}: {name}.rope_type={kind!r} is not supported; polyshard reads 'default' and 'yarn'"
         )
-    return {"rope_theta": theta, **read_yarn(params, f"{where}: {name}")}
+    return {"rope.theta": theta, **read_yarn(params, f"{where}: {name}")}
 
 
 def _windows(hf: Mapping[str, Any], where: str, layers: int) -> dict[str, object]:
@@ -143,7 +143,7 @@ def _windows(hf: Mapping[str, Any], where: str, layers: int) -> dict[str, object
 
 
 def differences(model: GptOssConfig) -> dict[str, object]:
-    out = shape_differences(model, {**SHAPE, **({"rope_type": "yarn"} if model.rope_scale_factor != 1.0 else {})})
+    out = shape_differences(model, {**SHAPE, **({"rope.scaling": "yarn"} if model.rope.stretched else {})})
     if model.qkv_bias is not None and model.qkv_bias != model.bias:  # one attention_bias for q, k, v and o
         out["qkv_bias"] = model.bias
     return out
@@ -168,11 +168,9 @@ def locations(model: GptOssConfig) -> dict[str, TensorLocation]:
 
 
 def config(model: GptOssConfig) -> dict[str, object]:
-    out = decoder_config(model)
+    out = decoder_config_json(model)
     del out["rope_scaling"], out["rope_theta"]
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scale_factor != 1.0:
-        rope = yarn_parameters(model)
+    rope = yarn_parameters(model.rope)
     slides = model.sliding_window is not None
     kinds = model.layer_types or [_KINDS[0] if slides else _KINDS[1]] * model.num_layers
     return {

@@ -6,17 +6,17 @@ clamped SwiGLU) are :mod:`polyshard.models.common.moe`'s general options. It spl
 
 from __future__ import annotations
 
+from polyshard.models.decoder import decoder_shape
 from polyshard.models.gpt import model as gpt
 from polyshard.models.gpt_oss.config import GptOssConfig
 from polyshard.models.gpt_oss.hf import GPT_OSS
 from polyshard.models.gpt_oss.presets import PRESETS
 from polyshard.models.moe_gpt import model as moe_gpt
-from polyshard.models.moe_gpt.config import moe_shape
 from polyshard.models.moe_gpt.plan import check, tp_plan
 from polyshard.models.spec import ModelSpec
 
 SPEC = ModelSpec(
-    shape=moe_shape,
+    shape=decoder_shape,
     kind="gpt-oss",
     config=GptOssConfig,
     presets=PRESETS,

@@ -32,7 +32,7 @@ from typing import Any
 
 from polyshard.checkpoint import CheckpointError, TensorLocation
 from polyshard.models.gpt.hf_llama import (
-    decoder_config,
+    decoder_config_json,
     decoder_family,
     decoder_locations,
     decoder_settings,
@@ -137,7 +137,7 @@ def mixtral_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        **decoder_config(model),
+        **decoder_config_json(model),
         "intermediate_size": model.expert_width,
         "num_local_experts": model.moe.num_experts,
         "num_experts_per_tok": model.moe.top_k,
@@ -210,7 +210,7 @@ def qwen_moe_locations(model: MoEGPTConfig) -> dict[str, TensorLocation]:
 
 def _qwen_moe_config(model: MoEGPTConfig) -> dict[str, object]:
     return {
-        **decoder_config(model),
+        **decoder_config_json(model),
         "intermediate_size": model.dense_width,  # the dense blocks' MLP width
         "moe_intermediate_size": model.expert_width,
         "num_experts_per_tok": model.moe.top_k,

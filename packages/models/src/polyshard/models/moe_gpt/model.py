@@ -21,8 +21,9 @@ from polyshard.models.common.attach import AttachLoss
 from polyshard.models.common.moe import MoEConfig, MoELayer
 from polyshard.models.common.mtp import PredictionDepth
 from polyshard.models.config import ModelConfig
+from polyshard.models.decoder import decoder_shape, moe_config
 from polyshard.models.gpt import model as gpt
-from polyshard.models.moe_gpt.config import MoEGPTConfig, moe_config, moe_shape
+from polyshard.models.moe_gpt.config import MoEGPTConfig
 from polyshard.models.moe_gpt.hf import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from polyshard.models.moe_gpt.plan import check, tp_plan
 from polyshard.models.moe_gpt.presets import PRESETS
@@ -81,8 +82,8 @@ def build(config: ModelConfig, options: BuildOptions) -> gpt.GPT:
     """The GPT (or Llama) with every block's MLP an MoE layer of SwiGLU experts (Mixtral's, DeepSeek's),
     with shared experts beside them when ``model.moe.shared_experts`` > 0 (Qwen2-MoE's, DeepSeek's);
     the blocks in ``model.moe.dense_layers`` keep a dense MLP ``model.moe.dense_ffn_hidden`` wide."""
-    config = moe_config(config)
     model = gpt.build(config, options)
+    config = moe_config(config)
     head = cast(gpt.LMHead, model.layers[-1])
     mtp: list[nn.Module] = list(head.mtp.depths) if head.mtp is not None else []
     depths = [cast(PredictionDepth, depth).block for depth in mtp]  # DeepSeek-V3's depths are MoE blocks too
@@ -123,7 +124,7 @@ def routing_summary(model: ModelConfig) -> str:
 
 
 SPEC = ModelSpec(
-    shape=moe_shape,
+    shape=decoder_shape,
     kind="moe-gpt",
     config=MoEGPTConfig,
     presets=PRESETS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from polyshard.mesh import divisors
 from polyshard.models.config import ModelConfig
+from polyshard.models.decoder import grouped_attention, moe_config
 from polyshard.models.errors import ConfigError
 from polyshard.models.gpt import plan as gpt_plan
-from polyshard.models.moe_gpt.config import moe_config
 from polyshard.models.spec import (
     ParallelSizes,
     attention_plan,
@@ -25,10 +25,12 @@ def tp_plan(model: ModelConfig, parallel: ParallelSizes) -> dict[str, object]:
     dense blocks' MLPs. Under sequence parallelism the routed experts run on each tp rank's sequence
     shard (the trainer sums their gradients over tp: polyshard.trainer.engine.builder), and so does the
     shared gate (flagged like a norm)."""
-    model = moe_config(model)
+    attention, model = grouped_attention(model), moe_config(model)
     plan: dict[str, object] = {}
     for i in range(1, model.num_layers + 1):
-        plan |= attention_plan(f"layers.{i}", model, parallel, qk_norm=model.qk_norm, sinks=model.attention_sinks)
+        plan |= attention_plan(
+            f"layers.{i}", model, parallel, qk_norm=attention.qk_norm, sinks=attention.attention_sinks
+        )
         plan |= sequence_plan(f"layers.{i}", parallel.sequence_parallel)  # the norms on a sequence shard
         if not model.sparse_layer(i - 1):
             plan |= mlp_plan(f"layers.{i}", parallel.sequence_parallel, model.activation)

@@ -32,8 +32,8 @@ polyshard (``layers.<i>`` below)  Llama (``model.layers.<j>``, j = i - 1)       
 Llama's q and k need no permutation: polyshard's rotary embedding pairs dims i and i + D/2, as
 ``transformers``' ``rotate_half`` does. ``config.json`` maps to ``[model]`` settings
 (``rms_norm_eps`` -> ``norm_eps``, ``rope_theta`` and Llama 3.1's ``llama3`` rope scaling ->
-``rope_scale_factor``, ``rope_low_freq_factor``, ``rope_high_freq_factor``,
-``rope_original_context``); anything polyshard does not compute (biases, another activation or
+``[model.rope]``'s ``theta``, ``scaling``, ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+``original_context``); anything polyshard does not compute (biases, another activation or
 rope type, a head dim of its own) is refused, naming the key.
 
 Import: :class:`HFSource` opens the folder as a checkpoint source (``polyshard.checkpoint.HFWeights``)

@@ -28,7 +28,7 @@ import torch
 from polyshard.collectives import ops
 from polyshard.models import anatomy
 from polyshard.models.common.moe import MoELayer, Router
-from polyshard.models.moe_gpt.config import moe_config
+from polyshard.models.decoder import moe_config
 from polyshard.trainer.engine.engine import Engine
 from polyshard.trainer.errors import ConfigError
 
