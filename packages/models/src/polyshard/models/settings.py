@@ -1,6 +1,6 @@
 """Reading ``[model]``: the family it names, that family's fields only, each value of its field's type,
-its sub-tables (``[model.moe]``, ``[model.rope]``), and earlier versions' flat spellings (0.2's one
-``[model]`` table for every family, 0.3's ``rope_*`` keys) read with a note naming the new one.
+its sub-tables (``[model.moe]``, ``[model.rope]``), and earlier versions' flat spellings
+(:mod:`polyshard.models.legacy`) read with a note naming the new one.
 
 A run folder's or a checkpoint's saved config (``saved=True``) lists every field 0.2 had, a family's own
 and the others' (at their defaults, or values that family never read): those others are dropped quietly,
@@ -15,53 +15,17 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from polyshard.models.common.moe import LEGACY_NAMES, MoEConfig
+from polyshard.models.common.moe import MoEConfig
 from polyshard.models.common.rotary import RopeConfig
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
+from polyshard.models.legacy import LEGACY_DEFAULTS, LEGACY_KEYS, legacy_rope
 from polyshard.models.registry import SPECS
 
 Note = Callable[[str], None]
 
-# 0.2's one flat [model] section: every field and its default (saved configs hold them all; a family
-# passes over those it does not have).
-LEGACY_DEFAULTS: dict[str, object] = {
-    "vocab_size": 256, "context_length": 64, "num_kv_heads": None, "tie_embeddings": False, "norm": "layer",
-    "activation": "gelu", "positions": "learned", "bias": True, "rope_theta": 10000.0, "rope_scale_factor": 1.0,
-    "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_context": 8192, "mlp_hidden": None,
-    "head_dim": None, "qkv_bias": None, "qk_norm": False, "num_experts": 4, "top_k": 2, "capacity_factor": None,
-    "aux_loss_weight": 0.01, "expert_hidden": None, "router_renormalize": True, "shared_experts": 0,
-    "shared_expert_hidden": None, "shared_expert_gate": False, "router": "softmax", "router_bias_update_rate": 0.0,
-    "router_groups": 1, "router_group_topk": 1, "router_scale": 1.0, "seq_aux_loss_weight": 0.0,
-    "router_z_loss_weight": 0.0, "image_size": 8, "patch_size": 2, "channels": 1, "num_classes": 10,
-    # 0.4 saved DeepSeek's config with the GPT's attention fields it refused, at their defaults.
-    "sliding_window": None, "layer_types": None, "attention_sinks": False,
-}  # fmt: skip
-
 # The sub-tables of [model] (a family holds those its config declares): name -> their settings' class.
 TABLES: dict[str, type] = {"moe": MoEConfig, "rope": RopeConfig}
-
-# 0.3's flat [model] spellings of the rotary settings -> [model.rope] keys (read with a note).
-ROPE_LEGACY_NAMES = {
-    "rope_theta": "theta",
-    "rope_type": "scaling",
-    "rope_scale_factor": "factor",
-    "rope_original_context": "original_context",
-    "rope_low_freq_factor": "low_freq_factor",
-    "rope_high_freq_factor": "high_freq_factor",
-    "rope_beta_fast": "beta_fast",
-    "rope_beta_slow": "beta_slow",
-    "rope_truncate": "truncate",
-    "rope_mscale": "mscale",
-    "rope_mscale_all_dim": "mscale_all_dim",
-    "rope_attention_factor": "attention_factor",
-}
-
-# Every flat spelling an earlier version read -> (its table, its key there).
-LEGACY_KEYS: dict[str, tuple[str, str]] = {
-    **{old: ("moe", new) for old, new in LEGACY_NAMES.items()},
-    **{old: ("rope", new) for old, new in ROPE_LEGACY_NAMES.items()},
-}
 
 # -- values of a declared type -------------------------------------------------------------------------
 _TYPE_WORDS = {
@@ -245,24 +209,11 @@ def _translated(
         else:
             out[key] = value  # named as not a setting of the family by the caller
     if "rope" in legacy:
-        legacy["rope"] = _legacy_rope(legacy["rope"], tables.get("rope", {}), SPECS[kind].config)
+        family = family_default(SPECS[kind].config, "rope")
+        legacy["rope"] = legacy_rope(legacy["rope"], tables.get("rope", {}), family)
     for table, moved in legacy.items():
         tables[table] = {**tables.get(table, {}), **moved}
     return {**out, **{name: table for name, table in tables.items() if table}}
-
-
-def _legacy_rope(rope: dict[str, Any], given: Mapping[str, Any], cls: type) -> dict[str, Any]:
-    """0.3's rotary spellings as ``[model.rope]``: its rope_type (default llama3) only chose the rule when
-    rope_scale_factor was above 1, so a rule named without a factor is dropped, and a factor named without
-    a rule (here or in ``given``, the new table) takes the family's (llama3 where the family has none)."""
-    rope = dict(rope)
-    factor = rope.get("factor", given.get("factor", 1.0))
-    if factor == 1.0:
-        rope.pop("scaling", None)
-    elif "scaling" not in rope and "scaling" not in given:
-        default = family_default(cls, "rope").scaling
-        rope["scaling"] = default if default != "none" else "llama3"
-    return rope
 
 
 def with_folder_settings(values: Mapping[str, Any], folder: Mapping[str, Any]) -> dict[str, Any]:

@@ -37,8 +37,8 @@ class RopeConfig:
       32 / 1, no truncation, original 4096.
 
     A rule with ``factor`` 1 changes nothing (a family may name its rule and leave the factor to a preset).
-    0.3's flat ``[model]`` keys ``rope_theta``, ``rope_scale_factor``, ``rope_type``, ``rope_*`` still read
-    (:mod:`polyshard.models.settings`)."""
+    0.4's flat ``[model]`` keys ``rope_theta``, ``rope_scale_factor``, ``rope_type``, ``rope_*`` still read
+    (:mod:`polyshard.models.legacy`)."""
 
     theta: float = 10000.0
     """Base of the rotary frequencies; Llama 3 uses 500000."""

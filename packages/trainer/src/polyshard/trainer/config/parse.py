@@ -16,6 +16,7 @@ import tomllib
 
 from polyshard.models.errors import check_positive as _check_positive
 from polyshard.models.settings import Note, check_value, declared_type, field_type, model_config, unknown
+from polyshard.trainer.config.legacy import renamed
 from polyshard.trainer.config.sections import SECTIONS, Config
 from polyshard.trainer.errors import ConfigError
 
@@ -90,22 +91,6 @@ def auto_dp(parallel: Mapping[str, Any], world_size: int | None) -> int:
     return world_size // rest
 
 
-# Keys renamed since 0.2, read under their new name with one note: (section, old) -> new.
-RENAMED = {("training", "schedule"): "lr_schedule"}
-
-
-def _renamed(section: str, values: Mapping[str, Any], note: Note | None) -> dict[str, Any]:
-    out = dict(values)
-    for (where, old), new in RENAMED.items():
-        if where == section and old in out:
-            if new in out:
-                raise ConfigError(f"{section}.{old} and {section}.{new} are one setting; keep {section}.{new}")
-            out[new] = out.pop(old)
-            if note is not None:
-                note(f"note: {section}.{old} is now {section}.{new} (read as such)")
-    return out
-
-
 def from_dict(
     raw: Mapping[str, Any], world_size: int | None = None, *, saved: bool = False, note: Note | None = None
 ) -> Config:
@@ -127,7 +112,7 @@ def from_dict(
         if section == "model":  # the family's own fields, read by polyshard.models
             sections[section] = model_config(values, saved=saved, note=note)
             continue
-        values = _renamed(section, values, None if saved else note)
+        values = renamed(section, values, None if saved else note)
         cls = SECTIONS[section]
         known = [f.name for f in dataclasses.fields(cls)]
         for key in values:

@@ -3,7 +3,7 @@ routes, dispatches (through :mod:`polyshard.ep`, over the ep ranks when it is ex
 combines, the balancing losses (over a token group under cp and sequence parallelism), and the
 ``[model.moe]`` settings that configure it (:class:`MoEConfig`, one class for a config and a layer built by hand)."""
 
-from polyshard.models.common.moe.config import ACTIVATIONS, LEGACY_NAMES, MAX_EXPERTS, MoEConfig
+from polyshard.models.common.moe.config import ACTIVATIONS, MAX_EXPERTS, MoEConfig
 from polyshard.models.common.moe.experts import GroupedExperts, grouped_mm
 from polyshard.models.common.moe.layer import MoELayer, MoEMetrics, moe_metrics
 from polyshard.models.common.moe.router import (
@@ -23,7 +23,6 @@ from polyshard.models.errors import MoEConfigError
 
 __all__ = [
     "ACTIVATIONS",
-    "LEGACY_NAMES",
     "MAX_EXPERTS",
     "SCORES",
     "GroupedExperts",

@@ -13,25 +13,6 @@ from polyshard.models.common.moe.router import SCORES
 from polyshard.models.errors import ConfigError, MoEConfigError, check_at_least, check_positive
 
 ACTIVATIONS = ("swiglu", "gelu", "clamped-swiglu")
-# 0.2's flat [model] spellings -> [model.moe] keys (read with a note; run folders and checkpoints hold them).
-LEGACY_NAMES = {
-    "num_experts": "num_experts",
-    "top_k": "top_k",
-    "expert_hidden": "ffn_hidden",
-    "capacity_factor": "capacity_factor",
-    "aux_loss_weight": "aux_loss_coef",
-    "router_z_loss_weight": "z_loss_coef",
-    "seq_aux_loss_weight": "seq_aux_loss_coef",
-    "router_renormalize": "renormalize",
-    "router": "score",
-    "router_groups": "groups",
-    "router_group_topk": "group_topk",
-    "router_scale": "scale",
-    "router_bias_update_rate": "bias_update_rate",
-    "shared_experts": "shared_experts",
-    "shared_expert_hidden": "shared_ffn_hidden",
-    "shared_expert_gate": "shared_gate",
-}
 MAX_EXPERTS = 1 << 16  # model.moe.num_experts at most: open MoEs route among 8 to a few hundred (Kimi K2: 384)
 
 
