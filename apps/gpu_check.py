@@ -73,11 +73,12 @@ def has_compile() -> bool:
 
 
 def run_config(model: dict[str, Any], batch: int, steps: int, data: Path, compiled: bool) -> Config:
-    training = {"steps": steps + 1, "global_batch_size": batch, "precision": "bf16", "eval_every": 0}
-    training |= {"sample_tokens": 0, "warmup_steps": 2, **({"compile": True} if compiled else {})}
+    training = {"steps": steps + 1, "global_batch_size": batch, "precision": "bf16"}
+    training |= {"compile": True} if compiled else {}
     return from_dict(
-        {"model": model, "training": training, "data": {"source": str(data)}, "logging": {"progress_bar": False}}
-    )
+        {"model": model, "training": training, "lr_schedule": {"warmup_steps": 2},
+         "eval": {"every": 0, "sample_tokens": 0}, "data": {"source": str(data)}, "logging": {"progress_bar": False}}
+    )  # fmt: skip
 
 
 class StepTimes(Hook):

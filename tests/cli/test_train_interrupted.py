@@ -25,7 +25,7 @@ def _parsed(args: list[str]):
 
 def test_the_continuing_command_reads_back_as_this_run_resumed(tmp_path):
     args = [
-        CONFIG, "--set", "training.lr=3e-4", "--set", "data.source='two words'", "--nproc", "2", "--compile",
+        CONFIG, "--set", "optimizer.lr=3e-4", "--set", "data.source='two words'", "--nproc", "2", "--compile",
         "--stop-at", "40", "--init-from", str(tmp_path), "--layout", "auto", "--torchrun=--nnodes=1", "--force",
     ]  # fmt: skip
     run = tmp_path / "my run"
@@ -34,7 +34,7 @@ def test_the_continuing_command_reads_back_as_this_run_resumed(tmp_path):
     again = _parsed(shlex.split(shlex.join(command))[2:]).params  # through a shell's quoting and back
     before = _parsed(args).params
     assert again == {**before, "out": run, "resume": True, "init_from": None}  # --resume replaces --init-from
-    assert _parsed(command[2:]).params["overrides"] == ["training.lr=3e-4", "data.source='two words'"]
+    assert _parsed(command[2:]).params["overrides"] == ["optimizer.lr=3e-4", "data.source='two words'"]
 
 
 def test_the_line_names_the_last_checkpoint_or_says_there_is_none(tmp_path):

@@ -31,12 +31,14 @@ def test_segments_mark_one_document_per_row_and_bad_sizes_are_refused():
 
 def test_a_run_on_synthetic_data_reads_its_vocabulary_and_one_row_per_example():
     from polyshard.models.gpt.config import GPTConfig
-    from polyshard.trainer.config import Config, DataConfig, TrainingConfig
+    from polyshard.trainer.config import Config, DataConfig, EvalConfig, LRScheduleConfig, TrainingConfig
     from polyshard.trainer.data import check_language_data, language_data
 
     config = Config(
         model=GPTConfig(vocab_size=50_000, context_length=16),
-        training=TrainingConfig(steps=5, global_batch_size=4, eval_batches=2, warmup_steps=1),
+        training=TrainingConfig(steps=5, global_batch_size=4),
+        lr_schedule=LRScheduleConfig(warmup_steps=1),
+        eval=EvalConfig(batches=2),
         data=DataConfig(source="synthetic"),
     )
     check_language_data(config)  # no file, no cache: nothing to prepare

@@ -82,7 +82,7 @@ TRIGGERS: dict[str, Callable[[Path], list[str]]] = {
     ],
 }
 # A run of the tiny GPT whose weights blow up at the first step: three non-finite steps stop it.
-NONFINITE = ["--set", "parallel.dp=1", "--set", "training.lr=1e30", "--set", "training.steps=10"]
+NONFINITE = ["--set", "parallel.dp=1", "--set", "optimizer.lr=1e30", "--set", "training.steps=10"]
 # heading prefix -> the test file that makes the job print it and calls assert_page_quotes itself
 SYSTEM = {"communication failure": ROOT / "tests" / "reliability" / "test_lifetime.py"}
 

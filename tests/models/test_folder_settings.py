@@ -48,7 +48,7 @@ def folders(tmp_path_factory):
 def _train(tmp_path, corpus, folder, model_toml="", *more):
     from polyshard.cli.main import app
 
-    toml = model_toml + "[training]\nsteps = 2\nglobal_batch_size = 4\neval_every = 0\nsample_tokens = 0\n"
+    toml = model_toml + "[training]\nsteps = 2\nglobal_batch_size = 4\n[eval]\nevery = 0\nsample_tokens = 0\n"
     toml += f"[data]\nsource = {json.dumps(corpus)}\n[logging]\nprogress_bar = false\n"
     (tmp_path / "c.toml").write_text(toml)
     args = ["train", str(tmp_path / "c.toml"), "--out", str(tmp_path / "run"), "--init-from", f"hf:{folder}", *more]

@@ -25,7 +25,8 @@ def _config(**parallel):
         {
             "model": MODEL,
             "parallel": parallel,
-            "training": {"global_batch_size": ROWS, "weight_decay": 0.1},
+            "training": {"global_batch_size": ROWS},
+            "optimizer": {"weight_decay": 0.1},
             "data": {"document_mask": True},
         }
     )

@@ -60,7 +60,8 @@ def _config(folder: Path, corpus: str, **parallel):
         {
             "model": model_settings(folder),
             "parallel": parallel,
-            "training": {"steps": 3, "global_batch_size": 4, "eval_every": 0},
+            "training": {"steps": 3, "global_batch_size": 4},
+            "eval": {"every": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }
@@ -154,7 +155,7 @@ def test_train_then_export_loads_in_transformers(gpt2, corpus, tmp_path):
 
     settings = model_settings(gpt2)
     toml = "[model]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
-    toml += "[parallel]\ndp = 2\ntp = 2\n[training]\nsteps = 3\nglobal_batch_size = 4\neval_every = 0\n"
+    toml += "[parallel]\ndp = 2\ntp = 2\n[training]\nsteps = 3\nglobal_batch_size = 4\n[eval]\nevery = 0\n"
     toml += f"sample_tokens = 0\n[data]\nsource = {json.dumps(corpus)}\n"
     (tmp_path / "c.toml").write_text(toml)
     polyshard = [sys.executable, "-m", "polyshard.cli.main"]
@@ -401,7 +402,8 @@ def test_checkpoint_hf_every_writes_folders_transformers_loads(distributed, gpt2
     base = _config(gpt2, corpus, dp=2)
     config = dataclasses.replace(
         base,
-        training=dataclasses.replace(base.training, steps=4, sample_tokens=0),
+        training=dataclasses.replace(base.training, steps=4),
+        eval=dataclasses.replace(base.eval, sample_tokens=0),
         checkpoint=dataclasses.replace(base.checkpoint, every=2, hf_every=2, keep=4),
     )
     distributed.run(2, _train_with_hf_folders, config, str(tmp_path / "run"))

@@ -76,7 +76,8 @@ def _config(folder, corpus, **parallel):
         {
             "model": model_settings(folder),
             "parallel": parallel,
-            "training": {"steps": 3, "global_batch_size": 4, "eval_every": 0, "sample_tokens": 0},
+            "training": {"steps": 3, "global_batch_size": 4},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -63,10 +63,12 @@ def _config(kind="gpt", depth=2, tie=False, weight=0.3, training=None, **paralle
             "training": {
                 "steps": STEPS,
                 "global_batch_size": ROWS,
-                "grad_clip": 0.0,
-                "weight_decay": 2.0,
                 "mtp_loss_weight": weight,
                 **(training or {}),
+            },
+            "optimizer": {
+                "grad_clip": 0.0,
+                "weight_decay": 2.0,
             },
         }
     )
@@ -132,10 +134,10 @@ def _reference(config, documents=False):
     model = build_model(config.model, seed=config.training.seed)
     named = dict(model.named_parameters())
     groups = [
-        {"params": [p for n, p in named.items() if decays(n, p)], "weight_decay": config.training.weight_decay},
+        {"params": [p for n, p in named.items() if decays(n, p)], "weight_decay": config.optimizer.weight_decay},
         {"params": [p for n, p in named.items() if not decays(n, p)], "weight_decay": 0.0},
     ]
-    t = config.training
+    t = config.optimizer
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=(t.beta1, t.beta2), foreach=False)
     inputs, targets, segments = _batch(documents)
     losses, grads = [], None
@@ -297,7 +299,8 @@ def test_depths_added_to_a_model_trained_without_them_start_as_built(distributed
         return from_dict(
             {
                 "model": {**_config(depth=depth).model.__dict__, "vocab_size": 260},
-                "training": {"steps": 1, "global_batch_size": 2, "eval_every": 0, "sample_tokens": 0},
+                "training": {"steps": 1, "global_batch_size": 2},
+                "eval": {"every": 0, "sample_tokens": 0},
                 "data": {"source": corpus},
                 "logging": {"progress_bar": False},
             }

@@ -68,7 +68,8 @@ def test_a_planned_run_logs_predicted_against_measured(distributed, corpus, tmp_
         {
             "model": {"preset": "tiny"},
             "parallel": {"dp": 2, "zero_stage": 1},
-            "training": {"steps": 5, "global_batch_size": 8, "eval_every": 0, "sample_tokens": 0},
+            "training": {"steps": 5, "global_batch_size": 8},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False, "every": 10},
         }

@@ -104,15 +104,16 @@ def test_a_tied_head_weighs_in_the_pipeline_split():
 def test_the_dry_run_draws_the_learning_rate_schedule():
     from polyshard.planner.dry_run import lr_plot
 
-    wsd = from_dict({"training": {"steps": 100, "warmup_steps": 10, "lr_schedule": "wsd", "decay_fraction": 0.2}})
-    plot = lr_plot(wsd.training, width=50, height=4)
+    schedule = {"warmup_steps": 10, "name": "wsd", "decay_fraction": 0.2}
+    wsd = from_dict({"training": {"steps": 100}, "lr_schedule": schedule})
+    plot = lr_plot(wsd, width=50, height=4)
     assert plot[0].startswith("learning rate (wsd, decay over the last 20 steps, linear; 10 warmup steps")
     top, bottom = plot[1][3:], plot[4][3:]  # after "  |"
     # Two steps a column: warmup fills the first five columns gradually, the stable part (steps 11-80,
     # columns 5-39) reaches the top, the decay (columns 40-49) falls to min_lr = lr / 10.
     assert top[5:40] == "#" * 35 and top[:2] == "  " and top[-3:] == "   "
     assert bottom[5:-1] == "#" * 44 and bottom[-1] == " "  # the last column: mean 0.1225 lr, below 1/8 of lr
-    assert describe(wsd).endswith("\n".join(plot[:1] + lr_plot(wsd.training)[1:]))
+    assert describe(wsd).endswith("\n".join(plot[:1] + lr_plot(wsd)[1:]))
 
 
 def test_the_planner_weighs_context_parallelism_for_moe_models():

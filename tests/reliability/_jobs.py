@@ -15,11 +15,11 @@ CONFIG = ROOT / "apps/configs/gpt-tiny-dp.toml"
 POLYSHARD = [sys.executable, "-m", "polyshard.cli.main"]
 # 8 steps of the tiny GPT on dp=2, a checkpoint every 2 steps (all kept), nothing else.
 SHORT = [
-    *("--set", "training.steps=8", "--set", "training.eval_every=0", "--set", "training.sample_tokens=0"),
+    *("--set", "training.steps=8", "--set", "eval.every=0", "--set", "eval.sample_tokens=0"),
     *("--set", "checkpoint.every=2", "--set", "checkpoint.keep=10", "--set", "logging.every=1"),
 ]
 # Long enough to be interrupted: the run is stopped long before it ends.
-LONG = ["--set", "training.steps=100000", "--set", "training.eval_every=0", "--set", "checkpoint.every=2"]
+LONG = ["--set", "training.steps=100000", "--set", "eval.every=0", "--set", "checkpoint.every=2"]
 
 
 def train(out: Path, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -20,8 +20,8 @@ from polyshard.cli.launch import free_port
 from tests.reliability._jobs import CONFIG, POLYSHARD, kill_all, wait_for
 
 JOB = [
-    *("--set", "parallel.dp=auto", "--set", "training.steps=12", "--set", "training.eval_every=0"),
-    *("--set", "training.sample_tokens=0", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=10"),
+    *("--set", "parallel.dp=auto", "--set", "training.steps=12", "--set", "eval.every=0"),
+    *("--set", "eval.sample_tokens=0", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=10"),
     *("--set", "parallel.timeout_s=20"),
 ]
 

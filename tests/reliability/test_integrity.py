@@ -24,7 +24,8 @@ def _config(corpus, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
             "parallel": parallel,
-            "training": {"steps": 4, "global_batch_size": 6, "eval_every": 0},
+            "training": {"steps": 4, "global_batch_size": 6},
+            "eval": {"every": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

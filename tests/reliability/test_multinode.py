@@ -16,7 +16,7 @@ from tests.reliability._jobs import POLYSHARD, ROOT, job_processes, listening_ad
 CONFIG = ROOT / "apps/configs/gpt-tiny-tp.toml"
 JOB = [
     *("--set", "parallel.dp=2", "--set", "parallel.tp=2", "--set", "training.steps=4"),
-    *("--set", "training.eval_every=0", "--set", "training.sample_tokens=0"),
+    *("--set", "eval.every=0", "--set", "eval.sample_tokens=0"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""training.adamw_impl (torch's AdamW kernels) and training.weight_decay_params ("matrices" or "all").
+"""optimizer.adamw_impl (torch's AdamW kernels) and optimizer.weight_decay_params ("matrices" or "all").
 
 A layout with either setting matches one process training with a plain ``torch.optim.AdamW`` built with
 the same choice (one process, no ZeRO: the trainer steps torch's AdamW itself).
@@ -71,8 +71,8 @@ def test_all_decays_every_parameter_and_matrices_only_the_blocks_and_head():
     named = [("layers.0.tok.weight", torch.nn.Parameter(torch.ones(4, 2))),
              ("layers.1.norm1.weight", torch.nn.Parameter(torch.ones(2))),
              ("layers.1.attn.q_proj.weight", torch.nn.Parameter(torch.ones(2, 2)))]  # fmt: skip
-    train_all = from_dict({"training": {"weight_decay_params": "all"}}).training
-    train_matrices = from_dict({}).training
+    train_all = from_dict({"optimizer": {"weight_decay_params": "all"}}).optimizer
+    train_matrices = from_dict({}).optimizer
     assert [len(g["params"]) for g in param_groups(named, 0.1, decay_rule(train_all, decays))] == [3, 0]
     assert [len(g["params"]) for g in param_groups(named, 0.1, decay_rule(train_matrices, decays))] == [1, 2]
     assert set(ADAMW_KERNELS) == {"auto", "foreach", "fused", "for-loop"}

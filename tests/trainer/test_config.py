@@ -16,7 +16,7 @@ def test_toml_file_with_overrides(tmp_path):
     path.write_text('[model]\npreset = "tiny"\nnum_layers = 2\n[parallel]\ndp = 2\ntp = 2\n[training]\nlr = 1e-3\n')
     config = load_config(path, ["training.lr=3e-4", "parallel.sequence_parallel=true", "data.source=shakespeare"])
     assert config.model.hidden == 64 and config.model.num_layers == 2  # preset, then the explicit key
-    assert config.training.lr == 3e-4 and config.parallel.sequence_parallel is True
+    assert config.optimizer.lr == 3e-4 and config.parallel.sequence_parallel is True
     assert config.data.source == "shakespeare" and config.parallel.world_size == 4
     validate(config, world_size=4)
 
@@ -40,10 +40,17 @@ def test_defaults_are_valid():
         ({"parallel": {"virtual_stages": 2}}, "needs parallel.schedule='interleaved'"),
         ({"parallel": {"schedule": "zb-v"}}, "two stages on each pipeline rank .a V.; set parallel.virtual_stages=2"),
         ({"training": {"precision": "fp8"}}, "choose one of \\['fp32', 'bf16'\\]"),
-        ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "min_lr"),
-        ({"training": {"optimizer": "sgd"}}, "training.optimizer='sgd'; choose one of \\['adamw', 'muon'\\]"),
-        ({"training": {"muon_momentum": 1.0}}, "training.muon_momentum=1.0 must be in \\[0, 1\\)"),
-        ({"training": {"muon_ns_steps": 0}}, "training.muon_ns_steps=0 must be an integer >= 1"),
+        (
+            {"optimizer": {"lr": 1e-4}, "lr_schedule": {"min_lr": 1e-3}},
+            "need lr_schedule.min_lr .0.001. <= optimizer.lr",
+        ),
+        ({"optimizer": {"name": "sgd"}}, "optimizer.name='sgd'; choose one of \\['adamw', 'muon'\\]"),
+        ({"optimizer": {"muon_momentum": 1.0}}, "optimizer.muon_momentum=1.0 must be in \\[0, 1\\)"),
+        ({"optimizer": {"muon_ns_steps": 0}}, "optimizer.muon_ns_steps=0 must be an integer >= 1"),
+        # Up to 0.4 these keys were [training]'s: they still read, and an error names today's field.
+        ({"training": {"optimizer": "sgd"}}, "optimizer.name='sgd'; choose one of"),
+        ({"training": {"lr": 1e-3}, "optimizer": {"lr": 1e-4}}, "training.lr and optimizer.lr are one setting"),
+        ({"training": {"lr": 1e-4, "min_lr": 1e-3}}, "need lr_schedule.min_lr .0.001. <= optimizer.lr"),
         ({"data": {"val_fraction": 1.5}}, "strictly between 0 and 1"),
         ({"parallel": {"stage_layers": [2, 0]}}, "must be a list of layer counts >= 1"),
         ({"model": {"norm_eps": 0}}, "model.norm_eps=0.0 must be in \\(0, 1\\)"),
@@ -172,15 +179,16 @@ def test_override_syntax_errors(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ('training.lr="fast"', r"training.lr='fast' must be a finite number"),
-        ("training.lr=fast", r"training.lr='fast' must be a finite number"),
-        ("training.lr=nan", r"training.lr=nan must be a finite number"),
-        ("training.lr=inf", r"training.lr=inf must be a finite number"),
-        ("training.grad_clip=nan", r"training.grad_clip=nan must be a finite number"),
-        ("training.weight_decay=-1", r"training.weight_decay=-1.0 must be >= 0"),
-        ("training.warmup_steps=1.5", r"training.warmup_steps=1.5 must be an integer"),
-        ("training.beta1=1.5", r"training.beta1=1.5 must be in \[0, 1\)"),
-        ("training.eval_batches=-1", r"training.eval_batches=-1 must be >= 0"),
+        ('optimizer.lr="fast"', r"optimizer.lr='fast' must be a finite number"),
+        ("optimizer.lr=fast", r"optimizer.lr='fast' must be a finite number"),
+        ("training.lr=fast", r"optimizer.lr='fast' must be a finite number"),  # 0.4's spelling, today's name
+        ("optimizer.lr=nan", r"optimizer.lr=nan must be a finite number"),
+        ("optimizer.lr=inf", r"optimizer.lr=inf must be a finite number"),
+        ("optimizer.grad_clip=nan", r"optimizer.grad_clip=nan must be a finite number"),
+        ("optimizer.weight_decay=-1", r"optimizer.weight_decay=-1.0 must be >= 0"),
+        ("lr_schedule.warmup_steps=1.5", r"lr_schedule.warmup_steps=1.5 must be an integer"),
+        ("optimizer.beta1=1.5", r"optimizer.beta1=1.5 must be in \[0, 1\)"),
+        ("eval.batches=-1", r"eval.batches=-1 must be >= 0"),
         ("logging.every=0", r"logging.every=0 must be an integer >= 1"),
         (("model.kind=moe-gpt", "model.moe.capacity_factor=-1"), r"capacity_factor=-1.0 must be > 0"),
         (("model.kind=vit", "model.patch_size=0"), r"model.patch_size=0 must be an integer >= 1"),
@@ -202,8 +210,8 @@ def test_overrides_parse_with_the_fields_type():
     for text, expected in [("False", False), ("false", False), ("0", False), ("True", True), ("1", True)]:
         config = load_config(None, [f"model.tie_embeddings={text}", f"data.shuffle={text}"])
         assert config.model.tie_embeddings is expected and config.data.shuffle is expected
-    assert load_config(None, ["training.lr=1"]).training.lr == 1.0 and isinstance(
-        load_config(None, ["training.lr=1"]).training.lr, float
+    assert load_config(None, ["training.lr=1"]).optimizer.lr == 1.0 and isinstance(
+        load_config(None, ["training.lr=1"]).optimizer.lr, float
     )
 
 

@@ -36,7 +36,9 @@ def _config(corpus, document_mask=True, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 32},
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "eval_every": STEPS, "sample_tokens": 0, "lr": 3e-3},
+            "training": {"steps": STEPS, "global_batch_size": 8},
+            "optimizer": {"lr": 3e-3},
+            "eval": {"every": STEPS, "sample_tokens": 0},
             "data": {"source": corpus, "document_mask": document_mask},
             "logging": {"progress_bar": False},
         }

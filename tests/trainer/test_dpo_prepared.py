@@ -83,10 +83,12 @@ def _config(source, tokenizer_folder, task="dpo", **data):
             "training": {
                 "steps": 2,
                 "global_batch_size": 4,
-                "eval_every": 0,
-                "sample_tokens": 0,
                 **({"task": task} if task else {}),
-            },  # fmt: skip
+            },  # fmt: skip,
+            "eval": {
+                "every": 0,
+                "sample_tokens": 0,
+            },
             "data": {"source": str(source), "tokenizer": str(tokenizer_folder), "val_fraction": 0.1, **data},
         }
     )

@@ -74,8 +74,12 @@ def _ours(folder, train, val, out, parallel):
             "parallel": parallel,
             "training": {
                 "task": "dpo", "steps": STEPS, "global_batch_size": PAIRS_PER_STEP, "lr": LR, "min_lr": LR,
-                "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "beta2": 0.999,
+            },
+            "optimizer": {
                 "grad_clip": 1.0, "eval_every": 0, "sample_tokens": 0,
+            },
+            "lr_schedule": {
+                "name": "constant", "warmup_steps": 0, "weight_decay": 0.0, "beta2": 0.999,
             },
             "dpo": {"beta": BETA},
             "data": {"source": str(train), "val_source": str(val), "shuffle": False},

@@ -462,9 +462,12 @@ def test_a_diverging_run_stops_and_writes_no_non_finite_checkpoint(distributed, 
     from polyshard.trainer.checkpointing.run_export import consolidate
 
     config = _config(corpus, dp=2)
-    training = dataclasses.replace(config.training, lr=1e30, min_lr=0.0, warmup_steps=0, steps=8)
     config = dataclasses.replace(
-        config, training=training, checkpoint=dataclasses.replace(config.checkpoint, every=1, keep=8)
+        config,
+        training=dataclasses.replace(config.training, steps=8),
+        optimizer=dataclasses.replace(config.optimizer, lr=1e30),
+        lr_schedule=dataclasses.replace(config.lr_schedule, min_lr=0.0, warmup_steps=0),
+        checkpoint=dataclasses.replace(config.checkpoint, every=1, keep=8),
     )
     errors = distributed.run(2, _diverging, config, tmp_path)
     assert errors[0] is not None and errors[0] == errors[1]  # every rank stopped at the same step

@@ -33,7 +33,8 @@ def _config(corpus, **parallel):
         {
             "model": {**model, "context_length": 16, "vocab_size": VOCAB},
             "parallel": parallel,
-            "training": {"steps": 1, "global_batch_size": 4, "eval_every": 0},
+            "training": {"steps": 1, "global_batch_size": 4},
+            "eval": {"every": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -271,9 +271,15 @@ def _config(path, packing=False, **parallel):
             "training": {
                 "steps": STEPS,
                 "global_batch_size": 8,
-                "warmup_steps": 2,
+            },
+            "optimizer": {
                 "lr": 3e-3,
-                "eval_every": STEPS,
+            },
+            "lr_schedule": {
+                "warmup_steps": 2,
+            },
+            "eval": {
+                "every": STEPS,
                 "sample_tokens": 0,
             },
             "data": {"source": path, "packing": packing, "val_fraction": 0.2},

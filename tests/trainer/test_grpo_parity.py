@@ -62,11 +62,17 @@ def _config(prompts, beta=0.0, iterations=1, loss_type="dapo", **parallel):
             "training": {
                 "steps": STEPS,
                 "global_batch_size": 4,  # prompts: 16 completions a step
-                "warmup_steps": 1,
-                "eval_every": 0,
-                "sample_tokens": 0,
-                "weight_decay": 2.0,
                 "task": "grpo",
+            },
+            "optimizer": {
+                "weight_decay": 2.0,
+            },
+            "lr_schedule": {
+                "warmup_steps": 1,
+            },
+            "eval": {
+                "every": 0,
+                "sample_tokens": 0,
             },
             "grpo": {
                 "generations": 4,

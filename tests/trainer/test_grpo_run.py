@@ -82,7 +82,8 @@ def test_a_reward_that_raises_names_the_step_and_keeps_the_last_checkpoint(distr
     config = from_dict(
         {
             "model": {"kind": "gpt", "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 8},
-            "training": {"task": "grpo", "steps": 4, "global_batch_size": 2, "eval_every": 0, "sample_tokens": 0},
+            "training": {"task": "grpo", "steps": 4, "global_batch_size": 2},
+            "eval": {"every": 0, "sample_tokens": 0},
             "grpo": {
                 "generations": 2,
                 "max_completion_length": 4,

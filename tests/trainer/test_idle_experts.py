@@ -1,4 +1,4 @@
-"""An expert that no rank routed a token to, under both rules of ``training.idle_experts``.
+"""An expert that no rank routed a token to, under both rules of ``optimizer.idle_experts``.
 
 The router of every MoE layer is made to avoid expert 0 from the second step
 on, so expert 0 has AdamW momentum from step 1 and weight decay to apply.
@@ -53,14 +53,10 @@ def _config(corpus, idle_experts="skip", plain=False, bias=False, **parallel):
                 "bias": bias and not plain,
             },
             "parallel": parallel,
-            "training": {
-                "steps": STEPS,
-                "global_batch_size": 8,
-                "warmup_steps": 1,
-                "eval_every": 0,
-                "idle_experts": idle_experts,
-                **training,
-            },  # fmt: skip
+            "training": {"steps": STEPS, "global_batch_size": 8, **training},
+            "optimizer": {"idle_experts": idle_experts},
+            "lr_schedule": {"warmup_steps": 1},
+            "eval": {"every": 0},  # fmt: skip
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }
@@ -233,7 +229,7 @@ def _plain(config, initial):
     stacked = {n: p for n, p in model.named_parameters() if ".experts." in n}  # (E, ...)
     per_expert = {n: [torch.nn.Parameter(p.detach()[e].clone()) for e in range(p.shape[0])] for n, p in stacked.items()}
     others = [p for n, p in model.named_parameters() if n not in stacked]
-    train = config.training
+    train = config.optimizer
     params = others + [q for rows in per_expert.values() for q in rows]
     optimizer = torch.optim.AdamW(
         params, lr=1e-2, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay, foreach=False
@@ -315,6 +311,6 @@ def test_stepping_idle_experts_matches_a_plain_adamw_under_zero(distributed, cor
 def test_the_rule_is_checked():
     from polyshard.trainer.errors import ConfigError
 
-    assert from_dict({}).training.idle_experts == "step"
-    with pytest.raises(ConfigError, match="training.idle_experts"):
-        from_dict({"training": {"idle_experts": "freeze"}})
+    assert from_dict({}).optimizer.idle_experts == "step"
+    with pytest.raises(ConfigError, match="optimizer.idle_experts"):
+        from_dict({"optimizer": {"idle_experts": "freeze"}})

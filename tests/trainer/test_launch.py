@@ -53,9 +53,9 @@ def test_a_mistake_is_named_before_anything_is_written(corpus, tmp_path):
 
 def test_settings_are_read_once_with_overrides_typed_by_field(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[model]\npreset = "tiny"\n[training]\nlr = 1e-3\n')
-    settings = read_settings(path, ["training.lr=3e-4", "model.tie_embeddings=False"])
-    assert settings["training"]["lr"] == 3e-4 and settings["model"]["tie_embeddings"] is False
+    path.write_text('[model]\npreset = "tiny"\n[optimizer]\nlr = 1e-3\n')
+    settings = read_settings(path, ["optimizer.lr=3e-4", "model.tie_embeddings=False"])
+    assert settings["optimizer"]["lr"] == 3e-4 and settings["model"]["tie_embeddings"] is False
     (tmp_path / "broken.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="broken.json: the run's resolved config is not a table"):
         read_resolved(tmp_path / "broken.json")

@@ -142,7 +142,10 @@ def run(distributed, corpus, tmp_path_factory):
     config = from_dict(
         {
             "model": {**model, "context_length": 32, "vocab_size": 301},  # odd: tp2 pads the head to 302 columns
-            "training": {"steps": 40, "global_batch_size": 8, "lr": 1e-2, "warmup_steps": 4, "eval_every": 0},
+            "training": {"steps": 40, "global_batch_size": 8},
+            "optimizer": {"lr": 1e-2},
+            "lr_schedule": {"warmup_steps": 4},
+            "eval": {"every": 0},
             "data": {"source": corpus, "tokenizer": str(bpe)},
             "logging": {"progress_bar": False},
         }

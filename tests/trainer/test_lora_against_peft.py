@@ -76,11 +76,17 @@ def _config(base, corpus, adapters, family, **parallel):
             "training": {
                 "steps": STEPS,
                 "global_batch_size": 4,
+            },
+            "optimizer": {
                 "lr": LR,
+                "weight_decay": 0.1,
+            },
+            "lr_schedule": {
                 "min_lr": LR / 10,
                 "warmup_steps": 1,
-                "weight_decay": 0.1,
-                "eval_every": 0,
+            },
+            "eval": {
+                "every": 0,
                 "sample_tokens": 0,
             },
             "data": {"source": corpus},
@@ -111,11 +117,11 @@ def _peft(config, base, adapters):
         transformers.AutoModelForCausalLM.from_pretrained(base), adapters, is_trainable=True
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    settings = config.training
+    settings = config.optimizer
     optimizer = torch.optim.AdamW(
         params, lr=LR, betas=(settings.beta1, settings.beta2), eps=1e-8, weight_decay=settings.weight_decay
     )
-    learning_rate = schedule_of(settings)
+    learning_rate = schedule_of(config)
     losses = []
     for step in range(STEPS):
         inputs, labels = split_batch(config, train_data.next_batch())

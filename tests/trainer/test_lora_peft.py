@@ -42,7 +42,9 @@ def _config(folder, corpus, init=None, **parallel):
         {
             "model": model_settings(folder),
             "parallel": parallel,
-            "training": {"steps": 3, "global_batch_size": 4, "eval_every": 0, "sample_tokens": 0, "lr": 1e-2},
+            "training": {"steps": 3, "global_batch_size": 4},
+            "optimizer": {"lr": 1e-2},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
             "lora": lora,

@@ -21,7 +21,8 @@ def _config(corpus, peak_tflops=None, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "eval_every": 0, "sample_tokens": 0},
+            "training": {"steps": STEPS, "global_batch_size": 8},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False, "peak_tflops": peak_tflops},
         }

@@ -105,7 +105,7 @@ def _run(config):
     torch.manual_seed(config.training.seed)
     engine = build_engine(config, mesh)
     train_data, _ = make_loaders(config, mesh)
-    lr = schedule_of(config.training)
+    lr = schedule_of(config)
     losses, norms, biases = [], [], []
     for step in range(STEPS):
         measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=lr(step))
@@ -264,7 +264,7 @@ def _balance_curve(config, skew, steps=BALANCE_STEPS):
     train_data, _ = make_loaders(config, mesh)
     curve = []
     for _ in range(steps):
-        measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=config.training.lr)
+        measured = train_step(engine, *split_batch(config, train_data.next_batch()), lr=config.optimizer.lr)
         curve.append(max(load.max_over_mean for load in measured.expert_load.values()))
     return curve
 

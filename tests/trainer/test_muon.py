@@ -1,4 +1,4 @@
-"""Muon (`training.optimizer = "muon"`): every layout against one process stepping a Muon written here.
+"""Muon (`optimizer.name = "muon"`): every layout against one process stepping a Muon written here.
 
 The reference below is the textbook algorithm on whole tensors, in plain loops (Keller Jordan's
 Newton-Schulz, Moonlight's 0.2 * sqrt(max(m, n)) scale), with torch's AdamW for the rest. Layouts run
@@ -43,11 +43,17 @@ def _config(corpus, kind="gpt", llama=False, **parallel):
             "training": {
                 "steps": STEPS,
                 "global_batch_size": 12,  # divides over 1, 2, 3 and 4 data ranks
-                "warmup_steps": 2,
+            },
+            "optimizer": {
                 "lr": 3e-3,
-                "eval_every": 0,
+                "name": "muon",
+            },
+            "lr_schedule": {
+                "warmup_steps": 2,
+            },
+            "eval": {
+                "every": 0,
                 "sample_tokens": 0,
-                "optimizer": "muon",
             },
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
@@ -134,8 +140,8 @@ def _reference(config):
     names = engine.global_names(0)
     named = [(names[n], p) for n, p in engine.stages[0].named_parameters()]
     initial = {n: p.detach().clone() for n, p in named}
-    engine.optimizers[:] = [PlainMuon(named, config.training.weight_decay)]
-    schedule = schedule_of(config.training)
+    engine.optimizers[:] = [PlainMuon(named, config.optimizer.weight_decay)]
+    schedule = schedule_of(config)
     data, _ = make_loaders(config, mesh)
     losses = [train_step(engine, *split_batch(config, data.next_batch()), lr=schedule(s)).loss for s in range(STEPS)]
     return losses, {n: p.detach().clone() for n, p in named}, initial
@@ -292,7 +298,11 @@ def test_momentum_reshards_and_training_continues(distributed, corpus, tmp_path,
 def _resume_with_the_other_optimizer(config, out):
     from polyshard.checkpoint import CheckpointError
 
-    adamw = dataclasses.replace(config, training=dataclasses.replace(config.training, optimizer="adamw", stop_at=2))
+    adamw = dataclasses.replace(
+        config,
+        training=dataclasses.replace(config.training, stop_at=2),
+        optimizer=dataclasses.replace(config.optimizer, name="adamw"),
+    )
     mesh = Mesh(config.parallel.mesh_axes)
     train(adamw, mesh, out, log=False)
     try:
@@ -304,7 +314,7 @@ def _resume_with_the_other_optimizer(config, out):
 
 def test_a_checkpoint_of_the_other_optimizer_is_refused(distributed, corpus, tmp_path):
     message = distributed.run(1, _resume_with_the_other_optimizer, _config(corpus), tmp_path)[0]
-    assert message is not None and "training.optimizer='muon' keeps ['momentum_buffer']" in message
+    assert message is not None and "optimizer.name='muon' keeps ['momentum_buffer']" in message
     assert "['exp_avg', 'exp_avg_sq', 'step']" in message
     # The launcher refuses it before any process starts, from the checkpoint's index alone.
     from polyshard.checkpoint import CheckpointError
@@ -313,6 +323,6 @@ def test_a_checkpoint_of_the_other_optimizer_is_refused(distributed, corpus, tmp
     settings = dataclasses.asdict(_config(corpus))
     with pytest.raises(
         CheckpointError,
-        match=r"optimizer='adamw', but this run sets 'muon'; resume with --set training.optimizer=adamw",
+        match=r"optimizer.name='adamw', but this run sets 'muon'; resume with --set optimizer.name=adamw",
     ):
         prepare_launch(settings, out=tmp_path, nproc=1, resume=True)

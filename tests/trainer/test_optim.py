@@ -47,8 +47,9 @@ def test_every_schedule_equals_its_closed_form_at_every_step(kind, shape):
     from polyshard.trainer.config import from_dict
     from polyshard.trainer.engine.schedule import schedule_of
 
-    train = {"lr": 2.0, "min_lr": 0.5, "warmup_steps": 3, "steps": 20, "schedule": kind, "decay_fraction": 0.25}
-    schedule = schedule_of(from_dict({"training": {**train, "decay_shape": shape}}).training)
+    chosen = {"min_lr": 0.5, "warmup_steps": 3, "name": kind, "decay_fraction": 0.25, "decay_shape": shape}
+    config = {"training": {"steps": 20}, "optimizer": {"lr": 2.0}, "lr_schedule": chosen}
+    schedule = schedule_of(from_dict(config))
     values = [schedule(step) for step in range(20)]
     # The same arithmetic in another order: equal to the last bits or a few ulps.
     assert values == pytest.approx([_reference(step, kind, shape) for step in range(20)], rel=1e-15, abs=0)
@@ -59,8 +60,8 @@ def test_every_schedule_equals_its_closed_form_at_every_step(kind, shape):
 @pytest.mark.parametrize(
     "training, message",
     [
-        ({"lr_schedule": "step"}, "training.lr_schedule='step'; choose one of"),
-        ({"decay_shape": "exp"}, "training.decay_shape='exp'; choose one of"),
+        ({"lr_schedule": "step"}, "lr_schedule.name='step'; choose one of"),
+        ({"decay_shape": "exp"}, "lr_schedule.decay_shape='exp'; choose one of"),
         ({"decay_fraction": 0.0}, "decay_fraction=0.0 must be in \\(0, 1\\]"),
         ({"lr_schedule": "wsd", "steps": 10, "warmup_steps": 9, "decay_fraction": 0.2}, "overlaps the decay"),
     ],

@@ -18,7 +18,8 @@ def _config(corpus, steps=3, parallel=None, logging=None):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
             "parallel": parallel or {},
-            "training": {"steps": steps, "global_batch_size": 8, "eval_every": 0, "sample_tokens": 0},
+            "training": {"steps": steps, "global_batch_size": 8},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False, **(logging or {})},
         }

@@ -82,9 +82,13 @@ def _config(
             "training": {
                 "steps": STEPS,
                 "global_batch_size": 8,
-                "warmup_steps": 1,
-                "eval_every": 0,
                 "precision": precision,
+            },
+            "lr_schedule": {
+                "warmup_steps": 1,
+            },
+            "eval": {
+                "every": 0,
                 "sample_tokens": 0,
             },
             "data": {"source": corpus},
@@ -413,7 +417,7 @@ def test_reshard_command(trained, tmp_path):
     for args, message in [
         (["--mesh", "tp=3"], "parallel.tp=3 does not divide"),
         (["--mesh", "xp=2"], "write axis=size"),
-        (["--mesh", "dp=2", "--set", "training.lr=1"], "parallel.<key>=<value> only"),
+        (["--mesh", "dp=2", "--set", "optimizer.lr=1"], "parallel.<key>=<value> only"),
     ]:
         bad = subprocess.run(polyshard + [str(src), str(tmp_path / "bad"), *args], capture_output=True, text=True)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
@@ -422,10 +426,13 @@ def test_reshard_command(trained, tmp_path):
 
 def _wsd(corpus, **training):
     config = _config(corpus, dp=2)
-    wsd = {"steps": 6, "lr_schedule": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
+    wsd = {"name": "wsd", "decay_fraction": 0.5, "decay_shape": "sqrt"}  # decays over steps 4-6
     logging = dataclasses.replace(config.logging, every=1)
     return dataclasses.replace(
-        config, training=dataclasses.replace(config.training, **wsd, **training), logging=logging
+        config,
+        training=dataclasses.replace(config.training, steps=6, **training),
+        lr_schedule=dataclasses.replace(config.lr_schedule, **wsd),
+        logging=logging,
     )
 
 

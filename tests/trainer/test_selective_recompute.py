@@ -120,8 +120,9 @@ def _config(corpus, checkpointing, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **LLAMA},
             "parallel": parallel,
-            "training": {"steps": STEPS, "global_batch_size": 8, "warmup_steps": 2, "eval_every": 0,
-                         "sample_tokens": 0, "activation_checkpointing": checkpointing},
+            "training": {"steps": STEPS, "global_batch_size": 8, "activation_checkpointing": checkpointing},
+            "lr_schedule": {"warmup_steps": 2},
+            "eval": {"every": 0, "sample_tokens": 0},
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

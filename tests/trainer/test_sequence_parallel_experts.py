@@ -55,7 +55,8 @@ def _config(model, **parallel):
         {
             "model": MODELS[model],
             "parallel": parallel,
-            "training": {"global_batch_size": ROWS, "weight_decay": 0.1},
+            "training": {"global_batch_size": ROWS},
+            "optimizer": {"weight_decay": 0.1},
             "data": {"document_mask": model.startswith("qwen")},  # MLA's attention takes no document mask
         }
     )

@@ -40,7 +40,7 @@ def test_loss_chunks_are_bounded_by_the_tokens_they_split():
         ("training", {"seed": 2**32 - 1}, None),
         ("parallel", {"timeout_s": 1e300}, r"parallel.timeout_s=1e\+300 must be in \(0, 604800\] seconds"),
         ("parallel", {"timeout_s": 3600.0}, None),
-        ("training", {"sample_tokens": 10**9}, r"training.sample_tokens=1000000000 is past 100,000; .*0..100000"),
+        ("eval", {"sample_tokens": 10**9}, r"eval.sample_tokens=1000000000 is past 100,000; .*0..100000"),
     ],
 )
 def test_fields_that_overflowed_in_the_workers_have_bounds(section, values, message):

@@ -50,7 +50,10 @@ def test_a_run_trains_with_the_bpe(distributed, bpe, corpus, tmp_path):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, "vocab_size": 300},
             "parallel": {"dp": 2},
-            "training": {"steps": 12, "global_batch_size": 8, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0},
+            "training": {"steps": 12, "global_batch_size": 8},
+            "optimizer": {"lr": 3e-3},
+            "lr_schedule": {"warmup_steps": 2},
+            "eval": {"every": 0},
             "data": {"source": corpus, "tokenizer": str(bpe)},
             "logging": {"progress_bar": False},
         }

@@ -101,8 +101,8 @@ def test_a_full_cache_disk_is_one_line_naming_the_cache_and_the_fix(tmp_path, mo
     [
         ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 10**9}}}, "model.moe.num_experts=1000000000 is past"),
         ({"model": {"kind": "moe-gpt", "moe": {"num_experts": 65537}}}, "model.moe.num_experts=65537 is past 65,536"),
-        ({"training": {"muon_ns_steps": 10**9}}, "training.muon_ns_steps=1000000000 is past 100"),
-        ({"training": {"muon_ns_steps": 101}}, "training.muon_ns_steps=101 is past 100"),
+        ({"optimizer": {"muon_ns_steps": 10**9}}, "optimizer.muon_ns_steps=1000000000 is past 100"),
+        ({"optimizer": {"muon_ns_steps": 101}}, "optimizer.muon_ns_steps=101 is past 100"),
         ({"data": {"sources": [{"path": "a", "weight": 1e308}, {"path": "b", "weight": 1.0}]}}, "weight=1e+308"),
         ({"data": {"sources": [{"path": "a", "weight": 1e308}, {"path": "b", "weight": 1e308},
                                {"path": "c", "weight": 1.0}]}}, "data.sources[0].weight=1e+308 is past 1e+12"),
@@ -117,7 +117,7 @@ def test_sizes_that_cannot_run_are_refused_naming_the_field(settings, message):
 
 def test_sane_sizes_still_parse():
     config = from_dict(
-        {"model": {"kind": "moe-gpt", "moe": {"num_experts": 384}}, "training": {"muon_ns_steps": 10},
+        {"model": {"kind": "moe-gpt", "moe": {"num_experts": 384}}, "optimizer": {"muon_ns_steps": 10},
          "data": {"sources": [{"path": "a", "weight": 1e9}, {"path": "b", "weight": 1e-9}]}}
     )  # fmt: skip
     assert config.model.moe.num_experts == 384 and config.data.source == "shakespeare"

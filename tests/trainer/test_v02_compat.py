@@ -85,5 +85,9 @@ def test_the_learning_rate_schedule_reads_under_its_old_name():
     notes: list[str] = []
     training = {"schedule": "wsd", "steps": 10, "warmup_steps": 2, "decay_fraction": 0.2}
     config = from_dict({"training": training}, note=notes.append)
-    assert config.training.lr_schedule == "wsd"
-    assert notes == ["note: training.schedule is now training.lr_schedule (read as such)"]
+    assert config.lr_schedule.name == "wsd" and config.lr_schedule.decay_fraction == 0.2
+    assert notes == [
+        "note: training.schedule is now lr_schedule.name (read as such)",
+        "note: training.warmup_steps is now lr_schedule.warmup_steps (read as such)",
+        "note: training.decay_fraction is now lr_schedule.decay_fraction (read as such)",
+    ]

@@ -46,8 +46,11 @@ def test_a_0_4_config_reads_as_today_with_a_note_per_old_key(run):
     assert old.model == new.model
     flat = [key for key in raw["model"] if key.startswith("rope_")]
     new_name = {"rope_scale_factor": "factor"}  # the others lose their prefix
-    assert notes == [f"note: model.{key} is now model.rope.{new_name.get(key, key.removeprefix('rope_'))} "
-                     "(read as such)" for key in flat]  # fmt: skip
+    rope = [f"note: model.{key} is now model.rope.{new_name.get(key, key.removeprefix('rope_'))} (read as such)"
+            for key in flat]  # fmt: skip
+    evaluation = [f"note: training.{key} is now eval.{key.removeprefix('eval_')} (read as such)"
+                  for key in ("eval_every", "sample_tokens")]  # fmt: skip
+    assert notes == evaluation + rope  # [training] is read before [model]: a section at a time
 
 
 @pytest.mark.parametrize("run", RUNS)

@@ -32,11 +32,13 @@ def _config(corpus, stop_at=0, **logging):
             "training": {
                 "steps": 4,
                 "global_batch_size": 8,
-                "eval_every": 2,
-                "eval_batches": 1,
-                "sample_tokens": 0,
                 "stop_at": stop_at,
-            },  # fmt: skip
+            },  # fmt: skip,
+            "eval": {
+                "every": 2,
+                "batches": 1,
+                "sample_tokens": 0,
+            },
             "data": {"source": corpus},
             "checkpoint": {"every": 2},
             "logging": {"progress_bar": False, "wandb": True, **logging},
@@ -78,7 +80,7 @@ def test_an_offline_run_holds_the_config_and_every_metric_and_a_resumed_run_cont
     for run in runs:
         assert (run.project, run.name, run.tags) == ("polyshard-tests", "tiny-dp2", tags)
         # The resolved config: what the file set and the defaults it left, each section a nested table.
-        assert run.config["training"]["steps"] == 4 and run.config["training"]["lr"] == config.training.lr
+        assert run.config["training"]["steps"] == 4 and run.config["optimizer"]["lr"] == config.optimizer.lr
         assert run.config["model"]["hidden"] == 32 and run.config["parallel"]["dp"] == 2
         assert run.config["logging"]["wandb_tags"] == tags
     assert [row["_step"] for row in runs[0].history] == [1, 2, 3]

@@ -144,8 +144,8 @@ def _train(config: Path, out: Path, steps: int, compiled: bool) -> list[dict[str
     shutil.rmtree(out, ignore_errors=True)
     settings = [
         f"training.steps={steps}",
-        "training.eval_every=0",
-        "training.sample_tokens=0",
+        "eval.every=0",
+        "eval.sample_tokens=0",
         "logging.every=1",
         "logging.progress_bar=false",
     ]

@@ -83,7 +83,7 @@ def train(prepared: Path, out: Path, ranks: int, steps: int, force: bool = False
     settings = [
         "model.hidden=64", "model.num_layers=2", "model.num_heads=4", "model.context_length=128",
         f"data.source={prepared}", f"parallel.dp={ranks}", f"training.steps={steps}",
-        f"training.global_batch_size={8 * ranks}", "training.eval_every=0", "training.sample_tokens=0",
+        f"training.global_batch_size={8 * ranks}", "eval.every=0", "eval.sample_tokens=0",
         "logging.progress_bar=false",
     ]  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)  # a fresh run folder: its first metrics line is this run's

@@ -70,8 +70,8 @@ def polyshard_rates(layout: str, batch: int, steps: int, warmup: int, folder: Pa
     settings = [f"parallel.{axis}={size}" for axis, size in LAYOUTS[layout].items()] + [
         f"training.steps={warmup + steps}",
         f"training.global_batch_size={batch}",
-        "training.eval_every=0",
-        "training.sample_tokens=0",
+        "eval.every=0",
+        "eval.sample_tokens=0",
         "logging.every=1",
         "logging.progress_bar=false",
     ]
@@ -103,9 +103,9 @@ def transformers_rates(model: Any, batch: int, steps: int, warmup: int) -> list[
     """Tokens/s of each step after the warm-up: forward with labels, backward, AdamW, zero_grad."""
     from polyshard.trainer.config import from_dict
 
-    training = from_dict({"model": {"preset": PRESET}}).training  # the trainer's lr, betas and weight decay
+    chosen = from_dict({"model": {"preset": PRESET}}).optimizer  # the trainer's lr, betas and weight decay
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=training.lr, betas=(training.beta1, training.beta2), weight_decay=training.weight_decay
+        model.parameters(), lr=chosen.lr, betas=(chosen.beta1, chosen.beta2), weight_decay=chosen.weight_decay
     )
     length, vocab = model.config.max_position_embeddings, model.config.vocab_size
     tokens = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))

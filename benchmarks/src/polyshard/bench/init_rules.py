@@ -23,7 +23,7 @@ from polyshard.models import build_model, spec_of
 from polyshard.models.common import RopeConfig
 from polyshard.models.gpt.config import GPTConfig
 from polyshard.models.gpt.presets import PRESETS
-from polyshard.trainer.config import Config, DataConfig, TrainingConfig
+from polyshard.trainer.config import Config, DataConfig, LRScheduleConfig, OptimizerConfig, TrainingConfig
 from polyshard.trainer.data import language_data
 from polyshard.trainer.engine.optimizer import param_groups
 from polyshard.trainer.engine.schedule import schedule_of
@@ -33,21 +33,23 @@ def config_for(rule: str, args: argparse.Namespace) -> Config:
     llama = {**PRESETS["llama-tiny"], "hidden": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
              "num_kv_heads": args.heads, "mlp_hidden": 3 * args.hidden, "vocab_size": args.vocab,
              "context_length": args.seq, "rope": RopeConfig(theta=500000.0)}  # fmt: skip
-    training = TrainingConfig(
-        steps=args.steps, global_batch_size=args.batch, lr=8e-4, min_lr=8e-5, warmup_steps=3, seed=args.seed,
-        weight_decay=0.1, grad_clip=1.0,
-    )  # fmt: skip
-    return Config(model=GPTConfig(**llama, init=rule), training=training, data=DataConfig(source=args.data))
+    return Config(
+        model=GPTConfig(**llama, init=rule),
+        training=TrainingConfig(steps=args.steps, global_batch_size=args.batch, seed=args.seed),
+        optimizer=OptimizerConfig(lr=8e-4, weight_decay=0.1, grad_clip=1.0),
+        lr_schedule=LRScheduleConfig(min_lr=8e-5, warmup_steps=3),
+        data=DataConfig(source=args.data),
+    )
 
 
 def train(config: Config) -> tuple[list[float], list[float]]:
     """(loss, gradient norm before the clip) of every step."""
     torch.manual_seed(config.training.seed)
     model = build_model(config.model, seed=config.training.seed)
-    train_cfg = config.training
-    groups = param_groups(model.named_parameters(), train_cfg.weight_decay, spec_of(config.model).decays)
-    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2))
-    schedule = schedule_of(train_cfg)
+    train_cfg, chosen = config.training, config.optimizer
+    groups = param_groups(model.named_parameters(), chosen.weight_decay, spec_of(config.model).decays)
+    optimizer = torch.optim.AdamW(groups, lr=chosen.lr, betas=(chosen.beta1, chosen.beta2))
+    schedule = schedule_of(config)
     rows = language_data(config).train[0]
     order = np.random.default_rng(train_cfg.seed).permutation(len(rows))  # the same rows for every rule
     losses, norms = [], []
@@ -58,7 +60,7 @@ def train(config: Config) -> tuple[list[float], list[float]]:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), train_cfg.grad_clip))
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), chosen.grad_clip))
         for group in optimizer.param_groups:
             group["lr"] = schedule(step)
         optimizer.step()

@@ -177,10 +177,16 @@ def composed_config(
     if layout.get("tp", 1) > 1 and shape.sequence_parallel:
         parallel["sequence_parallel"] = True
     batch = shape.global_batch(layout.get("dp", 1))
-    training = {"global_batch_size": batch, "lr": LR, "warmup_steps": 0, "eval_every": 0, "sample_tokens": 0}
-    training["grad_clip"] = grad_clip
-    training["compile"] = compiled
-    return from_dict({"model": dict(shape.model), "parallel": parallel, "training": training})
+    return from_dict(
+        {
+            "model": dict(shape.model),
+            "parallel": parallel,
+            "training": {"global_batch_size": batch, "compile": compiled},
+            "optimizer": {"lr": LR, "grad_clip": grad_clip},
+            "lr_schedule": {"warmup_steps": 0},
+            "eval": {"every": 0, "sample_tokens": 0},
+        }
+    )
 
 
 def batches(config: Config, data_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -206,7 +212,7 @@ class Ours:
         self.engine = build_engine(config, self.mesh, device=device)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return train_step(self.engine, inputs, targets, self.config.training.lr).loss
+        return train_step(self.engine, inputs, targets, self.config.optimizer.lr).loss
 
     def held(self, inputs: torch.Tensor, targets: torch.Tensor) -> int:
         """Bytes held at the end of one more step, after the optimizer step and before the gradients
@@ -217,7 +223,7 @@ class Ours:
             pairs = zip(engine.stages, engine.optimizers)
             held.append(sum(bytes_held(engine.wrappers[s], opt).total for s, opt in pairs))
 
-        train_step(engine, inputs, targets, self.config.training.lr, before_zero_grad=measure)
+        train_step(engine, inputs, targets, self.config.optimizer.lr, before_zero_grad=measure)
         return held[0]
 
 
@@ -247,9 +253,9 @@ class Peer:
             self._fully_shard()
         names = global_names(self.stage, layer_ids)
         named = [(names[n], p) for n, p in self.stage.named_parameters()]
-        train = config.training
-        groups = param_groups(named, train.weight_decay, spec_of(config.model).decays)
-        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
+        chosen = config.optimizer
+        groups = param_groups(named, chosen.weight_decay, spec_of(config.model).decays)
+        self.optimizer = torch.optim.AdamW(groups, lr=chosen.lr, betas=(chosen.beta1, chosen.beta2))
         self.schedule = None
         if par.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -357,7 +363,7 @@ class Peer:
                 loss = torch.stack(losses).mean() if self.last else None  # Schedule1F1B scales grads by 1/m
         if loss is not None and hasattr(loss, "full_tensor"):  # loss_parallel's loss: a replicated DTensor
             loss = loss.full_tensor()
-        self._clip(self.config.training.grad_clip)
+        self._clip(self.config.optimizer.grad_clip)
         self.optimizer.step()
         # The loss of the global batch, the same on every rank: the last stage's tp rank 0 of each
         # data rank holds its mean; sum those and divide by the data ranks.

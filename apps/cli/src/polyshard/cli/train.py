@@ -21,7 +21,7 @@ def train(
     context: typer.Context,
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="A TOML config (see apps/configs/)."),
     nproc: int | None = typer.Option(None, "--nproc", help="Local processes (default: the mesh size in the config)."),
-    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set training.lr=3e-4 (repeatable)."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a field: --set optimizer.lr=3e-4 (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Run folder (default: runs/<config name>)."),
     resume: bool = typer.Option(
         False, "--resume", help="Continue from the latest complete checkpoint in --out (saved on any mesh)."

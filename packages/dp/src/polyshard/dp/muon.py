@@ -201,7 +201,7 @@ def _orthogonalise_tiled(
 def _adamw_step(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """torch's AdamW step on ``group``: the same state (``step``, ``exp_avg``, ``exp_avg_sq``) and the same
     kernel choice as ``torch.optim.AdamW`` given the group's ``foreach`` / ``fused``, so the non-matrix parameters
-    train exactly as under ``training.optimizer = "adamw"``."""
+    train exactly as under ``optimizer.name = "adamw"``."""
     params, grads, avgs, squares, steps = [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:

@@ -127,7 +127,7 @@ class ModelSpec:
     decays: Callable[[str, nn.Parameter], bool] = decays
     """Whether AdamW decays this parameter (by model name)."""
     orthogonalised: Callable[[str, nn.Parameter], bool] = block_matrix
-    """With ``training.optimizer = "muon"``: whether Muon steps this parameter (by model name); AdamW
+    """With ``optimizer.name = "muon"``: whether Muon steps this parameter (by model name); AdamW
     steps the others."""
     check: Callable[[ModelConfig, ParallelSizes], None] = _no_checks
     """Family constraints against the rest of the config, before launch (a :class:`ConfigError`)."""

@@ -26,7 +26,7 @@ Hybrid sharding (``dp_shard``) moves the reduce-scatter and the gathers onto the
 ``dp_shard``: dp_shard x ep x cp, experts dp_shard x cp) and adds, after each reduce-scatter, an
 all-reduce of this rank's row (its 1/n of the gradients and their flags) across the replicas (axis
 ``dp_replicate``). Then the tied embedding's all-reduce between the pipeline's ends, the loop's two
-scalar all-reduces, with ``training.idle_experts = "skip"`` the rows each local expert took over
+scalar all-reduces, with ``optimizer.idle_experts = "skip"`` the rows each local expert took over
 dp x cp (which stayed idle, engine.experts), every layer's load and bias over the world (engine.balance), and
 for a language model the count of target tokens over the replicas (the loss divides by it).
 """
@@ -263,7 +263,7 @@ def step_traffic(config: Config, pp_rank: int) -> list[Traffic]:
         )
         out.append(Traffic("tp", "all_reduce", par.tp, 4 * norms, 1, "step"))
     expert_replicas = par.dp * par.cp
-    skips_idle = config.training.idle_experts == "skip"  # which experts were idle: rows per local expert (int64)
+    skips_idle = config.optimizer.idle_experts == "skip"  # which experts were idle: rows per local expert (int64)
     if spec_of(model).has_experts and expert_replicas > 1 and skips_idle:
         bounds, stages = stage_bounds(config), stages_by_rank(par.schedule, par.pp, par.virtual_stages)[pp_rank]
         moe = moe_config(model)

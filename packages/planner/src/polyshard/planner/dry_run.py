@@ -23,7 +23,7 @@ from polyshard.planner.comm import bytes_per_axis, rank_traffic
 from polyshard.planner.lora_states import adapter_shapes
 from polyshard.planner.model_states import rank_model_states
 from polyshard.pp import make_schedule
-from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.config import Config
 from polyshard.trainer.config.lora import LoRAConfig
 from polyshard.trainer.engine.layout import layer_costs, pipeline_bounds
 from polyshard.trainer.engine.lora import lora_targets
@@ -78,7 +78,7 @@ def describe(config: Config) -> str:
         )
     lines.append(
         f"memory per rank (estimate: the planner's, as `polyshard plan` prints it; ZeRO-{par.zero_stage}, "
-        f"{config.training.precision}, {_OPTIMIZER_STATE[config.training.optimizer]}, "
+        f"{config.training.precision}, {_OPTIMIZER_STATE[config.optimizer.name]}, "
         f"activation checkpointing {config.training.activation_checkpointing or 'none'}):"
     )
     for rank in range(par.pp):
@@ -93,7 +93,7 @@ def describe(config: Config) -> str:
         sent = bytes_per_axis(rank_traffic(config, rank), par.microbatches)
         axes = ", ".join(f"{axis} {_mib(nbytes)}" for axis, nbytes in sorted(sent.items()) if nbytes)
         lines.append(f"  sent by pp rank {rank}: {axes or 'nothing'}")
-    lines += lr_plot(config.training)
+    lines += lr_plot(config)
     return "\n".join(lines)
 
 
@@ -134,21 +134,21 @@ def _held_counts(
     return per_stage, per_pp_rank
 
 
-def lr_plot(train: TrainingConfig, width: int = 60, height: int = 6) -> list[str]:
+def lr_plot(config: Config, width: int = 60, height: int = 6) -> list[str]:
     """The learning-rate schedule as a small text plot: one column per stretch of steps, its height the
-    mean learning rate there, from 0 to ``training.lr``."""
-    schedule, steps = schedule_of(train), train.steps
+    mean learning rate there, from 0 to ``optimizer.lr``."""
+    schedule, steps, lr, chosen = schedule_of(config), config.training.steps, config.optimizer.lr, config.lr_schedule
     columns = min(width, steps)
     means = []
     for c in range(columns):
         part = range(c * steps // columns, max((c + 1) * steps // columns, c * steps // columns + 1))
         means.append(sum(schedule(step) for step in part) / len(part))
-    title = f"learning rate ({train.lr_schedule}"
-    if train.lr_schedule == "wsd":
-        title += f", decay over the last {train.decay_steps} steps, {train.decay_shape}"
-    lines = [f"{title}; {train.warmup_steps} warmup steps; peak {train.lr:g}, end {schedule(steps - 1):.3g}):"]
+    title = f"learning rate ({chosen.name}"
+    if chosen.name == "wsd":
+        title += f", decay over the last {chosen.decay_steps(steps)} steps, {chosen.decay_shape}"
+    lines = [f"{title}; {chosen.warmup_steps} warmup steps; peak {lr:g}, end {schedule(steps - 1):.3g}):"]
     for row in range(height, 0, -1):
-        bar = "".join("#" if mean >= (row - 0.5) / height * train.lr else " " for mean in means)
+        bar = "".join("#" if mean >= (row - 0.5) / height * lr else " " for mean in means)
         lines.append(f"  |{bar}")
     lines.append(f"  +{'-' * columns} step 1..{steps}")
     return lines

@@ -15,7 +15,7 @@ Two accountings of the same thing:
   (none where a gradient has nothing to reduce: one replica, fp32, stages 0-2),
   AdamW's float32 ``step`` per parameter, gradients reduced in fp32 also under bf16, and fp32
   master copies where the optimizer steps them (ZeRO-1/2 always; at ZeRO-3 under fp32 the
-  master *is* the local shard). Under ``training.optimizer = "muon"`` the blocks' matrices keep one
+  master *is* the local shard). Under ``optimizer.name = "muon"`` the blocks' matrices keep one
   float32 momentum buffer (K = 4, no step counter) instead of AdamW's two moments (K = 8); the rank
   that orthogonalises a matrix also holds it whole for a moment, one matrix at a time, which is
   not counted here (it is not held at the step's end). ``tests/planner/test_memory.py`` checks it against
@@ -216,9 +216,9 @@ def routes_sequence_shards(name: str) -> bool:
 
 
 def _stepped_by_muon(config: Config, record: TensorPlacement) -> bool:
-    """Whether ``training.optimizer = "muon"`` steps this parameter with Muon (the family's rule, asked of a
+    """Whether ``optimizer.name = "muon"`` steps this parameter with Muon (the family's rule, asked of a
     meta tensor of its global shape)."""
-    if config.training.optimizer != "muon":
+    if config.optimizer.name != "muon":
         return False
     return spec_of(config.model).orthogonalised(
         record.name, nn.Parameter(torch.empty(record.global_shape, device="meta"))
@@ -235,7 +235,7 @@ def holdings(config: Config, pp_rank: int) -> Counter[Held]:
     # The model by its repr: a list field (layer_types) makes the frozen dataclass itself unhashable.
     key: tuple[object, ...] = (repr(config.model), tuple(sorted(par.mesh_axes.items())), par.sequence_parallel)
     key += (par.zero_stage == 3, par.schedule if par.virtual_stages > 1 else "", par.virtual_stages)
-    key += (tuple(par.stage_layers or ()), pp_rank, config.training.optimizer)
+    key += (tuple(par.stage_layers or ()), pp_rank, config.optimizer.name)
     key += (repr(config.lora), config.training.precision)  # LoRA's frozen bytes depend on the precision
     if key not in _HOLDINGS:
         _HOLDINGS[key] = _holdings(config, pp_rank)

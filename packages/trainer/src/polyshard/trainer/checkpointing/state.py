@@ -104,7 +104,7 @@ def _check_state_keys(
     engine: Engine, name: str, optimizer: torch.optim.Optimizer, stepped: torch.Tensor, saved: set[str]
 ) -> None:
     """A checkpoint's optimizer state must be the kind this run's optimizer keeps for ``name`` (AdamW's
-    moments, or Muon's momentum buffer): a run saved with one ``training.optimizer`` does not resume
+    moments, or Muon's momentum buffer): a run saved with one ``optimizer.name`` does not resume
     with the other."""
     expected = ADAMW_STATE
     if isinstance(optimizer, Muon) and optimizer.orthogonalises(stepped):
@@ -112,7 +112,7 @@ def _check_state_keys(
     if saved and saved != expected:
         raise CheckpointError(
             f"the checkpoint holds optimizer state {sorted(saved)} for {name!r}, but "
-            f"training.optimizer={engine.config.training.optimizer!r} keeps {sorted(expected)} for it; resume with "
+            f"optimizer.name={engine.config.optimizer.name!r} keeps {sorted(expected)} for it; resume with "
             "the optimizer the checkpoint was saved with (its config.json says which)"
         )
 

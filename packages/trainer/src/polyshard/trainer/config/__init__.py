@@ -1,14 +1,17 @@
 """Training configuration: the sections (:mod:`.sections`) and reading them from TOML and
 ``--set`` overrides (:mod:`.parse`).
 
-One frozen dataclass per section (``model``, ``parallel``, ``training``, ``data``,
-``checkpoint``, ``logging``); each field is documented by the line under it.
+One frozen dataclass per section (``model``, ``parallel``, ``training``, ``optimizer``,
+``lr_schedule``, ``eval``, ``data``, ``checkpoint``, ``logging``, and ``lora``, ``dpo``, ``grpo`` when
+used); each field is documented by the line under it and checked for its own range where it is declared.
 Parsing is strict: an unknown key is an error that names it and suggests the
-nearest known one. ``--set section.key=value`` overrides any field.
+nearest known one. ``--set section.key=value`` overrides any field. Old spellings are
+:mod:`.legacy`'s (``[model]``'s: :mod:`polyshard.models.legacy`).
 
-Constraints *between* fields (mesh size vs processes, heads vs tp, layers vs
-pipeline stages, ...) are checked by
-:func:`polyshard.trainer.engine.constraints.validate` before any process starts.
+Rules *between* sections that need no processes (the schedule's floor against the optimizer's rate)
+are :mod:`.rules`'; those about the mesh and the processes (mesh size vs processes, heads vs tp, layers
+vs pipeline stages, ...) are :func:`polyshard.trainer.engine.constraints.validate`'s, checked before
+any process starts.
 """
 
 from polyshard.models.config import ModelConfig
@@ -25,7 +28,10 @@ from polyshard.trainer.config.sections import (
     CheckpointConfig,
     Config,
     DataConfig,
+    EvalConfig,
     LoggingConfig,
+    LRScheduleConfig,
+    OptimizerConfig,
     ParallelConfig,
     TrainingConfig,
 )
@@ -45,8 +51,11 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "DataConfig",
+    "EvalConfig",
+    "LRScheduleConfig",
     "LoggingConfig",
     "ModelConfig",
+    "OptimizerConfig",
     "ParallelConfig",
     "TrainingConfig",
     "apply_overrides",

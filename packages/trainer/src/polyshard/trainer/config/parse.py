@@ -16,7 +16,8 @@ import tomllib
 
 from polyshard.models.errors import check_positive as _check_positive
 from polyshard.models.settings import Note, check_value, declared_type, field_type, model_config, unknown
-from polyshard.trainer.config.legacy import renamed
+from polyshard.trainer.config.legacy import moved
+from polyshard.trainer.config.rules import check_sections
 from polyshard.trainer.config.sections import SECTIONS, Config
 from polyshard.trainer.errors import ConfigError
 
@@ -60,10 +61,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     out = {section: dict(values) if isinstance(values, Mapping) else values for section, values in raw.items()}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. training.lr=3e-4")
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optimizer.lr=3e-4")
         path, value = item.split("=", 1)
         if path.count(".") != 1 and not (path.startswith("model.") and path.count(".") == 2):
-            raise ConfigError(f"override {path!r} must name section.key, e.g. training.lr (or model.moe.key)")
+            raise ConfigError(f"override {path!r} must name section.key, e.g. optimizer.lr (or model.moe.key)")
         section, key = path.split(".", 1)
         parsed = _parse_value(value.strip(), _field_type(section, key, out))
         if "." in key:  # model.moe.top_k: a key of the model's nested table
@@ -98,7 +99,7 @@ def from_dict(
     (the processes present) resolves ``parallel.dp = "auto"``. ``saved``: a config an earlier run wrote
     (0.2's every-field ``[model]`` read); ``note`` receives one line per old spelling read."""
     sections: dict[str, Any] = {}
-    for section, values in raw.items():
+    for section, values in moved(raw, None if saved else note).items():
         if values is None and section in ("lora", "dpo", "grpo"):  # a saved config's "none" (TOML has no null)
             continue
         if section not in SECTIONS and not isinstance(values, Mapping):
@@ -112,7 +113,6 @@ def from_dict(
         if section == "model":  # the family's own fields, read by polyshard.models
             sections[section] = model_config(values, saved=saved, note=note)
             continue
-        values = renamed(section, values, None if saved else note)
         cls = SECTIONS[section]
         known = [f.name for f in dataclasses.fields(cls)]
         for key in values:
@@ -130,7 +130,9 @@ def from_dict(
             sections[section] = cls(**values)
         except TypeError as err:  # pragma: no cover - fields are checked above
             raise ConfigError(f"[{section}]: {err}") from err
-    return Config(**sections)
+    config = Config(**sections)
+    check_sections(config)
+    return config
 
 
 def load_config(

@@ -1,6 +1,7 @@
 """The settings: one frozen dataclass per ``[section]`` of a config, each field documented by the line
-under it and checked for its own range when built (``__post_init__``). Constraints between
-fields and sections are :func:`polyshard.trainer.engine.constraints.validate`'s; a model family's
+under it and checked for its own range when built (``__post_init__``). Rules between sections are
+:mod:`polyshard.trainer.config.rules`' (no processes needed) and
+:func:`polyshard.trainer.engine.constraints.validate`'s (the mesh and the processes); a model family's
 own constraints are its spec's (:func:`polyshard.models.check_model`).
 """
 
@@ -27,11 +28,11 @@ SPLIT_BACKWARD = ("zb-h1", "zb-v", "dualpipev")  # backward split into B (input 
 MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # outermost first: tp fastest, so its ranks are neighbours
 PRECISIONS = ("fp32", "bf16")
 RECOMPUTE = (False, "selective", "full")  # training.activation_checkpointing, least recompute first
-LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # training.lr_schedule: the learning rate after warmup
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")  # lr_schedule.name: the learning rate after warmup
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 OPTIMIZERS = ("adamw", "muon")
 ADAMW_IMPLS = ("auto", "foreach", "fused", "for-loop")  # torch.optim.AdamW's kernels
-IDLE_EXPERTS = ("step", "skip")  # training.idle_experts: stepped with zero gradient, or left as they were
+IDLE_EXPERTS = ("step", "skip")  # optimizer.idle_experts: stepped with zero gradient, or left as they were
 DECAYED_PARAMS = ("matrices", "all")
 WANDB_MODES = ("online", "offline", "disabled")  # logging.wandb_mode: wandb.init's modes
 TASKS = ("auto", "dpo", "grpo")  # training.task: the family's own, preference pairs ([dpo]), rewards ([grpo])
@@ -238,52 +239,6 @@ class TrainingConfig:
     """Sequences (or images; preference pairs with task = 'dpo'; prompts with task = 'grpo', each giving
     grpo.generations rows) per optimizer step, over all data ranks and
     microbatches."""
-    optimizer: str = "adamw"
-    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the blocks' weight matrices (experts'
-    one by one) with Moonlight's 0.2 * sqrt(max(m, n)) update scale, so `lr` and `weight_decay` carry
-    over from AdamW; AdamW (`beta1`, `beta2`) for embeddings, head, norms, biases and routers. Each
-    matrix is orthogonalised whole, on one rank of those holding its tp/ZeRO pieces."""
-    muon_momentum: float = 0.95
-    """optimizer = 'muon': the momentum of the matrices' buffer."""
-    muon_nesterov: bool = True
-    """optimizer = 'muon': orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) rather
-    than the buffer."""
-    muon_ns_steps: int = 5
-    """optimizer = 'muon': Newton-Schulz iterations (5 with the usual quintic coefficients)."""
-    lr: float = 1e-3
-    """Peak learning rate (of AdamW; Muon's matrices scale it by their shape)."""
-    min_lr: float = 1e-4
-    """Learning rate at the end of the decay."""
-    warmup_steps: int = 10
-    """Linear warmup from 0 to lr."""
-    lr_schedule: str = "cosine"
-    """After warmup: 'cosine' (cosine decay to min_lr at `steps`), 'linear' (linear decay to min_lr),
-    'constant' (lr), or 'wsd' (warmup-stable-decay: lr, then the last `decay_fraction` of the steps decay
-    to min_lr in the shape `decay_shape`)."""
-    decay_fraction: float = 0.2
-    """lr_schedule = 'wsd': the share of `steps` spent decaying, at the end of the run (MiniCPM uses ~0.1-0.2)."""
-    decay_shape: str = "linear"
-    """lr_schedule = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
-    weight_decay: float = 0.1
-    """AdamW weight decay, on the parameters `weight_decay_params` names."""
-    weight_decay_params: str = "matrices"
-    """Which parameters decay: 'matrices' (GPT-2, nanoGPT: not norms, biases or embeddings) or 'all'
-    (torchtitan)."""
-    idle_experts: str = "step"
-    """An expert that no token was routed to in a step (on any rank): 'step' steps it with the rest of its
-    layer's experts, a zero gradient, so weight decay and its momentum still move it (what transformers 5,
-    torchtitan and Megatron-Core do: they hold a layer's experts as one tensor); 'skip' leaves its weights,
-    fp32 masters and AdamW moments exactly as they were, as for a parameter without a gradient (per-expert
-    parameters; polyshard's rule before this setting existed)."""
-    adamw_impl: str = "auto"
-    """AdamW's kernel (torch.optim.AdamW): 'auto' (torch's choice: foreach), 'foreach' (one kernel per op over
-    all tensors), 'fused' (one kernel for the whole step; CPU and CUDA) or 'for-loop' (tensor by tensor)."""
-    beta1: float = 0.9
-    """AdamW first-moment decay."""
-    beta2: float = 0.95
-    """AdamW second-moment decay."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (0 disables)."""
     seed: int = 0
     """Seeds the weights, the data order and dropout."""
     precision: str = "fp32"
@@ -295,12 +250,6 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each transformer block (one compiled graph that every block reuses); collectives stay
     eager at graph breaks. The first steps pay the compile time; metrics.jsonl records compiles."""
-    eval_every: int = 50
-    """Evaluate on the validation split every N steps (0 disables)."""
-    eval_batches: int = 4
-    """Global batches per evaluation, from the start of the validation split; 0 evaluates all of it."""
-    sample_tokens: int = 200
-    """Tokens of text to sample from the GPT at the end (0 disables)."""
     on_nonfinite: str = "skip"
     """A step whose loss or gradient norm is NaN or infinite: 'skip' it (no rank updates) or 'stop' the run."""
     nonfinite_patience: int = 3
@@ -329,75 +278,141 @@ class TrainingConfig:
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else False)
         _check_choice("training.activation_checkpointing", self.activation_checkpointing, RECOMPUTE)
         _check_choice("training.on_nonfinite", self.on_nonfinite, ("skip", "stop"))
-        _check_choice("training.lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _check_choice("training.decay_shape", self.decay_shape, DECAY_SHAPES)
-        _check_choice("training.optimizer", self.optimizer, OPTIMIZERS)
-        _check_choice("training.adamw_impl", self.adamw_impl, ADAMW_IMPLS)
-        _check_choice("training.weight_decay_params", self.weight_decay_params, DECAYED_PARAMS)
-        _check_choice("training.idle_experts", self.idle_experts, IDLE_EXPERTS)
         if not isinstance(self.loss_chunks, int) or isinstance(self.loss_chunks, bool) or self.loss_chunks < 0:
             raise ConfigError(f"training.loss_chunks={self.loss_chunks!r} must be an integer >= 0 (0 or 1: off)")
         if not (isinstance(self.mtp_loss_weight, int | float) and 0.0 <= self.mtp_loss_weight < float("inf")):
             raise ConfigError(
                 f"training.mtp_loss_weight={self.mtp_loss_weight!r} must be a number >= 0 (DeepSeek-V3: 0.3, then 0.1)"
             )
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"training.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
-        _check_positive("training.muon_ns_steps", self.muon_ns_steps)
-        if self.muon_ns_steps > MAX_MUON_NS_STEPS:  # each step is three matmuls per matrix: 1e9 never ends
-            raise ConfigError(
-                f"training.muon_ns_steps={self.muon_ns_steps} is past {MAX_MUON_NS_STEPS}; Muon converges in 5 "
-                "(--set training.muon_ns_steps=5)"
-            )
-        if not isinstance(self.muon_nesterov, bool):
-            raise ConfigError(f"training.muon_nesterov={self.muon_nesterov!r} must be true or false")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(
-                f"training.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20%)"
-            )
-        if self.lr_schedule == "wsd" and self.warmup_steps > self.steps - self.decay_steps:
-            raise ConfigError(
-                f"training.warmup_steps={self.warmup_steps} overlaps the decay, which starts at step "
-                f"{self.steps - self.decay_steps} (decay_fraction={self.decay_fraction} of steps={self.steps}); "
-                "warm up for fewer steps or decay over a smaller fraction"
-            )
         _check_positive("training.nonfinite_patience", self.nonfinite_patience)
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"need 0 <= training.min_lr ({self.min_lr}) <= training.lr ({self.lr}) and lr > 0")
-        for name in (
-            "warmup_steps",
-            "grad_clip",
-            "weight_decay",
-            "eval_every",
-            "eval_batches",
-            "sample_tokens",
-            "seed",
-            "stop_at",
-            "consistency_every",
-        ):
+        for name in ("seed", "stop_at", "consistency_every"):
             _check_at_least(f"training.{name}", getattr(self, name), 0)
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"training.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
-        if self.sample_tokens > MAX_SAMPLE_TOKENS:  # each token is a forward pass over the whole row, on rank 0
-            raise ConfigError(
-                f"training.sample_tokens={self.sample_tokens} is past {MAX_SAMPLE_TOKENS:,}; the end-of-run sample "
-                f"is text to read: give 0..{MAX_SAMPLE_TOKENS} (0 disables it)"
-            )
         if self.seed > MAX_SEED:  # torch seeds are 64-bit, and each layer's is seed x 1,000,003 + its index
             raise ConfigError(f"training.seed={self.seed} is past {MAX_SEED:,}; give a seed in 0..{MAX_SEED}")
         if self.stop_at > self.steps:
             raise ConfigError(f"training.stop_at={self.stop_at} is past training.steps={self.steps}; give 1..steps")
 
     @property
-    def decay_steps(self) -> int:
-        """schedule = 'wsd': the steps at the end of the run spent decaying (at least one)."""
-        return max(1, round(self.decay_fraction * self.steps))
-
-    @property
     def last_step(self) -> int:
         """The step this run ends at: `stop_at` when given, else `steps`."""
         return self.stop_at or self.steps
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """``[optimizer]``: what steps the weights, and by how much."""
+
+    name: str = "adamw"
+    """'adamw', or 'muon': Newton-Schulz orthogonalised momentum for the blocks' weight matrices (experts'
+    one by one) with Moonlight's 0.2 * sqrt(max(m, n)) update scale, so `lr` and `weight_decay` carry
+    over from AdamW; AdamW (`beta1`, `beta2`) for embeddings, head, norms, biases and routers. Each
+    matrix is orthogonalised whole, on one rank of those holding its tp/ZeRO pieces."""
+    lr: float = 1e-3
+    """Peak learning rate (of AdamW; Muon's matrices scale it by their shape); [lr_schedule] shapes it over
+    the steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, on the parameters `weight_decay_params` names."""
+    weight_decay_params: str = "matrices"
+    """Which parameters decay: 'matrices' (GPT-2, nanoGPT: not norms, biases or embeddings) or 'all'
+    (torchtitan)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adamw_impl: str = "auto"
+    """AdamW's kernel (torch.optim.AdamW): 'auto' (torch's choice: foreach), 'foreach' (one kernel per op over
+    all tensors), 'fused' (one kernel for the whole step; CPU and CUDA) or 'for-loop' (tensor by tensor)."""
+    muon_momentum: float = 0.95
+    """name = 'muon': the momentum of the matrices' buffer."""
+    muon_nesterov: bool = True
+    """name = 'muon': orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) rather
+    than the buffer."""
+    muon_ns_steps: int = 5
+    """name = 'muon': Newton-Schulz iterations (5 with the usual quintic coefficients)."""
+    idle_experts: str = "step"
+    """An expert that no token was routed to in a step (on any rank): 'step' steps it with the rest of its
+    layer's experts, a zero gradient, so weight decay and its momentum still move it (what transformers 5,
+    torchtitan and Megatron-Core do: they hold a layer's experts as one tensor); 'skip' leaves its weights,
+    fp32 masters and AdamW moments exactly as they were, as for a parameter without a gradient (per-expert
+    parameters; polyshard's rule before this setting existed)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer.name", self.name, OPTIMIZERS)
+        _check_choice("optimizer.adamw_impl", self.adamw_impl, ADAMW_IMPLS)
+        _check_choice("optimizer.weight_decay_params", self.weight_decay_params, DECAYED_PARAMS)
+        _check_choice("optimizer.idle_experts", self.idle_experts, IDLE_EXPERTS)
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr={self.lr} must be > 0")
+        for name in ("grad_clip", "weight_decay"):
+            _check_at_least(f"optimizer.{name}", getattr(self, name), 0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optimizer.{name}={getattr(self, name)} must be in [0, 1) (AdamW uses 0.9 and 0.95)")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"optimizer.muon_momentum={self.muon_momentum} must be in [0, 1) (Muon uses 0.95)")
+        _check_positive("optimizer.muon_ns_steps", self.muon_ns_steps)
+        if self.muon_ns_steps > MAX_MUON_NS_STEPS:  # each step is three matmuls per matrix: 1e9 never ends
+            raise ConfigError(
+                f"optimizer.muon_ns_steps={self.muon_ns_steps} is past {MAX_MUON_NS_STEPS}; Muon converges in 5 "
+                "(--set optimizer.muon_ns_steps=5)"
+            )
+        if not isinstance(self.muon_nesterov, bool):
+            raise ConfigError(f"optimizer.muon_nesterov={self.muon_nesterov!r} must be true or false")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LRScheduleConfig:
+    """``[lr_schedule]``: the learning rate of each step, from optimizer.lr."""
+
+    name: str = "cosine"
+    """After warmup: 'cosine' (cosine decay to min_lr at training.steps), 'linear' (linear decay to min_lr),
+    'constant' (lr), or 'wsd' (warmup-stable-decay: lr, then the last `decay_fraction` of the steps decay
+    to min_lr in the shape `decay_shape`)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to optimizer.lr."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay (at most optimizer.lr)."""
+    decay_fraction: float = 0.2
+    """name = 'wsd': the share of training.steps spent decaying, at the end of the run (MiniCPM uses ~0.1-0.2)."""
+    decay_shape: str = "linear"
+    """name = 'wsd': the decay's shape: 'linear', 'cosine' or 'sqrt' (1 - sqrt of the decay's progress)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("lr_schedule.name", self.name, LR_SCHEDULES)
+        _check_choice("lr_schedule.decay_shape", self.decay_shape, DECAY_SHAPES)
+        _check_at_least("lr_schedule.warmup_steps", self.warmup_steps, 0)
+        _check_at_least("lr_schedule.min_lr", self.min_lr, 0)
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(
+                f"lr_schedule.decay_fraction={self.decay_fraction} must be in (0, 1] (e.g. 0.2: the last 20%)"
+            )
+
+    def decay_steps(self, steps: int) -> int:
+        """name = 'wsd': the steps at the end of a run of ``steps`` spent decaying (at least one)."""
+        return max(1, round(self.decay_fraction * steps))
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """``[eval]``: the validation loss during the run, and the text sampled at its end."""
+
+    every: int = 50
+    """Evaluate on the validation split every N steps (0 disables)."""
+    batches: int = 4
+    """Global batches per evaluation, from the start of the validation split; 0 evaluates all of it."""
+    sample_tokens: int = 200
+    """Tokens of text to sample from the GPT at the end (0 disables)."""
+
+    def __post_init__(self) -> None:
+        for name in ("every", "batches", "sample_tokens"):
+            _check_at_least(f"eval.{name}", getattr(self, name), 0)
+        if self.sample_tokens > MAX_SAMPLE_TOKENS:  # each token is a forward pass over the whole row, on rank 0
+            raise ConfigError(
+                f"eval.sample_tokens={self.sample_tokens} is past {MAX_SAMPLE_TOKENS:,}; the end-of-run sample "
+                f"is text to read: give 0..{MAX_SAMPLE_TOKENS} (0 disables it)"
+            )
 
 
 @dataclass(frozen=True)
@@ -467,7 +482,7 @@ class DataConfig:
 MAX_WEIGHT = 1e12  # a mixture weight; relative, so token counts fit and no sum of weights overflows
 MAX_SEED = 2**32 - 1  # training.seed: a 32-bit seed, as numpy's legacy one; larger overflowed in the workers
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # parallel.timeout_s: a week; 1e300 s overflowed the workers' C++ duration
-MAX_SAMPLE_TOKENS = 100_000  # training.sample_tokens: rank 0 keeps every token it generates (8 bytes each)
+MAX_SAMPLE_TOKENS = 100_000  # eval.sample_tokens: rank 0 keeps every token it generates (8 bytes each)
 MAX_MUON_NS_STEPS = 100  # Newton-Schulz iterations of Muon; 5 suffice (Jordan et al.), far more is a typo
 
 
@@ -559,6 +574,9 @@ class Config:
     model: ModelConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -574,6 +592,9 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
     "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "lr_schedule": LRScheduleConfig,
+    "eval": EvalConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,

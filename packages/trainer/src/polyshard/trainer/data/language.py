@@ -270,7 +270,7 @@ def synthetic_rows(config: Config, stream: int) -> SyntheticTokens:
     """``data.source = "synthetic"``: seeded uniform rows over the model's vocabulary, as many as the run
     reads — one per example of every step (training) or of one evaluation (validation) — so no row repeats."""
     model, train = config.model, config.training
-    batches = train.steps if stream == TRAIN_STREAM else max(train.eval_batches, 1)
+    batches = train.steps if stream == TRAIN_STREAM else max(config.eval.batches, 1)
     return SyntheticTokens(
         output_width(model),
         sequence_length(model) + 1,

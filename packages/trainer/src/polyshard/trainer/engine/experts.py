@@ -1,4 +1,4 @@
-"""``training.idle_experts = "skip"``: experts that took no tokens in a step are left exactly as they were.
+"""``optimizer.idle_experts = "skip"``: experts that took no tokens in a step are left exactly as they were.
 (The default, "step", does not use this module: AdamW steps a layer's stacked experts whole, an idle
 expert with its zero gradient, as transformers 5, torchtitan and Megatron-Core do.)
 

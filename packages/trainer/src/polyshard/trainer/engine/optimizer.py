@@ -1,4 +1,4 @@
-"""The optimizer of a stage, chosen in one place: ``training.optimizer``'s AdamW or Muon over the stage's
+"""The optimizer of a stage, chosen in one place: ``optimizer.name``'s AdamW or Muon over the stage's
 parameters in their groups (decayed or not; Muon's matrices apart), wrapped to step ZeRO's (or bf16's) fp32
 master rows."""
 
@@ -14,7 +14,7 @@ from polyshard.dp import DataParallelWrapper, Muon, ZeroOptimizer
 from polyshard.mesh import Mesh
 from polyshard.models import spec_of
 from polyshard.models.spec import decays as default_decays
-from polyshard.trainer.config import Config, TrainingConfig
+from polyshard.trainer.config import Config, OptimizerConfig
 from polyshard.trainer.engine.layout import keeps_masters
 
 ADAMW_KERNELS: dict[str, dict[str, bool]] = {
@@ -23,20 +23,20 @@ ADAMW_KERNELS: dict[str, dict[str, bool]] = {
     "fused": {"fused": True},
     "for-loop": {"foreach": False},
 }
-"""``training.adamw_impl`` -> the keyword arguments of ``torch.optim.AdamW`` (and :class:`polyshard.dp.Muon`)."""
+"""``optimizer.adamw_impl`` -> the keyword arguments of ``torch.optim.AdamW`` (and :class:`polyshard.dp.Muon`)."""
 
 
-def adamw_kernel(train: TrainingConfig) -> dict[str, bool]:
-    """The ``foreach`` / ``fused`` arguments ``training.adamw_impl`` names."""
-    return ADAMW_KERNELS[train.adamw_impl]
+def adamw_kernel(chosen: OptimizerConfig) -> dict[str, bool]:
+    """The ``foreach`` / ``fused`` arguments ``optimizer.adamw_impl`` names."""
+    return ADAMW_KERNELS[chosen.adamw_impl]
 
 
 def decay_rule(
-    train: TrainingConfig, family: Callable[[str, nn.Parameter], bool]
+    chosen: OptimizerConfig, family: Callable[[str, nn.Parameter], bool]
 ) -> Callable[[str, nn.Parameter], bool]:
     """Which parameters AdamW decays: the family's rule (``weight_decay_params = "matrices"``) or every one
     (``"all"``, torchtitan's)."""
-    return family if train.weight_decay_params == "matrices" else _every
+    return family if chosen.weight_decay_params == "matrices" else _every
 
 
 def _every(name: str, param: nn.Parameter) -> bool:
@@ -87,28 +87,28 @@ def muon_groups(
 def build_optimizer(
     wrapper: DataParallelWrapper, config: Config, names: Mapping[str, str], mesh: Mesh
 ) -> torch.optim.Optimizer | ZeroOptimizer:
-    """The one place the optimizer is chosen: ``training.optimizer``'s AdamW or Muon over the stage's
+    """The one place the optimizer is chosen: ``optimizer.name``'s AdamW or Muon over the stage's
     parameters (by model ``names``), wrapped to step ZeRO's (or bf16's) fp32 master rows."""
-    train, spec = config.training, spec_of(config.model)
+    chosen, spec = config.optimizer, spec_of(config.model)
     named = [(names[n], p) for n, p in wrapper.module.named_parameters()]
-    decays, kernel = decay_rule(train, spec.decays), adamw_kernel(train)
+    decays, kernel = decay_rule(chosen, spec.decays), adamw_kernel(chosen)
     inner: torch.optim.Optimizer
-    if train.optimizer == "muon":
+    if chosen.name == "muon":
         # Muon reads each stepped tensor's placement record (ZeRO's masters carry theirs) and gathers a
         # split matrix over the mesh axes the record names: see polyshard.dp.muon.
         inner = Muon(
-            muon_groups(named, train.weight_decay, decays, spec.orthogonalised),
+            muon_groups(named, chosen.weight_decay, decays, spec.orthogonalised),
             mesh=mesh,
-            lr=train.lr,
-            momentum=train.muon_momentum,
-            nesterov=train.muon_nesterov,
-            ns_steps=train.muon_ns_steps,
-            betas=(train.beta1, train.beta2),
+            lr=chosen.lr,
+            momentum=chosen.muon_momentum,
+            nesterov=chosen.muon_nesterov,
+            ns_steps=chosen.muon_ns_steps,
+            betas=(chosen.beta1, chosen.beta2),
             **kernel,
         )
     else:
-        groups = param_groups(named, train.weight_decay, decays)
-        inner = torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), **kernel)
+        groups = param_groups(named, chosen.weight_decay, decays)
+        inner = torch.optim.AdamW(groups, lr=chosen.lr, betas=(chosen.beta1, chosen.beta2), **kernel)
     if not keeps_masters(config):
         return inner  # gradients are full and averaged in place: a plain optimizer suffices
     return ZeroOptimizer(inner, wrapper)

@@ -6,7 +6,7 @@ import functools
 import math
 from collections.abc import Callable
 
-from polyshard.trainer.config import TrainingConfig
+from polyshard.trainer.config import Config
 
 
 def lr_at(
@@ -58,15 +58,17 @@ _DECAY: dict[str, Callable[[float], float]] = {
 }
 
 
-def schedule_of(train: TrainingConfig) -> Callable[[int], float]:
-    """``step -> learning rate`` as ``train`` sets it (steps counted from 0)."""
+def schedule_of(config: Config) -> Callable[[int], float]:
+    """``step -> learning rate`` as ``config`` sets it ([lr_schedule] from optimizer.lr over training.steps;
+    steps counted from 0)."""
+    schedule, steps = config.lr_schedule, config.training.steps
     return functools.partial(
         lr_at,
-        lr=train.lr,
-        min_lr=train.min_lr,
-        warmup_steps=train.warmup_steps,
-        total_steps=train.steps,
-        schedule=train.lr_schedule,
-        decay_steps=train.decay_steps,
-        decay_shape=train.decay_shape,
+        lr=config.optimizer.lr,
+        min_lr=schedule.min_lr,
+        warmup_steps=schedule.warmup_steps,
+        total_steps=steps,
+        schedule=schedule.name,
+        decay_steps=schedule.decay_steps(steps),
+        decay_shape=schedule.decay_shape,
     )

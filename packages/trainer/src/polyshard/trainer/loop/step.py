@@ -138,12 +138,12 @@ def train_step(
     ops.all_reduce(sums)
     grad_norm, loss = float(sums[0].sqrt()), float(sums[1]) / engine.replicas
     mtp_losses = tuple(float(v) / engine.replicas for v in sums[2:])
-    clip_to(grad_norm, engine.config.training.grad_clip, [g for g, _ in gradients], tied_copies)
+    clip_to(grad_norm, engine.config.optimizer.grad_clip, [g for g, _ in gradients], tied_copies)
     stepped = math.isfinite(loss) and math.isfinite(grad_norm)  # TrainStepResult.finite
     if stepped:
-        # training.idle_experts = "skip": experts no rank routed a token to come out of the step unchanged;
+        # optimizer.idle_experts = "skip": experts no rank routed a token to come out of the step unchanged;
         # "step" (the default): AdamW steps them with their zero gradient, as one stacked tensor.
-        skip_idle = engine.config.training.idle_experts == "skip"
+        skip_idle = engine.config.optimizer.idle_experts == "skip"
         with keep_idle_experts(engine) if skip_idle else contextlib.nullcontext():
             for optimizer in engine.optimizers:
                 optimizer.step()

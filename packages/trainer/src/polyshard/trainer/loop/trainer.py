@@ -199,7 +199,7 @@ class Trainer:
         self.utilisation = Utilisation(flops_per_token, self.tokens_per_step, dist.get_world_size(), peak)
         # The run's tokenizer is saved with every checkpoint, so the weights keep their meaning.
         self.assets = {TOKENIZER: self.tokenizer.path} if isinstance(self.tokenizer, FileTokenizer) else {}
-        self.learning_rate = schedule_of(train)  # of the step alone: a resumed run continues it exactly
+        self.learning_rate = schedule_of(config)  # of the step alone: a resumed run continues it exactly
         self.nonfinite = 0  # non-finite steps in a row
         self.saver = BackgroundSaver() if config.checkpoint.async_save else None  # collective: a group of its own
         self.hooks: list[Hook] = [
@@ -270,7 +270,8 @@ class Trainer:
         self.result.grad_norms.append(measured.grad_norm)
         self._call("after_update", step, measured)
         record, hooked = self._record(step, measured, lr, time.perf_counter() - started, generation)
-        if train.eval_every and (step % train.eval_every == 0 or step == train.steps):
+        every = self.config.eval.every
+        if every and (step % every == 0 or step == train.steps):
             record.update(self.evaluate())
         self._log(step, record, always=hooked)
         self._stop_if_nonfinite(step, measured)
@@ -321,9 +322,9 @@ class Trainer:
         return record, hooked
 
     def evaluate(self) -> dict[str, float]:
-        """The validation loss (and accuracy) over ``training.eval_batches`` batches (0: all of them)."""
+        """The validation loss (and accuracy) over ``eval.batches`` batches (0: all of them)."""
         config = self.config
-        parts = self.val_data.in_order(config.training.eval_batches or None)
+        parts = self.val_data.in_order(config.eval.batches or None)
         if self.rollouts is not None:
             return self.rollouts.evaluate(parts)
         if self.preferences is not None:
@@ -354,7 +355,8 @@ class Trainer:
             raise NonFiniteError(
                 f"step {step}: loss {measured.loss} and gradient norm {measured.grad_norm}, non-finite for "
                 f"{self.nonfinite} step(s) in a row; no rank updated in them and no checkpoint holds them. "
-                f"Lower training.lr (now {train.lr}) or warm up longer, then resume from the last checkpoint"
+                f"Lower optimizer.lr (now {self.config.optimizer.lr}) or warm up longer, then resume from the last "
+                "checkpoint"
             )
 
     def save(self, step: int) -> Path:
@@ -362,7 +364,7 @@ class Trainer:
         if not weights_finite(self.engine):  # finite gradients can still step weights to inf (lr=1e30)
             raise NonFiniteError(
                 f"step {step}: the weights hold NaN or infinite values; the checkpoint was not written "
-                f"and the earlier ones are kept. Lower training.lr (now {self.config.training.lr}) and resume"
+                f"and the earlier ones are kept. Lower optimizer.lr (now {self.config.optimizer.lr}) and resume"
             )
         extra: dict[str, Any] = {
             "data": self.train_data.state_dict(),
@@ -423,13 +425,14 @@ class Trainer:
         if train.compile:
             self.result.compiled = compiling.summary()
         generates = task_of(self.config.model).generates_text
-        if self.end == train.steps and generates and train.sample_tokens and self.rank0:
+        tokens = self.config.eval.sample_tokens
+        if self.end == train.steps and generates and tokens and self.rank0:
             # The final checkpoint was just written (save_checkpoint ends with a barrier): rebuild the
             # unsharded weights from it with the same placement-driven code `polyshard export` uses.
             latest = latest_checkpoint(self.out / "checkpoints")
             if latest is not None:
                 state = consolidate(latest)
-                self.result.sample = sample_text(self.config, state, train.sample_tokens, tokenizer=self.tokenizer)
+                self.result.sample = sample_text(self.config, state, tokens, tokenizer=self.tokenizer)
         if self.verbose:
             records = self.metrics.records()
             plot_losses(records, self.out / "loss.png")

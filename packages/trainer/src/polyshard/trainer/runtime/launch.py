@@ -27,6 +27,7 @@ from polyshard.models.settings import with_folder_settings
 from polyshard.trainer.checkpointing.hugging_face import PREFIX, HFSource, model_settings
 from polyshard.trainer.checkpointing.lora_base import recorded_folder_settings
 from polyshard.trainer.config import Config, apply_overrides, from_dict, read_toml
+from polyshard.trainer.config.legacy import moved
 from polyshard.trainer.engine.constraints import layout_notes, validate
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import faults
@@ -151,6 +152,7 @@ def prepare_launch(
     for line in dict.fromkeys(spellings):
         print(line, file=sys.stderr)
     if spellings:  # the run folder and its workers hold the new spelling
+        resolved.update(moved(resolved, None))
         resolved["model"] = dataclasses.asdict(sizes[low].model)
     if low != high and sizes[low].parallel.dp == sizes[high].parallel.dp:
         raise ConfigError(f"--nnodes={low}:{high} (elastic) needs parallel.dp='auto', so dp follows the nodes")
@@ -175,12 +177,13 @@ def _check_same_optimizer(config: Config, folder: Path) -> None:
     """A resumed run continues the optimizer state it saved: AdamW's moments are no Muon momentum.
     Read from the index alone (the files are verified when the workers open them)."""
     settings = read_index(folder).get("config")
-    training = settings.get("training") if isinstance(settings, dict) else None
-    saved = training.get("optimizer", "adamw") if isinstance(training, dict) else "adamw"
-    if saved != config.training.optimizer:
+    settings = moved(settings, None) if isinstance(settings, dict) else {}  # a checkpoint 0.4 wrote: training.optimizer
+    chosen = settings.get("optimizer")
+    saved = chosen.get("name", "adamw") if isinstance(chosen, dict) else "adamw"
+    if saved != config.optimizer.name:
         raise CheckpointError(
-            f"--resume: {folder} holds the optimizer state of training.optimizer={saved!r}, but this run "
-            f"sets {config.training.optimizer!r}; resume with --set training.optimizer={saved}"
+            f"--resume: {folder} holds the optimizer state of optimizer.name={saved!r}, but this run "
+            f"sets {config.optimizer.name!r}; resume with --set optimizer.name={saved}"
         )
 
 
