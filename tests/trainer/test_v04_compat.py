@@ -92,3 +92,25 @@ def test_a_0_4_run_folder_resumes_and_trains_as_0_4_did(run, tmp_path):
     today = [json.loads(line) for line in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines()][0]
     assert first["step"] == today["step"] == 1
     assert math.isclose(today["loss"], first["loss"], rel_tol=1e-5), (today["loss"], first["loss"])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("run", RUNS)
+def test_a_0_4_checkpoint_exports_as_transformers_reads_it(run, tmp_path):
+    """Both exports of a 0.4 checkpoint through the CLI: polyshard's file (loaded by polyshard.models.load)
+    and a Hugging Face folder (Llama 3.1's rotary scaling, DeepSeek's YaRN and MLA written from today's
+    [model.rope]) give the same logits. Tolerance 1e-5: float32 sums in transformers' order, not ours."""
+    import transformers
+
+    from polyshard.models import load
+
+    step = next((V04 / f"{run}-run" / "checkpoints").iterdir())
+    for fmt, out in (("polyshard", tmp_path / "model.safetensors"), ("hf", tmp_path / "hf")):
+        done = subprocess.run([sys.executable, "-m", "polyshard.cli.main", "export", str(step), str(out),
+                               "--format", fmt], capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = load(tmp_path / "model.safetensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
