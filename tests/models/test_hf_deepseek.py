@@ -43,11 +43,11 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 
 
-def _save(folder, model_type):
+def _save(folder, model_type, **extra):
     t = transformers
     if model_type == "deepseek_v3":
         config = t.DeepseekV3Config(
-            **SIZES, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=YARN
+            **SIZES, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, rope_parameters=YARN, **extra
         )
         model_class = t.DeepseekV3ForCausalLM
     else:
@@ -88,6 +88,16 @@ def test_import_scores_as_transformers_on_any_mesh(distributed, folders, corpus,
     if config.parallel.cp > 1:  # cp splits whole contexts: the rows of _tokens(), 12 tokens (a run may choose it)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, context_length=12))
     assert_imports_as_transformers(distributed, f"{family} {mesh}", config, folder, tmp_path, losses=False)
+
+
+def test_a_tied_head_imports_and_exports_as_transformers(distributed, corpus, tmp_path):
+    """tie_word_embeddings (DeepSeek's releases untie it; a smaller model may not): model.tie_embeddings, the
+    head read from the embedding, and an export that writes no lm_head, as transformers saves it."""
+    folder = _save(tmp_path / "tied", "deepseek_v3", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(folder / "model.safetensors")
+    config = _config(folder, corpus)
+    assert config.model.tie_embeddings
+    assert_imports_as_transformers(distributed, "deepseek_v3 tied", config, folder, tmp_path, losses=False)
 
 
 def test_the_settings_are_the_folders(folders, tmp_path):

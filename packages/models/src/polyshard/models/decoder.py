@@ -110,13 +110,13 @@ class DecoderConfig(ModelConfig):
 
     @property
     def rotary_dims(self) -> int:
-        """Dims of each head that rotary positions turn (the attention part says which)."""
-        return self.attention_head_dim
+        """Dims of each head that rotary positions turn; each attention part says which."""
+        raise NotImplementedError(f"{type(self).__name__} has no attention part (GroupedAttention, LatentAttention)")
 
     @property
     def rotary_dims_name(self) -> str:
         """The setting :attr:`rotary_dims` comes from, for messages."""
-        return "the head dim (model.head_dim, or hidden/num_heads)"
+        raise NotImplementedError(f"{type(self).__name__} has no attention part (GroupedAttention, LatentAttention)")
 
     @property
     def init_rule(self) -> str:
@@ -130,11 +130,6 @@ class DecoderConfig(ModelConfig):
     @property
     def prediction_depth(self) -> int:
         return self.mtp_depth
-
-    @property
-    def rope_or_none(self) -> RopeConfig | None:
-        """The rotary settings the layers take: ``rope`` with rotary positions, None with a position table."""
-        return self.rope if self.positions == "rope" else None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -193,6 +188,15 @@ class GroupedAttention(DecoderConfig):
     def attention_head_dim(self) -> int:
         """Dims per attention head: head_dim, or hidden / num_heads when unset."""
         return self.head_dim or self.hidden // self.num_heads
+
+    @property
+    def rotary_dims(self) -> int:
+        """Every dim of a head rotates."""
+        return self.attention_head_dim
+
+    @property
+    def rotary_dims_name(self) -> str:
+        return "the head dim (model.head_dim, or hidden/num_heads)"
 
     @property
     def qkv_biased(self) -> bool:
@@ -342,11 +346,6 @@ def decoder_config(model: ModelConfig) -> DecoderConfig:
 def grouped_attention(model: ModelConfig) -> GroupedAttention:
     """``model`` as a decoder with grouped-query attention (gpt, moe-gpt, gpt-oss)."""
     return _as(model, GroupedAttention, "grouped-query attention (model.kind='gpt', 'moe-gpt' or 'gpt-oss')")
-
-
-def latent_attention(model: ModelConfig) -> LatentAttention:
-    """``model`` as a decoder with multi-head latent attention (deepseek-v3)."""
-    return _as(model, LatentAttention, "multi-head latent attention (model.kind='deepseek-v3')")
 
 
 def moe_config(model: ModelConfig) -> Experts:
