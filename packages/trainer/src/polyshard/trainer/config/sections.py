@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyshard.mesh import divisors
 from polyshard.models.config import ModelConfig
 from polyshard.models.errors import ConfigError
 from polyshard.models.errors import check_at_least as _check_at_least
@@ -89,7 +88,6 @@ class ParallelConfig:
         for name in ("dp", "tp", "pp", "ep", "cp", "virtual_stages", "microbatches"):
             _check_positive(f"parallel.{name}", getattr(self, name))
         _check_choice("parallel.cp_style", self.cp_style, CP_STYLES)
-        self._check_cp_ulysses()
         _check_choice("parallel.schedule", self.schedule, SCHEDULES)
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # gloo and NCCL take it as a C++ duration
             raise ConfigError(
@@ -98,57 +96,14 @@ class ParallelConfig:
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage}; choose 0, 1, 2 or 3")
-        self._check_dp_shard()
+        if self.dp_shard is not None:
+            _check_positive("parallel.dp_shard", self.dp_shard)
+            if self.dp_shard == self.dp:  # sharding over all of dp: one spelling of it, None
+                object.__setattr__(self, "dp_shard", None)
         if self.stage_layers is not None and (
             not isinstance(self.stage_layers, list) or not all(isinstance(n, int) and n >= 1 for n in self.stage_layers)
         ):
             raise ConfigError(f"parallel.stage_layers={self.stage_layers!r} must be a list of layer counts >= 1")
-        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
-            raise ConfigError(
-                f"parallel.schedule={self.schedule!r} puts two stages on each pipeline rank (a V); "
-                f"set parallel.virtual_stages=2 (got {self.virtual_stages})"
-            )
-        if self.virtual_stages > 1 and self.schedule not in ("interleaved", *V_SCHEDULES):
-            raise ConfigError(
-                f"parallel.virtual_stages={self.virtual_stages} needs parallel.schedule='interleaved' "
-                f"(or 'zb-v' / 'dualpipev' with 2; got {self.schedule!r}); set virtual_stages=1 or switch the schedule"
-            )
-
-    def _check_cp_ulysses(self) -> None:
-        if self.cp_style != "ulysses+ring":
-            if self.cp_ulysses is not None:
-                raise ConfigError(
-                    f"parallel.cp_ulysses={self.cp_ulysses} applies to cp_style 'ulysses+ring' only (got "
-                    f"{self.cp_style!r}); remove cp_ulysses or set cp_style = 'ulysses+ring'"
-                )
-            return
-        inner = [d for d in divisors(self.cp) if 1 < d < self.cp]
-        if self.cp_ulysses is None or self.cp_ulysses not in inner:
-            fix = (
-                f"choose cp_ulysses in {inner}" if inner else "use cp_style 'ulysses' or 'ring' (cp has no such split)"
-            )
-            raise ConfigError(
-                f"parallel.cp_style='ulysses+ring' needs parallel.cp_ulysses, the all-to-all part of cp={self.cp}: a "
-                f"divisor of cp between 1 and cp (got {self.cp_ulysses}); {fix}"
-            )
-
-    def _check_dp_shard(self) -> None:
-        if self.dp_shard is None:
-            return
-        _check_positive("parallel.dp_shard", self.dp_shard)
-        if isinstance(self.dp, int) and self.dp % self.dp_shard:
-            raise ConfigError(
-                f"parallel.dp_shard={self.dp_shard} must divide parallel.dp={self.dp}; "
-                f"choose dp_shard in {divisors(self.dp)}"
-            )
-        if self.dp_shard == self.dp:  # sharding over all of dp: one spelling of it, None
-            object.__setattr__(self, "dp_shard", None)
-            return
-        if self.hybrid and self.zero_stage == 0:
-            raise ConfigError(
-                f"parallel.dp_shard={self.dp_shard} (hybrid sharding) needs parallel.zero_stage 1, 2 or 3: "
-                "at stage 0 nothing is sharded; set zero_stage or remove dp_shard"
-            )
 
     @property
     def hybrid(self) -> bool:

@@ -19,6 +19,7 @@ from polyshard.models.hf_adapters import hf_adapter_of
 from polyshard.tp import replicates_kv, valid_tp_sizes
 from polyshard.trainer import extras
 from polyshard.trainer.config import Config
+from polyshard.trainer.config.rules import check_sections
 from polyshard.trainer.engine.lora import check_lora
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.tasks import task_for, task_of
@@ -27,6 +28,7 @@ from polyshard.trainer.tasks import task_for, task_of
 def validate(config: Config, world_size: int | None = None) -> None:
     """Raise :class:`ConfigError` for the first constraint ``config`` breaks."""
     model, par, train = config.model, config.parallel, config.training
+    check_sections(config)  # the rules between settings that need no processes (also run by from_dict)
     check_model(model)  # the family's own constraints between [model] fields
     if world_size is not None and par.world_size != world_size:
         raise ConfigError(
