@@ -18,6 +18,9 @@ def check_sections(config: Config) -> None:
     _hybrid_sharding(config.parallel)
     _ulysses_ring(config.parallel)
     _learning_rate(config)
+    if config.training.stop_at > config.training.steps:
+        steps = config.training.steps
+        raise ConfigError(f"training.stop_at={config.training.stop_at} is past training.steps={steps}; give 1..steps")
 
 
 def _pipeline_schedule(par: ParallelConfig) -> None:

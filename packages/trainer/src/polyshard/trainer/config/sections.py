@@ -244,8 +244,6 @@ class TrainingConfig:
             _check_at_least(f"training.{name}", getattr(self, name), 0)
         if self.seed > MAX_SEED:  # torch seeds are 64-bit, and each layer's is seed x 1,000,003 + its index
             raise ConfigError(f"training.seed={self.seed} is past {MAX_SEED:,}; give a seed in 0..{MAX_SEED}")
-        if self.stop_at > self.steps:
-            raise ConfigError(f"training.stop_at={self.stop_at} is past training.steps={self.steps}; give 1..steps")
 
     @property
     def last_step(self) -> int:
