@@ -68,7 +68,7 @@ demo: setup
 	rm -rf runs/demo-tp4
 	$(BIN)/polyshard reshard runs/demo runs/demo-tp4/checkpoints --mesh tp=4,pp=2
 	$(BIN)/polyshard train $(DEMO_CONFIG) --out runs/demo-tp4 --resume --set parallel.dp=1 --set parallel.tp=4 \
-		--set training.steps=620 --set training.eval_every=20 --set training.sample_tokens=0
+		--set training.steps=620 --set eval.every=20 --set eval.sample_tokens=0
 
 TYPED := mesh collectives data checkpoint tp pp dp ep cp models trainer planner bench cli
 
