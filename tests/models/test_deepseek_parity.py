@@ -21,7 +21,7 @@ import pytest
 
 from polyshard.trainer.config import from_dict
 from tests._layouts import LONG, Tolerance, layout
-from tests._short import short_training
+from tests._short import short_run
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS
 
 # Gradients of the first step (reduced and clipped, as the optimizer reads them): float32 sums taken in
@@ -58,7 +58,7 @@ def _config(corpus, model, **parallel):
         {
             "model": MODELS[model],
             "parallel": parallel,
-            "training": short_training(STEPS, weight_decay=2.0),
+            **short_run(STEPS, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -17,7 +17,7 @@ from polyshard.models import build_model, parameter_count
 from polyshard.models.moe_gpt.model import MoEMLP
 from polyshard.trainer.config import from_dict
 from tests._layouts import trained_numbers
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 from tests.trainer.test_e2e_parity import DENSE_RTOL, STEPS
 
 MODEL = {
@@ -32,7 +32,7 @@ def _config(corpus, **parallel):
         {
             "model": MODEL,
             "parallel": parallel,
-            "training": short_training(STEPS, weight_decay=0.1),
+            **short_run(STEPS, weight_decay=0.1),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -6,7 +6,7 @@ import pytest
 from polyshard.models import ConfigError
 from polyshard.trainer.config import from_dict
 from tests._layouts import trained_numbers
-from tests._short import short_training
+from tests._short import short_run
 from tests.models.outside_family import KIND, register_outside_family
 
 STEPS = 4
@@ -18,7 +18,7 @@ def _raw(corpus, **parallel):
     return {
         "model": {"kind": KIND, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
         "parallel": parallel,
-        "training": short_training(STEPS),
+        **short_run(STEPS),
         "data": {"source": corpus},
         "logging": {"progress_bar": False},
     }

@@ -18,7 +18,7 @@ import pytest
 
 from polyshard.trainer.config import from_dict
 from tests._layouts import LONG, layout
-from tests._short import short_training
+from tests._short import short_run
 from tests.trainer.test_e2e_parity import STEPS, TOLERANCE
 
 ARCH = {"norm": "rms", "activation": "swiglu", "positions": "rope", "bias": False, "num_kv_heads": 2}
@@ -35,7 +35,7 @@ def _config(corpus, model, **parallel):
         {
             "model": {"hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **MODELS[model]},
             "parallel": parallel,
-            "training": short_training(STEPS, weight_decay=0.1),
+            **short_run(STEPS, weight_decay=0.1),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

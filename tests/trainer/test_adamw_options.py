@@ -12,7 +12,7 @@ from polyshard.models.spec import decays
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.optimizer import ADAMW_KERNELS, decay_rule, param_groups
 from tests._layouts import LAYOUTS, LONG, trained_numbers
-from tests._short import short_training
+from tests._short import short_run
 
 STEPS = 5
 # As the end-to-end parity tests: layouts differ from one process only in the order float32 sums are
@@ -37,8 +37,8 @@ def _config(corpus, impl, params, **parallel):
             "parallel": parallel,
             # A strong decay, so decaying the norms and embeddings too moves the losses well past RTOL.
             # 6 examples a step: 3 data ranks take 2 each.
-            "training": short_training(
-                STEPS, adamw_impl=impl, weight_decay_params=params, weight_decay=0.5, global_batch_size=6
+            **short_run(
+                STEPS, training={"global_batch_size": 6}, adamw_impl=impl, weight_decay_params=params, weight_decay=0.5
             ),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},

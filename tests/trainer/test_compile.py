@@ -14,7 +14,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
 from tests._layouts import LAYOUTS
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 
 STEPS = 4
 # Inductor fuses elementwise work and reorders float32 sums inside a block (its kernels against eager's):
@@ -33,7 +33,7 @@ def _config(corpus, kind="gpt", compiled=False, training=None, document_mask=Fal
         {
             "model": {"kind": kind, "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16, **LLAMA},
             "parallel": parallel,
-            "training": short_training(STEPS, compile=compiled, **(training or {})),
+            **short_run(STEPS, training={"compile": compiled, **(training or {})}),
             "data": {"source": corpus, "document_mask": document_mask},
             "logging": {"progress_bar": False},
         }

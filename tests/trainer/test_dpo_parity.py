@@ -17,7 +17,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Hook, Trainer
 from tests._layouts import LONG, Tolerance, _FirstGradients, compared_pieces, layout
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 
 STEPS = 4
 WORDS = "the king queen lord love death night day sweet fair".split()
@@ -56,7 +56,7 @@ def _config(pairs, llama=False, loss="sigmoid", lora=False, **parallel):
             },
             "parallel": parallel,
             # weight decay 2.0: a rank that missed it shows in the parameters (test_e2e_parity.py's PARAM_TOL)
-            "training": {**short_training(STEPS, weight_decay=2.0), "task": "dpo", "global_batch_size": 8},
+            **short_run(STEPS, training={"task": "dpo", "global_batch_size": 8}, weight_decay=2.0),
             "dpo": {"beta": 0.5, "loss": loss, **({"label_smoothing": 0.1} if loss == "sigmoid" else {})},
             "data": {"source": pairs},
             "logging": {"progress_bar": False},

@@ -20,7 +20,7 @@ from polyshard.trainer.loop import Trainer
 from polyshard.trainer.loop.reference_logps import FILE
 from tests._layouts import Tolerance, _FirstGradients, compared_pieces, layout
 from tests._pieces import parameter_pieces
-from tests._short import short_training
+from tests._short import short_run
 
 STEPS = 4
 WORDS = "the king queen lord love death night day sweet fair".split()
@@ -50,7 +50,7 @@ def _config(pairs, reference="precomputed", **parallel):
             "model": {"kind": "gpt", "hidden": 32, "num_layers": 2, "num_heads": 4, "context_length": 16},
             "parallel": parallel,
             # an evaluation at the end: the validation pairs' stored numbers count too (5 of 44, not a whole batch)
-            "training": {**short_training(STEPS, weight_decay=2.0, eval_every=STEPS), "task": "dpo"},
+            **short_run(STEPS, training={"task": "dpo"}, eval_every=STEPS, weight_decay=2.0),
             "dpo": {"beta": 0.5, "label_smoothing": 0.1, "reference": reference},
             "data": {"source": pairs, "val_fraction": 0.1},
             "logging": {"progress_bar": False},

@@ -84,7 +84,7 @@ def _config(source, tokenizer_folder, task="dpo", **data):
                 "steps": 2,
                 "global_batch_size": 4,
                 **({"task": task} if task else {}),
-            },  # fmt: skip,
+            },  # fmt: skip
             "eval": {
                 "every": 0,
                 "sample_tokens": 0,

@@ -72,15 +72,10 @@ def _ours(folder, train, val, out, parallel):
         {
             "model": model_settings(folder),
             "parallel": parallel,
-            "training": {
-                "task": "dpo", "steps": STEPS, "global_batch_size": PAIRS_PER_STEP, "lr": LR, "min_lr": LR,
-            },
-            "optimizer": {
-                "grad_clip": 1.0, "eval_every": 0, "sample_tokens": 0,
-            },
-            "lr_schedule": {
-                "name": "constant", "warmup_steps": 0, "weight_decay": 0.0, "beta2": 0.999,
-            },
+            "training": {"task": "dpo", "steps": STEPS, "global_batch_size": PAIRS_PER_STEP},
+            "optimizer": {"lr": LR, "weight_decay": 0.0, "beta2": 0.999, "grad_clip": 1.0},
+            "lr_schedule": {"name": "constant", "min_lr": LR, "warmup_steps": 0},
+            "eval": {"every": 0, "sample_tokens": 0},
             "dpo": {"beta": BETA},
             "data": {"source": str(train), "val_source": str(val), "shuffle": False},
             "logging": {"progress_bar": False},

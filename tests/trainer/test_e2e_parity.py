@@ -17,7 +17,7 @@ from polyshard.mesh import Mesh
 from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import train
 from tests._layouts import LAYOUTS, LONG, Tolerance, layout, trained_numbers, without
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 
 STEPS = 6
 # Dense layouts differ from one process only in the order float32 sums are taken
@@ -60,7 +60,7 @@ def _config(corpus, kind="gpt", aux_loss_weight=0.01, tie_embeddings=False, llam
             },
             "parallel": parallel,
             # weight decay 2.0: a step that missed it on one rank shows in the parameters (see PARAM_TOL)
-            "training": short_training(STEPS, weight_decay=2.0),
+            **short_run(STEPS, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

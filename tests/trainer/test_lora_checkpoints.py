@@ -25,7 +25,7 @@ from polyshard.trainer.checkpointing.records import plan_ranks
 from polyshard.trainer.checkpointing.run_export import consolidate, saved_config
 from polyshard.trainer.checkpointing.run_reshard import reshard, target_config
 from polyshard.trainer.config import from_dict
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 from tests.models.test_hf_llama import _save_llama
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def _config(corpus, folder=None, steps=STEPS, hf_every=0, **parallel):
             "model": model_settings(folder) if folder else small,
             "parallel": parallel,
             # lr 1e-2 and weight decay: the adapters and their moments move visibly in two steps
-            "training": short_training(steps, lr=1e-2, weight_decay=2.0),
+            **short_run(steps, lr=1e-2, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
             "checkpoint": {"hf_every": hf_every},

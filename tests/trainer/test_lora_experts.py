@@ -12,7 +12,7 @@ from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter, is_expert_adapter
 from polyshard.trainer.config import from_dict
 from tests._layouts import LONG, assemble, layout
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 from tests.trainer.test_lora_parity import STEPS, TOLERANCE
 
 EXPERTS, BLOCKS = 4, 2
@@ -27,7 +27,7 @@ def _config(corpus, **parallel):
             "model": {"hidden": 32, "num_layers": BLOCKS, "num_heads": 4, "context_length": 16, **SMALL_LLAMA}
             | {"kind": "moe-gpt", "qk_norm": True, "moe": moe},
             "parallel": parallel,
-            "training": short_training(STEPS, lr=1e-2, weight_decay=2.0),  # as test_lora_parity, for its reasons
+            **short_run(STEPS, lr=1e-2, weight_decay=2.0),  # as test_lora_parity, for its reasons
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
             "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear", "experts": True},

@@ -19,7 +19,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from tests._layouts import LONG
 from tests._pieces import assemble
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 from tests.trainer.test_lora_parity import TOLERANCE
 
 STEPS = 4
@@ -31,7 +31,7 @@ def _config(corpus, frozen_dtype=None, **parallel):
         {
             "model": {**model, "frozen_dtype": frozen_dtype},
             "parallel": parallel,
-            "training": short_training(STEPS, lr=1e-2, weight_decay=2.0),
+            **short_run(STEPS, lr=1e-2, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
             "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear"},

@@ -17,7 +17,7 @@ from polyshard.models import build_model
 from polyshard.models.common.lora import is_adapter
 from polyshard.trainer.config import from_dict
 from tests._layouts import LONG, Tolerance, assemble, layout
-from tests._short import SMALL_LLAMA, short_training
+from tests._short import SMALL_LLAMA, short_run
 from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
 STEPS = 4
@@ -36,7 +36,7 @@ def _config(corpus, experts=False, **parallel):
             "parallel": parallel,
             # lr 1e-2: adapters start at B = 0 and must move visibly in a few steps; weight decay 2.0: a
             # rank that missed the decay of its adapter shard shows (see test_e2e_parity's PARAM_TOL)
-            "training": short_training(STEPS, lr=1e-2, weight_decay=2.0),
+            **short_run(STEPS, lr=1e-2, weight_decay=2.0),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
             "lora": {"rank": 4, "alpha": 8.0, "targets": "all-linear"},

@@ -13,7 +13,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.engine.constraints import validate
 from polyshard.trainer.errors import ConfigError
 from tests._layouts import LONG, Tolerance, layout
-from tests._short import short_training
+from tests._short import short_run
 from tests.trainer.test_e2e_parity import GRAD_TOL, PARAM_TOL
 
 STEPS = 4
@@ -42,7 +42,7 @@ def _config(corpus, chunks, tie=False, **parallel):
                 "tie_embeddings": tie,
             },  # fmt: skip
             "parallel": parallel,
-            "training": short_training(STEPS, loss_chunks=chunks),
+            **short_run(STEPS, training={"loss_chunks": chunks}),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -21,7 +21,7 @@ from polyshard.mesh import Mesh
 from polyshard.models.common.moe import MoELayer
 from polyshard.trainer.config import from_dict
 from tests._layouts import LAYOUTS
-from tests._short import short_training
+from tests._short import short_run
 from tests.trainer.test_e2e_parity import _stop_and_resume
 
 STEPS = 6
@@ -66,7 +66,7 @@ def _config(corpus, rule, capacity_factor=None, **parallel):
                 **model,
             },
             "parallel": parallel,
-            "training": short_training(STEPS),
+            **short_run(STEPS),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -20,7 +20,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.loop import Trainer
 from polyshard.trainer.loop.reference_start import REFERENCE_KEY
 from tests._pieces import parameter_pieces
-from tests._short import short_training
+from tests._short import short_run
 from tests.trainer.test_dpo_parity import pairs  # noqa: F401  (the fixture)
 
 STEPS = 4
@@ -32,7 +32,7 @@ def _dpo(source, **parallel):
         {
             "model": MODEL,
             "parallel": parallel,
-            "training": {**short_training(STEPS, weight_decay=2.0), "task": "dpo", "global_batch_size": 8},
+            **short_run(STEPS, training={"task": "dpo", "global_batch_size": 8}, weight_decay=2.0),
             "dpo": {"beta": 0.5},
             "data": {"source": source},
             "checkpoint": {"every": 2},
@@ -46,7 +46,7 @@ def _grpo(prompts, **parallel):
         {
             "model": MODEL,
             "parallel": parallel,
-            "training": {**short_training(STEPS), "task": "grpo", "global_batch_size": 2},
+            **short_run(STEPS, training={"task": "grpo", "global_batch_size": 2}),
             "grpo": {
                 "generations": 2,
                 "max_completion_length": 4,

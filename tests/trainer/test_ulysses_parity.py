@@ -16,7 +16,7 @@ from polyshard.trainer.config import from_dict
 from polyshard.trainer.errors import ConfigError
 from polyshard.trainer.loop import train
 from tests._layouts import LAYOUTS, LONG, layout
-from tests._short import short_training
+from tests._short import short_run
 
 STEPS = 4
 # Layouts differ from one process in the order float32 sums are taken (all-reduces of gradients over
@@ -40,7 +40,7 @@ def _config(corpus, model, **parallel):
         {
             "model": {"num_layers": 2, "context_length": 24, **MODELS[model]},
             "parallel": parallel,
-            "training": short_training(STEPS, weight_decay=0.1),
+            **short_run(STEPS, weight_decay=0.1),
             "data": {"source": corpus},
             "logging": {"progress_bar": False},
         }

@@ -33,7 +33,7 @@ def _config(corpus, stop_at=0, **logging):
                 "steps": 4,
                 "global_batch_size": 8,
                 "stop_at": stop_at,
-            },  # fmt: skip,
+            },  # fmt: skip
             "eval": {
                 "every": 2,
                 "batches": 1,
