@@ -89,6 +89,8 @@ def test_defaults_are_valid():
         ({"model": {"moe": {"top_k": 2}}}, "model.moe is not a setting of model.kind='gpt'"),
         ({"model": {"router": "sigmoid"}}, "model.router is not a setting of model.kind='gpt'"),
         ({"model": {"kind": "moe-gpt", "top_k": 2, "moe": {"top_k": 1}}}, "are one setting; keep model.moe.top_k"),
+        # The old key first, then the new one as a dotted key: still one setting twice, not the old one winning.
+        ({"model": {"kind": "moe-gpt", "top_k": 2, "moe.top_k": 1}}, "are one setting; keep model.moe.top_k"),
     ],
 )
 def test_bad_fields(raw, message):

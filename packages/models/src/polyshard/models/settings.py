@@ -120,7 +120,7 @@ def field_type(values: Mapping[str, Any], path: str) -> str | None:
         return None
     *tables, key = path.split(".")
     for table in tables:
-        if table not in TABLES or table not in cls.field_names():  # type: ignore[attr-defined]
+        if table not in TABLES or table not in {f.name for f in dataclasses.fields(cls)}:
             return None
         cls = TABLES[table]
     return declared_type(cls, key)
@@ -199,8 +199,6 @@ def _translated(
             out[key] = value
         elif key in LEGACY_KEYS and LEGACY_KEYS[key][0] in fields:
             table, new = LEGACY_KEYS[key]
-            if new in tables.get(table, {}):
-                raise ConfigError(f"model.{key} and model.{table}.{new} are one setting; keep model.{table}.{new}")
             legacy.setdefault(table, {})[new] = value
             if note is not None and not saved:
                 note(f"note: model.{key} is now model.{table}.{new} (read as such)")
@@ -212,6 +210,10 @@ def _translated(
         family = family_default(SPECS[kind].config, "rope")
         legacy["rope"] = legacy_rope(legacy["rope"], tables.get("rope", {}), family)
     for table, moved in legacy.items():
+        both = sorted(set(moved) & set(tables.get(table, {})))  # the new spelling given too, in any order
+        if both:
+            old = next(k for k, (t, new) in LEGACY_KEYS.items() if t == table and new == both[0])
+            raise ConfigError(f"model.{old} and model.{table}.{both[0]} are one setting; keep model.{table}.{both[0]}")
         tables[table] = {**tables.get(table, {}), **moved}
     return {**out, **{name: table for name, table in tables.items() if table}}
 
