@@ -62,8 +62,8 @@ def plan_command(
     profile_name: str | None = typer.Option(
         None,
         "--profile",
-        help="h100-nvlink-ib, h200-nvlink-ib, a100-nvlink-ib or a profile file (default: this "
-        "machine's, from --calibrate).",
+        help="h100-nvlink-ib, h100-96gb-nvlink-ib, h200-nvlink-ib, a100-nvlink-ib or a profile file (default: "
+        "this machine's, from --calibrate).",
     ),
     top: int = typer.Option(10, "--top", min=1, help="Layouts to print."),
     json_path: Path | None = typer.Option(None, "--json", help="Also write the estimates to this JSON file."),

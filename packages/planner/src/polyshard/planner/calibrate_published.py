@@ -19,9 +19,10 @@ from collections.abc import Callable
 from polyshard.planner.profile import BUILTIN, PEAK_TFLOPS, Profile
 from polyshard.planner.published import PublishedRun, load_runs, predict
 
-BOUNDS = {"h100": (0.5, 0.8), "a100": (0.5, 0.9)}
+BOUNDS = {"h100": (0.5, 0.8), "h100-96gb": (0.5, 0.8), "a100": (0.5, 0.9)}
 """Fractions of the dense bf16 peak a large bf16 GEMM reaches (cuBLAS: about 750-800 of H100 SXM's 989
-TFLOP/s, 270-280 of A100's 312): a fit outside them would hide another cost in the matmul rate."""
+TFLOP/s, 270-280 of A100's 312): a fit outside them would hide another cost in the matmul rate. The 500 W
+H100 of h100-96gb has the same upper bound (its own peak is lower, not higher)."""
 
 
 def with_matmul_fraction(profile: Profile, gpu: str, fraction: float) -> Profile:

@@ -180,8 +180,12 @@ def _gpu(
 # 141 GB HBM3e at 4.8 TB/s; both NVLink 4 at 900 GB/s per GPU (450 each way) in 8-GPU HGX nodes with one
 # ConnectX-7 NDR InfiniBand port per GPU (400 Gb/s = 50 GB/s each way). A100 SXM 80GB: 312 TFLOP/s BF16,
 # HBM2e at 2.04 TB/s, NVLink 3 at 600 GB/s (300 each way), one HDR port per GPU (200 Gb/s = 25 GB/s).
-PEAK_TFLOPS = {"h100": 989.0, "a100": 312.0}
-MATMUL_FRACTION = {"h100": 0.799, "a100": 0.693}
+# h100-96gb is the H100 of Meta's Grand Teton hosts that torchtitan's published benchmarks ran on
+# (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): 96 GB HBM2e at 2.4 TB/s, capped at 500 W, the
+# same NVLink and 400 Gb/s a GPU; its dense peak is "between SXM and NVL" (835-989), not published, so its
+# fraction is of the SXM's 989, as torchtitan's own MFU figure is, and the fit absorbs the lower clock.
+PEAK_TFLOPS = {"h100": 989.0, "h100-96gb": 989.0, "a100": 312.0}
+MATMUL_FRACTION = {"h100": 0.799, "h100-96gb": 0.501, "a100": 0.693}
 """Share of the dense BF16 peak the planner's matmuls run at: fitted on the ``fit`` rows of the published runs
 (``python -m polyshard.planner.calibrate_published``, 2026-12-07); H200 takes H100's (the same chip)."""
 BUILTIN: dict[str, Profile] = {
@@ -190,6 +194,10 @@ BUILTIN: dict[str, Profile] = {
     ),
     "h200-nvlink-ib": Profile(
         name="h200-nvlink-ib", **_gpu(PEAK_TFLOPS["h100"], 4800.0, 141.0, 450.0, 50.0, MATMUL_FRACTION["h100"])
+    ),
+    "h100-96gb-nvlink-ib": Profile(
+        name="h100-96gb-nvlink-ib",
+        **_gpu(PEAK_TFLOPS["h100-96gb"], 2400.0, 96.0, 450.0, 50.0, MATMUL_FRACTION["h100-96gb"]),
     ),
     "a100-nvlink-ib": Profile(
         name="a100-nvlink-ib", **_gpu(PEAK_TFLOPS["a100"], 2039.0, 80.0, 300.0, 25.0, MATMUL_FRACTION["a100"])

@@ -29,7 +29,6 @@ ROLES = ("fit", "check", "unmodeled")
 """fit: the profile constants are fitted on it; check: held out; unmodeled: listed, not predicted (Float8)."""
 CONVENTIONS = ("megatron", "palm")
 DEVICES_PER_NODE = 8
-MEMORY_GB = 80.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +39,7 @@ class PublishedRun:
     model: str | dict[str, Any]
     """A preset name, or a [model] section (with ``preset`` for a preset resized)."""
     gpu: str
-    """h100 or a100: the built-in profile ``<gpu>-nvlink-ib``."""
+    """h100, h100-96gb or a100: the built-in profile ``<gpu>-nvlink-ib`` (its memory is the run's budget)."""
     gpus: int
     layout: dict[str, Any]
     """Fields of the config's ``parallel`` section, as the paper ran them."""
@@ -127,25 +126,31 @@ def load_runs(path: Path = TABLE) -> list[PublishedRun]:
         if run.convention == "megatron" and not (isinstance(run.model, dict) and "vocab_size" in run.model):
             raise ConfigError(f"{where}: the megatron convention counts the vocabulary: give model.vocab_size")
         if f"{run.gpu}-nvlink-ib" not in BUILTIN:
-            raise ConfigError(f"{where}: gpu {run.gpu!r} has no built-in profile; choose h100 or a100")
+            raise ConfigError(f"{where}: gpu {run.gpu!r} has no built-in profile; choose h100, h100-96gb or a100")
         runs.append(run)
     return runs
 
 
 def predict(run: PublishedRun, profile: Profile | None = None) -> Candidate:
     """The planner's best candidate for ``run`` with its layout fixed (the one `polyshard plan` prints first)."""
-    request = Request(devices=run.gpus, devices_per_node=DEVICES_PER_NODE, memory_gb=MEMORY_GB, fixed=run.fixed())
-    plan = search(run.config(), request, profile or run.profile())
+    profile = profile or run.profile()
+    request = Request(
+        devices=run.gpus, devices_per_node=DEVICES_PER_NODE, memory_gb=profile.memory_gb, fixed=run.fixed()
+    )
+    plan = search(run.config(), request, profile)
     if not plan.ranked:
-        raise ConfigError(f"{run.name}: the published layout does not fit {MEMORY_GB:g} GB in the planner's count")
+        raise ConfigError(
+            f"{run.name}: the published layout does not fit {profile.memory_gb:g} GB in the planner's count"
+        )
     return plan.ranked[0]
 
 
 def auto_choice(run: PublishedRun, profile: Profile | None = None) -> Candidate:
     """What ``--layout auto`` picks for ``run``'s model, batch and GPUs with no axis fixed (its recompute is
     the planner's choice too): the fastest predicted layout that fits."""
-    request = Request(devices=run.gpus, devices_per_node=DEVICES_PER_NODE, memory_gb=MEMORY_GB)
-    plan = search(run.config(), request, profile or run.profile())
+    profile = profile or run.profile()
+    request = Request(devices=run.gpus, devices_per_node=DEVICES_PER_NODE, memory_gb=profile.memory_gb)
+    plan = search(run.config(), request, profile)
     if not plan.ranked:
-        raise ConfigError(f"{run.name}: no layout fits {MEMORY_GB:g} GB in the planner's count")
+        raise ConfigError(f"{run.name}: no layout fits {profile.memory_gb:g} GB in the planner's count")
     return plan.ranked[0]
