@@ -15,8 +15,9 @@ in a forward + backward, from the byte ledger, the most of any rank), ``<style>_
 the formulas of :func:`expected_bytes`) and ``<style>_peak`` (peak device memory of the call on CUDA,
 bytes; None on CPU). The 2-D scheme all-to-alls over the largest group the heads allow below cp.
 
-Expect the ratios to exceed 1/cp: our block kernel is plain float32 matmul + softmax (see
-:mod:`polyshard.cp.blocks`), not a fused kernel, and the group pays for its communication.
+Expect the ratios to exceed 1/cp: the group pays for its communication, the ranks share the machine's
+cores, and on a GPU our blocks run the plain float32 kernel (:mod:`polyshard.cp.blocks`; on a CPU an
+unmasked block runs ATen's fused one).
 """
 
 from __future__ import annotations

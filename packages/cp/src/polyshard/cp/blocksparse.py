@@ -82,12 +82,20 @@ class Visibility(NamedTuple):
     key_start: int = 0
 
     def blocks(self, plan: BlockPlan, queries: int, keys: int, device: torch.device) -> Any:
-        """(rows, cols, hidden or None) of each planned pair, hidden (:func:`block_hidden`) for partial ones."""
+        """(rows, cols, hidden or None, diagonal) of each planned pair: hidden (:func:`block_hidden`) for a
+        partial one, except the causal triangle alone (a causal mask's square block on the diagonal, no
+        window or documents), which is ``diagonal`` with no mask, as :func:`~polyshard.cp.blocks.block_forward`
+        takes it."""
         size = plan.block
+        plain_causal = self.causal and self.window is None and self.segments is None
         for i, j, partial in plan.pairs:
             rows = slice(i * size, min((i + 1) * size, queries))
             cols = slice(j * size, min((j + 1) * size, keys))
-            yield rows, cols, block_hidden(self, rows, cols, device) if partial else None
+            square = rows.stop - rows.start == cols.stop - cols.start
+            if partial and plain_causal and square and self.query_start + rows.start == self.key_start + cols.start:
+                yield rows, cols, None, True
+            else:
+                yield rows, cols, block_hidden(self, rows, cols, device) if partial else None, False
 
 
 def _first_and_last(start: int, length: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +174,9 @@ class BlockSparseAttention(torch.autograd.Function):
         k32, v32 = grouped_kv(k.float()), grouped_kv(v.float())  # (B, K, 1, S, D), (B, K, 1, S, E)
         out = q32.new_zeros(q32.shape[:-1] + (v.shape[-1],))  # (B, K, G, S, E) float32
         lse = q32.new_full(q32.shape[:-1], float("-inf"))  # (B, K, G, S) float32
-        for rows, cols, hidden in mask.blocks(plan, q.shape[2], k.shape[2], q.device):
+        for rows, cols, hidden, diagonal in mask.blocks(plan, q.shape[2], k.shape[2], q.device):
             block_out, block_lse = block_forward(
-                q32[..., rows, :], k32[..., cols, :], v32[..., cols, :], scale, False, hidden
+                q32[..., rows, :], k32[..., cols, :], v32[..., cols, :], scale, diagonal, hidden
             )
             merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse, masked=hidden is not None)
         if sinks is not None:
@@ -187,7 +195,7 @@ class BlockSparseAttention(torch.autograd.Function):
         dout32 = grouped_query(dout.float(), kv_heads)  # (B, K, G, S, E)
         delta = (dout32 * out).sum(dim=-1)  # rowsum(dO * O): (B, K, G, S)
         dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(k32), torch.zeros_like(v32)
-        for rows, cols, hidden in ctx.mask.blocks(ctx.plan, q.shape[2], k.shape[2], q.device):
+        for rows, cols, hidden, diagonal in ctx.mask.blocks(ctx.plan, q.shape[2], k.shape[2], q.device):
             dq_b, dk_b, dv_b = block_backward(
                 q32[..., rows, :],
                 k32[..., cols, :],
@@ -196,8 +204,9 @@ class BlockSparseAttention(torch.autograd.Function):
                 lse[..., rows],
                 delta[..., rows],
                 ctx.scale,
-                False,
+                diagonal,
                 hidden,
+                out[..., rows, :],
             )
             dq[..., rows, :] += dq_b
             dk[..., cols, :] += dk_b
