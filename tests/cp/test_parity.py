@@ -1,5 +1,5 @@
 """Ring and all-gather attention against ``F.scaled_dot_product_attention`` on the full sequence on
-one process: outputs and dQ/dK/dV, gathered back into sequence order, for cp = 2 and 4."""
+one process: outputs and dQ/dK/dV, gathered back into sequence order, for cp = 2, 3 and 4."""
 
 import pytest
 import torch
@@ -61,9 +61,10 @@ def _assert_all_close(results, rtol=RTOL, atol=ATOL):
 
 @pytest.mark.parametrize("style", ["ring", "allgather"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, 3, 4])
 def test_matches_sdpa_with_gqa(distributed, cp, causal, style):
-    # 4 query heads share 2 key/value heads; B=1, D=8, S = 2 * cp * 3.
+    # 4 query heads share 2 key/value heads; B=1, D=8, S = 2 * cp * 3 (cp 3: an odd ring, chunk pairs
+    # that skip the diagonal on some steps and not others).
     _assert_all_close(distributed.run(cp, _parity, causal, style))
 
 
