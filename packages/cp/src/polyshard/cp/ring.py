@@ -232,7 +232,8 @@ def ring_attention(
     of a sequence sharded by :func:`~polyshard.cp.sharding.shard_sequence`: (B, N, S, E). ``segments``
     (B, S): the local tokens' documents, sharded alike; attention then stays inside each document.
     ``window``: each query sees its last ``window`` tokens only; ``sinks`` (N,): per-head sink logits.
-    ``block``: tokens a side of the key/value blocks each chunk pair is walked in (the last may be shorter)."""
+    ``block``: tokens a side of the key/value blocks each chunk pair is walked in (the last may be shorter);
+    with no documents or window on a CPU, where every block runs the fused kernel, a chunk pair is one block."""
     return RingAttention.apply(q, k, v, group, causal, scale, segments, window, sinks, block)  # type: ignore[no-untyped-call,no-any-return]
 
 
